@@ -1,0 +1,286 @@
+"""Batch export: explain every image of files, folders and globs, and write overlays and a manifest."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from tqdm import tqdm
+
+from . import render
+from .errors import ImageLoadError, LayerError, TargetError, first_line
+from .image_io import input_size, load_image, save_array, save_image, to_tensor, write_atomically
+from .layers import LayerSpec
+from .methods import GradCAM
+from .models import ModelSpec
+
+IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"})
+MANIFEST = "manifest.jsonl"
+
+
+@dataclass(frozen=True, eq=False)
+class Input:
+    """One input as the user named it: a file to explain, or the reason there is none."""
+
+    name: str
+    path: Path | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What to explain and what to write for each image."""
+
+    layer: LayerSpec = None
+    target: int | str | None = None
+    topk: int | None = None
+    batch_size: int = 16
+    alpha: float = 0.5
+    colormap: str = "jet"
+    fmt: str = "png"
+    save_raw: bool = False
+    figure: bool = False
+    keep_aspect: bool = False
+
+
+def collect_inputs(sources: Sequence[str | Path], exclude: Path | None = None) -> list[Input]:
+    """Expand files, folders (recursively, image files only) and glob patterns, in order.
+
+    Args:
+        sources: Paths and patterns as the user gave them.
+        exclude: A folder whose files are skipped when scanning folders (the output folder).
+
+    Returns:
+        One :class:`Input` per file found, without duplicates, and one carrying an
+        error per source that yields nothing.
+    """
+    skip = exclude.resolve() if exclude is not None else None
+    found: list[Input] = []
+    seen: set[Path] = set()
+
+    def add(path: Path) -> None:
+        if path.resolve() not in seen:
+            seen.add(path.resolve())
+            found.append(Input(str(path), path))
+
+    def scan(folder: Path) -> int:
+        files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+        kept = [p for p in files if skip is None or not p.resolve().is_relative_to(skip)]
+        for path in kept:
+            add(path)
+        return len(kept)
+
+    for source in map(str, sources):
+        path = Path(source)
+        if path.is_dir():
+            if not scan(path):
+                found.append(Input(source, error=f"{source}: no image files in this folder"))
+        elif path.exists():
+            add(path)
+        elif any(char in source for char in "*?["):
+            matches = [Path(m) for m in sorted(glob.glob(source, recursive=True))]
+            for match in matches:
+                if match.is_dir():
+                    scan(match)
+                else:
+                    add(match)
+            if not matches:
+                found.append(Input(source, error=f"{source}: no files match"))
+        else:
+            found.append(Input(source, error=f"{source}: no such file or directory"))
+    return found
+
+
+def output_bases(paths: Sequence[Path], out_dir: Path, files_for: Callable[[Path], list[Path]]) -> list[Path]:
+    """Choose where each input's outputs go: its path relative to the inputs' common
+    folder, under ``out_dir``, without its extension.
+
+    A ``-2``, ``-3``... suffix keeps bases apart when two inputs would share one
+    (``a.jpg`` and ``a.png``) and keeps any output from landing on an input file.
+
+    Args:
+        paths: The input files.
+        out_dir: The output folder.
+        files_for: The files written for a base path.
+    """
+    if not paths:
+        return []
+    resolved = [p.resolve() for p in paths]
+    root = Path(os.path.commonpath([r.parent for r in resolved]))
+    taken = set(resolved)
+    bases = []
+    for path in resolved:
+        stem = path.relative_to(root).with_suffix("")
+        base, number = out_dir / stem, 1
+        while any(f.resolve() in taken for f in files_for(base)):
+            number += 1
+            base = out_dir / stem.parent / f"{stem.name}-{number}"
+        taken.update(f.resolve() for f in files_for(base))
+        bases.append(base)
+    return bases
+
+
+def _batches(items: Sequence[Input], size: int) -> Iterator[Sequence[Input]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+class _Exporter:
+    """Runs one export: loads, explains and writes, one batch at a time."""
+
+    def __init__(self, spec: ModelSpec, out_dir: Path, options: ExportOptions, device: torch.device) -> None:
+        self.spec = spec
+        self.out_dir = out_dir
+        self.options = options
+        self.device = device
+        self.cam = GradCAM(spec.model, options.layer, labels=spec.labels)
+        count = options.topk or 1
+        self.tags = [f".{self.cam.name}" + (f".top{k + 1}" if options.topk else "") for k in range(count)]
+
+    def files_for(self, base: Path) -> list[Path]:
+        o = self.options
+        files = [base.with_name(base.name + tag + f".{o.fmt}") for tag in self.tags]
+        if o.figure:
+            files += [base.with_name(base.name + tag + ".figure.png") for tag in self.tags]
+        if o.save_raw:
+            files.append(base.with_name(f"{base.name}.{self.cam.name}.npy"))
+        return files
+
+    def record(self, item: Input, error: str | None = None, **fields: Any) -> dict[str, Any]:
+        many = self.options.topk is not None
+        return {
+            "input": item.name,
+            "outputs" if many else "output": fields.get("outputs"),
+            "class_index": fields.get("class_index"),
+            "class_name": fields.get("class_name"),
+            "score": fields.get("score"),
+            "layer": self.cam.layer,
+            "method": self.cam.name,
+            "model": self.spec.name,
+            **({"raw": fields.get("raw")} if self.options.save_raw else {}),
+            **({"figure": fields.get("figure")} if self.options.figure else {}),
+            "error": error,
+        }
+
+    def explain(self, group: Sequence[tuple[Input, Image.Image, torch.Tensor, Path]]) -> list[dict[str, Any]]:
+        """Explain images of one input size together and write their outputs."""
+        o = self.options
+        x = torch.stack([tensor for _, _, tensor, _ in group]).to(self.device)
+        result = self.cam(x, o.target, topk=o.topk, resize=False)
+
+        def per_target(t: torch.Tensor) -> torch.Tensor:  # (N, K, ...) whether or not topk is set
+            return (t if o.topk else t[:, None]).cpu()
+
+        cams, raws = per_target(result.cams), per_target(result.raw)
+        indices, probs = per_target(result.class_indices).tolist(), per_target(result.probabilities).tolist()
+        records = []
+        for i, (item, image, _, base) in enumerate(group):
+            names = [self.spec.labels[c] for c in indices[i]]
+            outputs = [base.with_name(base.name + tag + f".{o.fmt}") for tag in self.tags]
+            for k, path in enumerate(outputs):
+                save_image(render.overlay(image, cams[i, k], o.alpha, o.colormap), path)
+            figures = [base.with_name(base.name + tag + ".figure.png") for tag in self.tags] if o.figure else []
+            for k, path in enumerate(figures):
+                title = f"{names[k]} ({probs[i][k]:.1%}), {self.cam.name} at {result.layer}"
+                save_image(render.figure(image, cams[i, k], title, o.alpha, o.colormap), path)
+            raw = base.with_name(f"{base.name}.{self.cam.name}.npy")
+            if o.save_raw:
+                save_array(raws[i].numpy() if o.topk else raws[i, 0].numpy(), raw)
+
+            def one(values: list[Any]) -> Any:
+                return values if o.topk else values[0]
+
+            records.append(
+                self.record(
+                    item,
+                    outputs=one([str(p) for p in outputs]),
+                    class_index=one(indices[i]),
+                    class_name=one(names),
+                    score=one([round(p, 6) for p in probs[i]]),
+                    raw=str(raw) if o.save_raw else None,
+                    figure=one([str(p) for p in figures]) if o.figure else None,
+                )
+            )
+        return records
+
+    def explain_robustly(self, group: Sequence[tuple[Input, Image.Image, torch.Tensor, Path]]) -> list[dict[str, Any]]:
+        """Explain a group; if it fails, explain its images one by one so one bad image costs only itself."""
+        try:
+            return self.explain(group)
+        except (LayerError, TargetError):
+            raise
+        except (RuntimeError, OSError) as err:
+            if len(group) == 1:
+                return [self.record(group[0][0], f"{group[0][0].name}: {first_line(err)}")]
+        return [record for member in group for record in self.explain_robustly([member])]
+
+
+def export_heatmaps(
+    spec: ModelSpec,
+    sources: Sequence[str | Path],
+    out_dir: str | Path,
+    options: ExportOptions = ExportOptions(),
+    device: str | torch.device = "cpu",
+    progress: bool = False,
+    report: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Explain every image found in ``sources`` and write overlays plus ``out_dir/manifest.jsonl``.
+
+    Inputs that cannot be read get a manifest entry with their ``error`` and are
+    reported; every other input is still written. Each file is written atomically.
+
+    Args:
+        spec: The model and its preprocessing (see :func:`explain.models.load_model`).
+        sources: Files, folders (searched recursively) and glob patterns.
+        out_dir: Output folder, created if needed.
+        options: What to explain and write.
+        device: Where to run the model.
+        progress: Show a tqdm progress bar on stderr.
+        report: Called with each input's manifest entry as soon as it is done.
+
+    Returns:
+        The manifest entries, in input order.
+    """
+    out_dir = Path(out_dir)
+    exporter = _Exporter(spec, out_dir, options, torch.device(device))
+    inputs = collect_inputs(sources, exclude=out_dir)
+    readable = [item for item in inputs if item.path is not None]
+    bases = dict(zip(readable, output_bases([item.path for item in readable], out_dir, exporter.files_for)))
+    done: dict[Input, dict[str, Any]] = {}
+
+    def finish(records: list[dict[str, Any]], items: Sequence[Input]) -> None:
+        for item, record in zip(items, records):
+            done[item] = record
+            if report:
+                report(record)
+
+    for item in inputs:
+        if item.error is not None:
+            finish([exporter.record(item, item.error)], [item])
+    with tqdm(total=len(readable), unit="img", disable=not progress, file=sys.stderr) as bar:
+        for batch in _batches(readable, options.batch_size):
+            groups: dict[tuple[int, ...], list[tuple[Input, Image.Image, torch.Tensor, Path]]] = {}
+            for item in batch:
+                try:
+                    image = load_image(item.path)
+                except ImageLoadError as err:
+                    finish([exporter.record(item, str(err))], [item])
+                    continue
+                size = input_size(image, spec.input_size, options.keep_aspect)
+                tensor = to_tensor(image, size, spec.mean, spec.std, spec.resample)
+                groups.setdefault(tuple(tensor.shape), []).append((item, image, tensor, bases[item]))
+            for group in groups.values():
+                finish(exporter.explain_robustly(group), [member[0] for member in group])
+            bar.update(len(batch))
+    records = [done[item] for item in inputs]
+    text = "".join(json.dumps(record) + "\n" for record in records)
+    write_atomically(out_dir / MANIFEST, lambda temp: temp.write_text(text, encoding="utf-8"))
+    return records

