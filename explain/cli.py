@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("inputs", nargs="+", help="image files, folders (searched recursively) and glob patterns")
-    add("--model", default=DEFAULT_MODEL, help=f"torchvision classifier or {BUNDLED} (bundled, offline); default {DEFAULT_MODEL}")
+    add("--model", default=DEFAULT_MODEL, help=f"torchvision classifier, or {BUNDLED} (bundled, offline)")
     add("--weights", type=Path, help="state_dict file (.pt, .pth, .safetensors) for the model's architecture")
     add("--labels", type=Path, help="text file of class names, one per line (for a checkpoint's own classes)")
     add("--layer", help="target layer, a dotted name such as layer4 or features.28; default: last spatial layer")

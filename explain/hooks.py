@@ -67,9 +67,7 @@ class ActivationGradientRecorder:
         for name, module in self.modules.items():
             self._handles.append(module.register_forward_hook(partial(self._on_forward, name)))
             if not self.tensor_hook:
-                self._handles.append(
-                    module.register_full_backward_hook(partial(self._on_module_backward, name))
-                )
+                self._handles.append(module.register_full_backward_hook(partial(self._on_module_backward, name)))
 
     def _remove(self) -> None:
         for handle in self._handles:

@@ -181,9 +181,7 @@ def _load_torchvision(name: str, weights: str | Path | None) -> ModelSpec:
         mean=tuple(preprocess.mean),
         std=tuple(preprocess.std),
         input_size=int(preprocess.crop_size[0]),
-        resample=Image.Resampling.BICUBIC
-        if preprocess.interpolation.value == "bicubic"
-        else Image.Resampling.BILINEAR,
+        resample=Image.Resampling.BICUBIC if preprocess.interpolation.value == "bicubic" else Image.Resampling.BILINEAR,
     )
 
 
