@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .errors import TargetError
 
-Target = int | str | Sequence[int] | Tensor | Callable[[Tensor], Tensor] | None
+Target = int | str | Sequence[int | str] | Tensor | Callable[[Tensor], Tensor] | None
 
 
 def class_index(target: int | str | Tensor, labels: Sequence[str] | None, num_classes: int) -> int:
@@ -51,7 +51,7 @@ def select_scores(
     Args:
         logits: Model output, (N, num_classes).
         target: None (top-1 per image), a class index or name for every image, a
-            sequence or tensor of indices (one per image), or a callable mapping
+            sequence of indices or names, or a tensor of indices (one per image), or a callable mapping
             the model output to one score per image.
         labels: Class names, to resolve a name.
         topk: Explain each image's K highest-scoring classes (only with ``target=None``).
@@ -81,7 +81,7 @@ def select_scores(
     elif isinstance(target, (str, numbers.Integral)) or (isinstance(target, Tensor) and target.dim() == 0):
         indices = torch.full((n, 1), class_index(target, labels, num_classes), device=logits.device)
     else:
-        per_image = [class_index(int(t), labels, num_classes) for t in target]
+        per_image = [class_index(t, labels, num_classes) for t in target]
         if len(per_image) != n:
             raise TargetError(f"{len(per_image)} targets given for a batch of {n} images")
         indices = torch.tensor(per_image, device=logits.device)[:, None]

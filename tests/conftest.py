@@ -1,0 +1,73 @@
+"""Shared fixtures: seeded random-weight models, an independent Grad-CAM reference, photos."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+from PIL import Image
+from torch import nn
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+CAT, COFFEE = ASSETS / "chelsea.png", ASSETS / "coffee.png"
+
+
+def seeded(name: str, **kwargs) -> nn.Module:
+    """A torchvision model with seeded random weights, in eval mode."""
+    torch.manual_seed(0)
+    return torchvision.models.get_model(name, **kwargs).eval()
+
+
+def reference_gradcam(model: nn.Module, x: torch.Tensor, layer: str, targets: list[int]) -> torch.Tensor:
+    """Grad-CAM written from the paper, without the library: raw (N, h, w) maps in float64.
+
+    A plain forward hook keeps the layer's output and hands a copy on, so later
+    in-place operations of the model cannot alter what is kept; the gradient is
+    plain ``torch.autograd.grad`` with respect to the kept output.
+    """
+    kept = {}
+
+    def keep(module, inputs, output):
+        kept["a"] = output
+        return output.clone()
+
+    handle = model.get_submodule(layer).register_forward_hook(keep)
+    try:
+        logits = model(x)
+    finally:
+        handle.remove()
+    score = sum(logits[i, t] for i, t in enumerate(targets))
+    (grad,) = torch.autograd.grad(score, kept["a"])
+    maps = []
+    for a, g in zip(kept["a"].detach().double(), grad.double()):
+        weights = [g[c].sum() / g[c].numel() for c in range(g.shape[0])]
+        total = sum(w * a[c] for c, w in enumerate(weights))
+        maps.append(total.clamp(min=0))
+    return torch.stack(maps)
+
+
+def hook_count(model: nn.Module) -> int:
+    """Number of hooks of every kind on every module of the model."""
+    kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return sum(len(getattr(m, kind)) for m in model.modules() for kind in kinds)
+
+
+def square(path: Path, side: int) -> np.ndarray:
+    return np.asarray(Image.open(path).convert("RGB").resize((side, side), Image.Resampling.BICUBIC))
+
+
+@pytest.fixture(scope="session")
+def lite0():
+    """The bundled EfficientNet-Lite0 with its real ImageNet weights."""
+    from explain.models import load_model
+
+    return load_model("efficientnet_lite0")
+
+
+@pytest.fixture(scope="session")
+def composite() -> np.ndarray:
+    """The cat photo beside the coffee photo, each resized to a 224 x 224 square: 224 x 448 x 3."""
+    return np.concatenate([square(CAT, 224), square(COFFEE, 224)], axis=1)

@@ -1,0 +1,172 @@
+"""Grad-CAM against an independent reference, and the engine's options."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import reference_gradcam, seeded
+from torch import nn
+
+import explain
+from explain.engine import normalize_maps, postprocess
+
+CASES = [
+    # model, layer, input side: a plain last stage, a conv whose output an in-place ReLU
+    # overwrites, a BatchNorm whose output an in-place add overwrites, a Hardswish
+    # stage, and features followed by a functional in-place ReLU.
+    ("resnet18", "layer4", 96),
+    ("vgg11", "features.18", 64),
+    ("resnet18", "layer4.1.bn2", 96),
+    ("mobilenet_v3_small", "features", 96),
+    ("densenet121", "features", 96),
+]
+
+
+@pytest.mark.parametrize(("name", "layer", "side"), CASES)
+def test_raw_maps_match_reference(name: str, layer: str, side: int) -> None:
+    model = seeded(name, num_classes=10)
+    torch.manual_seed(1)
+    x = torch.randn(3, 3, side, side)
+    targets = [9, 4, 6]
+    expected = reference_gradcam(model, x, layer, targets)
+    assert (expected.flatten(1).amax(1) > 0).all(), "reference maps must not be trivially zero"
+
+    got = explain.gradcam(model, x, layer, targets, resize=False, normalize=False)
+
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    assert (got.double() - expected).abs().max().item() <= 1e-5
+
+
+def test_normalized_output_shape_range_and_device() -> None:
+    model = seeded("resnet18", num_classes=10)
+    x = torch.randn(2, 3, 80, 96)
+    cams = explain.gradcam(model, x, "layer4")
+    assert cams.shape == (2, 80, 96) and cams.dtype == torch.float32 and cams.device == x.device
+    assert cams.min().item() == 0.0 and cams.max().item() == 1.0
+    raw = explain.gradcam(model, x, "layer4", resize=False, normalize=False)
+    upsampled = torch.nn.functional.interpolate(raw[:, None], size=(80, 96), mode="bilinear", align_corners=False)[:, 0]
+    lo, hi = upsampled.amin((1, 2), keepdim=True), upsampled.amax((1, 2), keepdim=True)
+    torch.testing.assert_close(cams, (upsampled - lo) / (hi - lo))
+
+
+def test_flat_map_becomes_zeros_not_nan() -> None:
+    flat = torch.zeros(2, 7, 7)
+    flat[1] = 3.0
+    out = postprocess(flat, (14, 14), normalize=True)
+    assert torch.equal(out, torch.zeros(2, 14, 14))
+    ramp = torch.arange(4.0).reshape(1, 2, 2)
+    assert torch.equal(normalize_maps(ramp), ramp / 3)
+
+
+def test_targets_by_index_name_sequence_tensor_and_callable() -> None:
+    model = seeded("resnet18", num_classes=4)
+    labels = ["ant", "bee", "cat", "dog"]
+    x = torch.randn(2, 3, 64, 64)
+    cam = explain.GradCAM(model, "layer4", labels=labels)
+    by_index = cam(x, 2)
+    assert by_index.class_indices.tolist() == [2, 2]
+    assert torch.equal(cam(x, "cat").raw, by_index.raw)
+    assert torch.equal(cam(x, "CAT").raw, by_index.raw)
+    assert torch.equal(cam(x, [2, 2]).raw, by_index.raw)
+    assert torch.equal(cam(x, torch.tensor([2, 2])).raw, by_index.raw)
+    by_callable = cam(x, lambda logits: logits[:, 2])
+    assert by_callable.class_indices is None and by_callable.probabilities is None
+    torch.testing.assert_close(by_callable.raw, by_index.raw)
+
+    top = cam(x)
+    logits = model(x).detach()
+    assert top.class_indices.tolist() == logits.argmax(1).tolist()
+    torch.testing.assert_close(top.probabilities, logits.softmax(1).amax(1))
+    torch.testing.assert_close(top.scores, logits.amax(1))
+
+
+def test_topk_gives_one_map_per_class_equal_to_single_targets() -> None:
+    model = seeded("resnet18", num_classes=6)
+    x = torch.randn(2, 3, 64, 64)
+    cam = explain.GradCAM(model, "layer4")
+    result = cam(x, topk=3)
+    assert result.cams.shape == (2, 3, 64, 64) and result.class_indices.shape == (2, 3)
+    for k in range(3):
+        single = cam(x, result.class_indices[:, k].tolist())
+        torch.testing.assert_close(result.raw[:, k], single.raw)
+
+
+def test_target_errors() -> None:
+    model = seeded("resnet18", num_classes=4)
+    x = torch.randn(2, 3, 64, 64)
+    cam = explain.GradCAM(model, "layer4", labels=["ant", "bee", "cat", "dog"])
+    with pytest.raises(explain.TargetError, match="out of range"):
+        cam(x, 4)
+    with pytest.raises(explain.TargetError, match="did you mean: cat"):
+        cam(x, "cta")
+    with pytest.raises(explain.TargetError, match="2 images"):
+        cam(x, [1, 2, 3])
+    with pytest.raises(explain.TargetError, match="labels"):
+        explain.gradcam(model, x, "layer4", "cat")
+
+
+def test_automatic_layer() -> None:
+    cases = {
+        "resnet18": "layer4",
+        "vgg11": "avgpool",
+        "densenet121": "features",
+        "mobilenet_v3_small": "features",
+    }
+    for name, expected in cases.items():
+        cam = explain.GradCAM(seeded(name, num_classes=5))
+        result = cam(torch.randn(2, 3, 64, 64))
+        assert result.layer == expected == cam.layer
+
+
+def test_unknown_layer_lists_closest_names() -> None:
+    with pytest.raises(explain.LayerError, match=r"unknown layer 'layer5'.*layer4"):
+        explain.GradCAM(seeded("resnet18"), "layer5")
+    with pytest.raises(explain.LayerError, match="not a submodule"):
+        explain.GradCAM(seeded("resnet18"), nn.Conv2d(1, 1, 1))
+
+
+def test_layer_given_as_module() -> None:
+    model = seeded("resnet18", num_classes=5)
+    x = torch.randn(2, 3, 64, 64)
+    torch.testing.assert_close(explain.gradcam(model, x, model.layer4), explain.gradcam(model, x, "layer4"))
+
+
+class Shared(nn.Module):
+    """Applies one conv twice, so its activation and gradient would be ambiguous."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv(self.conv(x)).mean((2, 3)))
+
+
+def test_shared_module_is_refused() -> None:
+    with pytest.raises(explain.LayerError, match="more than once"):
+        explain.gradcam(Shared(), torch.randn(2, 3, 8, 8), "conv")
+
+
+def test_layer_that_is_not_a_feature_map_or_not_used() -> None:
+    model = seeded("resnet18", num_classes=5)
+    with pytest.raises(explain.LayerError, match=r"\(N, C, H, W\)"):
+        explain.gradcam(model, torch.randn(2, 3, 64, 64), "fc")
+
+    class Unused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.side = nn.Conv2d(3, 3, 1)
+            self.head = nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.side(x)
+            return self.head(x.mean((2, 3)))
+
+    with pytest.raises(explain.LayerError, match="does not depend"):
+        explain.gradcam(Unused(), torch.randn(2, 3, 8, 8), "side")
+
+
+def test_bad_input_is_a_clear_error() -> None:
+    with pytest.raises(explain.ExplainError, match=r"\(N, C, H, W\)"):
+        explain.gradcam(seeded("resnet18"), torch.randn(3, 64, 64))

@@ -1,0 +1,55 @@
+"""Renderers: real pixels of overlays, in RGB order, at the image's resolution."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import explain
+
+
+def grey(width: int, height: int, value: int = 100) -> Image.Image:
+    return Image.new("RGB", (width, height), (value, value, value))
+
+
+def test_alpha_zero_keeps_the_image() -> None:
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (30, 50, 3), dtype=np.uint8))
+    out = explain.overlay(image, torch.rand(7, 7), alpha=0.0)
+    assert np.array_equal(np.asarray(out), np.asarray(image))
+
+
+def test_colours_are_rgb_and_blended() -> None:
+    hot = np.asarray(explain.overlay(grey(40, 20), torch.ones(7, 7), alpha=1.0))
+    cold = np.asarray(explain.overlay(grey(40, 20), torch.zeros(7, 7), alpha=1.0))
+    assert tuple(hot[5, 5]) == (128, 0, 0)  # jet at 1.0 is dark red
+    assert tuple(cold[5, 5]) == (0, 0, 128)  # jet at 0.0 is dark blue
+    half = np.asarray(explain.overlay(grey(40, 20), np.ones((7, 7)), alpha=0.5))
+    assert tuple(half[5, 5]) == (114, 50, 50)
+    viridis = np.asarray(explain.overlay(grey(40, 20), torch.ones(3, 3), alpha=1.0, colormap="viridis"))
+    assert tuple(viridis[0, 0]) == (253, 231, 37)
+
+
+def test_low_resolution_map_lands_where_it_belongs() -> None:
+    cam = torch.zeros(4, 8)
+    cam[:, :4] = 1.0  # left half hot
+    out = np.asarray(explain.overlay(np.full((300, 640, 3), 100, np.uint8), cam, alpha=1.0))
+    assert out.shape == (300, 640, 3)
+    assert out[150, 10, 0] > 100 and out[150, 10, 2] == 0
+    assert out[150, 630, 2] > 100 and out[150, 630, 0] == 0
+
+
+def test_figure_has_three_panels_side_by_side() -> None:
+    fig = np.asarray(explain.figure(grey(60, 40), torch.rand(7, 7), "Egyptian cat (77.3%)"))
+    assert fig.shape[1] > 2 * fig.shape[0]
+    assert (fig != 255).any()
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="HxWx3 uint8"):
+        explain.overlay(np.zeros((10, 10), np.uint8), torch.rand(3, 3))
+    with pytest.raises(ValueError, match="alpha"):
+        explain.overlay(grey(4, 4), torch.rand(3, 3), alpha=2.0)
+    with pytest.raises(ValueError, match="2-D"):
+        explain.overlay(grey(4, 4), torch.rand(1, 3, 3))

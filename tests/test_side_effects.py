@@ -1,0 +1,100 @@
+"""The user's model is theirs: no hooks, flags, gradients or buffers changed by any call."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from conftest import hook_count, seeded
+from torch import nn
+
+import explain
+
+
+def snapshot(model: nn.Module) -> dict:
+    return {
+        "hooks": hook_count(model),
+        "training": [m.training for m in model.modules()],
+        "requires_grad": [p.requires_grad for p in model.parameters()],
+        "grad": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+        "buffers": [b.clone() for b in model.buffers()],
+    }
+
+
+def assert_unchanged(model: nn.Module, before: dict) -> None:
+    after = snapshot(model)
+    assert after["hooks"] == 0 == before["hooks"]
+    assert after["training"] == before["training"]
+    assert after["requires_grad"] == before["requires_grad"]
+    for old, new in zip(before["grad"], after["grad"]):
+        assert (old is None and new is None) or torch.equal(old, new)
+    for old, new in zip(before["buffers"], after["buffers"]):
+        assert torch.equal(old, new)
+
+
+def prepared(name: str, train: bool) -> nn.Module:
+    """A model with mixed state: some frozen parameters, some existing .grad, mixed training flags."""
+    model = seeded(name, num_classes=10)
+    model.train(train)
+    params = list(model.parameters())
+    params[0].requires_grad_(False)
+    params[1].grad = torch.randn_like(params[1])
+    next(m for m in model.modules() if isinstance(m, nn.BatchNorm2d)).train(not train)
+    return model
+
+
+CONTEXTS = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+
+
+@pytest.mark.parametrize("context", list(CONTEXTS))
+@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize(("name", "layer"), [("resnet18", "layer3"), ("resnet18", "layer4.1.bn2"), ("mobilenet_v3_small", None)])
+def test_success_leaves_model_unchanged(name: str, layer: str | None, train: bool, context: str) -> None:
+    model = prepared(name, train)
+    before = snapshot(model)
+    with CONTEXTS[context]():
+        x = torch.randn(2, 3, 64, 64)
+        cams = explain.gradcam(model, x, layer, [1, 2])
+    assert cams.shape == (2, 64, 64) and not cams.isnan().any()
+    assert_unchanged(model, before)
+
+
+class Exploding(nn.Module):
+    """A resnet18 whose forward raises after the target layer has run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = seeded("resnet18", num_classes=10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.body(x)
+        raise RuntimeError("exploded after the forward")
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_failed_calls_leave_model_unchanged(train: bool) -> None:
+    model = Exploding()
+    model.train(train)
+    model.body.fc.weight.grad = torch.ones_like(model.body.fc.weight)
+    before = snapshot(model)
+    with pytest.raises(RuntimeError, match="exploded"):
+        explain.gradcam(model, torch.randn(2, 3, 64, 64), "body.layer4")
+    assert_unchanged(model, before)
+
+    plain = prepared("resnet18", train)
+    before = snapshot(plain)
+    with pytest.raises(explain.TargetError):
+        explain.gradcam(plain, torch.randn(2, 3, 64, 64), "layer4", 99)
+    with pytest.raises(explain.LayerError):
+        explain.gradcam(plain, torch.randn(2, 3, 64, 64), "fc")
+    assert_unchanged(plain, before)
+
+
+def test_train_mode_uses_batch_statistics_but_restores_running_stats() -> None:
+    model = seeded("resnet18", num_classes=10).train()
+    x = torch.randn(4, 3, 64, 64)
+    train_cams = explain.gradcam(model, x, "layer3", 1, normalize=False, resize=False)
+    eval_cams = explain.gradcam(model.eval(), x, "layer3", 1, normalize=False, resize=False)
+    assert not torch.allclose(train_cams, eval_cams)
+    assert model.bn1.num_batches_tracked.item() == 0
