@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,10 +27,19 @@ MANIFEST = "manifest.jsonl"
 
 @dataclass(frozen=True, eq=False)
 class Input:
-    """One input as the user named it: a file to explain, or the reason there is none."""
+    """One input as the user named it: a file to explain, or the reason there is none.
+
+    Attributes:
+        name: The path as found (or the source as given, for an error).
+        path: The file, or None.
+        relative: Where its outputs go under the output folder, without suffix: the
+            file's path inside the folder it was found in, or its name.
+        error: Why the source gave no file.
+    """
 
     name: str
     path: Path | None = None
+    relative: Path | None = None
     error: str | None = None
 
 
@@ -56,7 +64,8 @@ def collect_inputs(sources: Sequence[str | Path], exclude: Path | None = None) -
 
     Args:
         sources: Paths and patterns as the user gave them.
-        exclude: A folder whose files are skipped when scanning folders (the output folder).
+        exclude: A folder skipped when it lies inside a scanned folder (the output
+            folder, so that a rerun does not explain its own outputs).
 
     Returns:
         One :class:`Input` per file found, without duplicates, and one carrying an
@@ -66,16 +75,17 @@ def collect_inputs(sources: Sequence[str | Path], exclude: Path | None = None) -
     found: list[Input] = []
     seen: set[Path] = set()
 
-    def add(path: Path) -> None:
+    def add(path: Path, relative: Path) -> None:
         if path.resolve() not in seen:
             seen.add(path.resolve())
-            found.append(Input(str(path), path))
+            found.append(Input(str(path), path, relative.with_suffix("")))
 
     def scan(folder: Path) -> int:
         files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-        kept = [p for p in files if skip is None or not p.resolve().is_relative_to(skip)]
+        inside = skip is not None and skip != folder.resolve() and skip.is_relative_to(folder.resolve())
+        kept = [p for p in files if not (inside and p.resolve().is_relative_to(skip))]
         for path in kept:
-            add(path)
+            add(path, path.relative_to(folder))
         return len(kept)
 
     for source in map(str, sources):
@@ -84,14 +94,14 @@ def collect_inputs(sources: Sequence[str | Path], exclude: Path | None = None) -
             if not scan(path):
                 found.append(Input(source, error=f"{source}: no image files in this folder"))
         elif path.exists():
-            add(path)
+            add(path, Path(path.name))
         elif any(char in source for char in "*?["):
             matches = [Path(m) for m in sorted(glob.glob(source, recursive=True))]
             for match in matches:
                 if match.is_dir():
                     scan(match)
                 else:
-                    add(match)
+                    add(match, Path(match.name))
             if not matches:
                 found.append(Input(source, error=f"{source}: no files match"))
         else:
@@ -99,30 +109,25 @@ def collect_inputs(sources: Sequence[str | Path], exclude: Path | None = None) -
     return found
 
 
-def output_bases(paths: Sequence[Path], out_dir: Path, files_for: Callable[[Path], list[Path]]) -> list[Path]:
-    """Choose where each input's outputs go: its path relative to the inputs' common
-    folder, under ``out_dir``, without its extension.
+def output_bases(inputs: Sequence[Input], out_dir: Path, files_for: Callable[[Path], list[Path]]) -> list[Path]:
+    """Choose where each input's outputs go: ``out_dir / input.relative``.
 
     A ``-2``, ``-3``... suffix keeps bases apart when two inputs would share one
-    (``a.jpg`` and ``a.png``) and keeps any output from landing on an input file.
+    (``cats/chelsea.png`` and ``more/chelsea.png`` given as files, or ``a.jpg`` beside
+    ``a.png``) and keeps any output from landing on an input file.
 
     Args:
-        paths: The input files.
+        inputs: The inputs that have a file.
         out_dir: The output folder.
         files_for: The files written for a base path.
     """
-    if not paths:
-        return []
-    resolved = [p.resolve() for p in paths]
-    root = Path(os.path.commonpath([r.parent for r in resolved]))
-    taken = set(resolved)
+    taken = {item.path.resolve() for item in inputs}
     bases = []
-    for path in resolved:
-        stem = path.relative_to(root).with_suffix("")
-        base, number = out_dir / stem, 1
+    for item in inputs:
+        base, number = out_dir / item.relative, 1
         while any(f.resolve() in taken for f in files_for(base)):
             number += 1
-            base = out_dir / stem.parent / f"{stem.name}-{number}"
+            base = out_dir / item.relative.parent / f"{item.relative.name}-{number}"
         taken.update(f.resolve() for f in files_for(base))
         bases.append(base)
     return bases
@@ -253,7 +258,7 @@ def export_heatmaps(
     exporter = _Exporter(spec, out_dir, options, torch.device(device))
     inputs = collect_inputs(sources, exclude=out_dir)
     readable = [item for item in inputs if item.path is not None]
-    bases = dict(zip(readable, output_bases([item.path for item in readable], out_dir, exporter.files_for)))
+    bases = dict(zip(readable, output_bases(readable, out_dir, exporter.files_for)))
     done: dict[Input, dict[str, Any]] = {}
 
     def finish(records: list[dict[str, Any]], items: Sequence[Input]) -> None:

@@ -56,9 +56,12 @@ def test_activation_is_the_output_before_a_later_inplace_change() -> None:
     with torch.no_grad():
         model(x)
     handle.remove()
-    with torch.enable_grad(), explain.model_state.frozen_parameters(model):
-        with ActivationGradientRecorder({"bn2": model.layer4[1].bn2}) as recorder:
-            recorder.forward(model, x)
+    with (
+        torch.enable_grad(),
+        explain.model_state.frozen_parameters(model),
+        ActivationGradientRecorder({"bn2": model.layer4[1].bn2}) as recorder,
+    ):
+        recorder.forward(model, x)
     assert recorder.tensor_hook
     assert torch.equal(recorder.activations["bn2"], kept["out"])
 

@@ -86,7 +86,7 @@ def test_checkpoint_with_its_own_class_count(tmp_path, suffix: str) -> None:
 def test_bad_checkpoints_and_labels(tmp_path) -> None:
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint")
-    with pytest.raises(explain.ModelLoadError, match="garbage.pt: cannot load weights"):
+    with pytest.raises(explain.ModelLoadError, match=r"garbage\.pt: cannot load weights"):
         load_model("resnet18", weights=garbage)
     other = tmp_path / "other.pt"
     torch.save(seeded("resnet18").state_dict(), other)
@@ -112,6 +112,6 @@ def test_missing_imagenet_weights_name_the_offline_options(monkeypatch, tmp_path
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # an empty cache
     monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
-    with pytest.raises(explain.ModelLoadError, match="efficientnet_lite0.*--weights"):
+    with pytest.raises(explain.ModelLoadError, match=r"efficientnet_lite0.*--weights"):
         load_model("resnet18")
     assert asked and asked[0].endswith(".pth")

@@ -49,7 +49,9 @@ CONTEXTS = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad, "inference
 
 @pytest.mark.parametrize("context", list(CONTEXTS))
 @pytest.mark.parametrize("train", [False, True])
-@pytest.mark.parametrize(("name", "layer"), [("resnet18", "layer3"), ("resnet18", "layer4.1.bn2"), ("mobilenet_v3_small", None)])
+@pytest.mark.parametrize(
+    ("name", "layer"), [("resnet18", "layer3"), ("resnet18", "layer4.1.bn2"), ("mobilenet_v3_small", None)]
+)
 def test_success_leaves_model_unchanged(name: str, layer: str | None, train: bool, context: str) -> None:
     model = prepared(name, train)
     before = snapshot(model)

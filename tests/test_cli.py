@@ -1,0 +1,176 @@
+"""The command line end to end, on the bundled real-weights model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ASSETS, CAT, COFFEE
+from PIL import Image
+
+from explain.cli import main
+from explain.export import _Exporter
+
+ROOT = ASSETS.parent
+LITE0 = ["--model", "efficientnet_lite0"]
+
+
+def manifest(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def photos(tmp_path) -> Path:
+    """photos/cats/chelsea.png, photos/coffee.png and photos/more/chelsea.png (a same-named copy)."""
+    root = tmp_path / "photos"
+    (root / "cats").mkdir(parents=True)
+    (root / "more").mkdir()
+    shutil.copy(CAT, root / "cats" / "chelsea.png")
+    shutil.copy(CAT, root / "more" / "chelsea.png")
+    shutil.copy(COFFEE, root / "coffee.png")
+    return root
+
+
+def test_folder_and_glob_export(photos, tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    code = main([str(photos / "cats"), str(photos / "c*.png"), str(photos / "more"), "-o", str(out), *LITE0])
+    assert code == 0
+    records = manifest(out)
+    assert [Path(r["input"]).relative_to(photos).as_posix() for r in records] == [
+        "cats/chelsea.png",
+        "coffee.png",
+        "more/chelsea.png",
+    ]
+    assert [r["class_name"] for r in records] == ["Egyptian cat", "espresso", "Egyptian cat"]
+    assert [r["class_index"] for r in records] == [285, 967, 285]
+    assert 0.6 < records[0]["score"] < 0.9 and records[1]["score"] > 0.8
+    assert all(r["layer"] == "bn2" and r["method"] == "gradcam" and r["model"] == "efficientnet_lite0" for r in records)
+    assert all(r["error"] is None for r in records)
+    outputs = [Path(r["output"]) for r in records]
+    assert len(set(outputs)) == 3, "same-named inputs in different folders must not share an output"
+    for record, output in zip(records, outputs):
+        assert Image.open(output).size == Image.open(record["input"]).size
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith(records[0]["input"]) and "Egyptian cat" in lines[0] and records[0]["output"] in lines[0]
+
+
+def test_overlay_is_a_blend_of_the_photo(tmp_path) -> None:
+    out = tmp_path / "out"
+    assert main([str(CAT), "-o", str(out), "--alpha", "0.3", "--quiet", *LITE0]) == 0
+    written = np.asarray(Image.open(manifest(out)[0]["output"])).astype(float)
+    photo = np.asarray(Image.open(CAT).convert("RGB")).astype(float)
+    residual = (written - 0.7 * photo) / 0.3  # what was blended in: colormap colours, within [0, 255]
+    assert residual.min() > -3 and residual.max() < 258
+    assert np.abs(written - photo).mean() > 5
+
+
+def test_bad_files_fail_alone(photos, tmp_path, capsys) -> None:
+    (photos / "empty.png").write_bytes(b"")
+    (photos / "notes.jpg").write_text("no pixels here")
+    (photos / "cut.png").write_bytes(CAT.read_bytes()[:5000])
+    out = tmp_path / "out"
+    code = main(
+        [str(photos), str(tmp_path / "missing.png"), str(tmp_path / "nothing*.png"), "-o", str(out), "--quiet", *LITE0]
+    )
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 5 and all(line.startswith("explain: error: ") for line in lines)
+    for name in ("empty.png", "notes.jpg", "cut.png", "missing.png", "nothing*.png"):
+        assert sum(name in line for line in lines) == 1
+    records = manifest(out)
+    assert len(records) == 8
+    empty = next(r for r in records if r["input"].endswith("empty.png"))
+    assert empty["error"] and empty["output"] is None and empty["class_name"] is None
+    good = [r for r in records if r["error"] is None]
+    assert len(good) == 3 and all(Path(r["output"]).is_file() for r in good)
+
+
+def test_batch_failure_costs_only_the_failing_image(photos, tmp_path, monkeypatch, capsys) -> None:
+    explain_group = _Exporter.explain
+
+    def fragile(self, group):
+        if any("coffee" in item.name for item, *_ in group):
+            raise RuntimeError("device fell over\nsecond line")
+        return explain_group(self, group)
+
+    monkeypatch.setattr(_Exporter, "explain", fragile)
+    out = tmp_path / "out"
+    assert main([str(photos), "-o", str(out), "--quiet", *LITE0]) == 1
+    records = manifest(out)
+    assert [r["error"] is None for r in records] == [True, False, True]
+    assert capsys.readouterr().err.strip().endswith("coffee.png: device fell over")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "resnet05"], "did you mean: resnet50"),
+        ([*LITE0, "--layer", "blocks.9"], "unknown layer 'blocks.9'"),
+        ([*LITE0, "--target", "Egyptain cat"], "did you mean: Egyptian cat"),
+        ([*LITE0, "--target", "1000"], "out of range"),
+        ([*LITE0, "--topk", "2", "--target", "3"], "exclude each other"),
+        ([*LITE0, "--alpha", "3"], "--alpha"),
+        ([*LITE0, "--colormap", "nope"], "unknown colormap"),
+        ([*LITE0, "--format", "gif"], "invalid choice"),
+        ([*LITE0, "--frobnicate"], "unrecognized arguments"),
+    ],
+)
+def test_usage_errors_exit_2_without_traceback(args, message, tmp_path, capsys) -> None:
+    try:
+        code = main([str(CAT), "-o", str(tmp_path / "out"), *args])
+    except SystemExit as stop:  # argparse's own errors
+        code = stop.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_outputs_never_overwrite_inputs(tmp_path) -> None:
+    folder = tmp_path / "in"
+    folder.mkdir()
+    shutil.copy(CAT, folder / "a.png")
+    shutil.copy(COFFEE, folder / "a.gradcam.png")  # an input named like a.png's output
+    shutil.copy(COFFEE, folder / "a.jpg")  # same stem as a.png
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert main([str(folder), "-o", str(folder), "--quiet", *LITE0]) == 0
+    assert all((folder / name).read_bytes() == data for name, data in before.items())
+    outputs = [Path(r["output"]).name for r in manifest(folder)]
+    assert len(set(outputs)) == 3 and not set(outputs) & set(before)
+
+
+def test_topk_raw_figure_jpg_and_keep_aspect(tmp_path) -> None:
+    out = tmp_path / "out"
+    args = [str(CAT), "-o", str(out), "--topk", "3", "--save-raw", "--figure", "--format", "jpg", "--keep-aspect"]
+    assert main([*args, "--quiet", *LITE0]) == 0
+    (record,) = manifest(out)
+    assert record["class_name"][0] == "Egyptian cat" and set(record["class_name"][1:]) == {"tiger cat", "tabby"}
+    assert record["score"] == sorted(record["score"], reverse=True)
+    assert [Path(p).suffix for p in record["outputs"]] == [".jpg"] * 3
+    assert all(Image.open(p).size == (451, 300) for p in record["outputs"])
+    raw = np.load(record["raw"])
+    assert raw.shape == (3, 7, 11)  # short side 224 keeps the 451x300 aspect: 224x337 -> 7x11 features
+    assert all(Path(p).is_file() for p in record["figure"])
+
+
+def test_script_runs_as_a_program(tmp_path) -> None:
+    empty = tmp_path / "empty.png"
+    empty.write_bytes(b"")
+    run = subprocess.run(
+        [sys.executable, "cli.py", str(COFFEE), str(empty), "-o", str(tmp_path / "out"), *LITE0],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 1
+    assert "espresso" in run.stdout and str(tmp_path / "out" / "coffee.gradcam.png") in run.stdout
+    assert f"explain: error: {empty}: empty file" in run.stderr and "Traceback" not in run.stderr
