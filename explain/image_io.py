@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import tempfile
+import uuid
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -102,13 +102,12 @@ def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
     A failure leaves no partial file behind.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    os.close(handle)
+    temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.part")
     try:
-        write(Path(temp))
+        write(temp)
         os.replace(temp, path)
     except BaseException:
-        Path(temp).unlink(missing_ok=True)
+        temp.unlink(missing_ok=True)
         raise
 
 

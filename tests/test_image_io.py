@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -115,8 +117,13 @@ def test_to_tensor_normalizes_whole_image() -> None:
 
 def test_save_is_atomic_and_leaves_nothing_on_failure(tmp_path) -> None:
     target = tmp_path / "out" / "x.png"
-    save_image(Image.new("RGB", (5, 4)), target)
+    old_umask = os.umask(0o022)
+    try:
+        save_image(Image.new("RGB", (5, 4)), target)
+    finally:
+        os.umask(old_umask)
     assert Image.open(target).size == (5, 4)
+    assert target.stat().st_mode & 0o777 == 0o644
     bad = Image.new("RGB", (5, 4))
     bad.save = lambda *a, **k: (_ for _ in ()).throw(OSError("disk full"))
     with pytest.raises(OSError, match="disk full"):
