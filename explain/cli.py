@@ -18,7 +18,7 @@ from .layers import resolve_layer
 from .models import BUNDLED, DEFAULT_MODEL, load_model
 from .targets import class_index
 
-EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,4 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as err:
         print(f"explain: error: cannot write to {args.out}: {err.strerror or err}", file=sys.stderr)
         return EXIT_SOME_FAILED
+    except KeyboardInterrupt:
+        print("explain: interrupted; outputs written so far are complete, the manifest is not", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return EXIT_SOME_FAILED if any(record["error"] for record in records) else EXIT_OK

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .errors import ExplainError, LayerError
+from .errors import ExplainError, LayerError, TargetError
 from .hooks import ActivationGradientRecorder
 from .layers import LayerSpec, find_auto_layer, resolve_layer
 from .model_state import untouched
@@ -40,7 +40,8 @@ class CAMResult:
         scores: The explained score (model output) per image, (N,).
         probabilities: Softmax probability of the explained class, (N,), or None for a
             callable target.
-        logits: The model output, (N, classes).
+        logits: The model output, (N, classes), or None when it is not a tensor (a
+            callable target read it).
         layer: Dotted name of the target layer.
         method: Name of the CAM method.
     """
@@ -50,7 +51,7 @@ class CAMResult:
     class_indices: Tensor | None
     scores: Tensor
     probabilities: Tensor | None
-    logits: Tensor
+    logits: Tensor | None
     layer: str
     method: str
 
@@ -144,7 +145,7 @@ class CAM:
         with untouched(self.model), torch.inference_mode(False), torch.enable_grad():
             images = x.clone() if x.is_inference() else x.detach()
             with ActivationGradientRecorder({name: module}, self._tensor_hook) as recorder:
-                logits = recorder.forward(self.model, images)
+                output = recorder.forward(self.model, images)
                 self._tensor_hook = recorder.tensor_hook
                 activations = recorder.activations[name]
                 if activations.dim() != 4:
@@ -152,7 +153,9 @@ class CAM:
                         f"layer {name!r} outputs shape {tuple(activations.shape)}; "
                         "a CAM needs a (N, C, H, W) feature map"
                     )
-                scores, indices = select_scores(logits, target, self.labels, topk)
+                scores, indices = select_scores(output, target, self.labels, topk)
+                if scores.shape[0] != x.shape[0]:
+                    raise TargetError(f"{scores.shape[0]} target scores for a batch of {x.shape[0]} images")
                 activations = activations.float()
                 raw = torch.stack(
                     [
@@ -161,7 +164,8 @@ class CAM:
                     ],
                     dim=1,
                 )
-        probabilities = None if indices is None else logits.detach().float().softmax(dim=1).gather(1, indices)
+        logits = output.detach() if isinstance(output, Tensor) else None
+        probabilities = None if indices is None else logits.float().softmax(dim=1).gather(1, indices)
         cams = postprocess(raw, x.shape[-2:] if resize else None, normalize)
 
         def per_target(t: Tensor | None) -> Tensor | None:
@@ -173,7 +177,7 @@ class CAM:
             class_indices=per_target(indices),
             scores=per_target(scores.detach()),
             probabilities=per_target(probabilities),
-            logits=logits.detach(),
+            logits=logits,
             layer=name,
             method=self.name,
         )

@@ -19,7 +19,7 @@ def _as_image(image: Image.Image | np.ndarray) -> np.ndarray:
 
 def resize_map(cam: Tensor | np.ndarray, height: int, width: int) -> np.ndarray:
     """Upsample a 2-D map bilinearly (align_corners=False, as the engine does) to (height, width)."""
-    values = torch.as_tensor(np.asarray(cam.detach().cpu() if isinstance(cam, Tensor) else cam), dtype=torch.float32)
+    values = cam.detach().cpu().float() if isinstance(cam, Tensor) else torch.as_tensor(cam, dtype=torch.float32)
     if values.dim() != 2:
         raise ValueError(f"cam must be a 2-D map, got shape {tuple(values.shape)}")
     resized = F.interpolate(values[None, None], size=(height, width), mode="bilinear", align_corners=False)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import difflib
 import numbers
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .errors import TargetError
 
-Target = int | str | Sequence[int | str] | Tensor | Callable[[Tensor], Tensor] | None
+Target = int | str | Sequence[int | str] | Tensor | Callable[[Any], Tensor] | None
 
 
 def class_index(target: int | str | Tensor, labels: Sequence[str] | None, num_classes: int) -> int:
@@ -41,7 +42,7 @@ def class_index(target: int | str | Tensor, labels: Sequence[str] | None, num_cl
 
 
 def select_scores(
-    logits: Tensor,
+    output: Any,
     target: Target,
     labels: Sequence[str] | None = None,
     topk: int | None = None,
@@ -49,7 +50,8 @@ def select_scores(
     """Pick the scores to explain from the model output.
 
     Args:
-        logits: Model output, (N, num_classes).
+        output: The model output: (N, num_classes) scores, or anything a callable
+            target can read (a tuple, a dict, an object with ``.logits``).
         target: None (top-1 per image), a class index or name for every image, a
             sequence of indices or names, or a tensor of indices (one per image), or a callable mapping
             the model output to one score per image.
@@ -63,12 +65,16 @@ def select_scores(
     if callable(target):
         if topk is not None:
             raise TargetError("topk cannot be combined with a callable target")
-        scores = target(logits)
-        if not isinstance(scores, Tensor) or scores.shape != logits.shape[:1]:
-            raise TargetError(f"a callable target must return one score per image, shape ({logits.shape[0]},)")
+        scores = target(output)
+        if not isinstance(scores, Tensor) or scores.dim() != 1:
+            raise TargetError("a callable target must return a tensor of one score per image, shape (N,)")
         return scores[:, None], None
-    if logits.dim() != 2:
-        raise TargetError(f"the model output has shape {tuple(logits.shape)}; a classifier's (N, classes) is needed")
+    if not isinstance(output, Tensor) or output.dim() != 2:
+        found = tuple(output.shape) if isinstance(output, Tensor) else type(output).__name__
+        raise TargetError(
+            f"the model output is {found}, not a classifier's (N, classes) scores; pass a callable target"
+        )
+    logits = output
     n, num_classes = logits.shape
     if topk is not None:
         if target is not None:

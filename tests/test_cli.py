@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import ASSETS, CAT, COFFEE
 from PIL import Image
 
@@ -159,6 +160,19 @@ def test_topk_raw_figure_jpg_and_keep_aspect(tmp_path) -> None:
     raw = np.load(record["raw"])
     assert raw.shape == (3, 7, 11)  # short side 224 keeps the 451x300 aspect: 224x337 -> 7x11 features
     assert all(Path(p).is_file() for p in record["figure"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where CUDA is absent")
+def test_cuda_asked_for_without_cuda(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main([str(CAT), "-o", str(tmp_path / "out"), "--device", "cuda", *LITE0])
+    assert stop.value.code == 2 and "CUDA is not available" in capsys.readouterr().err
+
+
+def test_console_script_is_installed() -> None:
+    script = Path(sys.executable).with_name("explain")
+    run = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "--keep-aspect" in run.stdout
 
 
 def test_script_runs_as_a_program(tmp_path) -> None:

@@ -80,6 +80,29 @@ def test_targets_by_index_name_sequence_tensor_and_callable() -> None:
     torch.testing.assert_close(top.scores, logits.amax(1))
 
 
+class DictOutput(nn.Module):
+    """A model that returns its scores inside a dict, as many hub models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = seeded("resnet18", num_classes=5)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.net(x)}
+
+
+def test_non_tensor_output_needs_a_callable_target() -> None:
+    model = DictOutput()
+    x = torch.randn(2, 3, 64, 64)
+    result = explain.GradCAM(model, "net.layer4")(x, lambda out: out["logits"][:, 3])
+    assert result.logits is None and result.class_indices is None
+    torch.testing.assert_close(result.raw, explain.GradCAM(model.net, "layer4")(x, 3).raw)
+    with pytest.raises(explain.TargetError, match="pass a callable target"):
+        explain.gradcam(model, x, "net.layer4")
+    with pytest.raises(explain.TargetError, match="3 target scores for a batch of 2"):
+        explain.gradcam(model, x, "net.layer4", lambda out: out["logits"][0, :3])
+
+
 def test_topk_gives_one_map_per_class_equal_to_single_targets() -> None:
     model = seeded("resnet18", num_classes=6)
     x = torch.randn(2, 3, 64, 64)
@@ -170,3 +193,13 @@ def test_layer_that_is_not_a_feature_map_or_not_used() -> None:
 def test_bad_input_is_a_clear_error() -> None:
     with pytest.raises(explain.ExplainError, match=r"\(N, C, H, W\)"):
         explain.gradcam(seeded("resnet18"), torch.randn(3, 64, 64))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_cpu() -> None:
+    model = seeded("resnet18", num_classes=10)
+    x = torch.randn(4, 3, 96, 96)
+    on_cpu = explain.gradcam(model, x, "layer4.1.bn2", [1, 2, 3, 4], normalize=False)
+    on_gpu = explain.gradcam(model.cuda(), x.cuda(), "layer4.1.bn2", [1, 2, 3, 4], normalize=False)
+    assert on_gpu.device.type == "cuda"
+    torch.testing.assert_close(on_gpu.cpu(), on_cpu, atol=1e-4, rtol=1e-3)
