@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import sys
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +45,16 @@ class Input:
     path: Path | None = None
     relative: Path | None = None
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """An image read and preprocessed, with where its outputs go."""
+
+    item: Input
+    image: Image.Image
+    tensor: torch.Tensor
+    base: Path
 
 
 @dataclass(frozen=True)
@@ -175,57 +189,73 @@ class _Exporter:
             "error": error,
         }
 
-    def explain(self, group: Sequence[tuple[Input, Image.Image, torch.Tensor, Path]]) -> list[dict[str, Any]]:
-        """Explain images of one input size together and write their outputs."""
+    def load(self, item: Input, base: Path) -> _Loaded | dict[str, Any]:
+        """Read and preprocess one image; a file that cannot be read gives its error record."""
+        try:
+            image = load_image(item.path)
+        except ImageLoadError as err:
+            return self.record(item, str(err))
+        size = input_size(image, self.spec.input_size, self.options.keep_aspect)
+        return _Loaded(item, image, to_tensor(image, size, self.spec.mean, self.spec.std, self.spec.resample), base)
+
+    def explain(self, group: Sequence[_Loaded]) -> list[Callable[[], dict[str, Any]]]:
+        """Explain images of one input size together; returns a job per image that writes its outputs."""
         o = self.options
-        x = torch.stack([tensor for _, _, tensor, _ in group]).to(self.device)
-        result = self.cam(x, o.target, topk=o.topk, resize=False)
+        result = self.cam(torch.stack([member.tensor for member in group]).to(self.device), o.target, topk=o.topk)
 
         def per_target(t: torch.Tensor) -> torch.Tensor:  # (N, K, ...) whether or not topk is set
             return (t if o.topk else t[:, None]).cpu()
 
         cams, raws = per_target(result.cams), per_target(result.raw)
         indices, probs = per_target(result.class_indices).tolist(), per_target(result.probabilities).tolist()
-        records = []
-        for i, (item, image, _, base) in enumerate(group):
-            names = [self.spec.labels[c] for c in indices[i]]
-            outputs = [base.with_name(base.name + tag + f".{o.fmt}") for tag in self.tags]
+        return [
+            partial(self.write, member, cams[i], raws[i], indices[i], probs[i], result.layer)
+            for i, member in enumerate(group)
+        ]
+
+    def write(
+        self, member: _Loaded, cams: torch.Tensor, raw: torch.Tensor, indices: list[int], probs: list[float], layer: str
+    ) -> dict[str, Any]:
+        """Render and write one image's outputs (K maps); returns its manifest record."""
+        o, base = self.options, member.base
+        names = [self.spec.labels[c] for c in indices]
+        outputs = [base.with_name(base.name + tag + f".{o.fmt}") for tag in self.tags]
+        figures = [base.with_name(base.name + tag + ".figure.png") for tag in self.tags] if o.figure else []
+        raw_path = base.with_name(f"{base.name}.{self.cam.name}.npy")
+        try:
             for k, path in enumerate(outputs):
-                save_image(render.overlay(image, cams[i, k], o.alpha, o.colormap), path)
-            figures = [base.with_name(base.name + tag + ".figure.png") for tag in self.tags] if o.figure else []
+                save_image(render.overlay(member.image, cams[k], o.alpha, o.colormap), path)
             for k, path in enumerate(figures):
-                title = f"{names[k]} ({probs[i][k]:.1%}), {self.cam.name} at {result.layer}"
-                save_image(render.figure(image, cams[i, k], title, o.alpha, o.colormap), path)
-            raw = base.with_name(f"{base.name}.{self.cam.name}.npy")
+                title = f"{names[k]} ({probs[k]:.1%}), {self.cam.name} at {layer}"
+                save_image(render.figure(member.image, cams[k], title, o.alpha, o.colormap), path)
             if o.save_raw:
-                save_array(raws[i].numpy() if o.topk else raws[i, 0].numpy(), raw)
+                save_array((raw if o.topk else raw[0]).numpy(), raw_path)
+        except OSError as err:
+            return self.record(member.item, f"{member.item.name}: cannot write outputs: {first_line(err)}")
 
-            def one(values: list[Any]) -> Any:
-                return values if o.topk else values[0]
+        def one(values: list[Any]) -> Any:
+            return values if o.topk else values[0]
 
-            records.append(
-                self.record(
-                    item,
-                    outputs=one([str(p) for p in outputs]),
-                    class_index=one(indices[i]),
-                    class_name=one(names),
-                    score=one([round(p, 6) for p in probs[i]]),
-                    raw=str(raw) if o.save_raw else None,
-                    figure=one([str(p) for p in figures]) if o.figure else None,
-                )
-            )
-        return records
+        return self.record(
+            member.item,
+            outputs=one([str(p) for p in outputs]),
+            class_index=one(indices),
+            class_name=one(names),
+            score=one([round(p, 6) for p in probs]),
+            raw=str(raw_path) if o.save_raw else None,
+            figure=one([str(p) for p in figures]) if o.figure else None,
+        )
 
-    def explain_robustly(self, group: Sequence[tuple[Input, Image.Image, torch.Tensor, Path]]) -> list[dict[str, Any]]:
+    def explain_robustly(self, group: Sequence[_Loaded]) -> list[Callable[[], dict[str, Any]]]:
         """Explain a group; if it fails, explain its images one by one so one bad image costs only itself."""
         try:
             return self.explain(group)
         except (LayerError, TargetError):
             raise
-        except (RuntimeError, OSError) as err:
+        except RuntimeError as err:
             if len(group) == 1:
-                return [self.record(group[0][0], f"{group[0][0].name}: {first_line(err)}")]
-        return [record for member in group for record in self.explain_robustly([member])]
+                return [partial(self.record, group[0].item, f"{group[0].item.name}: {first_line(err)}")]
+        return [job for member in group for job in self.explain_robustly([member])]
 
 
 def export_heatmaps(
@@ -260,31 +290,40 @@ def export_heatmaps(
     readable = [item for item in inputs if item.path is not None]
     bases = dict(zip(readable, output_bases(readable, out_dir, exporter.files_for)))
     done: dict[Input, dict[str, Any]] = {}
+    writing: deque[tuple[Input, Future[dict[str, Any]]]] = deque()
 
-    def finish(records: list[dict[str, Any]], items: Sequence[Input]) -> None:
-        for item, record in zip(items, records):
-            done[item] = record
-            if report:
-                report(record)
+    def finish(item: Input, record: dict[str, Any]) -> None:
+        done[item] = record
+        bar.update(item.path is not None)
+        if report:
+            report(record)
 
-    for item in inputs:
-        if item.error is not None:
-            finish([exporter.record(item, item.error)], [item])
-    with tqdm(total=len(readable), unit="img", disable=not progress, file=sys.stderr) as bar:
+    def collect(keep: int) -> None:
+        """Finish written inputs in order, waiting while more than ``keep`` are pending."""
+        while writing and (len(writing) > keep or writing[0][1].done()):
+            item, future = writing.popleft()
+            finish(item, future.result())
+
+    # Threads decode and encode images (Pillow and zlib release the GIL) while the model runs.
+    with (
+        tqdm(total=len(readable), unit="img", disable=not progress, file=sys.stderr) as bar,
+        ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool,
+    ):
+        for item in inputs:
+            if item.error is not None:
+                finish(item, exporter.record(item, item.error))
         for batch in _batches(readable, options.batch_size):
-            groups: dict[tuple[int, ...], list[tuple[Input, Image.Image, torch.Tensor, Path]]] = {}
-            for item in batch:
-                try:
-                    image = load_image(item.path)
-                except ImageLoadError as err:
-                    finish([exporter.record(item, str(err))], [item])
-                    continue
-                size = input_size(image, spec.input_size, options.keep_aspect)
-                tensor = to_tensor(image, size, spec.mean, spec.std, spec.resample)
-                groups.setdefault(tuple(tensor.shape), []).append((item, image, tensor, bases[item]))
+            groups: dict[tuple[int, ...], list[_Loaded]] = {}
+            for item, loaded in zip(batch, pool.map(exporter.load, batch, [bases[i] for i in batch])):
+                if isinstance(loaded, _Loaded):
+                    groups.setdefault(tuple(loaded.tensor.shape), []).append(loaded)
+                else:
+                    finish(item, loaded)
             for group in groups.values():
-                finish(exporter.explain_robustly(group), [member[0] for member in group])
-            bar.update(len(batch))
+                jobs = exporter.explain_robustly(group)
+                writing.extend((member.item, pool.submit(job)) for member, job in zip(group, jobs))
+            collect(keep=2 * options.batch_size)
+        collect(keep=0)
     records = [done[item] for item in inputs]
     text = "".join(json.dumps(record) + "\n" for record in records)
     write_atomically(out_dir / MANIFEST, lambda temp: temp.write_text(text, encoding="utf-8"))

@@ -112,9 +112,10 @@ def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
 
 
 def save_image(image: Image.Image, path: Path) -> None:
-    """Write a PIL image atomically, in the format of the path's extension."""
-    fmt = "JPEG" if path.suffix.lower() in (".jpg", ".jpeg") else "PNG"
-    write_atomically(path, lambda temp: image.save(temp, format=fmt, **({"quality": 95} if fmt == "JPEG" else {})))
+    """Write a PIL image atomically: JPEG (quality 95) for .jpg/.jpeg, else PNG (fast zlib level 1)."""
+    jpeg = path.suffix.lower() in (".jpg", ".jpeg")
+    options = {"format": "JPEG", "quality": 95} if jpeg else {"format": "PNG", "compress_level": 1}
+    write_atomically(path, lambda temp: image.save(temp, **options))
 
 
 def save_array(array: np.ndarray, path: Path) -> None:

@@ -98,7 +98,7 @@ def test_batch_failure_costs_only_the_failing_image(photos, tmp_path, monkeypatc
     explain_group = _Exporter.explain
 
     def fragile(self, group):
-        if any("coffee" in item.name for item, *_ in group):
+        if any("coffee" in member.item.name for member in group):
             raise RuntimeError("device fell over\nsecond line")
         return explain_group(self, group)
 
@@ -108,6 +108,17 @@ def test_batch_failure_costs_only_the_failing_image(photos, tmp_path, monkeypatc
     records = manifest(out)
     assert [r["error"] is None for r in records] == [True, False, True]
     assert capsys.readouterr().err.strip().endswith("coffee.png: device fell over")
+
+
+def test_unwritable_output_fails_alone(photos, tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "cats").write_text("a file where the cats/ output folder would go")
+    assert main([str(photos), "-o", str(out), "--quiet", *LITE0]) == 1
+    records = manifest(out)
+    assert [r["error"] is None for r in records] == [False, True, True]
+    assert "cats/chelsea.png: cannot write outputs" in records[0]["error"]
+    assert capsys.readouterr().err.count("explain: error:") == 1
 
 
 @pytest.mark.parametrize(
