@@ -164,14 +164,18 @@ class _Exporter:
         count = options.topk or 1
         self.tags = [f".{self.cam.name}" + (f".top{k + 1}" if options.topk else "") for k in range(count)]
 
-    def files_for(self, base: Path) -> list[Path]:
+    def paths(self, base: Path) -> tuple[list[Path], list[Path], Path | None]:
+        """The overlays, figures and raw map written for an output base path."""
         o = self.options
-        files = [base.with_name(base.name + tag + f".{o.fmt}") for tag in self.tags]
-        if o.figure:
-            files += [base.with_name(base.name + tag + ".figure.png") for tag in self.tags]
-        if o.save_raw:
-            files.append(base.with_name(f"{base.name}.{self.cam.name}.npy"))
-        return files
+        overlays = [base.with_name(base.name + tag + f".{o.fmt}") for tag in self.tags]
+        figures = [base.with_name(base.name + tag + ".figure.png") for tag in self.tags] if o.figure else []
+        raw = base.with_name(f"{base.name}.{self.cam.name}.npy") if o.save_raw else None
+        return overlays, figures, raw
+
+    def files_for(self, base: Path) -> list[Path]:
+        """Every file written for an output base path."""
+        overlays, figures, raw = self.paths(base)
+        return [*overlays, *figures, *([raw] if raw else [])]
 
     def record(self, item: Input, error: str | None = None, **fields: Any) -> dict[str, Any]:
         many = self.options.topk is not None
@@ -217,18 +221,16 @@ class _Exporter:
         self, member: _Loaded, cams: torch.Tensor, raw: torch.Tensor, indices: list[int], probs: list[float], layer: str
     ) -> dict[str, Any]:
         """Render and write one image's outputs (K maps); returns its manifest record."""
-        o, base = self.options, member.base
+        o = self.options
         names = [self.spec.labels[c] for c in indices]
-        outputs = [base.with_name(base.name + tag + f".{o.fmt}") for tag in self.tags]
-        figures = [base.with_name(base.name + tag + ".figure.png") for tag in self.tags] if o.figure else []
-        raw_path = base.with_name(f"{base.name}.{self.cam.name}.npy")
+        outputs, figures, raw_path = self.paths(member.base)
         try:
             for k, path in enumerate(outputs):
                 save_image(render.overlay(member.image, cams[k], o.alpha, o.colormap), path)
             for k, path in enumerate(figures):
                 title = f"{names[k]} ({probs[k]:.1%}), {self.cam.name} at {layer}"
                 save_image(render.figure(member.image, cams[k], title, o.alpha, o.colormap), path)
-            if o.save_raw:
+            if raw_path:
                 save_array((raw if o.topk else raw[0]).numpy(), raw_path)
         except OSError as err:
             return self.record(member.item, f"{member.item.name}: cannot write outputs: {first_line(err)}")
@@ -242,7 +244,7 @@ class _Exporter:
             class_index=one(indices),
             class_name=one(names),
             score=one([round(p, 6) for p in probs]),
-            raw=str(raw_path) if o.save_raw else None,
+            raw=str(raw_path) if raw_path else None,
             figure=one([str(p) for p in figures]) if o.figure else None,
         )
 

@@ -38,7 +38,8 @@ def training_flags_kept(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         for m, flag in flags:
-            m.training = flag
+            if m.training != flag:
+                m.training = flag
 
 
 @contextmanager
