@@ -3,6 +3,7 @@ offline EfficientNet-Lite0; or any of them with a checkpoint of the user's."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -80,8 +81,6 @@ def load_model(
     """
     names = available_models()
     if name not in names:
-        import difflib
-
         close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
         hint = f"; did you mean: {', '.join(close)}" if close else f"; choose from: {', '.join(names)}"
         raise ModelLoadError(f"unknown model {name!r}{hint}")
@@ -164,9 +163,9 @@ def _load_torchvision(name: str, weights: str | Path | None) -> ModelSpec:
     if weights is None:
         try:
             model = torchvision.models.get_model(name, weights=default)
-        except OSError as err:
+        except (OSError, RuntimeError) as err:  # no network, or an unreadable cached file
             raise ModelLoadError(
-                f"cannot get the ImageNet weights of {name} (offline and not in torch's cache? {err}); "
+                f"cannot get the ImageNet weights of {name} (offline and not in torch's cache? {first_line(err)}); "
                 f"use --model {BUNDLED} for the bundled offline model, or --weights FILE"
             ) from None
         labels = list(default.meta["categories"])
