@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from .errors import ExplainError, LayerError, TargetError
 from .hooks import ActivationGradientRecorder
-from .layers import LayerSpec, find_auto_layer, resolve_layer
+from .layers import LayerSpec, auto_layer, resolve_layer
 from .model_state import untouched
 from .targets import Target, select_scores
 
@@ -76,10 +76,9 @@ def postprocess(raw: Tensor, size: Sequence[int] | None, normalize: bool) -> Ten
 class CAM:
     """Base class of the class activation map methods.
 
-    Holds the model, the target layer (resolved once) and what earlier calls
-    learned about it; each call hooks the layer for its own duration only, so the
-    model carries no hook between calls. After every call, successful or not, the
-    model has the same ``training`` flags, ``requires_grad`` flags, ``.grad``
+    Holds the model and the target layer (resolved once); each call hooks the
+    layer for its own duration only, so the model carries no hook between calls.
+    After every call, successful or not, the model has the same ``training`` flags, ``requires_grad`` flags, ``.grad``
     tensors and buffers as before. In train mode the forward runs as in training
     (BatchNorm uses batch statistics, Dropout drops), but running statistics are
     restored afterwards.
@@ -87,8 +86,8 @@ class CAM:
     Args:
         model: A classifier returning (N, classes) scores.
         layer: The target layer: dotted name, module, or None to pick the last
-            layer that outputs a spatial map (found with one extra forward on the
-            first call).
+            layer that outputs a spatial map (found with one extra forward of one
+            image, the first time a model sees an input shape).
         labels: Class names, to accept a class name as target.
     """
 
@@ -98,7 +97,6 @@ class CAM:
         self.model = model
         self.labels = list(labels) if labels is not None else None
         self._layer = resolve_layer(model, layer) if layer is not None else None
-        self._tensor_hook = False
 
     @property
     def layer(self) -> str | None:
@@ -140,13 +138,12 @@ class CAM:
             shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ExplainError(f"x must be a float tensor of images (N, C, H, W), got {shape}")
         if self._layer is None:
-            self._layer = resolve_layer(self.model, find_auto_layer(self.model, x))
+            self._layer = auto_layer(self.model, x)
         name, module = self._layer
         with untouched(self.model), torch.inference_mode(False), torch.enable_grad():
             images = x.clone() if x.is_inference() else x.detach()
-            with ActivationGradientRecorder({name: module}, self._tensor_hook) as recorder:
+            with ActivationGradientRecorder({name: module}) as recorder:
                 output = recorder.forward(self.model, images)
-                self._tensor_hook = recorder.tensor_hook
                 activations = recorder.activations[name]
                 if activations.dim() != 4:
                     raise LayerError(

@@ -20,6 +20,7 @@ gradient is the gradient with respect to that value, on either path.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
@@ -32,14 +33,23 @@ from .errors import LayerError
 
 _INPLACE_CLASH = "BackwardHookFunction"  # in PyTorch's error for an in-place change of the output
 
+# Modules whose output their model modifies in place, found by earlier calls: their
+# recorders start on the tensor-hook path and skip the failing first forward.
+_MODIFIED_IN_PLACE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def uses_tensor_hook(module: nn.Module) -> bool:
+    """Whether an earlier call found that the model modifies this module's output in place."""
+    return module in _MODIFIED_IN_PLACE
+
 
 class ActivationGradientRecorder:
     """Context manager that hooks the target modules for the duration of one CAM call.
 
     Args:
         modules: The target modules by their dotted names.
-        tensor_hook: Start on the tensor-hook path (a previous call found that the
-            model modifies the layer's output in place).
+        tensor_hook: Use the tensor-hook path from the start; by default it is used
+            for modules that earlier calls found modified in place.
 
     Attributes:
         activations: Each layer's output of the last forward pass, by name.
@@ -47,8 +57,10 @@ class ActivationGradientRecorder:
         tensor_hook: Whether the tensor-hook path is in use.
     """
 
-    def __init__(self, modules: Mapping[str, nn.Module], tensor_hook: bool = False) -> None:
+    def __init__(self, modules: Mapping[str, nn.Module], tensor_hook: bool | None = None) -> None:
         self.modules = dict(modules)
+        if tensor_hook is None:
+            tensor_hook = any(uses_tensor_hook(module) for module in self.modules.values())
         self.tensor_hook = tensor_hook
         self.activations: dict[str, Tensor] = {}
         self.gradients: dict[str, Tensor] = {}
@@ -115,6 +127,7 @@ class ActivationGradientRecorder:
                 raise
         self._remove()
         self.tensor_hook = True
+        _MODIFIED_IN_PLACE.update(self.modules.values())
         self._register()
         return self._forward_once(model, x)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import weakref
 from typing import Any
 
 import torch
@@ -36,6 +37,20 @@ def resolve_layer(model: nn.Module, layer: str | nn.Module) -> tuple[str, nn.Mod
     close = difflib.get_close_matches(layer, list(names), n=6, cutoff=0.5)
     hint = close or [name for name in names if "." not in name]
     raise LayerError(f"unknown layer {layer!r}; closest valid names: {', '.join(hint)}")
+
+
+# The automatic layer of each model, by input shape (C, H, W), so repeated calls skip the search.
+_AUTO_LAYERS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, ...], str]] = weakref.WeakKeyDictionary()
+
+
+def auto_layer(model: nn.Module, x: Tensor) -> tuple[str, nn.Module]:
+    """The automatic target layer (see :func:`find_auto_layer`), searched once per model and input shape."""
+    known = _AUTO_LAYERS.setdefault(model, {})
+    shape = tuple(x.shape[1:])
+    if shape in known and known[shape] in dict(model.named_modules()):
+        return resolve_layer(model, known[shape])
+    known[shape] = find_auto_layer(model, x)
+    return resolve_layer(model, known[shape])
 
 
 def find_auto_layer(model: nn.Module, x: Tensor) -> str:

@@ -141,6 +141,18 @@ def test_automatic_layer() -> None:
         assert result.layer == expected == cam.layer
 
 
+def test_automatic_layer_is_searched_once_per_input_shape() -> None:
+    model = seeded("resnet18", num_classes=5)
+    images = []
+    counter = model.register_forward_pre_hook(lambda m, inputs: images.append(inputs[0].shape[0]))
+    try:
+        for side in (64, 64, 96):
+            explain.gradcam(model, torch.randn(3, 3, side, side))
+    finally:
+        counter.remove()
+    assert images == [1, 3, 3, 1, 3]  # a one-image search forward for each new input shape
+
+
 def test_unknown_layer_lists_closest_names() -> None:
     with pytest.raises(explain.LayerError, match=r"unknown layer 'layer5'.*layer4"):
         explain.GradCAM(seeded("resnet18"), "layer5")

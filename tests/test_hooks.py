@@ -7,7 +7,7 @@ import torch
 from conftest import hook_count, reference_gradcam, seeded
 
 import explain
-from explain.hooks import ActivationGradientRecorder
+from explain.hooks import ActivationGradientRecorder, uses_tensor_hook
 
 # (model, layer, whether PyTorch's full-backward hook can serve it)
 PATHS = [
@@ -23,7 +23,7 @@ def test_path_chosen_and_result_matches_reference(name: str, layer: str, module_
     x = torch.randn(2, 3, 64, 64)
     cam = explain.GradCAM(model, layer)
     result = cam(x, [1, 8], resize=False, normalize=False)
-    assert cam._tensor_hook is (not module_hook_works)
+    assert uses_tensor_hook(model.get_submodule(layer)) is (not module_hook_works)
     expected = reference_gradcam(model, x, layer, [1, 8])
     assert (result.raw.double() - expected).abs().max().item() <= 1e-5
     assert hook_count(model) == 0
@@ -64,6 +64,18 @@ def test_activation_is_the_output_before_a_later_inplace_change() -> None:
         recorder.forward(model, x)
     assert recorder.tensor_hook
     assert torch.equal(recorder.activations["bn2"], kept["out"])
+
+
+def test_inplace_clash_is_remembered_so_later_calls_run_one_forward() -> None:
+    model = seeded("resnet18", num_classes=10)
+    forwards = []
+    x = torch.randn(2, 3, 64, 64)
+    for _ in range(2):
+        counter = model.register_forward_pre_hook(lambda m, i: forwards.append(1))
+        explain.gradcam(model, x, "layer4.1.bn2")
+        counter.remove()
+        forwards.append("call")
+    assert forwards == [1, 1, "call", 1, "call"]  # the clash costs one forward, once
 
 
 def test_hooks_removed_when_the_forward_raises() -> None:
