@@ -280,7 +280,7 @@ def export_heatmaps(
         out_dir: Output folder, created if needed.
         options: What to explain and write.
         device: Where to run the model.
-        progress: Show a tqdm progress bar on stderr.
+        progress: Show a tqdm progress bar on stderr (when stderr is a terminal).
         report: Called with each input's manifest entry as soon as it is done.
 
     Returns:
@@ -308,7 +308,7 @@ def export_heatmaps(
 
     # Threads decode and encode images (Pillow and zlib release the GIL) while the model runs.
     with (
-        tqdm(total=len(readable), unit="img", disable=not progress, file=sys.stderr) as bar,
+        tqdm(total=len(readable), unit="img", disable=None if progress else True, file=sys.stderr) as bar,
         ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool,
     ):
         for item in inputs:
