@@ -75,10 +75,10 @@ def _print_record(record: dict[str, Any], quiet: bool) -> None:
         return
     if quiet:
         return
-    many = isinstance(record["class_name"], list)
-    rows = zip(
-        *(record[key] if many else [record[key]] for key in ("class_name", "score", "outputs" if many else "output"))
-    )
+    if "outputs" in record:  # --topk: lists, one entry per class
+        rows = zip(record["class_name"], record["score"], record["outputs"])
+    else:
+        rows = [(record["class_name"], record["score"], record["output"])]
     for name, score, output in rows:
         tqdm.write(f"{record['input']}: {name} ({score:.3f}) layer={record['layer']} -> {output}", file=sys.stdout)
 

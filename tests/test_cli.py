@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torchvision
 from conftest import ASSETS, CAT, COFFEE
 from PIL import Image
 
@@ -126,6 +127,7 @@ def test_unwritable_output_fails_alone(photos, tmp_path, capsys) -> None:
     [
         (["--model", "resnet05"], "did you mean: resnet50"),
         ([*LITE0, "--layer", "blocks.9"], "unknown layer 'blocks.9'"),
+        ([*LITE0, "--layer", "classifier"], "a CAM needs a (N, C, H, W) feature map"),
         ([*LITE0, "--target", "Egyptain cat"], "did you mean: Egyptian cat"),
         ([*LITE0, "--target", "1000"], "out of range"),
         ([*LITE0, "--topk", "2", "--target", "3"], "exclude each other"),
@@ -157,6 +159,20 @@ def test_outputs_never_overwrite_inputs(tmp_path) -> None:
     assert all((folder / name).read_bytes() == data for name, data in before.items())
     outputs = [Path(r["output"]).name for r in manifest(folder)]
     assert len(set(outputs)) == 3 and not set(outputs) & set(before)
+
+
+def test_own_checkpoint_and_labels(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=3).eval()
+    weights, labels = tmp_path / "mine.pth", tmp_path / "labels.txt"
+    torch.save(model.state_dict(), weights)
+    labels.write_text("ant\nbee\ncat\n")
+    out = tmp_path / "out"
+    args = [str(CAT), "-o", str(out), "--model", "resnet18", "--weights", str(weights), "--labels", str(labels)]
+    assert main([*args, "--target", "bee", "--quiet"]) == 0
+    (record,) = manifest(out)
+    assert (record["class_index"], record["class_name"], record["model"]) == (1, "bee", "resnet18")
+    assert record["layer"] == "layer4"
 
 
 def test_topk_raw_figure_jpg_and_keep_aspect(tmp_path) -> None:
