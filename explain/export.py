@@ -296,7 +296,8 @@ def export_heatmaps(
 
     def finish(item: Input, record: dict[str, Any]) -> None:
         done[item] = record
-        bar.update(item.path is not None)
+        if item.path is not None:  # the bar counts files, not sources that gave none
+            bar.update()
         if report:
             report(record)
 

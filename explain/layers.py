@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import weakref
+from functools import partial
 from typing import Any
 
 import torch
@@ -47,8 +48,11 @@ def auto_layer(model: nn.Module, x: Tensor) -> tuple[str, nn.Module]:
     """The automatic target layer (see :func:`find_auto_layer`), searched once per model and input shape."""
     known = _AUTO_LAYERS.setdefault(model, {})
     shape = tuple(x.shape[1:])
-    if shape in known and known[shape] in dict(model.named_modules()):
-        return resolve_layer(model, known[shape])
+    if shape in known:
+        try:
+            return resolve_layer(model, known[shape])
+        except LayerError:  # the model's modules changed since: search again
+            pass
     known[shape] = find_auto_layer(model, x)
     return resolve_layer(model, known[shape])
 
@@ -66,16 +70,12 @@ def find_auto_layer(model: nn.Module, x: Tensor) -> str:
     calls: dict[str, int] = {}
     spatial: list[str] = []
 
-    def record(name: str, module: nn.Module, inputs: Any, output: Any) -> None:
+    def record(name: str, module: nn.Module, inputs: Any, output: Any) -> None:  # a forward hook
         calls[name] = calls.get(name, 0) + 1
         if isinstance(output, Tensor) and output.dim() == 4 and min(output.shape[-2:]) > 1:
             spatial.append(name)
 
-    handles = [
-        module.register_forward_hook(lambda m, i, o, name=name: record(name, m, i, o))
-        for name, module in model.named_modules()
-        if name
-    ]
+    handles = [module.register_forward_hook(partial(record, name)) for name, module in model.named_modules() if name]
     try:
         with eval_mode(model), torch.inference_mode():
             model(x[:1])

@@ -129,8 +129,13 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
+def _classifier(model: nn.Module) -> tuple[str, nn.Linear]:
+    """The model's last linear layer, taken as its classifier, with its dotted name."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)][-1]
+
+
 def _num_classes(model: nn.Module) -> int:
-    return [m for m in model.modules() if isinstance(m, nn.Linear)][-1].out_features
+    return _classifier(model)[1].out_features
 
 
 def _fit_checkpoint(build: Callable[..., nn.Module], state: Mapping[str, Tensor], path: Path, name: str) -> nn.Module:
@@ -141,11 +146,11 @@ def _fit_checkpoint(build: Callable[..., nn.Module], state: Mapping[str, Tensor]
     and every shape is checked.
     """
     model = build()
-    classifier = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][-1]
+    classifier, linear = _classifier(model)
     key = f"{classifier}.weight"
     if key not in state:
         raise ModelLoadError(f"{path}: no classifier weights ({key}) in the checkpoint for {name}")
-    if state[key].shape[0] != _num_classes(model):
+    if state[key].shape[0] != linear.out_features:
         model = build(num_classes=int(state[key].shape[0]))
     try:
         model.load_state_dict(state)
