@@ -1,7 +1,8 @@
-"""The CAM engine: one base class that owns hooks, model state, targets and post-processing.
+"""The CAM engine: one base class that owns hooks, model state, targets, smoothing and post-processing.
 
-A method subclasses :class:`CAM` and supplies only its formula: the channel
-weights (:meth:`CAM.weights`), or its whole map (:meth:`CAM.compute`).
+A method subclasses :class:`CAM` and supplies only its formula: its channel
+weights (:meth:`CAM.weights`), its element-wise weighted activations
+(:meth:`CAM.weighted_activations`), or how they become a map (:meth:`CAM.combine`).
 
 One call costs one forward pass plus a backward pass through the part of the
 network after the target layer: parameters' gradients are switched off for the
@@ -12,8 +13,9 @@ input's device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -34,15 +36,18 @@ class CAMResult:
 
     Attributes:
         cams: Heatmaps, (N, H, W) float32, post-processed as asked (resized to the
-            input and/or min-max normalized to [0, 1]).
-        raw: The maps at feature resolution before resizing and normalization, (N, h, w).
+            input and/or min-max normalized to [0, 1]). Guided Backpropagation
+            gives images instead, (N, 3, H, W).
+        raw: The maps before resizing and normalization: at feature resolution,
+            (N, h, w); at input resolution when several layers are fused or
+            ``aug_smooth`` is on (each part is then normalized before combining).
         class_indices: The explained class per image, (N,), or None for a callable target.
         scores: The explained score (model output) per image, (N,).
         probabilities: Softmax probability of the explained class, (N,), or None for a
             callable target.
         logits: The model output, (N, classes), or None when it is not a tensor (a
             callable target read it).
-        layer: Dotted name of the target layer.
+        layer: Dotted name of the target layer (names joined by ``+`` when fused).
         method: Name of the CAM method.
     """
 
@@ -63,54 +68,233 @@ def normalize_maps(maps: Tensor) -> Tensor:
     return torch.where(span > 0, (maps - low) / span.clamp_min(torch.finfo(maps.dtype).tiny), 0.0)
 
 
+def upsample(maps: Tensor, size: Sequence[int]) -> Tensor:
+    """Resize maps (..., h, w) bilinearly (align_corners=False) to ``size``; maps already that size pass as they are."""
+    if tuple(maps.shape[-2:]) == tuple(size):
+        return maps
+    flat = maps.reshape(-1, 1, *maps.shape[-2:])
+    resized = F.interpolate(flat, size=tuple(size), mode="bilinear", align_corners=False)
+    return resized.reshape(*maps.shape[:-2], *resized.shape[-2:])
+
+
 def postprocess(raw: Tensor, size: Sequence[int] | None, normalize: bool) -> Tensor:
     """Upsample maps (..., h, w) bilinearly to ``size`` (if given), then normalize (if asked)."""
-    maps = raw
-    if size is not None:
-        flat = raw.reshape(-1, 1, *raw.shape[-2:])
-        resized = F.interpolate(flat, size=tuple(size), mode="bilinear", align_corners=False)
-        maps = resized.reshape(*raw.shape[:-2], *resized.shape[-2:])
+    maps = raw if size is None else upsample(raw, size)
     return normalize_maps(maps) if normalize else maps
+
+
+def principal_projection(weighted: Tensor) -> Tensor:
+    """Project each image's activations (N, C, h, w) on their first principal component: (N, h, w).
+
+    The positions are the samples and the channels the variables: the activations
+    are centred over positions and the projection is the first left singular
+    vector times its singular value (computed in float64). An SVD fixes a
+    component only up to its sign; the sign is chosen so that the projection
+    correlates positively with the channel sum of ``weighted`` (for weighted
+    activations, the plain weighted map), and is + where that correlation is 0.
+    """
+    n, _, h, w = weighted.shape
+    rows = weighted.flatten(2).transpose(1, 2).double()  # (N, hw, C)
+    centred = rows - rows.mean(dim=1, keepdim=True)
+    u, s, _ = torch.linalg.svd(centred, full_matrices=False)
+    projection = u[..., 0] * s[..., :1]
+    total = rows.sum(dim=2)
+    agreement = (projection * (total - total.mean(dim=1, keepdim=True))).sum(dim=1, keepdim=True)
+    return torch.where(agreement < 0, -projection, projection).reshape(n, h, w).to(weighted.dtype)
+
+
+def check_images(x: Any) -> None:
+    """Refuse anything but a float batch of images (N, C, H, W), with a clear error."""
+    if not isinstance(x, Tensor) or x.dim() != 4 or not x.is_floating_point():
+        shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise ExplainError(f"x must be a float tensor of images (N, C, H, W), got {shape}")
+
+
+def make_result(
+    cams: Tensor,
+    raw: Tensor,
+    output: Any,
+    scores: Tensor,
+    indices: Tensor | None,
+    topk: int | None,
+    layer: str | None,
+    method: str,
+) -> CAMResult:
+    """A :class:`CAMResult` from per-target (N, K, ...) tensors; without ``topk`` the K axis is dropped."""
+    logits = output.detach() if isinstance(output, Tensor) else None
+    probabilities = None if indices is None else logits.float().softmax(dim=1).gather(1, indices)
+
+    def per_target(t: Tensor | None) -> Tensor | None:
+        return t if t is None or topk is not None else t[:, 0]
+
+    return CAMResult(
+        cams=per_target(cams),
+        raw=per_target(raw),
+        class_indices=per_target(indices),
+        scores=per_target(scores.detach()),
+        probabilities=per_target(probabilities),
+        logits=logits,
+        layer=layer or "",
+        method=method,
+    )
+
+
+@dataclass(frozen=True)
+class Capture:
+    """What one pass recorded at one target layer for one target: a method's input.
+
+    Attributes:
+        x: The images the pass ran on (N, 3, H, W).
+        activations: The layer's output (N, C, h, w), float32.
+        gradients: The target score's gradient with respect to it, or None for a
+            method that needs none.
+        module: The layer.
+        scores: The explained score of each image (N,).
+        classes: The explained class of each image (N,), or None for a callable target.
+        score_rows: Scores another forward's output for the explained targets:
+            ``score_rows(output, images)`` with ``images`` the index (into x) of the
+            image each output row stands for.
+    """
+
+    x: Tensor
+    activations: Tensor
+    gradients: Tensor | None
+    module: nn.Module
+    scores: Tensor
+    classes: Tensor | None
+    score_rows: Callable[[Any, Tensor], Tensor]
+
+
+# A pass's targets: the model output in, the (N, K) scores and class indices (or None) out.
+Chooser = Callable[[Any], tuple[Tensor, Tensor | None]]
+AUG_SCALES = (0.9, 1.0, 1.1)
+
+
+def fixed_targets(target: Target, indices: Tensor | None) -> Chooser:
+    """Targets chosen once (on the plain input) and kept for every smoothing pass."""
+    if indices is None:
+        return lambda output: select_scores(output, target)
+    return lambda output: (output.gather(1, indices), indices)
+
+
+def _row_scorer(target: Target, indices: Tensor | None, k: int) -> Callable[[Any, Tensor], Tensor]:
+    if indices is None:
+        return lambda output, images: target(output)
+    return lambda output, images: output.gather(1, indices[images, k, None])[:, 0]
+
+
+def _augment(x: Tensor, flip: bool, scale: float) -> Tensor:
+    if scale != 1.0:
+        size = [round(side * scale) for side in x.shape[-2:]]
+        x = F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+    return x.flip(-1) if flip else x
+
+
+def _deaugment(maps: Tensor, flip: bool, size: Sequence[int]) -> Tensor:
+    """Bring maps of an augmented pass back to the original geometry, normalized."""
+    maps = upsample(maps, size)
+    return normalize_maps(maps.flip(-1) if flip else maps)
 
 
 class CAM:
     """Base class of the class activation map methods.
 
-    Holds the model and the target layer (resolved once); each call hooks the
-    layer for its own duration only, so the model carries no hook between calls.
-    After every call, successful or not, the model has the same ``training`` flags, ``requires_grad`` flags, ``.grad``
-    tensors and buffers as before. In train mode the forward runs as in training
-    (BatchNorm uses batch statistics, Dropout drops), but running statistics are
-    restored afterwards.
+    Holds the model and the target layer(s), resolved once; each call hooks the
+    layers for its own duration only, so the model carries no hook between calls.
+    After every call, successful or not, the model has the same ``training`` flags,
+    ``requires_grad`` flags, ``.grad`` tensors and buffers as before. In train mode
+    the forward runs as in training (BatchNorm uses batch statistics, Dropout
+    drops), but running statistics are restored afterwards.
+
+    A subclass supplies its formula by overriding one of :meth:`weights` (channel
+    weights), :meth:`weighted_activations` (element-wise weights) or
+    :meth:`combine`; the map is ``ReLU(combine(weighted_activations))`` (without
+    the ReLU when ``relu`` is False).
 
     Args:
         model: A classifier returning (N, classes) scores.
-        layer: The target layer: dotted name, module, or None to pick the last
-            layer that outputs a spatial map (found with one extra forward of one
-            image, the first time a model sees an input shape).
+        layer: The target layer: dotted name, module, a list of them (their maps
+            are fused), or None to pick the last layer that outputs a spatial map
+            (found with one extra forward of one image, the first time a model
+            sees an input shape).
         labels: Class names, to accept a class name as target.
+        fuse: How the maps of several layers become one, each upsampled to the
+            input and normalized first: ``"mean"`` or ``"max"``.
+        aug_smooth: Average the maps of the horizontally flipped and unflipped
+            input at scales 0.9, 1.0 and 1.1, each mapped back to the input's
+            geometry and normalized (six passes).
+        eigen_smooth: Replace the weighted sum of channels by the first principal
+            component of the weighted activations (see :func:`principal_projection`).
+        smooth_samples: SmoothGrad-style noise smoothing: average the maps of this
+            many noisy copies of the input (0: off). The targets are the plain input's.
+        smooth_sigma: The noise's standard deviation, as a fraction of each image's
+            value range (max - min).
+        batch_size: Most inputs per forward pass for methods that run extra forwards
+            (Score-CAM, Ablation-CAM): the bound on their memory.
+        seed: Seed of the random numbers (noise, random weights), drawn on the
+            input's device; None uses PyTorch's global generator.
     """
 
     name = "cam"
+    needs_gradients = True  # a method that needs no gradient skips the backward pass
+    relu = True
 
-    def __init__(self, model: nn.Module, layer: LayerSpec = None, *, labels: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        layer: LayerSpec | Sequence[str | nn.Module] = None,
+        *,
+        labels: Sequence[str] | None = None,
+        fuse: Literal["mean", "max"] = "mean",
+        aug_smooth: bool = False,
+        eigen_smooth: bool = False,
+        smooth_samples: int = 0,
+        smooth_sigma: float = 0.15,
+        batch_size: int = 32,
+        seed: int | None = None,
+    ) -> None:
+        if fuse not in ("mean", "max"):
+            raise ExplainError(f"fuse must be 'mean' or 'max', got {fuse!r}")
+        if smooth_samples < 0 or smooth_sigma < 0 or batch_size < 1:
+            raise ExplainError("smooth_samples and smooth_sigma must be >= 0 and batch_size >= 1")
         self.model = model
         self.labels = list(labels) if labels is not None else None
-        self._layer = resolve_layer(model, layer) if layer is not None else None
+        self.fused = isinstance(layer, (list, tuple))
+        if self.fused and not layer:
+            raise LayerError("an empty list of layers was given")
+        specs = list(layer) if self.fused else [layer]
+        self._layers = None if layer is None else [resolve_layer(model, spec) for spec in specs]
+        self.fuse = fuse
+        self.aug_smooth = aug_smooth
+        self.eigen_smooth = eigen_smooth
+        self.smooth_samples = smooth_samples
+        self.smooth_sigma = smooth_sigma
+        self.batch_size = batch_size
+        self.seed = seed
+        self.generator: torch.Generator | None = None
 
     @property
     def layer(self) -> str | None:
-        """Dotted name of the target layer (None until an automatic layer is found)."""
-        return self._layer[0] if self._layer else None
+        """Dotted name of the target layer, names joined by ``+`` when fused (None until found)."""
+        return "+".join(name for name, _ in self._layers) if self._layers else None
 
-    def weights(self, activations: Tensor, gradients: Tensor) -> Tensor:
-        """Channel weights (N, C) from activations and gradients (N, C, h, w)."""
-        raise NotImplementedError(f"{type(self).__name__} defines neither weights() nor compute()")
+    def weights(self, capture: Capture) -> Tensor:
+        """Channel weights (N, C)."""
+        raise NotImplementedError(f"{type(self).__name__} defines neither weights() nor weighted_activations()")
 
-    def compute(self, activations: Tensor, gradients: Tensor) -> Tensor:
-        """The raw map (N, h, w): ReLU of the weighted sum of activation channels."""
-        weights = self.weights(activations, gradients)
-        return torch.relu(torch.einsum("nc,nchw->nhw", weights, activations))
+    def weighted_activations(self, capture: Capture) -> Tensor:
+        """The activations weighted by the method, (N, C, h, w); by default by channel: w_c A_c."""
+        return self.weights(capture)[:, :, None, None] * capture.activations
+
+    def combine(self, weighted: Tensor) -> Tensor:
+        """The map (N, h, w) from weighted activations: their channel sum, or with
+        ``eigen_smooth`` their first principal component."""
+        return principal_projection(weighted) if self.eigen_smooth else weighted.sum(dim=1)
+
+    def compute(self, capture: Capture) -> Tensor:
+        """The raw map (N, h, w) of one layer and one target."""
+        cam = self.combine(self.weighted_activations(capture))
+        return torch.relu(cam) if self.relu else cam
 
     def __call__(
         self,
@@ -134,47 +318,91 @@ class CAM:
         Returns:
             A :class:`CAMResult` whose tensors are on ``x``'s device.
         """
-        if not isinstance(x, Tensor) or x.dim() != 4 or not x.is_floating_point():
-            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ExplainError(f"x must be a float tensor of images (N, C, H, W), got {shape}")
-        if self._layer is None:
-            self._layer = auto_layer(self.model, x)
-        name, module = self._layer
+        check_images(x)
+        if self._layers is None:
+            self._layers = [auto_layer(self.model, x)]
+        size = x.shape[-2:]
+        if self.seed is not None:
+            self.generator = torch.Generator(device=x.device).manual_seed(self.seed)
         with untouched(self.model), torch.inference_mode(False), torch.enable_grad():
             images = x.clone() if x.is_inference() else x.detach()
-            with ActivationGradientRecorder({name: module}) as recorder:
-                output = recorder.forward(self.model, images)
-                activations = recorder.activations[name]
-                if activations.dim() != 4:
+            choose: Chooser = lambda output: select_scores(output, target, self.labels, topk)  # noqa: E731
+            if self.smooth_samples:  # the plain input's prediction fixes the targets of the noisy passes
+                with torch.no_grad():
+                    output = self.model(images)
+                scores, indices = self._checked(choose(output), x)
+                choose = fixed_targets(target, indices)
+            augmentations = [(flip, scale) for scale in AUG_SCALES for flip in (False, True)]
+            augmentations.sort(key=lambda aug: aug != (False, 1.0))  # the plain input first
+            sums: list[Tensor] = []
+            for flip, scale in augmentations if self.aug_smooth else [(False, 1.0)]:
+                for _ in range(max(1, self.smooth_samples)):
+                    seen = _augment(images, flip, scale)
+                    if self.smooth_samples:
+                        spread = seen.amax(dim=(1, 2, 3), keepdim=True) - seen.amin(dim=(1, 2, 3), keepdim=True)
+                        seen = seen + self.smooth_sigma * spread * torch.randn(
+                            seen.shape, device=seen.device, generator=self.generator
+                        )
+                    pass_output, pass_scores, pass_indices, maps = self._pass(seen, choose, target)
+                    if not sums and not self.smooth_samples:
+                        output, scores, indices = pass_output, pass_scores, pass_indices
+                        choose = fixed_targets(target, indices)
+                    if self.aug_smooth:
+                        maps = [_deaugment(m, flip, size) for m in maps]
+                    sums = maps if not sums else [total + m for total, m in zip(sums, maps)]
+            count = max(1, self.smooth_samples) * (len(augmentations) if self.aug_smooth else 1)
+            maps = [total / count for total in sums]
+        self.generator = None
+        raw = self._fused(maps, size) if self.fused or self.aug_smooth else maps[0]
+        cams = postprocess(raw, size if resize else None, normalize)
+        return make_result(cams, raw, output, scores, indices, topk, self.layer, self.name)
+
+    def _fused(self, maps: list[Tensor], size: Sequence[int]) -> Tensor:
+        """One map from each layer's: each upsampled to ``size`` and normalized, then their mean or maximum."""
+        stacked = torch.stack([normalize_maps(upsample(m, size)) for m in maps])
+        return stacked.mean(dim=0) if self.fuse == "mean" else stacked.amax(dim=0)
+
+    @staticmethod
+    def _checked(chosen: tuple[Tensor, Tensor | None], x: Tensor) -> tuple[Tensor, Tensor | None]:
+        scores, indices = chosen
+        if scores.shape[0] != x.shape[0]:
+            raise TargetError(f"{scores.shape[0]} target scores for a batch of {x.shape[0]} images")
+        return scores, indices
+
+    def _pass(self, x: Tensor, choose: Chooser, target: Target) -> tuple[Any, Tensor, Tensor | None, list[Tensor]]:
+        """One forward (and backward) pass.
+
+        Returns:
+            The model output, the (N, K) scores and indices, and each layer's (N, K, h, w) maps.
+        """
+        layers = dict(self._layers)
+        grad_mode = torch.enable_grad() if self.needs_gradients else torch.no_grad()
+        with grad_mode, ActivationGradientRecorder(layers, gradients=self.needs_gradients) as recorder:
+            output = recorder.forward(self.model, x)
+            for name, activation in recorder.activations.items():
+                if activation.dim() != 4:
                     raise LayerError(
-                        f"layer {name!r} outputs shape {tuple(activations.shape)}; "
+                        f"layer {name!r} outputs shape {tuple(activation.shape)}; "
                         "a CAM needs a (N, C, H, W) feature map"
                     )
-                scores, indices = select_scores(output, target, self.labels, topk)
-                if scores.shape[0] != x.shape[0]:
-                    raise TargetError(f"{scores.shape[0]} target scores for a batch of {x.shape[0]} images")
-                activations = activations.float()
-                raw = torch.stack(
-                    [
-                        self.compute(activations, recorder.backward(scores[:, k].sum())[name].float())
-                        for k in range(scores.shape[1])
-                    ],
-                    dim=1,
+            scores, indices = self._checked(choose(output), x)
+            targets = range(scores.shape[1])
+            gradients = [recorder.backward(scores[:, k].sum()) if self.needs_gradients else {} for k in targets]
+            activations = {name: a.float() for name, a in recorder.activations.items()}
+        maps = []
+        for name, module in layers.items():
+            per_target = []
+            for k in targets:
+                gradient = gradients[k].get(name)
+                capture = Capture(
+                    x=x,
+                    activations=activations[name],
+                    gradients=None if gradient is None else gradient.float(),
+                    module=module,
+                    scores=scores[:, k].detach(),
+                    classes=None if indices is None else indices[:, k],
+                    score_rows=_row_scorer(target, indices, k),
                 )
-        logits = output.detach() if isinstance(output, Tensor) else None
-        probabilities = None if indices is None else logits.float().softmax(dim=1).gather(1, indices)
-        cams = postprocess(raw, x.shape[-2:] if resize else None, normalize)
-
-        def per_target(t: Tensor | None) -> Tensor | None:
-            return t if t is None or topk is not None else t[:, 0]
-
-        return CAMResult(
-            cams=per_target(cams),
-            raw=per_target(raw),
-            class_indices=per_target(indices),
-            scores=per_target(scores.detach()),
-            probabilities=per_target(probabilities),
-            logits=logits,
-            layer=name,
-            method=self.name,
-        )
+                per_target.append(self.compute(capture))
+            maps.append(torch.stack(per_target, dim=1))
+        return output, scores, indices, maps

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -50,6 +51,8 @@ class ActivationGradientRecorder:
         modules: The target modules by their dotted names.
         tensor_hook: Use the tensor-hook path from the start; by default it is used
             for modules that earlier calls found modified in place.
+        gradients: Whether gradients will be asked for; without them the recorder
+            only keeps the activations and leaves the forward pass as it is.
 
     Attributes:
         activations: Each layer's output of the last forward pass, by name.
@@ -57,8 +60,11 @@ class ActivationGradientRecorder:
         tensor_hook: Whether the tensor-hook path is in use.
     """
 
-    def __init__(self, modules: Mapping[str, nn.Module], tensor_hook: bool | None = None) -> None:
+    def __init__(
+        self, modules: Mapping[str, nn.Module], tensor_hook: bool | None = None, gradients: bool = True
+    ) -> None:
         self.modules = dict(modules)
+        self.record_gradients = gradients
         if tensor_hook is None:
             tensor_hook = any(uses_tensor_hook(module) for module in self.modules.values())
         self.tensor_hook = tensor_hook
@@ -78,7 +84,7 @@ class ActivationGradientRecorder:
     def _register(self) -> None:
         for name, module in self.modules.items():
             self._handles.append(module.register_forward_hook(partial(self._on_forward, name)))
-            if not self.tensor_hook:
+            if self.record_gradients and not self.tensor_hook:
                 self._handles.append(module.register_full_backward_hook(partial(self._on_module_backward, name)))
 
     def _remove(self) -> None:
@@ -86,7 +92,7 @@ class ActivationGradientRecorder:
             handle.remove()
         self._handles.clear()
 
-    def _on_forward(self, name: str, module: nn.Module, inputs: Any, output: Any) -> Tensor:
+    def _on_forward(self, name: str, module: nn.Module, inputs: Any, output: Any) -> Tensor | None:
         if not isinstance(output, Tensor):
             raise LayerError(
                 f"layer {name!r} returns {type(output).__name__}, not a tensor; "
@@ -97,6 +103,9 @@ class ActivationGradientRecorder:
                 f"layer {name!r} runs more than once in one forward pass (a shared module), "
                 "so its gradient would mix the calls; choose a layer that runs once"
             )
+        if not self.record_gradients:  # a copy: the model may still modify its output in place
+            self.activations[name] = output.detach().clone()
+            return None
         leaf = output.detach().requires_grad_(True)
         self.activations[name] = leaf.detach()
         self._leaves[name] = leaf
@@ -123,7 +132,7 @@ class ActivationGradientRecorder:
         try:
             return self._forward_once(model, x)
         except RuntimeError as err:
-            if self.tensor_hook or _INPLACE_CLASH not in str(err):
+            if not self.record_gradients or self.tensor_hook or _INPLACE_CLASH not in str(err):
                 raise
         self._remove()
         self.tensor_hook = True
@@ -160,3 +169,45 @@ class ActivationGradientRecorder:
             if name not in self.gradients:
                 raise LayerError(f"the target score does not depend on layer {name!r}")
         return dict(self.gradients)
+
+
+@contextmanager
+def output_replaced(module: nn.Module, value: Tensor) -> Iterator[None]:
+    """For the block, make ``module`` return ``value`` instead of its own output (for ablations)."""
+    handle = module.register_forward_hook(lambda module, inputs, output: value)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _guide(module: nn.Module, grad_input: tuple[Tensor | None, ...], grad_output: tuple[Tensor, ...]) -> tuple:
+    """Full-backward hook of a ReLU for Guided Backpropagation: pass on only positive gradients."""
+    return tuple(None if g is None else g.clamp(min=0) for g in grad_input)
+
+
+@contextmanager
+def guided_relus(model: nn.Module) -> Iterator[int]:
+    """Guide the backward pass of every ``nn.ReLU`` module of the model, for the block.
+
+    Each ReLU gets a full-backward hook that clamps the gradient it passes on to
+    its input at zero. In-place ReLUs are made out-of-place for the block (PyTorch
+    refuses a full-backward hook on a module that modifies its input in place);
+    their flags are restored on exit.
+
+    Yields:
+        The number of ReLU modules guided; ReLUs applied as functions are not.
+    """
+    relus = [m for m in model.modules() if isinstance(m, nn.ReLU)]
+    inplace = [m.inplace for m in relus]
+    handles = []
+    try:
+        for relu in relus:
+            relu.inplace = False
+            handles.append(relu.register_full_backward_hook(_guide))
+        yield len(relus)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for relu, flag in zip(relus, inplace):
+            relu.inplace = flag

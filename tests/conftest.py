@@ -21,8 +21,8 @@ def seeded(name: str, **kwargs) -> nn.Module:
     return torchvision.models.get_model(name, **kwargs).eval()
 
 
-def reference_gradcam(model: nn.Module, x: torch.Tensor, layer: str, targets: list[int]) -> torch.Tensor:
-    """Grad-CAM written from the paper, without the library: raw (N, h, w) maps in float64.
+def capture(model: nn.Module, x: torch.Tensor, layer: str, targets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's activations and the summed target scores' gradients, float64, without the library.
 
     A plain forward hook keeps the layer's output and hands a copy on, so later
     in-place operations of the model cannot alter what is kept; the gradient is
@@ -41,8 +41,14 @@ def reference_gradcam(model: nn.Module, x: torch.Tensor, layer: str, targets: li
         handle.remove()
     score = sum(logits[i, t] for i, t in enumerate(targets))
     (grad,) = torch.autograd.grad(score, kept["a"])
+    return kept["a"].detach().double(), grad.double()
+
+
+def reference_gradcam(model: nn.Module, x: torch.Tensor, layer: str, targets: list[int]) -> torch.Tensor:
+    """Grad-CAM written from the paper, without the library: raw (N, h, w) maps in float64."""
+    activations, gradients = capture(model, x, layer, targets)
     maps = []
-    for a, g in zip(kept["a"].detach().double(), grad.double()):
+    for a, g in zip(activations, gradients):
         weights = [g[c].sum() / g[c].numel() for c in range(g.shape[0])]
         total = sum(w * a[c] for c, w in enumerate(weights))
         maps.append(total.clamp(min=0))

@@ -1,0 +1,155 @@
+"""The CAM methods, by name: each supplies only its formula; :class:`explain.engine.CAM` does the rest.
+
+Files: ``gradient.py`` (maps from activations and gradients), ``activation.py``
+(activations alone), ``perturbation.py`` (scores of masked or ablated inputs),
+``guided.py`` (input-resolution guided gradients).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+from ..engine import CAM
+from ..errors import ExplainError
+from ..layers import LayerSpec
+from ..targets import Target
+from .activation import EigenCAM, OriginalCAM, RandomCAM
+from .gradient import EigenGradCAM, GradCAM, GradCAMElementWise, GradCAMPlusPlus, HiResCAM, LayerCAM, XGradCAM
+from .guided import GuidedBackprop, GuidedGradCAM
+from .perturbation import ISCAM, SSCAM, AblationCAM, ScoreCAM
+
+Method = CAM | GuidedBackprop
+
+METHODS: dict[str, type[CAM] | type[GuidedBackprop]] = {
+    cls.name: cls
+    for cls in (
+        GradCAM,
+        GradCAMPlusPlus,
+        XGradCAM,
+        HiResCAM,
+        GradCAMElementWise,
+        LayerCAM,
+        EigenCAM,
+        EigenGradCAM,
+        OriginalCAM,
+        GuidedBackprop,
+        GuidedGradCAM,
+        ScoreCAM,
+        SSCAM,
+        ISCAM,
+        AblationCAM,
+        RandomCAM,
+    )
+}
+
+# One forward and at most one backward per target: what ``--method all`` compares.
+FAST_METHODS = [name for name, cls in METHODS.items() if not issubclass(cls, (ScoreCAM, AblationCAM, RandomCAM))]
+
+
+def create_method(
+    method: str,
+    model: nn.Module,
+    layer: LayerSpec | Sequence[str | nn.Module] = None,
+    *,
+    labels: Sequence[str] | None = None,
+    **options: Any,
+) -> Method:
+    """Build a method by name (see ``METHODS``), with its options.
+
+    Raises:
+        ExplainError: The name is unknown (close names are suggested) or an option
+            does not apply to the method.
+    """
+    if method not in METHODS:
+        close = difflib.get_close_matches(method, list(METHODS), n=3, cutoff=0.5)
+        hint = f"did you mean: {', '.join(close)}" if close else f"known: {', '.join(METHODS)}"
+        raise ExplainError(f"unknown method {method!r}; {hint}")
+    try:
+        return METHODS[method](model, layer, labels=labels, **options)
+    except TypeError as err:
+        raise ExplainError(f"method {method!r} does not take those options: {err}") from None
+
+
+def cam(
+    model: nn.Module,
+    x: Tensor,
+    method: str = "gradcam",
+    layer: LayerSpec | Sequence[str | nn.Module] = None,
+    target: Target = None,
+    *,
+    resize: bool = True,
+    normalize: bool = True,
+    labels: Sequence[str] | None = None,
+    **options: Any,
+) -> Tensor:
+    """Heatmaps of any method for a batch, in one call.
+
+    Args:
+        model: A classifier returning (N, classes) scores; left exactly as it was.
+        x: Normalized images (N, 3, H, W).
+        method: A name from ``explain.METHODS``: ``"gradcam"``, ``"gradcampp"``,
+            ``"scorecam"``, ``"guided_backprop"``...
+        layer: Dotted layer name (``"layer4"``, ``"features.28"``), module, a list of
+            them (fused), or None for the last layer with a spatial output.
+        target: None for each image's top-1 class; a class index or name; one index
+            per image; or a callable mapping the model output to one score per image.
+        resize: Upsample to x's (H, W); False keeps the feature-map resolution.
+        normalize: Min-max normalize each map to [0, 1]; False keeps the raw map.
+        labels: Class names, needed for a class-name target.
+        **options: The method's options: ``fuse``, ``aug_smooth``, ``eigen_smooth``,
+            ``smooth_samples``, ``smooth_sigma``, ``batch_size``, ``seed`` (see
+            :class:`explain.engine.CAM`), and ``samples``/``sigma`` for SS-CAM and IS-CAM.
+
+    Returns:
+        float32 heatmaps (N, H, W) on x's device; (N, 3, H, W) images for the guided methods.
+    """
+    explainer = create_method(method, model, layer, labels=labels, **options)
+    return explainer(x, target, resize=resize, normalize=normalize).cams
+
+
+def gradcam(
+    model: nn.Module,
+    x: Tensor,
+    layer: LayerSpec | Sequence[str | nn.Module] = None,
+    target: Target = None,
+    *,
+    resize: bool = True,
+    normalize: bool = True,
+    labels: Sequence[str] | None = None,
+) -> Tensor:
+    """Grad-CAM heatmaps for a batch: :func:`cam` with ``method="gradcam"``.
+
+    Returns:
+        float32 heatmaps (N, H, W) on x's device.
+    """
+    return cam(model, x, "gradcam", layer, target, resize=resize, normalize=normalize, labels=labels)
+
+
+__all__ = [
+    "FAST_METHODS",
+    "ISCAM",
+    "METHODS",
+    "SSCAM",
+    "AblationCAM",
+    "EigenCAM",
+    "EigenGradCAM",
+    "GradCAM",
+    "GradCAMElementWise",
+    "GradCAMPlusPlus",
+    "GuidedBackprop",
+    "GuidedGradCAM",
+    "HiResCAM",
+    "LayerCAM",
+    "Method",
+    "OriginalCAM",
+    "RandomCAM",
+    "ScoreCAM",
+    "XGradCAM",
+    "cam",
+    "create_method",
+    "gradcam",
+]

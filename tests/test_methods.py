@@ -1,0 +1,248 @@
+"""Every method against an independent float64 reference written here from its formula.
+
+The references capture activations and gradients with a plain hook and
+``torch.autograd.grad`` (see conftest.capture) and compute the maps image by
+image, without the library; the library's raw maps must agree within 1e-5.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import capture, seeded
+from torch import nn
+
+import explain
+
+# model, layer, input side: a plain last stage, a conv whose output an in-place ReLU overwrites, a Hardswish stage.
+GRADIENT_CASES = [("resnet18", "layer4", 96), ("vgg11", "features.18", 64), ("mobilenet_v3_small", "features", 96)]
+# Score-CAM and Ablation-CAM cost a forward per channel: smaller layers and inputs.
+PERTURBATION_CASES = [("resnet18", "layer2", 32), ("vgg11", "features.8", 32), ("mobilenet_v3_small", "features.6", 64)]
+TARGETS = [7, 2]
+PERTURBATION_TARGETS = [9, 8]
+
+
+def inputs(side: int) -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randn(2, 3, side, side)
+
+
+def spatial_sum(t: torch.Tensor) -> torch.Tensor:
+    return t.sum(dim=(-2, -1), keepdim=True)
+
+
+def first_component(weighted: torch.Tensor) -> torch.Tensor:
+    """Projection on the first principal component (numpy SVD), sign agreeing with the channel sum."""
+    maps = []
+    for w in weighted.numpy():
+        rows = w.reshape(w.shape[0], -1).T
+        centred = rows - rows.mean(axis=0)
+        _, _, vt = np.linalg.svd(centred, full_matrices=False)
+        projection = centred @ vt[0]
+        total = rows.sum(axis=1)
+        if np.dot(projection, total - total.mean()) < 0:
+            projection = -projection
+        maps.append(projection.reshape(w.shape[1:]))
+    return torch.from_numpy(np.stack(maps))
+
+
+def reference_gradient_method(method: str, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The map of each gradient method from its paper's formula (A, g: (N, C, h, w) float64)."""
+    if method == "gradcampp":
+        denominator = 2 * g**2 + spatial_sum(a) * g**3
+        alpha = torch.zeros_like(g)
+        nonzero = denominator != 0
+        alpha[nonzero] = g[nonzero] ** 2 / denominator[nonzero]
+        weights = (alpha * g.clamp(min=0)).sum(dim=(-2, -1))
+        return (weights[..., None, None] * a).sum(1).clamp(min=0)
+    if method == "xgradcam":
+        weights = (a / (spatial_sum(a) + 1e-7) * g).sum(dim=(-2, -1))
+        return (weights[..., None, None] * a).sum(1).clamp(min=0)
+    if method == "hirescam":
+        return (g * a).sum(1).clamp(min=0)
+    if method == "gradcam_elementwise":
+        return (g * a).clamp(min=0).sum(1)
+    if method == "layercam":
+        return (g.clamp(min=0) * a).sum(1).clamp(min=0)
+    if method == "eigengradcam":
+        return first_component(g * a).clamp(min=0)
+    raise AssertionError(method)
+
+
+def assert_close_maps(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    assert expected.abs().amax() > 0, "reference maps must not be trivially zero"
+    assert (got.double() - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("method", ["gradcampp", "xgradcam", "hirescam", "gradcam_elementwise", "layercam", "eigengradcam"])
+@pytest.mark.parametrize(("name", "layer", "side"), GRADIENT_CASES)
+def test_gradient_methods_match_reference(method: str, name: str, layer: str, side: int) -> None:
+    model = seeded(name, num_classes=10)
+    x = inputs(side)
+    a, g = capture(model, x, layer, TARGETS)
+    got = explain.cam(model, x, method, layer, TARGETS, resize=False, normalize=False)
+    assert_close_maps(got, reference_gradient_method(method, a, g))
+
+
+@pytest.mark.parametrize(("name", "layer", "side"), GRADIENT_CASES)
+def test_activation_methods_match_reference(name: str, layer: str, side: int) -> None:
+    model = seeded(name, num_classes=10)
+    x = inputs(side)
+    a, _ = capture(model, x, layer, TARGETS)
+    got = explain.cam(model, x, "eigencam", layer, TARGETS, resize=False, normalize=False)
+    assert_close_maps(got, first_component(a).clamp(min=0))
+
+    torch.manual_seed(5)
+    expected = (2 * torch.rand(a.shape[:2], dtype=torch.float32).double() - 1)[..., None, None]
+    got = explain.cam(model, x, "random", layer, TARGETS, resize=False, normalize=False, seed=5)
+    assert_close_maps(got, (expected * a).sum(1).clamp(min=0))
+
+
+def test_original_cam_uses_the_classifier_row_without_relu() -> None:
+    model = seeded("resnet18", num_classes=10)
+    x = inputs(64)
+    a, _ = capture(model, x, "layer4", TARGETS)
+    rows = model.fc.weight.detach().double()[TARGETS]
+    expected = (rows[..., None, None] * a).sum(1)
+    assert (expected < 0).any(), "the map has negative parts, which CAM keeps"
+    got = explain.cam(model, x, "cam", "layer4", TARGETS, resize=False, normalize=False)
+    assert (got.double() - expected).abs().max().item() <= 1e-5
+    with pytest.raises(explain.LayerError, match="no such linear layer"):
+        explain.cam(model, x, "cam", "layer3")
+
+
+def masked_scores(model: nn.Module, x: torch.Tensor, a: torch.Tensor, factors, targets: list[int]) -> torch.Tensor:
+    """Score-CAM family reference: per image and channel, the mean target score over masks factor(mask)."""
+    scores = torch.zeros(a.shape[:2], dtype=torch.float64)
+    with torch.no_grad():
+        for n in range(a.shape[0]):
+            up = F.interpolate(a[n][:, None].float(), size=x.shape[-2:], mode="bilinear", align_corners=False)
+            low, high = up.amin(dim=(1, 2, 3), keepdim=True), up.amax(dim=(1, 2, 3), keepdim=True)
+            masks = torch.where(high > low, (up - low) / (high - low), 0.0)
+            per_step = [model(x[n] * factor(n, masks))[:, targets[n]] for factor in factors]
+            scores[n] = torch.stack(per_step).double().mean(0)
+    return scores
+
+
+def weighted_map(weights: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    return (weights[..., None, None] * a).sum(1).clamp(min=0)
+
+
+def well_conditioned(model: nn.Module) -> nn.Module:
+    """A random network made to behave like a trained one where Score-CAM and Ablation-CAM look.
+
+    BatchNorm statistics are set from random images (else the signal of a random
+    mobilenet_v3_small fades to ~1e-8 and every ablation changes nothing), and the
+    classifier's scores are shifted by +3 (random networks score near 0, where
+    Ablation-CAM's division by the score would magnify float32 rounding).
+    """
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.momentum = None  # a plain average over the calibration batch
+    torch.manual_seed(3)
+    with torch.no_grad():
+        model.train()(torch.randn(8, 3, 64, 64))
+        [m for m in model.modules() if isinstance(m, nn.Linear)][-1].bias += 3.0
+    return model.eval()
+
+
+@pytest.mark.parametrize(("name", "layer", "side"), PERTURBATION_CASES)
+def test_score_cam_and_ablation_cam_match_reference(name: str, layer: str, side: int) -> None:
+    model = well_conditioned(seeded(name, num_classes=10))
+    x = inputs(side)
+    targets = PERTURBATION_TARGETS
+    a, _ = capture(model, x, layer, targets)
+
+    expected = weighted_map(masked_scores(model, x, a, [lambda n, m: m], targets).softmax(1), a)
+    got = explain.cam(model, x, "scorecam", layer, targets, resize=False, normalize=False, batch_size=50)
+    assert_close_maps(got, expected)
+
+    with torch.no_grad():
+        y = model(x)[range(2), targets].double()
+        ablated = torch.zeros(a.shape[:2], dtype=torch.float64)
+        for n in range(2):
+            for c in range(a.shape[1]):
+                values = a[n : n + 1].float().clone()
+                values[0, c] = 0
+                handle = model.get_submodule(layer).register_forward_hook(lambda m, i, o, v=values: v)
+                ablated[n, c] = model(x[n : n + 1])[0, targets[n]].double()
+                handle.remove()
+    expected = weighted_map((y[:, None] - ablated) / y[:, None], a)
+    got = explain.cam(model, x, "ablationcam", layer, targets, resize=False, normalize=False, batch_size=50)
+    assert_close_maps(got, expected)
+
+
+def test_ss_cam_and_is_cam_match_reference() -> None:
+    model = seeded("resnet18", num_classes=10)
+    x = inputs(32)
+    a, _ = capture(model, x, "layer2", TARGETS)
+    rows, samples = a.shape[0] * a.shape[1], 3
+
+    generator = torch.Generator().manual_seed(11)
+    noise = [torch.randn((rows, 1, 32, 32), generator=generator).view(2, -1, 1, 32, 32) for _ in range(samples)]
+    steps = [lambda n, m, e=e: m + 0.5 * e[n] for e in noise]
+    expected = weighted_map(masked_scores(model, x, a, steps, TARGETS).softmax(1), a)
+    options = {"samples": samples, "batch_size": rows, "seed": 11}
+    got = explain.cam(model, x, "sscam", "layer2", TARGETS, resize=False, normalize=False, sigma=0.5, **options)
+    assert_close_maps(got, expected)
+
+    betas = [sum(j / samples for j in range(1, i + 1)) for i in range(1, samples + 1)]
+    steps = [lambda n, m, b=b: b * m for b in betas]
+    expected = weighted_map(masked_scores(model, x, a, steps, TARGETS).softmax(1), a)
+    got = explain.cam(model, x, "iscam", "layer2", TARGETS, resize=False, normalize=False, samples=samples)
+    assert_close_maps(got, expected)
+
+
+class GuidedReLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad.clamp(min=0) * (x > 0)
+
+
+class GuidedReLUModule(nn.Module):
+    def forward(self, x):
+        return GuidedReLU.apply(x)
+
+
+def reference_guided(model: nn.Module, x: torch.Tensor, targets: list[int]) -> torch.Tensor:
+    """Guided Backpropagation from its definition: a copy of the model whose ReLUs pass back positive gradients."""
+    guided = copy.deepcopy(model)
+    for parent in list(guided.modules()):
+        for child_name, child in parent.named_children():
+            if isinstance(child, nn.ReLU):
+                setattr(parent, child_name, GuidedReLUModule())
+    x = x.clone().requires_grad_(True)
+    logits = guided(x)
+    (grad,) = torch.autograd.grad(sum(logits[i, t] for i, t in enumerate(targets)), x)
+    return grad.double()
+
+
+@pytest.mark.parametrize(("name", "layer", "side"), GRADIENT_CASES)
+def test_guided_backprop_and_guided_gradcam_match_reference(name: str, layer: str, side: int) -> None:
+    model = seeded(name, num_classes=10)
+    x = inputs(side)
+    expected = reference_guided(model, x, TARGETS)
+    scale = max(1.0, expected.abs().max().item())  # input gradients of random networks can be large
+    got = explain.cam(model, x, "guided_backprop", target=TARGETS, normalize=False)
+    assert got.shape == (2, 3, side, side)
+    assert (got.double() - expected).abs().max().item() <= 1e-5 * scale
+
+    cams = explain.gradcam(model, x, layer, TARGETS)
+    got = explain.cam(model, x, "guided_gradcam", layer, TARGETS, normalize=False)
+    assert (got.double() - expected * cams[:, None].double()).abs().max().item() <= 1e-5 * scale
+
+    shown = explain.cam(model, x, "guided_backprop", target=TARGETS)
+    assert shown.min() >= 0 and shown.max() <= 1
+    peak = expected.abs().amax(dim=(1, 2, 3), keepdim=True)
+    torch.testing.assert_close(shown, (0.5 + expected / (2 * peak)).float())
