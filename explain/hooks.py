@@ -106,7 +106,9 @@ class ActivationGradientRecorder:
         if not self.record_gradients:  # a copy: the model may still modify its output in place
             self.activations[name] = output.detach().clone()
             return None
-        leaf = output.detach().requires_grad_(True)
+        # An output that already requires grad lies downstream of another target layer of this
+        # recorder: it stays in the graph, so that layer's gradient can flow through it.
+        leaf = output if output.requires_grad else output.detach().requires_grad_(True)
         self.activations[name] = leaf.detach()
         self._leaves[name] = leaf
         if not self.tensor_hook:

@@ -79,7 +79,10 @@ def assert_close_maps(got: torch.Tensor, expected: torch.Tensor) -> None:
     assert (got.double() - expected).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("method", ["gradcampp", "xgradcam", "hirescam", "gradcam_elementwise", "layercam", "eigengradcam"])
+GRADIENT_METHODS = ["gradcampp", "xgradcam", "hirescam", "gradcam_elementwise", "layercam", "eigengradcam"]
+
+
+@pytest.mark.parametrize("method", GRADIENT_METHODS)
 @pytest.mark.parametrize(("name", "layer", "side"), GRADIENT_CASES)
 def test_gradient_methods_match_reference(method: str, name: str, layer: str, side: int) -> None:
     model = seeded(name, num_classes=10)
