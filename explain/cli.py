@@ -13,8 +13,9 @@ import torch
 from tqdm import tqdm
 
 from .errors import ExplainError
-from .export import ExportOptions, export_heatmaps
+from .export import ALL, ExportOptions, export_heatmaps
 from .layers import resolve_layer
+from .methods import FAST_METHODS, METHODS, method_options
 from .models import BUNDLED, DEFAULT_MODEL, load_model
 from .targets import class_index
 
@@ -29,15 +30,36 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 all inputs written, 1 some inputs failed (each named on stderr), 2 usage error.",
     )
     add = parser.add_argument
-    add("inputs", nargs="+", help="image files, folders (searched recursively) and glob patterns")
+    add("inputs", nargs="*", help="image files, folders (searched recursively) and glob patterns")
+    add(
+        "--method",
+        default="gradcam",
+        help="CAM method (default gradcam); 'list' names them, 'all' compares the fast ones",
+    )
     add("--model", default=DEFAULT_MODEL, help=f"torchvision classifier, or {BUNDLED} (bundled, offline)")
     add("--weights", type=Path, help="state_dict file (.pt, .pth, .safetensors) for the model's architecture")
     add("--labels", type=Path, help="text file of class names, one per line (for a checkpoint's own classes)")
-    add("--layer", help="target layer, a dotted name such as layer4 or features.28; default: last spatial layer")
+    add(
+        "--layer",
+        help="target layer, a dotted name such as layer4 or features.28, or several joined by commas "
+        "(their maps are fused); default: last spatial layer",
+    )
+    add("--fuse", choices=("mean", "max"), help="how several layers' maps are fused (default mean)")
+    add("--aug-smooth", action="store_true", help="average over flips and scales 0.9/1.0/1.1 (6 passes)")
+    add("--eigen-smooth", action="store_true", help="first principal component of the weighted activations")
+    add("--smooth-samples", type=int, help="SmoothGrad-style: average the maps of N noisy copies")
+    add("--smooth-sigma", type=float, help="noise of --smooth-samples, a fraction of the value range (default 0.15)")
+    add("--seed", type=int, help="seed of the random numbers (noise, SS-CAM, the random baseline)")
     add("--target", help="class index or class name to explain; default: each image's top-1 class")
     add("--topk", type=int, help="write one overlay for each of the K top classes")
     add("--device", help="torch device; default: cuda if available, else cpu")
-    add("--batch-size", type=int, default=16, help="images per forward pass (default 16)")
+    add(
+        "--batch-size",
+        type=int,
+        default=16,
+        help="images per forward pass, also the masked or ablated copies "
+        "per forward of Score-CAM and Ablation-CAM: their memory bound (default 16)",
+    )
     add("-o", "--out", type=Path, default=Path("cam_out"), help="output folder (default cam_out/)")
     add("--alpha", type=float, default=0.5, help="heatmap opacity in [0, 1] (default 0.5)")
     add("--colormap", default="jet", help="matplotlib colormap (default jet)")
@@ -50,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    if not args.inputs:
+        parser.error("the following arguments are required: inputs")
+    if args.method == ALL and (args.topk or args.figure or args.save_raw):
+        parser.error("--method all writes one comparison grid per image; drop --topk, --figure and --save-raw")
+    if args.smooth_samples is not None and args.smooth_samples < 1:
+        parser.error("--smooth-samples must be at least 1")
     if args.topk is not None and args.target is not None:
         parser.error("--topk and --target exclude each other")
     if args.topk is not None and args.topk < 1:
@@ -83,15 +111,47 @@ def _print_record(record: dict[str, Any], quiet: bool) -> None:
         tqdm.write(f"{record['input']}: {name} ({score:.3f}) layer={record['layer']} -> {output}", file=sys.stdout)
 
 
+def _method_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The method options the user set; the batch size goes to every method that takes one."""
+    flags = {
+        "fuse": args.fuse,
+        "aug_smooth": args.aug_smooth or None,
+        "eigen_smooth": args.eigen_smooth or None,
+        "smooth_samples": args.smooth_samples,
+        "smooth_sigma": args.smooth_sigma,
+        "seed": args.seed,
+    }
+    options = {name: value for name, value in flags.items() if value is not None}
+    if args.method == ALL or "batch_size" in method_options(args.method):
+        options["batch_size"] = args.batch_size
+    return options
+
+
+def list_methods() -> str:
+    """One line per method: its name, what it is, and whether ``--method all`` includes it."""
+    lines = []
+    for name, cls in METHODS.items():
+        title = (cls.__doc__ or "").strip().split(":")[0]
+        cost = "fast, in --method all" if name in FAST_METHODS else "not in --method all"
+        lines.append(f"{name:20} {title:45} {cost}")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status (0 all written, 1 some inputs failed, 2 usage error)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.method == "list":
+        print(list_methods())
+        return EXIT_OK
+    if args.method != ALL and args.method not in METHODS:
+        parser.error(f"unknown method {args.method!r}; 'list' prints the names")
     device = _check_arguments(parser, args)
     try:
         spec = load_model(args.model, args.weights, args.labels, device)
-        if args.layer is not None:
-            resolve_layer(spec.model, args.layer)
+        layer = args.layer.split(",") if args.layer and "," in args.layer else args.layer
+        for name in [layer] if isinstance(layer, str) else layer or []:
+            resolve_layer(spec.model, name)
         target = None
         if args.target is not None:
             target = int(args.target) if args.target.lstrip("-").isdigit() else args.target
@@ -99,7 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.topk is not None and args.topk > len(spec.labels):
             raise ExplainError(f"--topk {args.topk} exceeds the model's {len(spec.labels)} classes")
         options = ExportOptions(
-            layer=args.layer,
+            method=args.method,
+            method_options=_method_options(args),
+            layer=layer,
             target=target,
             topk=args.topk,
             batch_size=args.batch_size,

@@ -7,9 +7,9 @@ import json
 import os
 import sys
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -22,9 +22,10 @@ from . import render
 from .errors import ImageLoadError, LayerError, TargetError, first_line
 from .image_io import input_size, load_image, save_array, save_image, to_tensor, write_atomically
 from .layers import LayerSpec
-from .methods import GradCAM
+from .methods import FAST_METHODS, Method, create_method, method_options
 from .models import ModelSpec
 
+ALL = "all"  # the method name that asks for one grid of every fast method per image
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"})
 MANIFEST = "manifest.jsonl"
 
@@ -59,9 +60,16 @@ class _Loaded:
 
 @dataclass(frozen=True)
 class ExportOptions:
-    """What to explain and what to write for each image."""
+    """What to explain and what to write for each image.
 
-    layer: LayerSpec = None
+    ``method`` is a name of ``explain.METHODS``, or ``"all"`` for one grid figure per
+    image with every fast method; ``method_options`` go to the method (see
+    :func:`explain.cam`); under ``"all"`` each method gets those it takes.
+    """
+
+    method: str = "gradcam"
+    method_options: Mapping[str, Any] = field(default_factory=dict)
+    layer: LayerSpec | Sequence[str] = None
     target: int | str | None = None
     topk: int | None = None
     batch_size: int = 16
@@ -160,16 +168,31 @@ class _Exporter:
         self.out_dir = out_dir
         self.options = options
         self.device = device
-        self.cam = GradCAM(spec.model, options.layer, labels=spec.labels)
+        names = FAST_METHODS if options.method == ALL else [options.method]
+        self.methods: dict[str, Method] = {
+            name: create_method(name, spec.model, options.layer, labels=spec.labels, **self._options_for(name))
+            for name in names
+        }
         count = options.topk or 1
-        self.tags = [f".{self.cam.name}" + (f".top{k + 1}" if options.topk else "") for k in range(count)]
+        self.tags = [f".{options.method}" + (f".top{k + 1}" if options.topk else "") for k in range(count)]
+
+    def _options_for(self, name: str) -> dict[str, Any]:
+        given = dict(self.options.method_options)
+        if self.options.method != ALL:
+            return given
+        return {k: v for k, v in given.items() if k in method_options(name)}
+
+    @property
+    def layer(self) -> str | None:
+        """The target layer of the (first) method."""
+        return next(iter(self.methods.values())).layer
 
     def paths(self, base: Path) -> tuple[list[Path], list[Path], Path | None]:
         """The overlays, figures and raw map written for an output base path."""
         o = self.options
         overlays = [base.with_name(base.name + tag + f".{o.fmt}") for tag in self.tags]
         figures = [base.with_name(base.name + tag + ".figure.png") for tag in self.tags] if o.figure else []
-        raw = base.with_name(f"{base.name}.{self.cam.name}.npy") if o.save_raw else None
+        raw = base.with_name(f"{base.name}.{o.method}.npy") if o.save_raw else None
         return overlays, figures, raw
 
     def files_for(self, base: Path) -> list[Path]:
@@ -185,8 +208,8 @@ class _Exporter:
             "class_index": fields.get("class_index"),
             "class_name": fields.get("class_name"),
             "score": fields.get("score"),
-            "layer": self.cam.layer,
-            "method": self.cam.name,
+            "layer": self.layer,
+            "method": self.options.method,
             "model": self.spec.name,
             **({"raw": fields.get("raw")} if self.options.save_raw else {}),
             **({"figure": fields.get("figure")} if self.options.figure else {}),
@@ -205,31 +228,53 @@ class _Exporter:
     def explain(self, group: Sequence[_Loaded]) -> list[Callable[[], dict[str, Any]]]:
         """Explain images of one input size together; returns a job per image that writes its outputs."""
         o = self.options
-        result = self.cam(torch.stack([member.tensor for member in group]).to(self.device), o.target, topk=o.topk)
+        x = torch.stack([member.tensor for member in group]).to(self.device)
+        results = {}
+        for name, method in list(self.methods.items()):
+            try:
+                results[name] = method(x, o.target, topk=o.topk)
+            except LayerError:
+                if len(self.methods) == 1:
+                    raise
+                del self.methods[name]  # a comparison leaves out a method that does not fit the model (CAM)
 
         def per_target(t: torch.Tensor) -> torch.Tensor:  # (N, K, ...) whether or not topk is set
             return (t if o.topk else t[:, None]).cpu()
 
-        cams, raws = per_target(result.cams), per_target(result.raw)
-        indices, probs = per_target(result.class_indices).tolist(), per_target(result.probabilities).tolist()
+        first = next(iter(results.values()))
+        cams = {name: per_target(result.cams) for name, result in results.items()}
+        raws = per_target(first.raw)
+        indices, probs = per_target(first.class_indices).tolist(), per_target(first.probabilities).tolist()
         return [
-            partial(self.write, member, cams[i], raws[i], indices[i], probs[i], result.layer)
+            partial(self.write, member, {n: c[i] for n, c in cams.items()}, raws[i], indices[i], probs[i], first.layer)
             for i, member in enumerate(group)
         ]
 
     def write(
-        self, member: _Loaded, cams: torch.Tensor, raw: torch.Tensor, indices: list[int], probs: list[float], layer: str
+        self,
+        member: _Loaded,
+        cams: dict[str, torch.Tensor],
+        raw: torch.Tensor,
+        indices: list[int],
+        probs: list[float],
+        layer: str,
     ) -> dict[str, Any]:
-        """Render and write one image's outputs (K maps); returns its manifest record."""
+        """Render and write one image's outputs (K maps per method); returns its manifest record."""
         o = self.options
         names = [self.spec.labels[c] for c in indices]
         outputs, figures, raw_path = self.paths(member.base)
         try:
-            for k, path in enumerate(outputs):
-                save_image(render.overlay(member.image, cams[k], o.alpha, o.colormap), path)
-            for k, path in enumerate(figures):
-                title = f"{names[k]} ({probs[k]:.1%}), {self.cam.name} at {layer}"
-                save_image(render.figure(member.image, cams[k], title, o.alpha, o.colormap), path)
+            if o.method == ALL:
+                title = f"{names[0]} ({probs[0]:.1%}), every fast method"
+                first_maps = {name: per_method[0] for name, per_method in cams.items()}
+                save_image(render.grid(member.image, first_maps, title, o.alpha, o.colormap), outputs[0])
+            else:
+                (maps,) = cams.values()
+                for k, path in enumerate(outputs):
+                    save_image(render.picture(member.image, maps[k], o.alpha, o.colormap), path)
+                for k, path in enumerate(figures):
+                    title = f"{names[k]} ({probs[k]:.1%}), {o.method} at {layer}"
+                    save_image(render.figure(member.image, maps[k], title, o.alpha, o.colormap), path)
             if raw_path:
                 save_array((raw if o.topk else raw[0]).numpy(), raw_path)
         except OSError as err:

@@ -190,7 +190,7 @@ def _guide(module: nn.Module, grad_input: tuple[Tensor | None, ...], grad_output
 
 @contextmanager
 def guided_relus(model: nn.Module) -> Iterator[int]:
-    """Guide the backward pass of every ``nn.ReLU`` module of the model, for the block.
+    """Guide the backward pass of every ``nn.ReLU`` and ``nn.ReLU6`` module of the model, for the block.
 
     Each ReLU gets a full-backward hook that clamps the gradient it passes on to
     its input at zero. In-place ReLUs are made out-of-place for the block (PyTorch
@@ -198,9 +198,9 @@ def guided_relus(model: nn.Module) -> Iterator[int]:
     their flags are restored on exit.
 
     Yields:
-        The number of ReLU modules guided; ReLUs applied as functions are not.
+        The number of modules guided; ReLUs applied as functions are not.
     """
-    relus = [m for m in model.modules() if isinstance(m, nn.ReLU)]
+    relus = [m for m in model.modules() if isinstance(m, (nn.ReLU, nn.ReLU6))]
     inplace = [m.inplace for m in relus]
     handles = []
     try:

@@ -1,6 +1,9 @@
-"""Renderers: a heatmap in colour, blended onto the original image, and a side-by-side figure."""
+"""Renderers: a heatmap in colour, blended onto the original image; guided maps as images; figures and grids."""
 
 from __future__ import annotations
+
+import math
+from collections.abc import Mapping
 
 import matplotlib
 import numpy as np
@@ -59,25 +62,38 @@ def overlay(
     return Image.fromarray(np.clip(blended + 0.5, 0, 255).astype(np.uint8), mode="RGB")
 
 
-def figure(
-    image: Image.Image | np.ndarray,
-    cam: Tensor | np.ndarray,
-    title: str,
-    alpha: float = 0.5,
-    colormap: str = "jet",
+def gradient_image(cam: Tensor | np.ndarray, height: int, width: int) -> Image.Image:
+    """A guided map (3, h, w) with values in [0, 1] (as the guided methods return them) as an RGB image."""
+    values = torch.as_tensor(cam).detach().cpu().float()
+    if values.dim() != 3 or values.shape[0] != 3:
+        raise ValueError(f"a guided map must be (3, H, W), got shape {tuple(values.shape)}")
+    resized = F.interpolate(values[None], size=(height, width), mode="bilinear", align_corners=False)[0]
+    pixels = (resized.clamp(0, 1) * 255 + 0.5).to(torch.uint8).permute(1, 2, 0).numpy()
+    return Image.fromarray(pixels, mode="RGB")
+
+
+def picture(
+    image: Image.Image | np.ndarray, cam: Tensor | np.ndarray, alpha: float = 0.5, colormap: str = "jet"
 ) -> Image.Image:
-    """A side-by-side figure: the image, the heatmap, and the overlay, under ``title``."""
+    """What a method's map looks like on an image: a heatmap overlay, or the guided image (3-D maps)."""
+    pixels = _as_image(image)
+    if np.ndim(cam) == 3:
+        return gradient_image(cam, *pixels.shape[:2])
+    return overlay(pixels, cam, alpha, colormap)
+
+
+def _panels(panels: Mapping[str, np.ndarray | Image.Image], title: str, columns: int) -> Image.Image:
+    """Images in a grid of ``columns``, each under its name, the whole under ``title``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    pixels = _as_image(image)
-    heat = resize_map(cam, *pixels.shape[:2])
-    height, width = pixels.shape[:2]
-    fig = Figure(figsize=(12, 4 * height / width + 0.6), dpi=100)
+    first = np.asarray(next(iter(panels.values())))
+    height, width = first.shape[:2]
+    rows = math.ceil(len(panels) / columns)
+    fig = Figure(figsize=(4 * columns, rows * 4 * height / width + 0.6), dpi=100)
     canvas = FigureCanvasAgg(fig)
-    panels = {"image": pixels, "heatmap": colorize(heat, colormap), "overlay": overlay(pixels, heat, alpha, colormap)}
     for position, (name, panel) in enumerate(panels.items(), start=1):
-        axes = fig.add_subplot(1, 3, position)
+        axes = fig.add_subplot(rows, columns, position)
         axes.imshow(panel)
         axes.set_title(name)
         axes.axis("off")
@@ -85,3 +101,34 @@ def figure(
     fig.tight_layout()
     canvas.draw()
     return Image.fromarray(np.asarray(canvas.buffer_rgba())[..., :3].copy())
+
+
+def figure(
+    image: Image.Image | np.ndarray,
+    cam: Tensor | np.ndarray,
+    title: str,
+    alpha: float = 0.5,
+    colormap: str = "jet",
+) -> Image.Image:
+    """A side-by-side figure under ``title``: the image, the heatmap, and the overlay (or, for a
+    guided map, the image and the guided image)."""
+    pixels = _as_image(image)
+    if np.ndim(cam) == 3:
+        return _panels({"image": pixels, "guided": picture(pixels, cam)}, title, columns=2)
+    heat = resize_map(cam, *pixels.shape[:2])
+    panels = {"image": pixels, "heatmap": colorize(heat, colormap), "overlay": overlay(pixels, heat, alpha, colormap)}
+    return _panels(panels, title, columns=3)
+
+
+def grid(
+    image: Image.Image | np.ndarray,
+    cams: Mapping[str, Tensor | np.ndarray],
+    title: str,
+    alpha: float = 0.5,
+    colormap: str = "jet",
+    columns: int = 4,
+) -> Image.Image:
+    """One figure comparing methods: the image, then each method's map on it, under its name."""
+    pixels = _as_image(image)
+    panels = {"image": pixels, **{name: picture(pixels, cam, alpha, colormap) for name, cam in cams.items()}}
+    return _panels(panels, title, columns=min(columns, len(panels)))

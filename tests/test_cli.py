@@ -15,8 +15,10 @@ import torchvision
 from conftest import ASSETS, CAT, COFFEE
 from PIL import Image
 
+import explain
 from explain.cli import main
 from explain.export import _Exporter
+from explain.models import load_model
 
 ROOT = ASSETS.parent
 LITE0 = ["--model", "efficientnet_lite0"]
@@ -135,6 +137,11 @@ def test_unwritable_output_fails_alone(photos, tmp_path, capsys) -> None:
         ([*LITE0, "--colormap", "nope"], "unknown colormap"),
         ([*LITE0, "--format", "gif"], "invalid choice"),
         ([*LITE0, "--frobnicate"], "unrecognized arguments"),
+        ([*LITE0, "--method", "gradcamm"], "unknown method 'gradcamm'"),
+        ([*LITE0, "--method", "all", "--topk", "2"], "drop --topk"),
+        ([*LITE0, "--method", "guided_backprop", "--aug-smooth"], "aug_smooth do not apply"),
+        ([*LITE0, "--layer", "blocks.5,blocks.9"], "unknown layer 'blocks.9'"),
+        ([*LITE0, "--method", "cam", "--layer", "blocks.6"], "no such linear layer"),
     ],
 )
 def test_usage_errors_exit_2_without_traceback(args, message, tmp_path, capsys) -> None:
@@ -215,3 +222,52 @@ def test_script_runs_as_a_program(tmp_path) -> None:
     assert run.returncode == 1
     assert "espresso" in run.stdout and str(tmp_path / "out" / "coffee.gradcam.png") in run.stdout
     assert run.stderr.splitlines() == [f"explain: error: {empty}: empty file"]  # no progress bar off a terminal
+
+
+def test_method_list_needs_no_input(capsys) -> None:
+    assert main(["--method", "list"]) == 0
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert names == list(explain.METHODS)
+
+
+def test_method_all_writes_one_comparison_grid_per_image(tmp_path) -> None:
+    out = tmp_path / "out"
+    assert main([str(CAT), str(COFFEE), "-o", str(out), "--method", "all", "--quiet", *LITE0]) == 0
+    records = manifest(out)
+    assert [Path(r["output"]).name for r in records] == ["chelsea.all.png", "coffee.all.png"]
+    assert [r["class_name"] for r in records] == ["Egyptian cat", "espresso"] and records[0]["method"] == "all"
+    grid = np.asarray(Image.open(records[0]["output"]).convert("RGB")).astype(int)
+    assert grid.shape[1] > 3 * grid.shape[0] // 2  # 3 rows of 4 panels of the 451 x 300 photo
+    assert grid.std() > 30  # photos and heatmaps, not a blank canvas
+
+
+def test_score_cam_forwards_respect_the_batch_size(tmp_path, monkeypatch) -> None:
+    batches = []
+
+    def counting(*args, **kwargs):
+        spec = load_model(*args, **kwargs)
+        spec.model.register_forward_pre_hook(lambda m, inputs: batches.append(inputs[0].shape[0]))
+        return spec
+
+    monkeypatch.setattr("explain.cli.load_model", counting)
+    out = tmp_path / "out"
+    args = [str(COFFEE), "-o", str(out), "--method", "scorecam", "--layer", "blocks.3", "--batch-size", "24"]
+    assert main([*args, "--quiet", *LITE0]) == 0
+    (record,) = manifest(out)
+    assert record["class_name"] == "espresso" and record["method"] == "scorecam"
+    assert Path(record["output"]).name == "coffee.scorecam.png"
+    assert max(batches) == 24 and sum(batches) > 80  # 80 channels scored in chunks of at most 24
+
+
+def test_guided_and_fused_smoothed_maps_from_the_command_line(tmp_path) -> None:
+    out = tmp_path / "out"
+    assert main([str(CAT), "-o", str(out), "--method", "guided_backprop", "--figure", "--quiet", *LITE0]) == 0
+    (record,) = manifest(out)
+    guided = np.asarray(Image.open(record["output"]).convert("RGB")).astype(int)
+    assert guided.shape == (300, 451, 3) and abs(np.median(guided) - 128) <= 3  # grey where the gradient is 0
+    assert Path(record["figure"]).is_file()
+
+    args = ["--method", "layercam", "--layer", "blocks.5,blocks.6", "--fuse", "max", "--aug-smooth", "--quiet"]
+    assert main([str(CAT), "-o", str(out), *args, *LITE0]) == 0
+    (record,) = manifest(out)
+    assert record["layer"] == "blocks.5+blocks.6" and Path(record["output"]).name == "chelsea.layercam.png"

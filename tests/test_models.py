@@ -35,12 +35,13 @@ def test_bundled_model_knows_the_espresso(lite0: explain.ModelSpec) -> None:
     assert probs.max().item() > 0.8
 
 
+@pytest.mark.parametrize("method", ["gradcam", "hirescam"])
 @pytest.mark.parametrize(("class_name", "half"), [("Egyptian cat", 0), ("espresso", 1)])
-def test_gradcam_discriminates_cat_from_coffee(lite0: explain.ModelSpec, composite: np.ndarray, class_name, half):
+def test_map_discriminates_cat_from_coffee(lite0: explain.ModelSpec, composite: np.ndarray, class_name, half, method):
     """On cat|coffee side by side, each class's map lies on its own half (layer chosen automatically)."""
     image = Image.fromarray(composite)
     x = to_tensor(image, (224, 224), lite0.mean, lite0.std, lite0.resample)[None]
-    cam = explain.gradcam(lite0.model, x, target=class_name, labels=lite0.labels)[0]
+    cam = explain.cam(lite0.model, x, method, target=class_name, labels=lite0.labels)[0]
     halves = cam[:, :112], cam[:, 112:]
     assert (halves[half].sum() / cam.sum()).item() > 0.65
     peak_column = cam.flatten().argmax().item() % 224

@@ -19,6 +19,7 @@ def snapshot(model: nn.Module) -> dict:
         "requires_grad": [p.requires_grad for p in model.parameters()],
         "grad": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
         "buffers": [b.clone() for b in model.buffers()],
+        "inplace": [m.inplace for m in model.modules() if isinstance(m, nn.ReLU)],
     }
 
 
@@ -27,6 +28,7 @@ def assert_unchanged(model: nn.Module, before: dict) -> None:
     assert after["hooks"] == 0 == before["hooks"]
     assert after["training"] == before["training"]
     assert after["requires_grad"] == before["requires_grad"]
+    assert after["inplace"] == before["inplace"]
     for old, new in zip(before["grad"], after["grad"]):
         assert (old is None and new is None) or torch.equal(old, new)
     for old, new in zip(before["buffers"], after["buffers"]):
@@ -100,3 +102,18 @@ def test_train_mode_uses_batch_statistics_but_restores_running_stats() -> None:
     eval_cams = explain.gradcam(model.eval(), x, "layer3", 1, normalize=False, resize=False)
     assert not torch.allclose(train_cams, eval_cams)
     assert model.bn1.num_batches_tracked.item() == 0
+
+
+@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize("method", list(explain.METHODS))
+def test_every_method_leaves_model_unchanged_on_success_and_failure(method: str, train: bool) -> None:
+    model = prepared("resnet18", train)  # in-place ReLUs, which Guided Backpropagation switches for its call
+    assert any(m.inplace for m in model.modules() if isinstance(m, nn.ReLU))
+    layer = "layer4" if method == "cam" else "layer2"  # CAM needs the layer the classifier reads
+    before = snapshot(model)
+    with torch.no_grad():
+        cams = explain.cam(model, torch.randn(2, 3, 32, 32), method, layer, [1, 2])
+    assert cams.shape[0] == 2 and cams.shape[-2:] == (32, 32) and not cams.isnan().any()
+    with pytest.raises(explain.TargetError):
+        explain.cam(model, torch.randn(2, 3, 32, 32), method, layer, 99)
+    assert_unchanged(model, before)

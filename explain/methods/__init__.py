@@ -8,6 +8,7 @@ Files: ``gradient.py`` (maps from activations and gradients), ``activation.py``
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,6 +51,19 @@ METHODS: dict[str, type[CAM] | type[GuidedBackprop]] = {
 FAST_METHODS = [name for name, cls in METHODS.items() if not issubclass(cls, (ScoreCAM, AblationCAM, RandomCAM))]
 
 
+def method_options(method: str) -> set[str]:
+    """The options (keyword arguments besides ``labels``) that a method's class takes."""
+    names: set[str] = set()
+    for cls in METHODS[method].__mro__:
+        if "__init__" not in cls.__dict__:
+            continue
+        parameters = inspect.signature(cls.__dict__["__init__"]).parameters.values()
+        names |= {p.name for p in parameters if p.kind is p.KEYWORD_ONLY}
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            break
+    return names - {"labels"}
+
+
 def create_method(
     method: str,
     model: nn.Module,
@@ -68,10 +82,10 @@ def create_method(
         close = difflib.get_close_matches(method, list(METHODS), n=3, cutoff=0.5)
         hint = f"did you mean: {', '.join(close)}" if close else f"known: {', '.join(METHODS)}"
         raise ExplainError(f"unknown method {method!r}; {hint}")
-    try:
-        return METHODS[method](model, layer, labels=labels, **options)
-    except TypeError as err:
-        raise ExplainError(f"method {method!r} does not take those options: {err}") from None
+    unknown = sorted(set(options) - method_options(method))
+    if unknown:
+        raise ExplainError(f"option(s) {', '.join(unknown)} do not apply to method {method!r}")
+    return METHODS[method](model, layer, labels=labels, **options)
 
 
 def cam(
@@ -152,4 +166,5 @@ __all__ = [
     "cam",
     "create_method",
     "gradcam",
+    "method_options",
 ]

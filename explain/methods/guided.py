@@ -26,9 +26,11 @@ from .gradient import GradCAM
 
 
 def visible(gradients: Tensor) -> Tensor:
-    """Scale gradient images (..., 3, H, W) to [0, 1] for display: 0.5 + g / (2 max|g|), so zero is grey."""
-    peak = gradients.abs().amax(dim=(-3, -2, -1), keepdim=True)
-    return 0.5 + gradients / (2 * peak.clamp_min(torch.finfo(gradients.dtype).tiny))
+    """Gradient images (..., 3, H, W) for display, in [0, 1]: standardized per image, at 0.1 per
+    standard deviation around a grey 0.5, and clipped (the usual way to show guided maps)."""
+    mean = gradients.mean(dim=(-3, -2, -1), keepdim=True)
+    spread = gradients.std(dim=(-3, -2, -1), keepdim=True).clamp_min(torch.finfo(gradients.dtype).tiny)
+    return (0.5 + 0.1 * (gradients - mean) / spread).clamp(0.0, 1.0)
 
 
 class GuidedBackprop:
@@ -38,12 +40,12 @@ class GuidedBackprop:
     The gradient of the target score with respect to the input, where every ReLU
     passes back only positive gradients (at positions where its input was
     positive): :math:`R_{l} = \mathrm{ReLU}(R_{l+1}) \cdot [x_l > 0]`. Implemented by
-    full-backward hooks on the ``nn.ReLU`` modules (see :func:`explain.hooks.guided_relus`);
-    ReLUs applied as functions are not guided. Fails the model-randomization sanity
+    full-backward hooks on the ``nn.ReLU`` and ``nn.ReLU6`` modules (see
+    :func:`explain.hooks.guided_relus`); ReLUs applied as functions are not guided. Fails the model-randomization sanity
     check (Adebayo et al. 2018): see this module's notes.
 
     Args:
-        model: A classifier with ``nn.ReLU`` modules; left as it was.
+        model: A classifier with ``nn.ReLU`` or ``nn.ReLU6`` modules; left as it was.
         layer: Not used (the map is at the input); accepted so every method takes the same arguments.
         labels: Class names, to accept a class name as target.
     """
@@ -80,7 +82,7 @@ class GuidedBackprop:
             images = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
             with guided_relus(self.model) as guided:
                 if not guided:
-                    raise LayerError("Guided Backpropagation needs nn.ReLU modules; this model has none")
+                    raise LayerError("Guided Backpropagation needs nn.ReLU or nn.ReLU6 modules; this model has none")
                 output = self.model(images)
                 scores, indices = choose(output)
                 if scores.shape[0] != x.shape[0]:
