@@ -9,6 +9,7 @@ call: CUDA's allocator statistics on a GPU, the profiler's allocation records on
 the CPU. Prints a Markdown table.
 
     python benchmarks/bench_gradcam.py [--device cuda] [--batches 1 8 32] [--rounds 7]
+    python benchmarks/bench_gradcam.py --no-peers --methods gradcampp xgradcam hirescam layercam
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from torch import nn
 import explain
 
 
-def contenders(model: nn.Module, device: torch.device) -> dict[str, Callable[[torch.Tensor], object]]:
+def contenders(
+    model: nn.Module, device: torch.device, methods: list[str], peers: bool
+) -> dict[str, Callable[[torch.Tensor], object]]:
     def inference(x: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
             return model(x)
@@ -35,6 +38,10 @@ def contenders(model: nn.Module, device: torch.device) -> dict[str, Callable[[to
         "inference forward": inference,
         "explain.gradcam": lambda x: explain.gradcam(model, x, "layer4"),
     }
+    for method in methods:
+        runs[f"explain {method}"] = explain.create_method(method, model, "layer4")
+    if not peers:
+        return runs
     if importlib.util.find_spec("pytorch_grad_cam"):
         from pytorch_grad_cam import GradCAM as PGCGradCAM
 
@@ -95,11 +102,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--methods", nargs="*", default=[], help="more explain methods to time, e.g. gradcampp")
+    parser.add_argument("--no-peers", action="store_true", help="time explain only")
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
     model = torchvision.models.resnet50().eval().to(device)
-    runs = contenders(model, device)
+    runs = contenders(model, device, args.methods, peers=not args.no_peers)
     print(f"resnet50 / layer4 / 224x224, {device.type}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print()
     print("| batch | method | median time (ms) | × inference | images/s | peak memory (MiB) | × inference |")

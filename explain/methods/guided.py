@@ -103,7 +103,7 @@ class GuidedGradCAM(GuidedBackprop):
     Backpropagation's failure of the model-randomization sanity check in part.
 
     Args:
-        model: A classifier with ``nn.ReLU`` modules; left as it was.
+        model: A classifier with ``nn.ReLU`` or ``nn.ReLU6`` modules; left as it was.
         layer: Grad-CAM's target layer (None: automatic).
         labels: Class names, to accept a class name as target.
     """
