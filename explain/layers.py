@@ -40,6 +40,18 @@ def resolve_layer(model: nn.Module, layer: str | nn.Module) -> tuple[str, nn.Mod
     raise LayerError(f"unknown layer {layer!r}; closest valid names: {', '.join(hint)}")
 
 
+def classifier(model: nn.Module) -> tuple[str, nn.Linear]:
+    """The model's last linear layer, taken as its classifier, with its dotted name.
+
+    Raises:
+        LayerError: The model has no linear layer.
+    """
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise LayerError("the model has no linear layer to take as its classifier")
+    return linears[-1]
+
+
 # The automatic layer of each model, by input shape (C, H, W), so repeated calls skip the search.
 _AUTO_LAYERS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, ...], str]] = weakref.WeakKeyDictionary()
 

@@ -14,6 +14,7 @@ from PIL import Image
 from torch import Tensor, nn
 
 from .errors import ModelLoadError, first_line
+from .layers import classifier
 
 BUNDLED = "efficientnet_lite0"
 DEFAULT_MODEL = "resnet50"
@@ -129,13 +130,8 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
-def _classifier(model: nn.Module) -> tuple[str, nn.Linear]:
-    """The model's last linear layer, taken as its classifier, with its dotted name."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)][-1]
-
-
 def _num_classes(model: nn.Module) -> int:
-    return _classifier(model)[1].out_features
+    return classifier(model)[1].out_features
 
 
 def _fit_checkpoint(build: Callable[..., nn.Module], state: Mapping[str, Tensor], path: Path, name: str) -> nn.Module:
@@ -146,8 +142,8 @@ def _fit_checkpoint(build: Callable[..., nn.Module], state: Mapping[str, Tensor]
     and every shape is checked.
     """
     model = build()
-    classifier, linear = _classifier(model)
-    key = f"{classifier}.weight"
+    head, linear = classifier(model)
+    key = f"{head}.weight"
     if key not in state:
         raise ModelLoadError(f"{path}: no classifier weights ({key}) in the checkpoint for {name}")
     if state[key].shape[0] != linear.out_features:

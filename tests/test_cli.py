@@ -141,7 +141,7 @@ def test_unwritable_output_fails_alone(photos, tmp_path, capsys) -> None:
         ([*LITE0, "--method", "all", "--topk", "2"], "drop --topk"),
         ([*LITE0, "--method", "guided_backprop", "--aug-smooth"], "aug_smooth do not apply"),
         ([*LITE0, "--layer", "blocks.5,blocks.9"], "unknown layer 'blocks.9'"),
-        ([*LITE0, "--method", "cam", "--layer", "blocks.6"], "no such linear layer"),
+        ([*LITE0, "--method", "cam", "--layer", "blocks.6"], "reads 1280"),
     ],
 )
 def test_usage_errors_exit_2_without_traceback(args, message, tmp_path, capsys) -> None:

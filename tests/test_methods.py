@@ -115,8 +115,10 @@ def test_original_cam_uses_the_classifier_row_without_relu() -> None:
     assert (expected < 0).any(), "the map has negative parts, which CAM keeps"
     got = explain.cam(model, x, "cam", "layer4", TARGETS, resize=False, normalize=False)
     assert (got.double() - expected).abs().max().item() <= 1e-5
-    with pytest.raises(explain.LayerError, match="no such linear layer"):
+    with pytest.raises(explain.LayerError, match="the last linear layer 'fc' reads 512"):
         explain.cam(model, x, "cam", "layer3")
+    with pytest.raises(explain.LayerError, match=r"'classifier\.3' reads 1024"):  # a hidden layer before the classifier
+        explain.cam(seeded("mobilenet_v3_small", num_classes=10), x, "cam", "features")
 
 
 def masked_scores(model: nn.Module, x: torch.Tensor, a: torch.Tensor, factors, targets: list[int]) -> torch.Tensor:
@@ -250,3 +252,17 @@ def test_guided_backprop_and_guided_gradcam_match_reference(name: str, layer: st
     for image, gradient in zip(shown.double(), expected):
         standardized = (gradient - gradient.mean()) / gradient.std()
         assert (image - (0.5 + 0.1 * standardized).clamp(0, 1)).abs().max().item() <= 1e-5
+
+
+def test_method_names_and_options_are_checked() -> None:
+    model = seeded("resnet18", num_classes=10)
+    x = inputs(32)
+    with pytest.raises(explain.ExplainError, match="unknown method 'gradcamm'; did you mean: gradcam"):
+        explain.cam(model, x, "gradcamm")
+    with pytest.raises(explain.ExplainError, match="aug_smooth do not apply to method 'guided_backprop'"):
+        explain.cam(model, x, "guided_backprop", aug_smooth=True)
+    with pytest.raises(explain.ExplainError, match="samples do not apply to method 'scorecam'"):
+        explain.cam(model, x, "scorecam", samples=3)
+    with pytest.raises(explain.ExplainError, match="fuse must be 'mean' or 'max'"):
+        explain.cam(model, x, "gradcam", ["layer3", "layer4"], fuse="median")
+    assert set(explain.FAST_METHODS) == set(explain.METHODS) - {"scorecam", "sscam", "iscam", "ablationcam", "random"}

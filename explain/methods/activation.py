@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..engine import CAM, Capture, principal_projection
 from ..errors import LayerError, TargetError
+from ..layers import classifier
 
 
 class OriginalCAM(CAM):
@@ -16,8 +17,8 @@ class OriginalCAM(CAM):
     For a network that ends in global average pooling and one linear layer, the
     weights are that layer's row for the target class k, :math:`w_c = W_{k,c}`,
     and :math:`\mathrm{cam} = \sum_c w_c A_c`, without a ReLU (as in the paper).
-    The linear layer is found automatically: the model's last ``nn.Linear`` whose
-    input size equals the layer's channel count.
+    The linear layer is found automatically: the model's last ``nn.Linear``, which
+    must read as many features as the target layer has channels.
     """
 
     name = "cam"
@@ -28,13 +29,13 @@ class OriginalCAM(CAM):
         if capture.classes is None:
             raise TargetError("CAM weighs channels by a class's row of the classifier; a callable target has none")
         channels = capture.activations.shape[1]
-        heads = [m for m in self.model.modules() if isinstance(m, nn.Linear) and m.in_features == channels]
-        if not heads:
+        name, head = classifier(self.model)
+        if head.in_features != channels:
             raise LayerError(
                 f"CAM needs a model ending in global pooling and one linear layer over the target layer's "
-                f"{channels} channels; this model has no such linear layer (use Grad-CAM)"
+                f"{channels} channels; the last linear layer {name!r} reads {head.in_features} (use Grad-CAM)"
             )
-        return heads[-1].weight.detach().float()[capture.classes]
+        return head.weight.detach().float()[capture.classes]
 
 
 class EigenCAM(CAM):
