@@ -33,7 +33,7 @@ def contenders(model: nn.Module, batch_size: int) -> dict[str, Callable[[torch.T
 
         def pgc(x: torch.Tensor) -> object:
             with PGCScoreCAM(model, [model.layer4]) as cam:
-                return cam(x)
+                return cam(x, targets=None)
 
         runs["pytorch-grad-cam ScoreCAM"] = pgc
     if importlib.util.find_spec("torchcam"):

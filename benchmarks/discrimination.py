@@ -64,7 +64,10 @@ def main() -> None:
                 options["samples"] = SAMPLES[method]
             start = time.perf_counter()
             try:
-                maps = explain.cam(spec.model, x, method, layer, list(CLASSES), labels=spec.labels, **options)
+                guided = method.startswith("guided")  # their normalized maps are display images: take the gradients
+                maps = explain.cam(
+                    spec.model, x, method, layer, list(CLASSES), normalize=not guided, labels=spec.labels, **options
+                )
             except explain.LayerError:  # CAM needs the layer that the classifier reads
                 cells += ["n/a", "n/a"]
                 continue

@@ -159,7 +159,7 @@ def test_constant_channels_cost_no_forward_and_change_nothing() -> None:
     model = DeadChannels().eval()
     x = torch.randn(2, 3, 10, 10)
     rows = []
-    counter = model.register_forward_pre_hook(lambda m, inputs: rows.append(inputs[0].shape[0]))
+    counter = model.conv.register_forward_pre_hook(lambda m, inputs: rows.append(inputs[0].shape[0]))
     try:
         scores = explain.ScoreCAM(model, "relu", batch_size=4)(x, [1, 2], normalize=False)
         score_rows = sum(rows) - 2

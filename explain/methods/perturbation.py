@@ -5,9 +5,14 @@ The extra forwards run in chunks of at most ``batch_size`` inputs under
 on the input's device. Work that cannot change the result is skipped exactly: a
 channel whose map is constant gives Score-CAM an all-zero mask, whose score is
 computed once per image, and a channel that is zero everywhere gives Ablation-CAM
-the unablated score, so its weight is 0 without a forward. On the CPU the
-inputs are passed in channels-last layout, which oneDNN convolutions run faster;
-a model that cannot take that layout gets contiguous inputs instead.
+the unablated score, so its weight is 0 without a forward.
+
+On the CPU the inputs are passed in channels-last layout, which oneDNN
+convolutions run faster; a model that cannot take that layout gets contiguous
+inputs instead. Score-CAM's family also scores with a copy of the model whose
+BatchNorms are folded into the convolutions before them (``torch.fx``), when the
+model is in eval mode and can be traced: the same function in fewer passes over
+memory (scores agree to float32 rounding); the user's model is never changed.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.fx.experimental.optimization import fuse
 
 from ..engine import CAM, Capture, normalize_maps, upsample
 from ..hooks import output_replaced
@@ -34,27 +40,32 @@ class PerturbationCAM(CAM):
         context its forward runs in; the scores of the inputs yielded are averaged."""
         raise NotImplementedError
 
+    def scoring_model(self) -> nn.Module:
+        """The model that scores the perturbed inputs: the user's own."""
+        return self.model
+
     def row_scores(self, capture: Capture, images: Tensor, channels: Tensor) -> Tensor:
         """The averaged target score of each row's perturbed inputs, (rows,), chunk by chunk."""
         chunks = []
+        model = self.scoring_model() if capture.x.device.type == "cpu" else self.model
         with torch.inference_mode():
             for start in range(0, len(images), self.batch_size):
                 rows = slice(start, start + self.batch_size)
                 total, count = 0.0, 0
                 for inputs, context in self.perturbed(capture, images[rows], channels[rows]):
                     with context:
-                        total = total + capture.score_rows(self._forward(inputs), images[rows]).float()
+                        total = total + capture.score_rows(self._forward(model, inputs), images[rows]).float()
                     count += 1
                 chunks.append(total / count)
         return torch.cat(chunks).clone() if chunks else capture.scores.new_zeros(0)
 
-    def _forward(self, inputs: Tensor) -> Any:
+    def _forward(self, model: nn.Module, inputs: Tensor) -> Any:
         if self._channels_last and inputs.device.type == "cpu":
             try:
-                return self.model(inputs.contiguous(memory_format=torch.channels_last))
+                return model(inputs.contiguous(memory_format=torch.channels_last))
             except RuntimeError:  # e.g. a .view() of a feature map; contiguous inputs serve every model
                 self._channels_last = False
-        return self.model(inputs.contiguous())
+        return model(inputs.contiguous())
 
 
 class ScoreCAM(PerturbationCAM):
@@ -70,6 +81,15 @@ class ScoreCAM(PerturbationCAM):
 
     name = "scorecam"
     skips_flat_channels = True  # a constant map's mask is known (zero): one forward per image serves them all
+
+    def scoring_model(self) -> nn.Module:
+        """A copy of the model with BatchNorm folded into convolutions, where it is in eval mode and traceable."""
+        if any(m.training for m in self.model.modules()):
+            return self.model
+        try:
+            return fuse(self.model)  # a traced copy; the model itself is untouched
+        except Exception:
+            return self.model
 
     def masks(self, mask: Tensor) -> Iterator[Tensor]:
         """The masks whose scores are averaged for one chunk's (rows, 1, H, W) normalized masks."""
