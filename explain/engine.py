@@ -87,17 +87,24 @@ def principal_projection(weighted: Tensor) -> Tensor:
     """Project each image's activations (N, C, h, w) on their first principal component: (N, h, w).
 
     The positions are the samples and the channels the variables: the activations
-    are centred over positions and the projection is the first left singular
-    vector times its singular value (computed in float64). An SVD fixes a
-    component only up to its sign; the sign is chosen so that the projection
-    correlates positively with the channel sum of ``weighted`` (for weighted
-    activations, the plain weighted map), and is + where that correlation is 0.
+    are centred over positions, and the projection is their first left singular
+    vector times its singular value. It is computed, in float64, from the
+    eigendecomposition of the smaller of the two Gram matrices (positions x
+    positions, or channels x channels), which gives the same component as an SVD
+    at a fraction of its cost. A component is fixed only up to its sign; the sign
+    is chosen so that the projection correlates positively with the channel sum
+    of ``weighted`` (for weighted activations, the plain weighted map), and is +
+    where that correlation is 0.
     """
     n, _, h, w = weighted.shape
     rows = weighted.flatten(2).transpose(1, 2).double()  # (N, hw, C)
     centred = rows - rows.mean(dim=1, keepdim=True)
-    u, s, _ = torch.linalg.svd(centred, full_matrices=False)
-    projection = u[..., 0] * s[..., :1]
+    if centred.shape[1] <= centred.shape[2]:
+        values, vectors = torch.linalg.eigh(centred @ centred.transpose(1, 2))
+        projection = vectors[..., -1] * values[..., -1:].clamp_min(0).sqrt()
+    else:
+        _, vectors = torch.linalg.eigh(centred.transpose(1, 2) @ centred)
+        projection = (centred @ vectors[..., -1:])[..., 0]
     total = rows.sum(dim=2)
     agreement = (projection * (total - total.mean(dim=1, keepdim=True))).sum(dim=1, keepdim=True)
     return torch.where(agreement < 0, -projection, projection).reshape(n, h, w).to(weighted.dtype)
@@ -250,7 +257,7 @@ class CAM:
         eigen_smooth: bool = False,
         smooth_samples: int = 0,
         smooth_sigma: float = 0.15,
-        batch_size: int = 32,
+        batch_size: int = 16,
         seed: int | None = None,
     ) -> None:
         if fuse not in ("mean", "max"):

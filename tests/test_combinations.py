@@ -86,6 +86,17 @@ def test_eigen_smooth_takes_the_first_component_of_the_weighted_activations() ->
     assert (got.double() - expected).abs().max().item() <= 1e-5
 
 
+def test_eigen_cam_where_positions_outnumber_channels() -> None:
+    model = seeded("resnet18", num_classes=10)
+    x = torch.randn(2, 3, 64, 64)
+    a, _ = capture(model, x, "layer1", [0, 1])
+    assert a.shape[1] < a.shape[2] * a.shape[3]  # 64 channels, 256 positions: the other Gram matrix
+    got = explain.cam(model, x, "eigencam", "layer1", resize=False, normalize=False)
+    expected = first_component(a).clamp(min=0)
+    assert expected.abs().max() > 0
+    assert (got.double() - expected).abs().max().item() <= 1e-5
+
+
 def test_noise_smoothing_averages_maps_of_noisy_copies_for_the_plain_inputs_targets() -> None:
     model = seeded("resnet18", num_classes=10)
     x = torch.randn(2, 3, 64, 64)
