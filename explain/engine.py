@@ -339,30 +339,32 @@ class CAM:
                     output = self.model(images)
                 scores, indices = self._checked(choose(output), x)
                 choose = fixed_targets(target, indices)
-            augmentations = [(flip, scale) for scale in AUG_SCALES for flip in (False, True)]
-            augmentations.sort(key=lambda aug: aug != (False, 1.0))  # the plain input first
+            views = [(False, 1.0)]  # (flip, scale) of each pass's view of the input: the plain input first
+            if self.aug_smooth:
+                views += [(flip, scale) for scale in AUG_SCALES for flip in (False, True) if (flip, scale) != views[0]]
+            passes = [view for view in views for _ in range(max(1, self.smooth_samples))]
             sums: list[Tensor] = []
-            for flip, scale in augmentations if self.aug_smooth else [(False, 1.0)]:
-                for _ in range(max(1, self.smooth_samples)):
-                    seen = _augment(images, flip, scale)
-                    if self.smooth_samples:
-                        spread = seen.amax(dim=(1, 2, 3), keepdim=True) - seen.amin(dim=(1, 2, 3), keepdim=True)
-                        seen = seen + self.smooth_sigma * spread * torch.randn(
-                            seen.shape, device=seen.device, generator=self.generator
-                        )
-                    pass_output, pass_scores, pass_indices, maps = self._pass(seen, choose, target)
-                    if not sums and not self.smooth_samples:
-                        output, scores, indices = pass_output, pass_scores, pass_indices
-                        choose = fixed_targets(target, indices)
-                    if self.aug_smooth:
-                        maps = [_deaugment(m, flip, size) for m in maps]
-                    sums = maps if not sums else [total + m for total, m in zip(sums, maps)]
-            count = max(1, self.smooth_samples) * (len(augmentations) if self.aug_smooth else 1)
-            maps = [total / count for total in sums]
+            for flip, scale in passes:
+                seen = _augment(images, flip, scale)
+                if self.smooth_samples:
+                    seen = self._noisy(seen)
+                pass_output, pass_scores, pass_indices, maps = self._pass(seen, choose, target)
+                if not sums and not self.smooth_samples:  # the plain pass fixes the targets of the others
+                    output, scores, indices = pass_output, pass_scores, pass_indices
+                    choose = fixed_targets(target, indices)
+                if self.aug_smooth:
+                    maps = [_deaugment(m, flip, size) for m in maps]
+                sums = maps if not sums else [total + m for total, m in zip(sums, maps)]
+            maps = [total / len(passes) for total in sums]
         self.generator = None
         raw = self._fused(maps, size) if self.fused or self.aug_smooth else maps[0]
         cams = postprocess(raw, size if resize else None, normalize)
         return make_result(cams, raw, output, scores, indices, topk, self.layer, self.name)
+
+    def _noisy(self, x: Tensor) -> Tensor:
+        """x plus Gaussian noise of ``smooth_sigma`` times each image's value range."""
+        spread = x.amax(dim=(1, 2, 3), keepdim=True) - x.amin(dim=(1, 2, 3), keepdim=True)
+        return x + self.smooth_sigma * spread * torch.randn(x.shape, device=x.device, generator=self.generator)
 
     def _fused(self, maps: list[Tensor], size: Sequence[int]) -> Tensor:
         """One map from each layer's: each upsampled to ``size`` and normalized, then their mean or maximum."""

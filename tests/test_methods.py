@@ -266,3 +266,14 @@ def test_method_names_and_options_are_checked() -> None:
     with pytest.raises(explain.ExplainError, match="fuse must be 'mean' or 'max'"):
         explain.cam(model, x, "gradcam", ["layer3", "layer4"], fuse="median")
     assert set(explain.FAST_METHODS) == set(explain.METHODS) - {"scorecam", "sscam", "iscam", "ablationcam", "random"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", ["gradcampp", "eigengradcam", "scorecam", "ablationcam", "guided_backprop"])
+def test_cuda_matches_cpu(method: str) -> None:
+    model = well_conditioned(seeded("resnet18", num_classes=10))
+    x = inputs(32)
+    on_cpu = explain.cam(model, x, method, "layer2", PERTURBATION_TARGETS, normalize=False)
+    on_gpu = explain.cam(model.cuda(), x.cuda(), method, "layer2", PERTURBATION_TARGETS, normalize=False)
+    assert on_gpu.device.type == "cuda"
+    torch.testing.assert_close(on_gpu.cpu(), on_cpu, atol=1e-4, rtol=1e-3)
