@@ -161,6 +161,8 @@ class Capture:
         score_rows: Scores another forward's output for the explained targets:
             ``score_rows(output, images)`` with ``images`` the index (into x) of the
             image each output row stands for.
+        generator: The call's random number generator (from ``seed``), or None for
+            PyTorch's global one.
     """
 
     x: Tensor
@@ -170,11 +172,20 @@ class Capture:
     scores: Tensor
     classes: Tensor | None
     score_rows: Callable[[Any, Tensor], Tensor]
+    generator: torch.Generator | None = None
 
 
 # A pass's targets: the model output in, the (N, K) scores and class indices (or None) out.
 Chooser = Callable[[Any], tuple[Tensor, Tensor | None]]
 AUG_SCALES = (0.9, 1.0, 1.1)
+
+
+def checked_scores(chosen: tuple[Tensor, Tensor | None], x: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The chosen (scores, indices), once their batch is known to be x's."""
+    scores, indices = chosen
+    if scores.shape[0] != x.shape[0]:
+        raise TargetError(f"{scores.shape[0]} target scores for a batch of {x.shape[0]} images")
+    return scores, indices
 
 
 def fixed_targets(target: Target, indices: Tensor | None) -> Chooser:
@@ -278,7 +289,6 @@ class CAM:
         self.smooth_sigma = smooth_sigma
         self.batch_size = batch_size
         self.seed = seed
-        self.generator: torch.Generator | None = None
 
     @property
     def layer(self) -> str | None:
@@ -329,15 +339,14 @@ class CAM:
         if self._layers is None:
             self._layers = [auto_layer(self.model, x)]
         size = x.shape[-2:]
-        if self.seed is not None:
-            self.generator = torch.Generator(device=x.device).manual_seed(self.seed)
+        generator = None if self.seed is None else torch.Generator(device=x.device).manual_seed(self.seed)
         with untouched(self.model), torch.inference_mode(False), torch.enable_grad():
             images = x.clone() if x.is_inference() else x.detach()
             choose: Chooser = lambda output: select_scores(output, target, self.labels, topk)  # noqa: E731
             if self.smooth_samples:  # the plain input's prediction fixes the targets of the noisy passes
                 with torch.no_grad():
                     output = self.model(images)
-                scores, indices = self._checked(choose(output), x)
+                scores, indices = checked_scores(choose(output), x)
                 choose = fixed_targets(target, indices)
             views = [(False, 1.0)]  # (flip, scale) of each pass's view of the input: the plain input first
             if self.aug_smooth:
@@ -347,8 +356,8 @@ class CAM:
             for flip, scale in passes:
                 seen = _augment(images, flip, scale)
                 if self.smooth_samples:
-                    seen = self._noisy(seen)
-                pass_output, pass_scores, pass_indices, maps = self._pass(seen, choose, target)
+                    seen = self._noisy(seen, generator)
+                pass_output, pass_scores, pass_indices, maps = self._pass(seen, choose, target, generator)
                 if not sums and not self.smooth_samples:  # the plain pass fixes the targets of the others
                     output, scores, indices = pass_output, pass_scores, pass_indices
                     choose = fixed_targets(target, indices)
@@ -356,29 +365,23 @@ class CAM:
                     maps = [_deaugment(m, flip, size) for m in maps]
                 sums = maps if not sums else [total + m for total, m in zip(sums, maps)]
             maps = [total / len(passes) for total in sums]
-        self.generator = None
         raw = self._fused(maps, size) if self.fused or self.aug_smooth else maps[0]
         cams = postprocess(raw, size if resize else None, normalize)
         return make_result(cams, raw, output, scores, indices, topk, self.layer, self.name)
 
-    def _noisy(self, x: Tensor) -> Tensor:
+    def _noisy(self, x: Tensor, generator: torch.Generator | None) -> Tensor:
         """x plus Gaussian noise of ``smooth_sigma`` times each image's value range."""
         spread = x.amax(dim=(1, 2, 3), keepdim=True) - x.amin(dim=(1, 2, 3), keepdim=True)
-        return x + self.smooth_sigma * spread * torch.randn(x.shape, device=x.device, generator=self.generator)
+        return x + self.smooth_sigma * spread * torch.randn(x.shape, device=x.device, generator=generator)
 
     def _fused(self, maps: list[Tensor], size: Sequence[int]) -> Tensor:
         """One map from each layer's: each upsampled to ``size`` and normalized, then their mean or maximum."""
         stacked = torch.stack([normalize_maps(upsample(m, size)) for m in maps])
         return stacked.mean(dim=0) if self.fuse == "mean" else stacked.amax(dim=0)
 
-    @staticmethod
-    def _checked(chosen: tuple[Tensor, Tensor | None], x: Tensor) -> tuple[Tensor, Tensor | None]:
-        scores, indices = chosen
-        if scores.shape[0] != x.shape[0]:
-            raise TargetError(f"{scores.shape[0]} target scores for a batch of {x.shape[0]} images")
-        return scores, indices
-
-    def _pass(self, x: Tensor, choose: Chooser, target: Target) -> tuple[Any, Tensor, Tensor | None, list[Tensor]]:
+    def _pass(
+        self, x: Tensor, choose: Chooser, target: Target, generator: torch.Generator | None
+    ) -> tuple[Any, Tensor, Tensor | None, list[Tensor]]:
         """One forward (and backward) pass.
 
         Returns:
@@ -394,7 +397,7 @@ class CAM:
                         f"layer {name!r} outputs shape {tuple(activation.shape)}; "
                         "a CAM needs a (N, C, H, W) feature map"
                     )
-            scores, indices = self._checked(choose(output), x)
+            scores, indices = checked_scores(choose(output), x)
             targets = range(scores.shape[1])
             gradients = [recorder.backward(scores[:, k].sum()) if self.needs_gradients else {} for k in targets]
             activations = {name: a.float() for name, a in recorder.activations.items()}
@@ -411,6 +414,7 @@ class CAM:
                     scores=scores[:, k].detach(),
                     classes=None if indices is None else indices[:, k],
                     score_rows=_row_scorer(target, indices, k),
+                    generator=generator,
                 )
                 per_target.append(self.compute(capture))
             maps.append(torch.stack(per_target, dim=1))

@@ -67,4 +67,4 @@ class RandomCAM(CAM):
     def weights(self, capture: Capture) -> Tensor:
         shape = capture.activations.shape[:2]
         device = capture.activations.device
-        return 2 * torch.rand(shape, device=device, generator=self.generator) - 1
+        return 2 * torch.rand(shape, device=device, generator=capture.generator) - 1

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..engine import CAMResult, Chooser, check_images, fixed_targets, make_result
-from ..errors import LayerError, TargetError
+from ..engine import CAMResult, Chooser, check_images, checked_scores, fixed_targets, make_result
+from ..errors import LayerError
 from ..hooks import guided_relus
 from ..layers import LayerSpec
 from ..model_state import untouched
@@ -84,9 +84,7 @@ class GuidedBackprop:
                 if not guided:
                     raise LayerError("Guided Backpropagation needs nn.ReLU or nn.ReLU6 modules; this model has none")
                 output = self.model(images)
-                scores, indices = choose(output)
-                if scores.shape[0] != x.shape[0]:
-                    raise TargetError(f"{scores.shape[0]} target scores for a batch of {x.shape[0]} images")
+                scores, indices = checked_scores(choose(output), x)
                 maps = [
                     torch.autograd.grad(scores[:, k].sum(), images, retain_graph=True)[0]
                     for k in range(scores.shape[1])

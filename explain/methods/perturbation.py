@@ -40,14 +40,14 @@ class PerturbationCAM(CAM):
         context its forward runs in; the scores of the inputs yielded are averaged."""
         raise NotImplementedError
 
-    def scoring_model(self) -> nn.Module:
-        """The model that scores the perturbed inputs: the user's own."""
+    def scoring_model(self, device: torch.device) -> nn.Module:
+        """The model that scores the perturbed inputs on ``device``: the user's own."""
         return self.model
 
     def row_scores(self, capture: Capture, images: Tensor, channels: Tensor) -> Tensor:
         """The averaged target score of each row's perturbed inputs, (rows,), chunk by chunk."""
         chunks = []
-        model = self.scoring_model() if capture.x.device.type == "cpu" else self.model
+        model = self.scoring_model(capture.x.device)
         with torch.inference_mode():
             for start in range(0, len(images), self.batch_size):
                 rows = slice(start, start + self.batch_size)
@@ -82,25 +82,24 @@ class ScoreCAM(PerturbationCAM):
     name = "scorecam"
     skips_flat_channels = True  # a constant map's mask is known (zero): one forward per image serves them all
 
-    def scoring_model(self) -> nn.Module:
-        """A copy of the model with BatchNorm folded into convolutions, where it is in eval mode and traceable."""
-        if any(m.training for m in self.model.modules()):
+    def scoring_model(self, device: torch.device) -> nn.Module:
+        """On the CPU, a copy of the model with BatchNorm folded into convolutions, where the model is in
+        eval mode and traceable; else the model itself (on a GPU the gain was not measured)."""
+        if device.type != "cpu" or any(m.training for m in self.model.modules()):
             return self.model
         try:
             return fuse(self.model)  # a traced copy; the model itself is untouched
-        except Exception:
+        except Exception:  # whatever torch.fx cannot trace is scored as it is
             return self.model
 
-    def masks(self, mask: Tensor) -> Iterator[Tensor]:
+    def masks(self, mask: Tensor, generator: torch.Generator | None) -> Iterator[Tensor]:
         """The masks whose scores are averaged for one chunk's (rows, 1, H, W) normalized masks."""
         yield mask
 
     def weights(self, capture: Capture) -> Tensor:
         a = capture.activations
         values = a.flatten(2)
-        flat = values.amax(dim=-1) == values.amin(dim=-1)
-        if not self.skips_flat_channels:
-            flat = torch.zeros_like(flat)
+        flat = (values.amax(dim=-1) == values.amin(dim=-1)) & self.skips_flat_channels
         first_flat = flat & (flat.cumsum(dim=1) == 1)  # one flat channel per image stands for the others
         images, channels = (~flat | first_flat).nonzero(as_tuple=True)
         scores = a.new_zeros(a.shape[:2])
@@ -111,7 +110,7 @@ class ScoreCAM(PerturbationCAM):
     def perturbed(self, capture: Capture, images: Tensor, channels: Tensor) -> Iterator[tuple[Tensor, Any]]:
         mask = normalize_maps(upsample(capture.activations[images, channels], capture.x.shape[-2:]))[:, None]
         picked = capture.x[images]
-        for step in self.masks(mask.to(picked.dtype)):
+        for step in self.masks(mask.to(picked.dtype), capture.generator):
             yield picked * step, nullcontext()
 
 
@@ -136,9 +135,9 @@ class SSCAM(ScoreCAM):
         super().__init__(*args, **kwargs)
         self.samples, self.sigma = samples, sigma
 
-    def masks(self, mask: Tensor) -> Iterator[Tensor]:
+    def masks(self, mask: Tensor, generator: torch.Generator | None) -> Iterator[Tensor]:
         for _ in range(self.samples):
-            yield mask + self.sigma * torch.randn(mask.shape, device=mask.device, generator=self.generator)
+            yield mask + self.sigma * torch.randn(mask.shape, device=mask.device, generator=generator)
 
 
 class ISCAM(ScoreCAM):
@@ -160,7 +159,7 @@ class ISCAM(ScoreCAM):
         super().__init__(*args, **kwargs)
         self.samples = samples
 
-    def masks(self, mask: Tensor) -> Iterator[Tensor]:
+    def masks(self, mask: Tensor, generator: torch.Generator | None) -> Iterator[Tensor]:
         coefficient = 0.0
         for step in range(1, self.samples + 1):
             coefficient += step / self.samples
