@@ -4,72 +4,74 @@
 >>> cams = explain.gradcam(model, x)          # (N, H, W) in [0, 1], on x's device
 >>> cams = explain.cam(model, x, method="gradcampp", layer=["layer3", "layer4"])
 >>> explain.overlay(image, cams[0]).save("cam.png")
+
+Importing the package is cheap: each name below is imported from its module on first use,
+so ``explain --help`` and ``explain --version`` start without loading torch.
 """
 
-from .engine import CAM, CAMResult
-from .errors import ExplainError, ImageLoadError, LayerError, ModelLoadError, TargetError
-from .export import ExportOptions, export_heatmaps
-from .image_io import load_image
-from .methods import (
-    FAST_METHODS,
-    ISCAM,
-    METHODS,
-    SSCAM,
-    AblationCAM,
-    EigenCAM,
-    EigenGradCAM,
-    GradCAM,
-    GradCAMElementWise,
-    GradCAMPlusPlus,
-    GuidedBackprop,
-    GuidedGradCAM,
-    HiResCAM,
-    LayerCAM,
-    OriginalCAM,
-    RandomCAM,
-    ScoreCAM,
-    XGradCAM,
-    cam,
-    create_method,
-    gradcam,
-)
-from .models import ModelSpec, load_model
-from .render import figure, overlay
+from __future__ import annotations
 
-__all__ = [
-    "CAM",
-    "FAST_METHODS",
-    "ISCAM",
-    "METHODS",
-    "SSCAM",
-    "AblationCAM",
-    "CAMResult",
-    "EigenCAM",
-    "EigenGradCAM",
-    "ExplainError",
-    "ExportOptions",
-    "GradCAM",
-    "GradCAMElementWise",
-    "GradCAMPlusPlus",
-    "GuidedBackprop",
-    "GuidedGradCAM",
-    "HiResCAM",
-    "ImageLoadError",
-    "LayerCAM",
-    "LayerError",
-    "ModelLoadError",
-    "ModelSpec",
-    "OriginalCAM",
-    "RandomCAM",
-    "ScoreCAM",
-    "TargetError",
-    "XGradCAM",
-    "cam",
-    "create_method",
-    "export_heatmaps",
-    "figure",
-    "gradcam",
-    "load_image",
-    "load_model",
-    "overlay",
-]
+from importlib import import_module
+from typing import Any
+
+__version__ = "0.2.0"
+
+# Each public name and the module that defines it.
+_EXPORTS = {
+    "CAM": "engine",
+    "CAMResult": "engine",
+    "ExplainError": "errors",
+    "ImageLoadError": "errors",
+    "LayerError": "errors",
+    "ModelLoadError": "errors",
+    "TargetError": "errors",
+    "ExportOptions": "export",
+    "export_heatmaps": "export",
+    "load_image": "image_io",
+    "LayerInfo": "layers",
+    "candidate_layers": "layers",
+    "ModelSpec": "models",
+    "load_model": "models",
+    "figure": "render",
+    "overlay": "render",
+    **dict.fromkeys(
+        [
+            "FAST_METHODS",
+            "ISCAM",
+            "METHODS",
+            "SSCAM",
+            "AblationCAM",
+            "EigenCAM",
+            "EigenGradCAM",
+            "GradCAM",
+            "GradCAMElementWise",
+            "GradCAMPlusPlus",
+            "GuidedBackprop",
+            "GuidedGradCAM",
+            "HiResCAM",
+            "LayerCAM",
+            "OriginalCAM",
+            "RandomCAM",
+            "ScoreCAM",
+            "XGradCAM",
+            "cam",
+            "create_method",
+            "gradcam",
+        ],
+        "methods",
+    ),
+}
+
+__all__ = ["__version__", *sorted(_EXPORTS)]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'explain' has no attribute {name!r}")
+    value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -1,48 +1,72 @@
-"""Command line: ``python cli.py IMAGES... [options]`` or the ``explain`` console script."""
+"""Command line: ``python cli.py IMAGES... [options]``, ``python -m explain`` or the ``explain`` console script.
+
+Only the standard library and explain's torch-free modules are imported up front, so
+``--help``, ``--version`` and ``--method list`` answer without loading torch, and a run
+names its missing inputs before it loads a model. Every user error is one line on stderr.
+"""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import matplotlib
-import torch
-from tqdm import tqdm
-
+from . import __version__
+from .catalog import ALL_METHODS, BUNDLED_MODEL, DEFAULT_MODEL, check_method, method_table
 from .errors import ExplainError
-from .export import ALL, ExportOptions, export_heatmaps
-from .layers import resolve_layer
-from .methods import FAST_METHODS, METHODS, method_options
-from .models import BUNDLED, DEFAULT_MODEL, load_model
-from .targets import class_index
+from .inputs import Input, collect_inputs
+
+if TYPE_CHECKING:
+    import torch
+
+    from .models import ModelSpec
 
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
+class UsageError(ExplainError):
+    """A problem with the command's arguments: exit status 2, nothing written."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """argparse's own errors, as one line like every other usage error."""
+        raise UsageError(f"{message} (explain --help lists the options)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``explain`` command."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="explain",
         description="Grad-CAM heatmaps of a classifier's decision, overlaid on each image.",
         epilog="Exit status: 0 all inputs written, 1 some inputs failed (each named on stderr), 2 usage error.",
     )
     add = parser.add_argument
     add("inputs", nargs="*", help="image files, folders (searched recursively) and glob patterns")
+    add("--version", action="version", version=f"explain {__version__}")
     add(
         "--method",
         default="gradcam",
         help="CAM method (default gradcam); 'list' names them, 'all' compares the fast ones",
     )
-    add("--model", default=DEFAULT_MODEL, help=f"torchvision classifier, or {BUNDLED} (bundled, offline)")
+    add("--model", default=DEFAULT_MODEL, help=f"torchvision classifier, or {BUNDLED_MODEL} (bundled, offline)")
     add("--weights", type=Path, help="state_dict file (.pt, .pth, .safetensors) for the model's architecture")
     add("--labels", type=Path, help="text file of class names, one per line (for a checkpoint's own classes)")
     add(
         "--layer",
         help="target layer, a dotted name such as layer4 or features.28, or several joined by commas "
         "(their maps are fused); default: last spatial layer",
+    )
+    add(
+        "--layers",
+        nargs="?",
+        const="",
+        metavar="SIZE",
+        help="print the model's layers with spatial outputs and their shapes at input SIZE (H or HxW; "
+        "default the model's input size), mark the automatic choice, and exit",
     )
     add("--fuse", choices=("mean", "max"), help="how several layers' maps are fused (default mean)")
     add("--aug-smooth", action="store_true", help="average over flips and scales 0.9/1.0/1.1 (6 passes)")
@@ -52,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int, help="seed of the random numbers (noise, SS-CAM, the random baseline)")
     add("--target", help="class index or class name to explain; default: each image's top-1 class")
     add("--topk", type=int, help="write one overlay for each of the K top classes")
-    add("--device", help="torch device; default: cuda if available, else cpu")
+    add("--device", help="torch device (cpu, cuda, cuda:1, mps, ...); default: cuda if available, else cpu")
     add(
         "--batch-size",
         type=int,
@@ -63,41 +87,120 @@ def build_parser() -> argparse.ArgumentParser:
     add("-o", "--out", type=Path, default=Path("cam_out"), help="output folder (default cam_out/)")
     add("--alpha", type=float, default=0.5, help="heatmap opacity in [0, 1] (default 0.5)")
     add("--colormap", default="jet", help="matplotlib colormap (default jet)")
-    add("--format", dest="fmt", choices=("png", "jpg"), default="png", help="overlay file format (default png)")
+    add("--format", dest="fmt", choices=("png", "jpg"), default="png", help="overlay and figure format (default png)")
     add("--save-raw", action="store_true", help="also save the raw feature-resolution CAM as .npy")
-    add("--figure", action="store_true", help="also save a side-by-side figure: image, heatmap, overlay")
+    add("--figure", action="store_true", help="also save a figure: image, heatmap with colour bar, overlay")
     add("--keep-aspect", action="store_true", help="resize the short side to the input size, not the whole to a square")
     add("--quiet", action="store_true", help="print nothing but errors")
     return parser
 
 
-def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
-    if not args.inputs:
-        parser.error("the following arguments are required: inputs")
-    if args.method == ALL and (args.topk or args.figure or args.save_raw):
-        parser.error("--method all writes one comparison grid per image; drop --topk, --figure and --save-raw")
+def _check_options(args: argparse.Namespace) -> None:
+    """The checks that need neither torch nor the model."""
+    if args.method != ALL_METHODS:
+        check_method(args.method)
+    if args.method == ALL_METHODS and (args.topk or args.figure or args.save_raw):
+        raise UsageError("--method all writes one comparison grid per image; drop --topk, --figure and --save-raw")
     if args.smooth_samples is not None and args.smooth_samples < 1:
-        parser.error("--smooth-samples must be at least 1")
+        raise UsageError("--smooth-samples must be at least 1")
     if args.topk is not None and args.target is not None:
-        parser.error("--topk and --target exclude each other")
+        raise UsageError("--topk and --target exclude each other")
     if args.topk is not None and args.topk < 1:
-        parser.error("--topk must be at least 1")
+        raise UsageError("--topk must be at least 1")
     if args.batch_size < 1:
-        parser.error("--batch-size must be at least 1")
+        raise UsageError("--batch-size must be at least 1")
     if not 0.0 <= args.alpha <= 1.0:
-        parser.error("--alpha must be between 0 and 1")
-    if args.colormap not in matplotlib.colormaps:
-        parser.error(f"unknown colormap {args.colormap!r}")
+        raise UsageError("--alpha must be between 0 and 1")
+    if args.layers is None and not args.inputs:
+        raise UsageError("no inputs given: name image files, folders or glob patterns (explain --help)")
+
+
+def _check_inputs(args: argparse.Namespace) -> list[Input]:
+    """Every input, found before any model work; none at all is a usage error."""
+    inputs = collect_inputs(args.inputs, exclude=args.out)
+    if all(item.path is None for item in inputs):
+        raise UsageError("no input image found: " + "; ".join(item.error or item.name for item in inputs))
+    return inputs
+
+
+def available_devices() -> list[str]:
+    """The devices this build of torch can use on this machine."""
+    import torch
+
+    devices = ["cpu", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+    if torch.backends.mps.is_available():
+        devices.append("mps")
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        devices += [f"xpu:{i}" for i in range(xpu.device_count())]
+    return devices
+
+
+def _device(text: str | None) -> torch.device:
+    """The device to run on: the one asked for, if this machine has it; else a usage error naming what it has."""
+    import torch
+
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    available = available_devices()
     try:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError as err:
-        parser.error(f"bad --device: {err}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda asked for, but CUDA is not available")
+        device = torch.device(text)
+    except RuntimeError:
+        raise UsageError(f"--device {text}: not a device name; available here: {', '.join(available)}") from None
+    kinds = {name.split(":")[0] for name in available}
+    exists = device.type in kinds if device.index is None else f"{device.type}:{device.index}" in available
+    if not exists and device.type != "cpu":
+        raise UsageError(f"--device {text}: not available here; available: {', '.join(available)}")
     return device
 
 
+def _probe(spec: ModelSpec, size: str) -> torch.Tensor:
+    """A zero input of the model's (or the given) size, for one look at its layers: (1, 3, H, W)."""
+    import torch
+
+    try:
+        sides = [int(side) for side in size.lower().split("x")] if size else [spec.input_size]
+    except ValueError:
+        sides = []
+    if len(sides) not in (1, 2) or min(sides) < 1:
+        raise UsageError(f"--layers {size}: the size must be H or HxW in pixels")
+    height, width = sides if len(sides) == 2 else sides * 2
+    return torch.zeros(1, 3, height, width, device=spec.device)
+
+
+def layer_table(spec: ModelSpec, x: torch.Tensor) -> str:
+    """The model's layers with spatial outputs at x's size, the automatic choice marked."""
+    from .layers import candidate_layers
+
+    candidates = candidate_layers(spec.model, x)
+    if not candidates:
+        return f"{spec.name} at {x.shape[-2]}x{x.shape[-1]}: no layer outputs a spatial map"
+    width = max(len(info.name) for info in candidates)
+    lines = [f"{spec.name} at {x.shape[-2]}x{x.shape[-1]}: layers with spatial outputs (C x H x W), in order"]
+    for info in candidates:
+        shape = "x".join(map(str, info.shape or ()))
+        chosen = "  <- automatic choice" if info is candidates[-1] else ""
+        lines.append(f"  {info.name:{width}}  {info.kind:24} {shape}{chosen}")
+    return "\n".join(lines)
+
+
+def _check_layers(spec: ModelSpec, names: list[str], x: torch.Tensor) -> None:
+    """Each named layer exists and outputs a spatial map at the model's input size."""
+    from .layers import resolve_layer, trace_layers
+
+    for name in names:
+        resolve_layer(spec.model, name, x)
+    shapes = {info.name: info for info in trace_layers(spec.model, x)}
+    for name in names:
+        info = shapes.get(name)
+        if info is None or not info.spatial:
+            found = "does not run" if info is None else f"outputs {info.shape}"
+            raise UsageError(f"layer {name!r} {found}, not a spatial (C, H, W) map; see explain --layers")
+
+
 def _print_record(record: dict[str, Any], quiet: bool) -> None:
+    from tqdm import tqdm
+
     if record["error"]:
         tqdm.write(f"explain: error: {record['error']}", file=sys.stderr)
         return
@@ -113,6 +216,8 @@ def _print_record(record: dict[str, Any], quiet: bool) -> None:
 
 def _method_options(args: argparse.Namespace) -> dict[str, Any]:
     """The method options the user set; the batch size goes to every method that takes one."""
+    from .methods import method_options
+
     flags = {
         "fuse": args.fuse,
         "aug_smooth": args.aug_smooth or None,
@@ -122,65 +227,75 @@ def _method_options(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
     }
     options = {name: value for name, value in flags.items() if value is not None}
-    if args.method == ALL or "batch_size" in method_options(args.method):
+    if args.method == ALL_METHODS or "batch_size" in method_options(args.method):
         options["batch_size"] = args.batch_size
     return options
 
 
-def list_methods() -> str:
-    """One line per method: its name, what it is, and whether ``--method all`` includes it."""
-    lines = []
-    for name, cls in METHODS.items():
-        title = (cls.__doc__ or "").strip().split(":")[0]
-        cost = "fast, in --method all" if name in FAST_METHODS else "not in --method all"
-        lines.append(f"{name:20} {title:45} {cost}")
-    return "\n".join(lines)
+def _run(args: argparse.Namespace) -> int:
+    """Everything after the arguments are known to be well-formed: inputs, device, model, export."""
+    inputs = None if args.layers is not None else _check_inputs(args)
+    import matplotlib
+
+    if args.colormap not in matplotlib.colormaps:
+        close = difflib.get_close_matches(args.colormap, list(matplotlib.colormaps), n=3)
+        raise UsageError(
+            f"unknown colormap {args.colormap!r}" + (f"; did you mean: {', '.join(close)}" if close else "")
+        )
+    device = _device(args.device)
+
+    from .export import ExportOptions, export_heatmaps
+    from .models import load_model
+    from .targets import class_index
+
+    spec = load_model(args.model, args.weights, args.labels, device)
+    if args.layers is not None:
+        print(layer_table(spec, _probe(spec, args.layers)))
+        return EXIT_OK
+    layer = args.layer.split(",") if args.layer and "," in args.layer else args.layer
+    if layer:
+        _check_layers(spec, [layer] if isinstance(layer, str) else layer, _probe(spec, ""))
+    target = None
+    if args.target is not None:
+        target = int(args.target) if args.target.lstrip("-").isdigit() else args.target
+        class_index(target, spec.labels, len(spec.labels))
+    if args.topk is not None and args.topk > len(spec.labels):
+        raise UsageError(f"--topk {args.topk} exceeds the model's {len(spec.labels)} classes")
+    options = ExportOptions(
+        method=args.method,
+        method_options=_method_options(args),
+        layer=layer,
+        target=target,
+        topk=args.topk,
+        batch_size=args.batch_size,
+        alpha=args.alpha,
+        colormap=args.colormap,
+        fmt=args.fmt,
+        save_raw=args.save_raw,
+        figure=args.figure,
+        keep_aspect=args.keep_aspect,
+    )
+    records = export_heatmaps(
+        spec,
+        inputs,
+        args.out,
+        options,
+        device=device,
+        progress=not args.quiet,
+        report=lambda record: _print_record(record, args.quiet),
+    )
+    return EXIT_SOME_FAILED if any(record["error"] for record in records) else EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status (0 all written, 1 some inputs failed, 2 usage error)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.method == "list":
-        print(list_methods())
-        return EXIT_OK
-    if args.method != ALL and args.method not in METHODS:
-        parser.error(f"unknown method {args.method!r}; 'list' prints the names")
-    device = _check_arguments(parser, args)
     try:
-        spec = load_model(args.model, args.weights, args.labels, device)
-        layer = args.layer.split(",") if args.layer and "," in args.layer else args.layer
-        for name in [layer] if isinstance(layer, str) else layer or []:
-            resolve_layer(spec.model, name)
-        target = None
-        if args.target is not None:
-            target = int(args.target) if args.target.lstrip("-").isdigit() else args.target
-            class_index(target, spec.labels, len(spec.labels))
-        if args.topk is not None and args.topk > len(spec.labels):
-            raise ExplainError(f"--topk {args.topk} exceeds the model's {len(spec.labels)} classes")
-        options = ExportOptions(
-            method=args.method,
-            method_options=_method_options(args),
-            layer=layer,
-            target=target,
-            topk=args.topk,
-            batch_size=args.batch_size,
-            alpha=args.alpha,
-            colormap=args.colormap,
-            fmt=args.fmt,
-            save_raw=args.save_raw,
-            figure=args.figure,
-            keep_aspect=args.keep_aspect,
-        )
-        records = export_heatmaps(
-            spec,
-            args.inputs,
-            args.out,
-            options,
-            device=device,
-            progress=not args.quiet,
-            report=lambda record: _print_record(record, args.quiet),
-        )
+        args = build_parser().parse_args(argv)
+        if args.method == "list":
+            print(method_table())
+            return EXIT_OK
+        _check_options(args)
+        return _run(args)
     except ExplainError as err:
         print(f"explain: error: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -190,4 +305,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("explain: interrupted; outputs written so far are complete, the manifest is not", file=sys.stderr)
         return EXIT_INTERRUPTED
-    return EXIT_SOME_FAILED if any(record["error"] for record in records) else EXIT_OK

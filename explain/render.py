@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import matplotlib
 import numpy as np
@@ -11,6 +12,9 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def _as_image(image: Image.Image | np.ndarray) -> np.ndarray:
@@ -82,23 +86,36 @@ def picture(
     return overlay(pixels, cam, alpha, colormap)
 
 
-def _panels(panels: Mapping[str, np.ndarray | Image.Image], title: str, columns: int) -> Image.Image:
-    """Images in a grid of ``columns``, each under its name, the whole under ``title``."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+def panel_figure(
+    panels: Mapping[str, np.ndarray | Image.Image], title: str, columns: int, colormap: str = "jet"
+) -> Figure:
+    """A matplotlib figure of images in a grid of ``columns``, each under its name, the whole under ``title``.
+
+    A panel is an RGB image, or a 2-D map in [0, 1], drawn with ``colormap`` and a colour
+    bar. Matplotlib's constrained layout places the titles, so none overlaps an image or
+    another title, whatever the images' aspect.
+    """
     from matplotlib.figure import Figure
 
     first = np.asarray(next(iter(panels.values())))
     height, width = first.shape[:2]
     rows = math.ceil(len(panels) / columns)
-    fig = Figure(figsize=(4 * columns, rows * 4 * height / width + 0.6), dpi=100)
-    canvas = FigureCanvasAgg(fig)
+    fig = Figure(figsize=(4 * columns, rows * 4 * height / width + 0.8), dpi=100, layout="constrained")
     for position, (name, panel) in enumerate(panels.items(), start=1):
         axes = fig.add_subplot(rows, columns, position)
-        axes.imshow(panel)
+        shown = axes.imshow(panel, cmap=colormap, vmin=0.0, vmax=1.0)
+        if np.ndim(panel) == 2:
+            fig.colorbar(shown, ax=axes, shrink=0.8)
         axes.set_title(name)
         axes.axis("off")
     fig.suptitle(title)
-    fig.tight_layout()
+    return fig
+
+
+def _rendered(fig: Figure) -> Image.Image:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
     canvas.draw()
     return Image.fromarray(np.asarray(canvas.buffer_rgba())[..., :3].copy())
 
@@ -110,14 +127,14 @@ def figure(
     alpha: float = 0.5,
     colormap: str = "jet",
 ) -> Image.Image:
-    """A side-by-side figure under ``title``: the image, the heatmap, and the overlay (or, for a
-    guided map, the image and the guided image)."""
+    """A side-by-side figure under ``title``: the image, the heatmap with a colour bar, and the
+    overlay (or, for a guided map, the image and the guided image)."""
     pixels = _as_image(image)
     if np.ndim(cam) == 3:
-        return _panels({"image": pixels, "guided": picture(pixels, cam)}, title, columns=2)
-    heat = resize_map(cam, *pixels.shape[:2])
-    panels = {"image": pixels, "heatmap": colorize(heat, colormap), "overlay": overlay(pixels, heat, alpha, colormap)}
-    return _panels(panels, title, columns=3)
+        return _rendered(panel_figure({"image": pixels, "guided": picture(pixels, cam)}, title, columns=2))
+    heat = np.clip(resize_map(cam, *pixels.shape[:2]), 0.0, 1.0)
+    panels = {"image": pixels, "heatmap": heat, "overlay": overlay(pixels, heat, alpha, colormap)}
+    return _rendered(panel_figure(panels, title, columns=3, colormap=colormap))
 
 
 def grid(
@@ -131,4 +148,4 @@ def grid(
     """One figure comparing methods: the image, then each method's map on it, under its name."""
     pixels = _as_image(image)
     panels = {"image": pixels, **{name: picture(pixels, cam, alpha, colormap) for name, cam in cams.items()}}
-    return _panels(panels, title, columns=min(columns, len(panels)))
+    return _rendered(panel_figure(panels, title, columns=min(columns, len(panels))))

@@ -129,7 +129,7 @@ def test_unwritable_output_fails_alone(photos, tmp_path, capsys) -> None:
     [
         (["--model", "resnet05"], "did you mean: resnet50"),
         ([*LITE0, "--layer", "blocks.9"], "unknown layer 'blocks.9'"),
-        ([*LITE0, "--layer", "classifier"], "a CAM needs a (N, C, H, W) feature map"),
+        ([*LITE0, "--layer", "classifier"], "layer 'classifier' outputs (1000,), not a spatial (C, H, W) map"),
         ([*LITE0, "--target", "Egyptain cat"], "did you mean: Egyptian cat"),
         ([*LITE0, "--target", "1000"], "out of range"),
         ([*LITE0, "--topk", "2", "--target", "3"], "exclude each other"),
@@ -249,7 +249,7 @@ def test_score_cam_forwards_respect_the_batch_size(tmp_path, monkeypatch) -> Non
         spec.model.register_forward_pre_hook(lambda m, inputs: batches.append(inputs[0].shape[0]))
         return spec
 
-    monkeypatch.setattr("explain.cli.load_model", counting)
+    monkeypatch.setattr("explain.models.load_model", counting)
     out = tmp_path / "out"
     args = [str(COFFEE), "-o", str(out), "--method", "scorecam", "--layer", "blocks.3", "--batch-size", "24"]
     assert main([*args, "--quiet", *LITE0]) == 0

