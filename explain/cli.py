@@ -146,7 +146,7 @@ def _device(text: str | None) -> torch.device:
     try:
         device = torch.device(text)
     except RuntimeError:
-        raise UsageError(f"--device {text}: not a device name; available here: {', '.join(available)}") from None
+        raise UsageError(f"--device {text}: not a device name; available: {', '.join(available)}") from None
     kinds = {name.split(":")[0] for name in available}
     exists = device.type in kinds if device.index is None else f"{device.type}:{device.index}" in available
     if not exists and device.type != "cpu":

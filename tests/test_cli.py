@@ -168,6 +168,29 @@ def test_outputs_never_overwrite_inputs(tmp_path) -> None:
     assert len(set(outputs)) == 3 and not set(outputs) & set(before)
 
 
+def test_output_folders_are_not_read_again(photos, tmp_path) -> None:
+    """The issue's sequence: outputs inside the input folder, then a deeper output folder, then the same one."""
+    originals = ["cats/chelsea.png", "coffee.png", "more/chelsea.png"]
+
+    def explained(out: Path) -> list[str]:
+        return [Path(r["input"]).relative_to(photos).as_posix() for r in manifest(out)]
+
+    for out in (photos / "out2", photos / "out" / "deeper", photos / "out2", photos, photos):
+        assert main([str(photos), "-o", str(out), "--quiet", *LITE0]) == 0
+        assert explained(out) == originals
+    assert not list(photos.rglob("*.gradcam.gradcam*"))
+    # A glob that names earlier outputs explicitly is the user's choice.
+    assert main([str(photos / "out2" / "*.png"), "-o", str(tmp_path / "again"), "--quiet", *LITE0]) == 0
+    assert [Path(r["input"]).name for r in manifest(tmp_path / "again")] == ["coffee.gradcam.png"]
+
+
+def test_glob_inputs_keep_their_folders(photos, tmp_path) -> None:
+    out = tmp_path / "out"
+    assert main([str(photos / "**" / "*.png"), "-o", str(out), "--quiet", *LITE0]) == 0
+    outputs = [Path(r["output"]).relative_to(out).as_posix() for r in manifest(out)]
+    assert outputs == ["cats/chelsea.gradcam.png", "coffee.gradcam.png", "more/chelsea.gradcam.png"]
+
+
 def test_own_checkpoint_and_labels(tmp_path) -> None:
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=3).eval()
@@ -193,20 +216,119 @@ def test_topk_raw_figure_jpg_and_keep_aspect(tmp_path) -> None:
     assert all(Image.open(p).size == (451, 300) for p in record["outputs"])
     raw = np.load(record["raw"])
     assert raw.shape == (3, 7, 11)  # short side 224 keeps the 451x300 aspect: 224x337 -> 7x11 features
-    assert all(Path(p).is_file() for p in record["figure"])
+    assert [Path(p).suffix for p in record["figure"]] == [".jpg"] * 3  # --figure honours --format
+    assert all(Image.open(p).format == "JPEG" for p in record["figure"])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where CUDA is absent")
-def test_cuda_asked_for_without_cuda(tmp_path, capsys) -> None:
-    with pytest.raises(SystemExit) as stop:
-        main([str(CAT), "-o", str(tmp_path / "out"), "--device", "cuda", *LITE0])
-    assert stop.value.code == 2 and "CUDA is not available" in capsys.readouterr().err
+def one_error_line(capsys) -> str:
+    """The only line on stderr, checked to be an explain error without a traceback or terminal colour codes."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "\x1b" not in err
+    (line,) = err.splitlines()
+    assert line.startswith("explain: error: ")
+    return line
+
+
+@pytest.mark.parametrize("device", ["mps", "xpu", "cuda:7", "tpu", "cuda"])
+def test_unavailable_devices_are_usage_errors(device, tmp_path, capsys, monkeypatch) -> None:
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")  # the other cases run everywhere
+    monkeypatch.setattr("explain.models.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main([str(CAT), "-o", str(tmp_path / "out"), "--device", device, *LITE0]) == 2
+    line = one_error_line(capsys)
+    assert f"--device {device}:" in line and "cpu" in line.rsplit("available: ", 1)[1]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_pickled_whole_model_is_named_as_such(tmp_path, capsys) -> None:
+    whole = tmp_path / "whole.pt"
+    torch.save(torchvision.models.resnet18(num_classes=3), whole)
+    assert main([str(CAT), "-o", str(tmp_path / "out"), "--model", "resnet18", "--weights", str(whole)]) == 2
+    line = one_error_line(capsys)
+    assert f"{whole}: holds a pickled torchvision.models.resnet.ResNet object" in line
+    assert "state_dict" in line and "weights_only" not in line and "add_safe_globals" not in line
+
+
+def test_unknown_layer_hint_names_spatial_layers(tmp_path, capsys, lite0) -> None:
+    assert main([str(CAT), "-o", str(tmp_path / "out"), "--layer", "layer4", *LITE0]) == 2
+    line = one_error_line(capsys)
+    hinted = line.split("the last are ")[1].split(" (")[0].split(", ")
+    spatial = {info.name for info in explain.candidate_layers(lite0.model, torch.zeros(1, 3, 224, 224))}
+    assert hinted[-1] == "bn2" and set(hinted) <= spatial and "classifier" not in line
+
+
+def test_layers_lists_candidates_with_shapes(capsys) -> None:
+    assert main(["--layers", *LITE0]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("efficientnet_lite0 at 224x224")
+    rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
+    assert rows["bn2"] == ["BatchNormAct2d", "1280x7x7", "<-", "automatic", "choice"]
+    assert rows["conv_stem"] == ["SameConv2d", "32x112x112"]
+    assert "classifier" not in rows and "global_pool" not in rows  # no vector or 1x1 outputs
+    assert sum("automatic" in line for line in lines) == 1
+    assert main(["--layers", "320x480", *LITE0]) == 0
+    assert "1280x10x15  <- automatic choice" in capsys.readouterr().out
+    assert main(["--layers", "wide", *LITE0]) == 2
+    assert "must be H or HxW" in one_error_line(capsys)
+
+
+def test_no_existing_input_is_a_usage_error_before_the_model(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr("explain.models.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    args = [str(tmp_path / "missing.png"), str(tmp_path / "nothing*.png"), "-o", str(tmp_path / "out")]
+    assert main(args) == 2
+    line = one_error_line(capsys)
+    assert "missing.png: no such file" in line and "nothing*.png: no files match" in line
+    assert not (tmp_path / "out").exists()
 
 
 def test_console_script_is_installed() -> None:
     script = Path(sys.executable).with_name("explain")
     run = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "--keep-aspect" in run.stdout
+
+
+# Runs the command with the heavy modules made unimportable: any import of them fails.
+WITHOUT_HEAVY_MODULES = (
+    "import sys\n"
+    "for name in ('torch', 'torchvision', 'timm', 'matplotlib', 'numpy', 'PIL'):\n"
+    "    sys.modules[name] = None\n"
+    "from explain.cli import main\n"
+    "raise SystemExit(main(sys.argv[1:]))\n"
+)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["--method", "list"], ["missing.png"]])
+def test_fast_paths_never_import_torch(args, tmp_path) -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", WITHOUT_HEAVY_MODULES, *args], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert "ImportError" not in run.stderr and "Traceback" not in run.stderr
+    if args == ["missing.png"]:  # inputs are checked before anything heavy is imported
+        assert (
+            run.returncode == 2
+            and run.stderr == "explain: error: no input image found: missing.png: no such file or directory\n"
+        )
+    else:
+        assert run.returncode == 0 and run.stdout
+    if args == ["--version"]:
+        assert run.stdout == f"explain {explain.__version__}\n"
+
+
+def test_version_has_one_source() -> None:
+    from importlib.metadata import version
+
+    assert explain.__version__ == version("explain")  # the installed metadata reads explain.__version__
+
+
+def test_python_m_explain_is_the_command(tmp_path) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "explain", str(COFFEE), "-o", str(tmp_path / "out"), *LITE0],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(f"{COFFEE}: espresso (") and (tmp_path / "out" / "coffee.gradcam.png").is_file()
 
 
 def test_script_runs_as_a_program(tmp_path) -> None:

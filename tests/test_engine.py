@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 from conftest import reference_gradcam, seeded
@@ -223,8 +224,13 @@ def test_layer_that_is_not_a_feature_map_or_not_used() -> None:
 
 
 def test_bad_input_is_a_clear_error() -> None:
-    with pytest.raises(explain.ExplainError, match=r"\(N, C, H, W\)"):
-        explain.gradcam(seeded("resnet18"), torch.randn(3, 64, 64))
+    model = seeded("resnet18")
+    with pytest.raises(explain.ExplainError, match=r"\(N, C, H, W\), got shape \(3, 64, 64\)"):
+        explain.gradcam(model, torch.randn(3, 64, 64))
+    with pytest.raises(explain.ExplainError, match=r"floating-point .* got dtype torch\.uint8"):
+        explain.gradcam(model, torch.zeros(2, 3, 224, 224, dtype=torch.uint8))
+    with pytest.raises(explain.ExplainError, match="got a ndarray"):
+        explain.gradcam(model, np.zeros((2, 3, 64, 64), np.float32))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

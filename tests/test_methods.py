@@ -268,6 +268,24 @@ def test_method_names_and_options_are_checked() -> None:
     assert set(explain.FAST_METHODS) == set(explain.METHODS) - {"scorecam", "sscam", "iscam", "ablationcam", "random"}
 
 
+def test_catalogue_names_every_method_class_once() -> None:
+    """The torch-free catalogue (``--method list``) and the classes agree on every name."""
+    import inspect
+
+    from explain.catalog import METHOD_CATALOG
+    from explain.methods import activation, gradient, guided, perturbation
+
+    classes = {
+        cls
+        for module in (activation, gradient, guided, perturbation)
+        for _, cls in inspect.getmembers(module, inspect.isclass)
+        if cls.__module__ == module.__name__ and "name" in cls.__dict__
+    }
+    assert {explain.METHODS[entry.name] for entry in METHOD_CATALOG} == classes
+    assert all(explain.METHODS[entry.name].name == entry.name for entry in METHOD_CATALOG)
+    assert all(explain.METHODS[entry.name].__name__ == entry.cls for entry in METHOD_CATALOG)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("method", ["gradcampp", "eigengradcam", "scorecam", "ablationcam", "guided_backprop"])
 def test_cuda_matches_cpu(method: str) -> None:

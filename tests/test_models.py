@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import urllib.error
 
 import numpy as np
@@ -63,6 +65,55 @@ def test_lite0_weights_renamed_into_timm_layout() -> None:
         lite0_state_to_timm({"_mystery.weight": torch.zeros(1)})
 
 
+def test_own_lite0_computes_what_timm_computes(lite0: explain.ModelSpec) -> None:
+    """The bundled model is explain's own module tree; timm's tf_efficientnet_lite0 is the reference."""
+    import timm
+
+    reference = timm.create_model("tf_efficientnet_lite0").eval()
+    reference.load_state_dict(lite0.model.state_dict())
+    assert [name for name, _ in lite0.model.named_parameters()] == [name for name, _ in reference.named_parameters()]
+    torch.manual_seed(0)
+    for shape in [(2, 3, 224, 224), (1, 3, 224, 337), (1, 3, 97, 131)]:  # odd sides exercise the "SAME" padding
+        x = torch.randn(shape)
+        with torch.no_grad():
+            torch.testing.assert_close(lite0.model(x), reference(x), rtol=1e-5, atol=1e-5)
+    x = torch.randn(1, 3, 224, 224)
+    ours = explain.gradcam(lite0.model, x, "blocks.5")
+    torch.testing.assert_close(ours, explain.gradcam(reference, x, "blocks.5"), rtol=1e-4, atol=1e-5)
+
+
+def test_bundled_model_imports_neither_torchvision_nor_timm() -> None:
+    code = (
+        "import sys, explain\n"
+        "spec = explain.load_model('efficientnet_lite0')\n"
+        "print(spec.labels[285], sorted(m for m in ('torchvision', 'timm') if m in sys.modules))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.stdout == "Egyptian cat []\n", run.stderr
+
+
+def test_shipped_imagenet_names_are_torchvisions() -> None:
+    from torchvision.models import ResNet50_Weights
+
+    from explain.models import imagenet_labels
+
+    assert imagenet_labels() == ResNet50_Weights.IMAGENET1K_V2.meta["categories"]
+
+
+def test_preprocess_takes_paths_images_and_arrays(lite0: explain.ModelSpec) -> None:
+    image = load_image(CAT)
+    by_hand = (np.asarray(image.resize((224, 224), Image.Resampling.BICUBIC), np.float32) / 255 - 0.5) / 0.5
+    x = lite0.preprocess([CAT, image, np.asarray(image)])
+    assert x.shape == (3, 3, 224, 224) and x.dtype == torch.float32 and x.device == lite0.device
+    torch.testing.assert_close(x[0], torch.from_numpy(by_hand).permute(2, 0, 1))
+    assert torch.equal(x[0], x[1]) and torch.equal(x[1], x[2])
+    assert lite0.preprocess(str(CAT), keep_aspect=True).shape == (1, 3, 224, 337)  # 451 x 300 photo
+    with pytest.raises(explain.ExplainError, match="different shapes"):
+        lite0.preprocess([CAT, COFFEE, Image.new("RGB", (50, 100))], keep_aspect=True)
+    with pytest.raises(explain.ExplainError, match="HxWx3 uint8"):
+        lite0.preprocess(np.zeros((4, 4), np.float32))
+
+
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
 def test_checkpoint_with_its_own_class_count(tmp_path, suffix: str) -> None:
     model = seeded("resnet18", num_classes=5)
@@ -93,6 +144,10 @@ def test_bad_checkpoints_and_labels(tmp_path) -> None:
     torch.save(seeded("resnet18").state_dict(), other)
     with pytest.raises(explain.ModelLoadError, match="does not fit resnet34"):
         load_model("resnet34", weights=other)
+    checkpoint = tmp_path / "checkpoint.pt"
+    torch.save({"epoch": 3, "optimizer": {"lr": 0.1}}, checkpoint)
+    with pytest.raises(explain.ModelLoadError, match=r"checkpoint\.pt: holds a dict whose entries epoch, optimizer"):
+        load_model("resnet18", weights=checkpoint)
     labels = tmp_path / "labels.txt"
     labels.write_text("only\ntwo\n")
     with pytest.raises(explain.ModelLoadError, match="2 labels for a model with 1000 classes"):

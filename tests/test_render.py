@@ -53,3 +53,50 @@ def test_bad_arguments() -> None:
         explain.overlay(grey(4, 4), torch.rand(3, 3), alpha=2.0)
     with pytest.raises(ValueError, match="2-D"):
         explain.overlay(grey(4, 4), torch.rand(1, 3, 3))
+
+
+def overlaps(fig) -> list[str]:
+    """Every pair among the titles and the drawn images whose boxes on the canvas intersect."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    boxes = {"suptitle": fig._suptitle.get_window_extent(renderer)}
+    for index, axes in enumerate(fig.axes):
+        if axes.get_title():
+            boxes[f"title {index}"] = axes.title.get_window_extent(renderer)
+        for image in axes.images:
+            boxes[f"image {index}"] = image.get_window_extent(renderer)
+    names = list(boxes)
+    return [f"{a} / {b}" for i, a in enumerate(names) for b in names[i + 1 :] if boxes[a].overlaps(boxes[b])]
+
+
+@pytest.mark.parametrize(("width", "height", "panels"), [(451, 300, 5), (300, 451, 5), (300, 451, 12), (640, 200, 3)])
+def test_titles_never_overlap_images_or_each_other(width, height, panels) -> None:
+    from explain.render import panel_figure
+
+    pictures = {f"method {i} with a long name": np.zeros((height, width, 3), np.uint8) for i in range(panels)}
+    fig = panel_figure(pictures, "Egyptian cat (77.3%), every fast method", columns=min(4, panels))
+    assert overlaps(fig) == []
+
+
+def test_figure_heatmap_has_a_colour_bar(monkeypatch) -> None:
+    from explain import render
+
+    original, made = render.panel_figure, []
+
+    def spy(*args, **kwargs):
+        made.append(original(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(render, "panel_figure", spy)
+    cam = torch.rand(7, 7)
+    render.figure(grey(300, 451), cam, "Egyptian cat (77.3%), gradcam at bn2", colormap="viridis")
+    (fig,) = made
+    panels = {axes.get_title(): axes for axes in fig.axes if axes.get_title()}
+    assert list(panels) == ["image", "heatmap", "overlay"]
+    heat = panels["heatmap"].images[0]
+    assert heat.colorbar is not None and heat.cmap.name == "viridis" and heat.get_clim() == (0.0, 1.0)
+    assert heat.get_array().shape == (451, 300)  # the map itself, upsampled to the photo, not colours
+    assert overlaps(fig) == []
