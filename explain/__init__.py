@@ -14,6 +14,8 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
+from .catalog import METHOD_CATALOG
+
 __version__ = "0.2.0"
 
 # Each public name and the module that defines it.
@@ -34,32 +36,8 @@ _EXPORTS = {
     "load_model": "models",
     "figure": "render",
     "overlay": "render",
-    **dict.fromkeys(
-        [
-            "FAST_METHODS",
-            "ISCAM",
-            "METHODS",
-            "SSCAM",
-            "AblationCAM",
-            "EigenCAM",
-            "EigenGradCAM",
-            "GradCAM",
-            "GradCAMElementWise",
-            "GradCAMPlusPlus",
-            "GuidedBackprop",
-            "GuidedGradCAM",
-            "HiResCAM",
-            "LayerCAM",
-            "OriginalCAM",
-            "RandomCAM",
-            "ScoreCAM",
-            "XGradCAM",
-            "cam",
-            "create_method",
-            "gradcam",
-        ],
-        "methods",
-    ),
+    **dict.fromkeys([entry.cls for entry in METHOD_CATALOG], "methods"),  # the method classes
+    **dict.fromkeys(["FAST_METHODS", "METHODS", "cam", "create_method", "gradcam"], "methods"),
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]

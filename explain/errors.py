@@ -1,5 +1,7 @@
 """The errors `explain` raises for problems a user can fix."""
 
+import re
+
 
 class ExplainError(ValueError):
     """Base class: a problem with what the caller asked for, stated in one line."""
@@ -22,6 +24,6 @@ class ImageLoadError(ExplainError):
 
 
 def first_line(err: BaseException) -> str:
-    """An exception's message as one line (its first), or its type's name if it has none."""
-    text = str(err).strip()
+    """An exception's message as one line (its first, without terminal colour codes), or its type's name."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip()
     return text.splitlines()[0] if text else type(err).__name__

@@ -56,18 +56,20 @@ def _is_image(path: Path) -> bool:
 
 
 def _written_by_explain(folder: Path) -> set[Path]:
-    """The files that the manifest of an output folder lists as written there."""
+    """The files that the manifest of an output folder lists as written (paths as that run named them,
+    so relative ones are taken from the current folder)."""
     try:
         lines = (folder / MANIFEST).read_text(encoding="utf-8").splitlines()
         records = [json.loads(line) for line in lines if line.strip()]
     except (OSError, ValueError):
         return set()
     named: set[Path] = set()
-    for record in records:
-        for value in (record.get(key) for key in _OUTPUT_FIELDS if isinstance(record, dict)):
-            for path in value if isinstance(value, list) else [value]:
-                if isinstance(path, str):
-                    named.add(Path(path).resolve())
+    for record in filter(lambda r: isinstance(r, dict), records):
+        for key in _OUTPUT_FIELDS:
+            value = record.get(key)
+            named.update(
+                Path(p).resolve() for p in (value if isinstance(value, list) else [value]) if isinstance(p, str)
+            )
     return named
 
 
