@@ -24,8 +24,9 @@ from torch import Tensor, nn
 from .errors import ExplainError, LayerError, TargetError
 from .hooks import ActivationGradientRecorder
 from .layers import LayerSpec, auto_layer, resolve_layer
+from .maps import normalize_maps, postprocess, principal_projection, upsample
 from .model_state import untouched
-from .targets import Target, select_scores
+from .targets import BoundTarget, Target, TargetLike, as_target
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class CAMResult:
             callable target read it).
         layer: Dotted name of the target layer (names joined by ``+`` when fused).
         method: Name of the CAM method.
+        target: The target as bound on the call's plain pass (it scores any output of the call's images).
     """
 
     cams: Tensor
@@ -59,55 +61,7 @@ class CAMResult:
     logits: Tensor | None
     layer: str
     method: str
-
-
-def normalize_maps(maps: Tensor) -> Tensor:
-    """Min-max normalize each map over its last two axes to [0, 1]; a flat map becomes zeros."""
-    low = maps.amin(dim=(-2, -1), keepdim=True)
-    span = maps.amax(dim=(-2, -1), keepdim=True) - low
-    return torch.where(span > 0, (maps - low) / span.clamp_min(torch.finfo(maps.dtype).tiny), 0.0)
-
-
-def upsample(maps: Tensor, size: Sequence[int]) -> Tensor:
-    """Resize maps (..., h, w) bilinearly (align_corners=False) to ``size``; maps already that size pass as they are."""
-    if tuple(maps.shape[-2:]) == tuple(size):
-        return maps
-    flat = maps.reshape(-1, 1, *maps.shape[-2:])
-    resized = F.interpolate(flat, size=tuple(size), mode="bilinear", align_corners=False)
-    return resized.reshape(*maps.shape[:-2], *resized.shape[-2:])
-
-
-def postprocess(raw: Tensor, size: Sequence[int] | None, normalize: bool) -> Tensor:
-    """Upsample maps (..., h, w) bilinearly to ``size`` (if given), then normalize (if asked)."""
-    maps = raw if size is None else upsample(raw, size)
-    return normalize_maps(maps) if normalize else maps
-
-
-def principal_projection(weighted: Tensor) -> Tensor:
-    """Project each image's activations (N, C, h, w) on their first principal component: (N, h, w).
-
-    The positions are the samples and the channels the variables: the activations
-    are centred over positions, and the projection is their first left singular
-    vector times its singular value. It is computed, in float64, from the
-    eigendecomposition of the smaller of the two Gram matrices (positions x
-    positions, or channels x channels), which gives the same component as an SVD
-    at a fraction of its cost. A component is fixed only up to its sign; the sign
-    is chosen so that the projection correlates positively with the channel sum
-    of ``weighted`` (for weighted activations, the plain weighted map), and is +
-    where that correlation is 0.
-    """
-    n, _, h, w = weighted.shape
-    rows = weighted.flatten(2).transpose(1, 2).double()  # (N, hw, C)
-    centred = rows - rows.mean(dim=1, keepdim=True)
-    if centred.shape[1] <= centred.shape[2]:
-        values, vectors = torch.linalg.eigh(centred @ centred.transpose(1, 2))
-        projection = vectors[..., -1] * values[..., -1:].clamp_min(0).sqrt()
-    else:
-        _, vectors = torch.linalg.eigh(centred.transpose(1, 2) @ centred)
-        projection = (centred @ vectors[..., -1:])[..., 0]
-    total = rows.sum(dim=2)
-    agreement = (projection * (total - total.mean(dim=1, keepdim=True))).sum(dim=1, keepdim=True)
-    return torch.where(agreement < 0, -projection, projection).reshape(n, h, w).to(weighted.dtype)
+    target: BoundTarget
 
 
 def check_images(x: Any) -> None:
@@ -124,32 +78,32 @@ def check_images(x: Any) -> None:
 
 
 def make_result(
-    cams: Tensor,
-    raw: Tensor,
-    output: Any,
-    scores: Tensor,
-    indices: Tensor | None,
-    topk: int | None,
-    layer: str | None,
-    method: str,
+    cams: Tensor, raw: Tensor, output: Any, scores: Tensor, bound: BoundTarget, layer: str | None, method: str
 ) -> CAMResult:
-    """A :class:`CAMResult` from per-target (N, K, ...) tensors; without ``topk`` the K axis is dropped."""
-    logits = output.detach() if isinstance(output, Tensor) else None
-    probabilities = None if indices is None else logits.float().softmax(dim=1).gather(1, indices)
+    """A :class:`CAMResult` from per-target (N, K, ...) tensors; the K axis is dropped unless the target keeps it."""
 
     def per_target(t: Tensor | None) -> Tensor | None:
-        return t if t is None or topk is not None else t[:, 0]
+        return t if t is None or bound.keeps_k else t[:, 0]
 
     return CAMResult(
         cams=per_target(cams),
         raw=per_target(raw),
-        class_indices=per_target(indices),
+        class_indices=per_target(bound.classes),
         scores=per_target(scores.detach()),
-        probabilities=per_target(probabilities),
-        logits=logits,
+        probabilities=per_target(bound.probabilities),
+        logits=output.detach() if isinstance(output, Tensor) else None,
         layer=layer or "",
         method=method,
+        target=bound,
     )
+
+
+def target_scores(bound: BoundTarget, output: Any, x: Tensor) -> Tensor:
+    """The (N, K) scores of a bound target in the output of a pass over the call's N images ``x``."""
+    scores = bound.score(output, torch.arange(x.shape[0], device=x.device))
+    if scores.shape[0] != x.shape[0]:
+        raise TargetError(f"{scores.shape[0]} target scores for a batch of {x.shape[0]} images")
+    return scores
 
 
 @dataclass(frozen=True)
@@ -163,10 +117,10 @@ class Capture:
             method that needs none.
         module: The layer.
         scores: The explained score of each image (N,).
-        classes: The explained class of each image (N,), or None for a callable target.
-        score_rows: Scores another forward's output for the explained targets:
+        classes: The explained class of each image (N,), or None for a target without classes.
+        score_rows: Scores another forward's output for the explained target:
             ``score_rows(output, images)`` with ``images`` the index (into x) of the
-            image each output row stands for.
+            image each output row stands for, (rows,).
         generator: The call's random number generator (from ``seed``), or None for
             PyTorch's global one.
     """
@@ -181,30 +135,7 @@ class Capture:
     generator: torch.Generator | None = None
 
 
-# A pass's targets: the model output in, the (N, K) scores and class indices (or None) out.
-Chooser = Callable[[Any], tuple[Tensor, Tensor | None]]
 AUG_SCALES = (0.9, 1.0, 1.1)
-
-
-def checked_scores(chosen: tuple[Tensor, Tensor | None], x: Tensor) -> tuple[Tensor, Tensor | None]:
-    """The chosen (scores, indices), once their batch is known to be x's."""
-    scores, indices = chosen
-    if scores.shape[0] != x.shape[0]:
-        raise TargetError(f"{scores.shape[0]} target scores for a batch of {x.shape[0]} images")
-    return scores, indices
-
-
-def fixed_targets(target: Target, indices: Tensor | None) -> Chooser:
-    """Targets chosen once (on the plain input) and kept for every smoothing pass."""
-    if indices is None:
-        return lambda output: select_scores(output, target)
-    return lambda output: (output.gather(1, indices), indices)
-
-
-def _row_scorer(target: Target, indices: Tensor | None, k: int) -> Callable[[Any, Tensor], Tensor]:
-    if indices is None:
-        return lambda output, images: target(output)
-    return lambda output, images: output.gather(1, indices[images, k, None])[:, 0]
 
 
 def _augment(x: Tensor, flip: bool, scale: float) -> Tensor:
@@ -329,7 +260,7 @@ class CAM:
     def __call__(
         self,
         x: Tensor,
-        target: Target = None,
+        target: TargetLike = None,
         *,
         topk: int | None = None,
         resize: bool = True,
@@ -340,8 +271,9 @@ class CAM:
         Args:
             x: Normalized images (N, 3, H, W); a caller's ``no_grad`` or
                 ``inference_mode`` does not matter.
-            target: What to explain, see :func:`explain.targets.select_scores`.
-            topk: Explain each image's K top classes instead of one target.
+            target: What to explain: a target object of :mod:`explain.targets`, or its
+                shorthand (see :func:`explain.targets.as_target`).
+            topk: Explain each image's K top classes (``TopK(k)``) instead of one target.
             resize: Upsample the maps to (H, W); else keep the feature resolution.
             normalize: Min-max normalize each map to [0, 1]; else keep raw values.
 
@@ -349,18 +281,21 @@ class CAM:
             A :class:`CAMResult` whose tensors are on ``x``'s device.
         """
         check_images(x)
+        goal = as_target(target, topk)
+        if self.aug_smooth and goal.geometric:
+            raise TargetError(f"aug_smooth flips and rescales the input, which would misplace a {type(goal).__name__}")
         if self._layers is None:
             self._layers = self._resolve_layers(x)
         size = x.shape[-2:]
         generator = None if self.seed is None else torch.Generator(device=x.device).manual_seed(self.seed)
         with untouched(self.model), torch.inference_mode(False), torch.enable_grad():
             images = x.clone() if x.is_inference() else x.detach()
-            choose: Chooser = lambda output: select_scores(output, target, self.labels, topk)  # noqa: E731
-            if self.smooth_samples:  # the plain input's prediction fixes the targets of the noisy passes
+            bound = None  # the target, fixed on the plain input and kept for every other pass
+            if self.smooth_samples:
                 with torch.no_grad():
                     output = self.model(images)
-                scores, indices = checked_scores(choose(output), x)
-                choose = fixed_targets(target, indices)
+                bound = goal.bind(output, self.labels)
+                scores = target_scores(bound, output, x)
             views = [(False, 1.0)]  # (flip, scale) of each pass's view of the input: the plain input first
             if self.aug_smooth:
                 views += [(flip, scale) for scale in AUG_SCALES for flip in (False, True) if (flip, scale) != views[0]]
@@ -370,17 +305,17 @@ class CAM:
                 seen = _augment(images, flip, scale)
                 if self.smooth_samples:
                     seen = self._noisy(seen, generator)
-                pass_output, pass_scores, pass_indices, maps = self._pass(seen, choose, target, generator)
-                if not sums and not self.smooth_samples:  # the plain pass fixes the targets of the others
-                    output, scores, indices = pass_output, pass_scores, pass_indices
-                    choose = fixed_targets(target, indices)
+                if bound is None:  # the plain pass: its output binds the target and is the result's
+                    output, bound, scores, maps = self._pass(seen, goal, None, generator)
+                else:
+                    maps = self._pass(seen, goal, bound, generator)[3]
                 if self.aug_smooth:
                     maps = [_deaugment(m, flip, size) for m in maps]
                 sums = maps if not sums else [total + m for total, m in zip(sums, maps)]
             maps = [total / len(passes) for total in sums]
         raw = self._fused(maps, size) if self.fused or self.aug_smooth else maps[0]
         cams = postprocess(raw, size if resize else None, normalize)
-        return make_result(cams, raw, output, scores, indices, topk, self.layer, self.name)
+        return make_result(cams, raw, output, scores, bound, self.layer, self.name)
 
     def _noisy(self, x: Tensor, generator: torch.Generator | None) -> Tensor:
         """x plus Gaussian noise of ``smooth_sigma`` times each image's value range."""
@@ -393,12 +328,12 @@ class CAM:
         return stacked.mean(dim=0) if self.fuse == "mean" else stacked.amax(dim=0)
 
     def _pass(
-        self, x: Tensor, choose: Chooser, target: Target, generator: torch.Generator | None
-    ) -> tuple[Any, Tensor, Tensor | None, list[Tensor]]:
-        """One forward (and backward) pass.
+        self, x: Tensor, goal: Target, bound: BoundTarget | None, generator: torch.Generator | None
+    ) -> tuple[Any, BoundTarget, Tensor, list[Tensor]]:
+        """One forward (and backward) pass; ``bound`` None binds ``goal`` on this pass's output.
 
         Returns:
-            The model output, the (N, K) scores and indices, and each layer's (N, K, h, w) maps.
+            The model output, the bound target, its (N, K) scores, and each layer's (N, K, h, w) maps.
         """
         layers = dict(self._layers)
         grad_mode = torch.enable_grad() if self.needs_gradients else torch.no_grad()
@@ -410,7 +345,8 @@ class CAM:
                         f"layer {name!r} outputs shape {tuple(activation.shape)}; "
                         "a CAM needs a (N, C, H, W) feature map"
                     )
-            scores, indices = checked_scores(choose(output), x)
+            bound = bound or goal.bind(output, self.labels)
+            scores = target_scores(bound, output, x)
             targets = range(scores.shape[1])
             gradients = [recorder.backward(scores[:, k].sum()) if self.needs_gradients else {} for k in targets]
             activations = {name: a.float() for name, a in recorder.activations.items()}
@@ -425,10 +361,10 @@ class CAM:
                     gradients=None if gradient is None else gradient.float(),
                     module=module,
                     scores=scores[:, k].detach(),
-                    classes=None if indices is None else indices[:, k],
-                    score_rows=_row_scorer(target, indices, k),
+                    classes=None if bound.classes is None else bound.classes[:, k],
+                    score_rows=lambda output, images, k=k: bound.score(output, images)[:, k],
                     generator=generator,
                 )
                 per_target.append(self.compute(capture))
             maps.append(torch.stack(per_target, dim=1))
-        return output, scores, indices, maps
+        return output, bound, scores, maps

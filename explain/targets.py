@@ -1,18 +1,73 @@
-"""Turn the caller's ``target`` into the scores whose gradients are explained."""
+"""What to explain: target objects that turn a model's output into the scores whose gradients are explained.
+
+A target is bound once per call, on the plain forward pass, into a :class:`BoundTarget`: what
+depends on that pass (each image's top class, a segmentation mask) is fixed there, and the
+bound target then scores any batch of outputs the call produces (augmented and noisy passes,
+the perturbed copies of Score-CAM and Ablation-CAM) as (rows, K) scores, K explained targets
+per image. Ints, class names, sequences and callables are shorthand for the objects
+(:func:`as_target`).
+
+Batch rule: a per-image value (class, mask, reference embedding) is given once for all images
+or exactly once per image; any other count is an error naming both counts.
+"""
 
 from __future__ import annotations
 
 import difflib
 import numbers
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import TargetError
 
-Target = int | str | Sequence[int | str] | Tensor | Callable[[Any], Tensor] | None
+OutputPicker = str | int | Callable[[Any], Tensor] | None
+ClassScore = Literal["logit", "probability", "sigmoid"]
+
+
+def read_output(output: Any, pick: OutputPicker = None) -> Tensor:
+    """The tensor of scores in a model output.
+
+    Args:
+        output: The model output: a tensor; an object with ``.logits`` (HuggingFace);
+            a dict (its ``"logits"`` or ``"out"`` entry, or its only tensor); a tuple or
+            list (its first tensor).
+        pick: Where the scores are when that is ambiguous: a key or attribute name,
+            an index into a tuple, or a callable of the output.
+
+    Raises:
+        TargetError: The scores cannot be found; the message names the keys or fields found.
+    """
+    if callable(pick):
+        return pick(output)
+    if pick is not None:
+        found = output[pick] if isinstance(output, Mapping | Sequence) else getattr(output, str(pick), None)
+        if not isinstance(found, Tensor):
+            raise TargetError(f"output={pick!r} gives a {type(found).__name__}, not a tensor of scores")
+        return found
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(getattr(output, "logits", None), Tensor):
+        return output.logits
+    if isinstance(output, Mapping):
+        tensors = [key for key, value in output.items() if isinstance(value, Tensor)]
+        named = [key for key in ("logits", "out") if key in tensors]
+        if named or len(tensors) == 1:
+            return output[(named or tensors)[0]]
+        keys = ", ".join(map(repr, output))
+        raise TargetError(f"the model returns a dict with keys {keys}; pick the scores with output=KEY or a callable")
+    if isinstance(output, Sequence) and any(isinstance(value, Tensor) for value in output):
+        return next(value for value in output if isinstance(value, Tensor))
+    fields = ", ".join(name for name in vars(output) if not name.startswith("_")) if hasattr(output, "__dict__") else ""
+    detail = f" with fields {fields}" if fields else ""
+    raise TargetError(
+        f"the model returns a {type(output).__name__}{detail}, without scores to read; "
+        "pick them with output=NAME or a callable, or pass a callable target"
+    )
 
 
 def class_index(target: int | str | Tensor, labels: Sequence[str] | None, num_classes: int) -> int:
@@ -41,54 +96,293 @@ def class_index(target: int | str | Tensor, labels: Sequence[str] | None, num_cl
     return index
 
 
-def select_scores(
-    output: Any,
-    target: Target,
-    labels: Sequence[str] | None = None,
-    topk: int | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """Pick the scores to explain from the model output.
+def per_image(values: Any, n: int, what: str) -> list[Any]:
+    """One value for all ``n`` images, or a sequence of exactly one per image, as a list of ``n``.
+
+    Raises:
+        TargetError: A sequence of another length; the message names both counts.
+    """
+    single = isinstance(values, (str, numbers.Integral)) or (isinstance(values, Tensor) and values.dim() == 0)
+    if single:
+        return [values] * n
+    values = list(values)
+    if len(values) != n:
+        raise TargetError(f"{len(values)} {what} given for a batch of {n} images; give one for all or one per image")
+    return values
+
+
+@dataclass(frozen=True)
+class BoundTarget:
+    """A target fixed on a call's plain pass.
+
+    Attributes:
+        score: ``score(output, images)``: the (rows, K) scores of any batch of model
+            outputs whose row r stands for image ``images[r]`` of the call.
+        classes: The explained class of each image and target, (N, K), or None.
+        probabilities: Their probabilities on the plain pass (softmax, or sigmoid for
+            ``score="sigmoid"``), (N, K), or None.
+        keeps_k: Whether results keep the K axis when K is 1 (TopK does; one class per image does not).
+    """
+
+    score: Callable[[Any, Tensor], Tensor]
+    classes: Tensor | None = None
+    probabilities: Tensor | None = None
+    keeps_k: bool = False
+
+
+class Target:
+    """Base of the target objects: :meth:`bind` fixes a target on a call's plain output.
 
     Args:
-        output: The model output: (N, num_classes) scores, or anything a callable
-            target can read (a tuple, a dict, an object with ``.logits``).
-        target: None (top-1 per image), a class index or name for every image, a
-            sequence of indices or names, or a tensor of indices (one per image), or a callable mapping
-            the model output to one score per image.
-        labels: Class names, to resolve a name.
-        topk: Explain each image's K highest-scoring classes (only with ``target=None``).
-
-    Returns:
-        ``(scores, indices)``: scores (N, K) to differentiate, and their class
-        indices (N, K), or None for a callable target. K is 1 unless ``topk`` is set.
+        output: Where the scores are in a model output that is not a tensor (see
+            :func:`read_output`); default: found automatically when unambiguous.
     """
-    if callable(target):
-        if topk is not None:
-            raise TargetError("topk cannot be combined with a callable target")
-        scores = target(output)
-        if not isinstance(scores, Tensor) or scores.dim() != 1:
-            raise TargetError("a callable target must return a tensor of one score per image, shape (N,)")
-        return scores[:, None], None
-    if not isinstance(output, Tensor) or output.dim() != 2:
-        found = tuple(output.shape) if isinstance(output, Tensor) else type(output).__name__
+
+    geometric = False  # fixed on the plain pass's pixels: flips and rescaling would misplace it
+
+    def __init__(self, output: OutputPicker = None) -> None:
+        self.output = output
+
+    def read(self, output: Any) -> Tensor:
+        """The scores tensor of a model output."""
+        return read_output(output, self.output)
+
+    def bind(self, output: Any, labels: Sequence[str] | None) -> BoundTarget:
+        """Fix the target on the plain pass's output (N images)."""
+        raise NotImplementedError
+
+
+def _class_scores(scores: Tensor, score: ClassScore) -> Tensor:
+    if score == "probability":
+        return scores.softmax(dim=1)
+    return scores.sigmoid() if score == "sigmoid" else scores
+
+
+def _checked_2d(scores: Tensor, kind: str) -> Tensor:
+    if scores.dim() != 2:
         raise TargetError(
-            f"the model output is {found}, not a classifier's (N, classes) scores; pass a callable target"
+            f"the model output is {tuple(scores.shape)}, not a classifier's (N, classes) scores; "
+            f"{kind} needs those (other outputs: RegressionTarget, SegmentationTarget, SimilarityTarget or a callable)"
         )
-    logits = output
-    n, num_classes = logits.shape
+    return scores
+
+
+class ClassTarget(Target):
+    """A class of a classifier's (N, classes) output.
+
+    Args:
+        classes: A class index or name for all images, one per image, or None for each
+            image's top-1 class.
+        score: What is differentiated: the ``"logit"``, the softmax ``"probability"``,
+            or the ``"sigmoid"`` of the logit (multi-label heads).
+        output: See :class:`Target`.
+    """
+
+    def __init__(self, classes: Any = None, score: ClassScore = "logit", *, output: OutputPicker = None) -> None:
+        super().__init__(output)
+        if score not in ("logit", "probability", "sigmoid"):
+            raise TargetError(f"score must be 'logit', 'probability' or 'sigmoid', got {score!r}")
+        self.classes = classes
+        self.score = score
+
+    def indices(self, scores: Tensor, labels: Sequence[str] | None) -> Tensor:
+        """The (N, K) explained classes for the plain pass's (N, classes) scores."""
+        n, num_classes = scores.shape
+        if self.classes is None:
+            return scores.argmax(dim=1, keepdim=True)
+        chosen = [class_index(c, labels, num_classes) for c in per_image(self.classes, n, "targets")]
+        return torch.tensor(chosen, device=scores.device)[:, None]
+
+    def bind(self, output: Any, labels: Sequence[str] | None) -> BoundTarget:
+        logits = _checked_2d(self.read(output), type(self).__name__).detach()
+        indices = self.indices(logits, labels)
+        probabilities = logits.float().sigmoid() if self.score == "sigmoid" else logits.float().softmax(dim=1)
+        return BoundTarget(
+            score=lambda out, images: _class_scores(self.read(out), self.score).gather(1, indices[images]),
+            classes=indices,
+            probabilities=probabilities.gather(1, indices),
+            keeps_k=isinstance(self, TopK),
+        )
+
+
+class TopK(ClassTarget):
+    """Each image's K highest-scoring classes, K maps per image.
+
+    Args:
+        k: How many classes.
+        score: As for :class:`ClassTarget`.
+        output: See :class:`Target`.
+    """
+
+    def __init__(self, k: int, score: ClassScore = "logit", *, output: OutputPicker = None) -> None:
+        super().__init__(None, score, output=output)
+        self.k = k
+
+    def indices(self, scores: Tensor, labels: Sequence[str] | None) -> Tensor:
+        if not 1 <= self.k <= scores.shape[1]:
+            raise TargetError(f"topk must be between 1 and {scores.shape[1]}")
+        return scores.topk(self.k, dim=1).indices
+
+
+class RegressionTarget(Target):
+    """A scalar output: (N,), (N, 1) or column ``index`` of (N, D). A one-logit binary classifier is one too.
+
+    Args:
+        index: The column of an (N, D) output.
+        sign: +1 explains what raises the value, -1 what lowers it.
+        output: See :class:`Target`.
+    """
+
+    def __init__(self, index: int = 0, sign: Literal[1, -1] = 1, *, output: OutputPicker = None) -> None:
+        super().__init__(output)
+        if sign not in (1, -1):
+            raise TargetError(f"sign must be +1 or -1, got {sign!r}")
+        self.index = index
+        self.sign = sign
+
+    def value(self, output: Any) -> Tensor:
+        """The explained value of each row, signed: (rows,)."""
+        values = self.read(output)
+        if values.dim() == 1:
+            return self.sign * values
+        if values.dim() != 2 or not 0 <= self.index < values.shape[1]:
+            shape = tuple(values.shape)
+            raise TargetError(f"RegressionTarget(index={self.index}) needs an (N,) or (N, D) output, got {shape}")
+        return self.sign * values[:, self.index]
+
+    def bind(self, output: Any, labels: Sequence[str] | None) -> BoundTarget:
+        self.value(output)  # checks the shape on the plain pass
+        return BoundTarget(score=lambda out, images: self.value(out)[:, None])
+
+
+class SimilarityTarget(Target):
+    """The similarity of an embedding output (N, D) to a reference embedding.
+
+    Args:
+        reference: One embedding (D,) for all images, or one per image (N, D): another
+            image's embedding, a text embedding (CLIP), a class prototype.
+        metric: ``"cosine"`` or ``"dot"`` product.
+        output: See :class:`Target`.
+    """
+
+    def __init__(self, reference: Tensor, metric: Literal["cosine", "dot"] = "cosine", *, output: OutputPicker = None):
+        super().__init__(output)
+        if metric not in ("cosine", "dot"):
+            raise TargetError(f"metric must be 'cosine' or 'dot', got {metric!r}")
+        self.reference = torch.as_tensor(reference)
+        self.metric = metric
+
+    def bind(self, output: Any, labels: Sequence[str] | None) -> BoundTarget:
+        embeddings = self.read(output)
+        if embeddings.dim() != 2 or self.reference.shape[-1] != embeddings.shape[1] or self.reference.dim() > 2:
+            raise TargetError(
+                f"SimilarityTarget compares (N, D) embeddings with a (D,) or (N, D) reference; "
+                f"got embeddings {tuple(embeddings.shape)} and reference {tuple(self.reference.shape)}"
+            )
+        reference = self.reference.to(embeddings.device, embeddings.dtype)
+        if reference.dim() == 1:
+            reference = reference.expand(embeddings.shape[0], -1)
+        elif reference.shape[0] != embeddings.shape[0]:
+            raise TargetError(
+                f"{reference.shape[0]} reference embeddings given for a batch of {embeddings.shape[0]} images; "
+                "give one for all or one per image"
+            )
+
+        def score(out: Any, images: Tensor) -> Tensor:
+            emb, ref = self.read(out), reference[images]
+            similarity = F.cosine_similarity(emb, ref, dim=1) if self.metric == "cosine" else (emb * ref).sum(dim=1)
+            return similarity[:, None]
+
+        return BoundTarget(score=score)
+
+
+class SegmentationTarget(Target):
+    """A class of a dense output (N, classes, H, W): its logit summed over a region.
+
+    Args:
+        classes: A class index or name for all images, or one per image.
+        mask: The region, (H, W) for all images or (N, H, W), boolean or weights; resized
+            (nearest) to the output's size. Default: the pixels where the class wins
+            the argmax on the plain pass.
+        output: See :class:`Target` (torchvision's segmentation models return a dict
+            whose ``"out"`` is read automatically).
+    """
+
+    geometric = True
+
+    def __init__(self, classes: Any, mask: Tensor | None = None, *, output: OutputPicker = None) -> None:
+        super().__init__(output)
+        self.classes = classes
+        self.mask = mask
+
+    def region(self, logits: Tensor, classes: Tensor) -> Tensor:
+        """The (N, H, W) weights of each image's region at the output's resolution."""
+        n, _, height, width = logits.shape
+        if self.mask is None:
+            return (logits.argmax(dim=1) == classes[:, None, None]).to(logits.dtype)
+        mask = torch.as_tensor(self.mask, device=logits.device).to(logits.dtype)
+        mask = mask[None].expand(n, -1, -1) if mask.dim() == 2 else mask
+        if mask.dim() != 3 or mask.shape[0] != n:
+            raise TargetError(f"a mask must be (H, W) or one per image (N, H, W) for {n} images, got {mask.shape}")
+        return F.interpolate(mask[:, None], size=(height, width), mode="nearest-exact")[:, 0]
+
+    def bind(self, output: Any, labels: Sequence[str] | None) -> BoundTarget:
+        logits = self.read(output)
+        if logits.dim() != 4:
+            raise TargetError(f"SegmentationTarget needs a dense (N, classes, H, W) output, got {tuple(logits.shape)}")
+        n, num_classes = logits.shape[:2]
+        chosen = [class_index(c, labels, num_classes) for c in per_image(self.classes, n, "classes")]
+        classes = torch.tensor(chosen, device=logits.device)
+        region = self.region(logits.detach(), classes)
+
+        def score(out: Any, images: Tensor) -> Tensor:
+            dense = self.read(out)
+            if dense.shape[-2:] != region.shape[-2:]:
+                raise TargetError("the segmentation region is fixed at the plain pass's resolution, not this pass's")
+            picked = dense[torch.arange(len(images), device=dense.device), classes[images]]
+            return (picked * region[images]).sum(dim=(-2, -1))[:, None]
+
+        return BoundTarget(score=score, classes=classes[:, None])
+
+
+class CallableTarget(Target):
+    """A function of the model output that returns one score per row, (rows,)."""
+
+    def __init__(self, function: Callable[[Any], Tensor]) -> None:
+        super().__init__(None)
+        self.function = function
+
+    def scores(self, output: Any) -> Tensor:
+        values = self.function(output)
+        if not isinstance(values, Tensor) or values.dim() != 1:
+            raise TargetError("a callable target must return a tensor of one score per image, shape (N,)")
+        return values[:, None]
+
+    def bind(self, output: Any, labels: Sequence[str] | None) -> BoundTarget:
+        self.scores(output)
+        return BoundTarget(score=lambda out, images: self.scores(out))
+
+
+TargetLike = Target | int | str | Sequence[int | str] | Tensor | Callable[[Any], Tensor] | None
+
+
+def as_target(target: TargetLike, topk: int | None = None) -> Target:
+    """The target object for a target or its shorthand.
+
+    ``None`` is each image's top-1 class; an int or name one class for all images; a
+    sequence or 1-D tensor one class per image; a callable one score per row; and
+    ``topk=K`` is :class:`TopK`.
+
+    Raises:
+        TargetError: ``topk`` together with a target.
+    """
     if topk is not None:
         if target is not None:
-            raise TargetError("topk explains the top classes; it cannot be combined with a target")
-        if not 1 <= topk <= num_classes:
-            raise TargetError(f"topk must be between 1 and {num_classes}")
-        indices = logits.topk(topk, dim=1).indices
-    elif target is None:
-        indices = logits.argmax(dim=1, keepdim=True)
-    elif isinstance(target, (str, numbers.Integral)) or (isinstance(target, Tensor) and target.dim() == 0):
-        indices = torch.full((n, 1), class_index(target, labels, num_classes), device=logits.device)
-    else:
-        per_image = [class_index(t, labels, num_classes) for t in target]
-        if len(per_image) != n:
-            raise TargetError(f"{len(per_image)} targets given for a batch of {n} images")
-        indices = torch.tensor(per_image, device=logits.device)[:, None]
-    return logits.gather(1, indices), indices
+            kind = "a callable target" if callable(target) and not isinstance(target, Target) else "a target"
+            raise TargetError(f"topk explains the top classes; it cannot be combined with {kind}")
+        return TopK(topk)
+    if isinstance(target, Target):
+        return target
+    if callable(target):
+        return CallableTarget(target)
+    return ClassTarget(target)

@@ -21,8 +21,8 @@ def seeded(name: str, **kwargs) -> nn.Module:
     return torchvision.models.get_model(name, **kwargs).eval()
 
 
-def capture(model: nn.Module, x: torch.Tensor, layer: str, targets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's activations and the summed target scores' gradients, float64, without the library.
+def capture_score(model: nn.Module, x: torch.Tensor, layer: str, score) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's activations and the gradient of ``score(output)`` summed over images, float64, without the library.
 
     A plain forward hook keeps the layer's output and hands a copy on, so later
     in-place operations of the model cannot alter what is kept; the gradient is
@@ -36,12 +36,16 @@ def capture(model: nn.Module, x: torch.Tensor, layer: str, targets: list[int]) -
 
     handle = model.get_submodule(layer).register_forward_hook(keep)
     try:
-        logits = model(x)
+        output = model(x)
     finally:
         handle.remove()
-    score = sum(logits[i, t] for i, t in enumerate(targets))
-    (grad,) = torch.autograd.grad(score, kept["a"])
+    (grad,) = torch.autograd.grad(score(output).sum(), kept["a"])
     return kept["a"].detach().double(), grad.double()
+
+
+def capture(model: nn.Module, x: torch.Tensor, layer: str, targets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`capture_score` of the logit of one class per image."""
+    return capture_score(model, x, layer, lambda logits: logits[range(len(targets)), targets])
 
 
 def reference_gradcam(model: nn.Module, x: torch.Tensor, layer: str, targets: list[int]) -> torch.Tensor:

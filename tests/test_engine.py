@@ -11,7 +11,8 @@ from conftest import reference_gradcam, seeded
 from torch import nn
 
 import explain
-from explain.engine import normalize_maps, postprocess
+from explain.maps import normalize_maps, postprocess
+from explain.targets import ClassTarget
 
 CASES = [
     # model, layer, input side: a plain last stage, a conv whose output an in-place ReLU
@@ -83,27 +84,44 @@ def test_targets_by_index_name_sequence_tensor_and_callable() -> None:
     torch.testing.assert_close(top.scores, logits.amax(1))
 
 
-class DictOutput(nn.Module):
-    """A model that returns its scores inside a dict, as many hub models do."""
+class Wrapped(nn.Module):
+    """resnet18 whose scores come wrapped as many hub models return them: a dict, a tuple, an object."""
 
-    def __init__(self) -> None:
+    def __init__(self, wrap) -> None:
         super().__init__()
         self.net = seeded("resnet18", num_classes=5)
+        self.wrap = wrap
 
-    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"logits": self.net(x)}
+    def forward(self, x: torch.Tensor):
+        return self.wrap(self.net(x))
 
 
-def test_non_tensor_output_needs_a_callable_target() -> None:
-    model = DictOutput()
+class ModelOutput:
+    """Like HuggingFace's outputs: fields, the scores in ``.logits``."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits, self.hidden = logits, logits * 2
+
+
+def test_wrapped_outputs_are_read_when_unambiguous() -> None:
     x = torch.randn(2, 3, 64, 64)
-    result = explain.GradCAM(model, "net.layer4")(x, lambda out: out["logits"][:, 3])
-    assert result.logits is None and result.class_indices is None
-    torch.testing.assert_close(result.raw, explain.GradCAM(model.net, "layer4")(x, 3).raw)
-    with pytest.raises(explain.TargetError, match="pass a callable target"):
-        explain.gradcam(model, x, "net.layer4")
+    reference = explain.GradCAM(Wrapped(lambda t: t).net, "layer4")(x, 3)
+    for wrap in (lambda t: {"logits": t, "aux": t}, lambda t: {"out": t}, lambda t: (t, t * 2), ModelOutput):
+        model = Wrapped(wrap)
+        result = explain.GradCAM(model, "net.layer4")(x, 3)
+        assert result.class_indices.tolist() == [3, 3] and result.logits is None
+        torch.testing.assert_close(result.raw, reference.raw)
+        torch.testing.assert_close(result.probabilities, reference.probabilities)
+    ambiguous = Wrapped(lambda t: {"first": t, "second": t * 2})
+    with pytest.raises(explain.TargetError, match="dict with keys 'first', 'second'; pick the scores with output="):
+        explain.gradcam(ambiguous, x, "net.layer4")
+    picked = explain.GradCAM(ambiguous, "net.layer4")(x, ClassTarget(3, output="first"))
+    torch.testing.assert_close(picked.raw, reference.raw)
+    by_callable = explain.GradCAM(ambiguous, "net.layer4")(x, lambda out: out["first"][:, 3])
+    assert by_callable.class_indices is None and by_callable.probabilities is None
+    torch.testing.assert_close(by_callable.raw, reference.raw)
     with pytest.raises(explain.TargetError, match="3 target scores for a batch of 2"):
-        explain.gradcam(model, x, "net.layer4", lambda out: out["logits"][0, :3])
+        explain.gradcam(ambiguous, x, "net.layer4", lambda out: out["first"][0, :3])
 
 
 def test_topk_gives_one_map_per_class_equal_to_single_targets() -> None:

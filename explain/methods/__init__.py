@@ -17,7 +17,7 @@ from ..catalog import METHOD_CATALOG, check_method
 from ..engine import CAM
 from ..errors import ExplainError
 from ..layers import LayerSpec
-from ..targets import Target
+from ..targets import TargetLike
 from .activation import EigenCAM, OriginalCAM, RandomCAM
 from .gradient import EigenGradCAM, GradCAM, GradCAMElementWise, GradCAMPlusPlus, HiResCAM, LayerCAM, XGradCAM
 from .guided import GuidedBackprop, GuidedGradCAM
@@ -71,7 +71,7 @@ def cam(
     x: Tensor,
     method: str = "gradcam",
     layer: LayerSpec | Sequence[str | nn.Module] = None,
-    target: Target = None,
+    target: TargetLike = None,
     *,
     resize: bool = True,
     normalize: bool = True,
@@ -107,7 +107,7 @@ def gradcam(
     model: nn.Module,
     x: Tensor,
     layer: LayerSpec | Sequence[str | nn.Module] = None,
-    target: Target = None,
+    target: TargetLike = None,
     *,
     resize: bool = True,
     normalize: bool = True,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..engine import CAM, Capture, principal_projection
+from ..engine import CAM, Capture
 from ..errors import LayerError, TargetError
 from ..layers import classifier
+from ..maps import principal_projection
 
 
 class OriginalCAM(CAM):
@@ -43,7 +44,7 @@ class EigenCAM(CAM):
     Components", IJCNN 2020 (arXiv:2008.00299).
 
     The projection of the centred activations on their first principal component
-    (class-agnostic), its sign fixed as :func:`explain.engine.principal_projection` says.
+    (class-agnostic), its sign fixed as :func:`explain.maps.principal_projection` says.
     """
 
     name = "eigencam"

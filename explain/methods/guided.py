@@ -16,12 +16,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..engine import CAMResult, Chooser, check_images, checked_scores, fixed_targets, make_result
+from ..engine import CAMResult, check_images, make_result, target_scores
 from ..errors import LayerError
 from ..hooks import guided_relus
 from ..layers import LayerSpec
 from ..model_state import untouched
-from ..targets import Target, select_scores
+from ..targets import BoundTarget, Target, TargetLike, as_target
 from .gradient import GradCAM
 
 
@@ -62,34 +62,40 @@ class GuidedBackprop:
         return "input"
 
     def __call__(
-        self, x: Tensor, target: Target = None, *, topk: int | None = None, resize: bool = True, normalize: bool = True
+        self,
+        x: Tensor,
+        target: TargetLike = None,
+        *,
+        topk: int | None = None,
+        resize: bool = True,
+        normalize: bool = True,
     ) -> CAMResult:
         """Explain a batch; ``cams`` are (N, 3, H, W) images in [0, 1] (with ``normalize``), ``raw`` the gradients.
 
         Args are those of :meth:`explain.engine.CAM.__call__`; ``resize`` has no effect.
         """
         check_images(x)
-        output, scores, indices, raw = self.input_gradients(
-            x, lambda out: select_scores(out, target, self.labels, topk)
-        )
-        return make_result(
-            visible(raw) if normalize else raw, raw, output, scores, indices, topk, self.layer, self.name
-        )
+        output, bound, scores, raw = self.input_gradients(x, as_target(target, topk))
+        return make_result(visible(raw) if normalize else raw, raw, output, scores, bound, self.layer, self.name)
 
-    def input_gradients(self, x: Tensor, choose: Chooser) -> tuple[Any, Tensor, Tensor | None, Tensor]:
-        """Guided gradients of each chosen score: the output, (N, K) scores and indices, and (N, K, 3, H, W) maps."""
+    def input_gradients(self, x: Tensor, goal: Target | BoundTarget) -> tuple[Any, BoundTarget, Tensor, Tensor]:
+        """Guided gradients of each target: the output, the bound target, its (N, K) scores, (N, K, 3, H, W) maps.
+
+        ``goal`` is bound on this pass's output, unless it is bound already.
+        """
         with untouched(self.model), torch.inference_mode(False), torch.enable_grad():
             images = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
             with guided_relus(self.model) as guided:
                 if not guided:
                     raise LayerError("Guided Backpropagation needs nn.ReLU or nn.ReLU6 modules; this model has none")
                 output = self.model(images)
-                scores, indices = checked_scores(choose(output), x)
+                bound = goal if isinstance(goal, BoundTarget) else goal.bind(output, self.labels)
+                scores = target_scores(bound, output, x)
                 maps = [
                     torch.autograd.grad(scores[:, k].sum(), images, retain_graph=True)[0]
                     for k in range(scores.shape[1])
                 ]
-        return output, scores.detach(), indices, torch.stack(maps, dim=1).float()
+        return output, bound, scores.detach(), torch.stack(maps, dim=1).float()
 
 
 class GuidedGradCAM(GuidedBackprop):
@@ -118,14 +124,17 @@ class GuidedGradCAM(GuidedBackprop):
         return self.gradcam.layer or ""
 
     def __call__(
-        self, x: Tensor, target: Target = None, *, topk: int | None = None, resize: bool = True, normalize: bool = True
+        self,
+        x: Tensor,
+        target: TargetLike = None,
+        *,
+        topk: int | None = None,
+        resize: bool = True,
+        normalize: bool = True,
     ) -> CAMResult:
         check_images(x)
         cam = self.gradcam(x, target, topk=topk)
-        maps = cam.cams if topk else cam.cams[:, None]
-        indices = cam.class_indices if topk or cam.class_indices is None else cam.class_indices[:, None]
-        output, scores, indices, guided = self.input_gradients(x, fixed_targets(target, indices))
+        maps = cam.cams if cam.target.keeps_k else cam.cams[:, None]
+        output, bound, scores, guided = self.input_gradients(x, cam.target)
         raw = guided * maps[:, :, None]
-        return make_result(
-            visible(raw) if normalize else raw, raw, output, scores, indices, topk, self.layer, self.name
-        )
+        return make_result(visible(raw) if normalize else raw, raw, output, scores, bound, self.layer, self.name)

@@ -25,8 +25,9 @@ import torch
 from torch import Tensor, nn
 from torch.fx.experimental.optimization import fuse
 
-from ..engine import CAM, Capture, normalize_maps, upsample
+from ..engine import CAM, Capture
 from ..hooks import output_replaced
+from ..maps import normalize_maps, upsample
 
 
 class PerturbationCAM(CAM):

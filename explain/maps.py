@@ -1,0 +1,58 @@
+"""Map arithmetic, batched in torch on the maps' device: normalize, upsample, principal components."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def normalize_maps(maps: Tensor) -> Tensor:
+    """Min-max normalize each map over its last two axes to [0, 1]; a flat map becomes zeros."""
+    low = maps.amin(dim=(-2, -1), keepdim=True)
+    span = maps.amax(dim=(-2, -1), keepdim=True) - low
+    return torch.where(span > 0, (maps - low) / span.clamp_min(torch.finfo(maps.dtype).tiny), 0.0)
+
+
+def upsample(maps: Tensor, size: Sequence[int]) -> Tensor:
+    """Resize maps (..., h, w) bilinearly (align_corners=False) to ``size``; maps already that size pass as they are."""
+    if tuple(maps.shape[-2:]) == tuple(size):
+        return maps
+    flat = maps.reshape(-1, 1, *maps.shape[-2:])
+    resized = F.interpolate(flat, size=tuple(size), mode="bilinear", align_corners=False)
+    return resized.reshape(*maps.shape[:-2], *resized.shape[-2:])
+
+
+def postprocess(raw: Tensor, size: Sequence[int] | None, normalize: bool) -> Tensor:
+    """Upsample maps (..., h, w) bilinearly to ``size`` (if given), then normalize (if asked)."""
+    maps = raw if size is None else upsample(raw, size)
+    return normalize_maps(maps) if normalize else maps
+
+
+def principal_projection(weighted: Tensor) -> Tensor:
+    """Project each image's activations (N, C, h, w) on their first principal component: (N, h, w).
+
+    The positions are the samples and the channels the variables: the activations
+    are centred over positions, and the projection is their first left singular
+    vector times its singular value. It is computed, in float64, from the
+    eigendecomposition of the smaller of the two Gram matrices (positions x
+    positions, or channels x channels), which gives the same component as an SVD
+    at a fraction of its cost. A component is fixed only up to its sign; the sign
+    is chosen so that the projection correlates positively with the channel sum
+    of ``weighted`` (for weighted activations, the plain weighted map), and is +
+    where that correlation is 0.
+    """
+    n, _, h, w = weighted.shape
+    rows = weighted.flatten(2).transpose(1, 2).double()  # (N, hw, C)
+    centred = rows - rows.mean(dim=1, keepdim=True)
+    if centred.shape[1] <= centred.shape[2]:
+        values, vectors = torch.linalg.eigh(centred @ centred.transpose(1, 2))
+        projection = vectors[..., -1] * values[..., -1:].clamp_min(0).sqrt()
+    else:
+        _, vectors = torch.linalg.eigh(centred.transpose(1, 2) @ centred)
+        projection = (centred @ vectors[..., -1:])[..., 0]
+    total = rows.sum(dim=2)
+    agreement = (projection * (total - total.mean(dim=1, keepdim=True))).sum(dim=1, keepdim=True)
+    return torch.where(agreement < 0, -projection, projection).reshape(n, h, w).to(weighted.dtype)
