@@ -13,8 +13,9 @@ input's device.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -123,6 +124,7 @@ class Capture:
             image each output row stands for, (rows,).
         generator: The call's random number generator (from ``seed``), or None for
             PyTorch's global one.
+        model_kwargs: The call's further keyword arguments of the model's forward.
     """
 
     x: Tensor
@@ -133,6 +135,7 @@ class Capture:
     classes: Tensor | None
     score_rows: Callable[[Any, Tensor], Tensor]
     generator: torch.Generator | None = None
+    model_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
 AUG_SCALES = (0.9, 1.0, 1.1)
@@ -233,11 +236,11 @@ class CAM:
         """Dotted name of the target layer, names joined by ``+`` when fused (None until found)."""
         return "+".join(name for name, _ in self._layers) if self._layers else None
 
-    def _resolve_layers(self, x: Tensor) -> list[tuple[str, nn.Module]]:
+    def _resolve_layers(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> list[tuple[str, nn.Module]]:
         """The target layers by name and module: those asked for, or the automatic one for x."""
         if self._requested is None:
-            return [auto_layer(self.model, x)]
-        return [resolve_layer(self.model, spec, x) for spec in self._requested]
+            return [auto_layer(self.model, x, model_kwargs)]
+        return [resolve_layer(self.model, spec, x, model_kwargs) for spec in self._requested]
 
     def weights(self, capture: Capture) -> Tensor:
         """Channel weights (N, C)."""
@@ -265,6 +268,7 @@ class CAM:
         topk: int | None = None,
         resize: bool = True,
         normalize: bool = True,
+        model_kwargs: Mapping[str, Any] | None = None,
     ) -> CAMResult:
         """Explain a batch.
 
@@ -276,16 +280,21 @@ class CAM:
             topk: Explain each image's K top classes (``TopK(k)``) instead of one target.
             resize: Upsample the maps to (H, W); else keep the feature resolution.
             normalize: Min-max normalize each map to [0, 1]; else keep raw values.
+            model_kwargs: Further keyword arguments of the model's forward (a CLIP
+                model's text, say), passed unchanged to every forward the call runs,
+                the perturbed batches of Score-CAM and Ablation-CAM included; so
+                they must not have a per-image batch axis.
 
         Returns:
             A :class:`CAMResult` whose tensors are on ``x``'s device.
         """
         check_images(x)
+        model_kwargs = dict(model_kwargs or {})
         goal = as_target(target, topk)
         if self.aug_smooth and goal.geometric:
             raise TargetError(f"aug_smooth flips and rescales the input, which would misplace a {type(goal).__name__}")
         if self._layers is None:
-            self._layers = self._resolve_layers(x)
+            self._layers = self._resolve_layers(x, model_kwargs)
         size = x.shape[-2:]
         generator = None if self.seed is None else torch.Generator(device=x.device).manual_seed(self.seed)
         with untouched(self.model), torch.inference_mode(False), torch.enable_grad():
@@ -293,7 +302,7 @@ class CAM:
             bound = None  # the target, fixed on the plain input and kept for every other pass
             if self.smooth_samples:
                 with torch.no_grad():
-                    output = self.model(images)
+                    output = self.model(images, **model_kwargs)
                 bound = goal.bind(output, self.labels)
                 scores = target_scores(bound, output, x)
             views = [(False, 1.0)]  # (flip, scale) of each pass's view of the input: the plain input first
@@ -306,9 +315,9 @@ class CAM:
                 if self.smooth_samples:
                     seen = self._noisy(seen, generator)
                 if bound is None:  # the plain pass: its output binds the target and is the result's
-                    output, bound, scores, maps = self._pass(seen, goal, None, generator)
+                    output, bound, scores, maps = self._pass(seen, goal, None, generator, model_kwargs)
                 else:
-                    maps = self._pass(seen, goal, bound, generator)[3]
+                    maps = self._pass(seen, goal, bound, generator, model_kwargs)[3]
                 if self.aug_smooth:
                     maps = [_deaugment(m, flip, size) for m in maps]
                 sums = maps if not sums else [total + m for total, m in zip(sums, maps)]
@@ -328,7 +337,12 @@ class CAM:
         return stacked.mean(dim=0) if self.fuse == "mean" else stacked.amax(dim=0)
 
     def _pass(
-        self, x: Tensor, goal: Target, bound: BoundTarget | None, generator: torch.Generator | None
+        self,
+        x: Tensor,
+        goal: Target,
+        bound: BoundTarget | None,
+        generator: torch.Generator | None,
+        model_kwargs: Mapping[str, Any],
     ) -> tuple[Any, BoundTarget, Tensor, list[Tensor]]:
         """One forward (and backward) pass; ``bound`` None binds ``goal`` on this pass's output.
 
@@ -338,7 +352,7 @@ class CAM:
         layers = dict(self._layers)
         grad_mode = torch.enable_grad() if self.needs_gradients else torch.no_grad()
         with grad_mode, ActivationGradientRecorder(layers, gradients=self.needs_gradients) as recorder:
-            output = recorder.forward(self.model, x)
+            output = recorder.forward(partial(self.model, **model_kwargs), x)
             for name, activation in recorder.activations.items():
                 if activation.dim() != 4:
                     raise LayerError(
@@ -364,6 +378,7 @@ class CAM:
                     classes=None if bound.classes is None else bound.classes[:, k],
                     score_rows=lambda output, images, k=k: bound.score(output, images)[:, k],
                     generator=generator,
+                    model_kwargs=model_kwargs,
                 )
                 per_target.append(self.compute(capture))
             maps.append(torch.stack(per_target, dim=1))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -125,7 +125,7 @@ class ActivationGradientRecorder:
     def _on_tensor_backward(self, name: str, grad: Tensor) -> None:
         self.gradients[name] = grad
 
-    def forward(self, model: nn.Module, x: Tensor) -> Tensor:
+    def forward(self, model: Callable[[Tensor], Any], x: Tensor) -> Any:
         """Run the model on ``x``, recording the activations.
 
         Falls back to the tensor-hook path, and runs the forward again, when the
@@ -142,7 +142,7 @@ class ActivationGradientRecorder:
         self._register()
         return self._forward_once(model, x)
 
-    def _forward_once(self, model: nn.Module, x: Tensor) -> Tensor:
+    def _forward_once(self, model: Callable[[Tensor], Any], x: Tensor) -> Any:
         self.activations.clear()
         self._leaves.clear()
         output = model(x)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -17,7 +18,9 @@ from .model_state import eval_mode
 LayerSpec = str | nn.Module | None
 
 
-def resolve_layer(model: nn.Module, layer: str | nn.Module, x: Tensor) -> tuple[str, nn.Module]:
+def resolve_layer(
+    model: nn.Module, layer: str | nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None
+) -> tuple[str, nn.Module]:
     """Return the dotted name and the module for ``layer``.
 
     Args:
@@ -25,6 +28,7 @@ def resolve_layer(model: nn.Module, layer: str | nn.Module, x: Tensor) -> tuple[
         layer: A dotted name such as ``"layer4"`` or ``"features.28"``, or the module itself.
         x: An input batch of the model: for an unknown name, one forward of its first
             image finds the layers that could serve instead.
+        model_kwargs: Further keyword arguments of the model's forward.
 
     Raises:
         LayerError: The name is unknown (the message names layers with spatial
@@ -38,7 +42,7 @@ def resolve_layer(model: nn.Module, layer: str | nn.Module, x: Tensor) -> tuple[
         raise LayerError(f"the given {type(layer).__name__} module is not a submodule of the model")
     if layer in names:
         return layer, names[layer]
-    candidates = [info.name for info in candidate_layers(model, x)]
+    candidates = [info.name for info in candidate_layers(model, x, model_kwargs)]
     close = difflib.get_close_matches(layer, candidates, n=6, cutoff=0.5)
     listed = f"the closest are {', '.join(close)}" if close else f"the last are {', '.join(candidates[-6:])}"
     raise LayerError(
@@ -63,13 +67,13 @@ def classifier(model: nn.Module) -> tuple[str, nn.Linear]:
 _AUTO_LAYERS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, ...], str]] = weakref.WeakKeyDictionary()
 
 
-def auto_layer(model: nn.Module, x: Tensor) -> tuple[str, nn.Module]:
+def auto_layer(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> tuple[str, nn.Module]:
     """The automatic target layer (see :func:`find_auto_layer`), searched once per model and input shape."""
     known = _AUTO_LAYERS.setdefault(model, {})
     shape = tuple(x.shape[1:])
     modules = dict(model.named_modules())
     if known.get(shape) not in modules:  # not searched yet, or the model's modules changed since
-        known[shape] = find_auto_layer(model, x)
+        known[shape] = find_auto_layer(model, x, model_kwargs)
     return known[shape], modules[known[shape]]
 
 
@@ -95,10 +99,11 @@ class LayerInfo:
         return self.shape is not None and len(self.shape) == 3 and min(self.shape[1:]) > 1
 
 
-def trace_layers(model: nn.Module, x: Tensor) -> list[LayerInfo]:
+def trace_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> list[LayerInfo]:
     """Every named module that runs when the model sees x's first image, in the order they finish.
 
-    One forward pass, in eval and inference mode; the model is left as it was.
+    One forward pass, in eval and inference mode, with ``model_kwargs`` passed to the
+    model's forward; the model is left as it was.
     """
     infos: dict[str, LayerInfo] = {}
 
@@ -112,26 +117,26 @@ def trace_layers(model: nn.Module, x: Tensor) -> list[LayerInfo]:
     handles = [module.register_forward_hook(partial(record, name)) for name, module in model.named_modules() if name]
     try:
         with eval_mode(model), torch.inference_mode():
-            model(x[:1])
+            model(x[:1], **(model_kwargs or {}))
     finally:
         for handle in handles:
             handle.remove()
     return list(infos.values())
 
 
-def candidate_layers(model: nn.Module, x: Tensor) -> list[LayerInfo]:
+def candidate_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> list[LayerInfo]:
     """The layers a CAM can explain at x's input size: modules that run once per forward and
     output a spatial map (N, C, H, W) with H, W > 1, in the order they finish (one forward pass)."""
-    return [info for info in trace_layers(model, x) if info.spatial and info.calls == 1]
+    return [info for info in trace_layers(model, x, model_kwargs) if info.spatial and info.calls == 1]
 
 
-def find_auto_layer(model: nn.Module, x: Tensor) -> str:
+def find_auto_layer(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> str:
     """Name the last layer to finish whose output is a spatial map (see :func:`candidate_layers`).
 
     Raises:
         LayerError: No module of the model produces a spatial map.
     """
-    candidates = candidate_layers(model, x)
+    candidates = candidate_layers(model, x, model_kwargs)
     if not candidates:
         raise LayerError("no layer of the model outputs a spatial (N, C, H, W) map; pass layer=")
     return candidates[-1].name

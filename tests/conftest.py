@@ -21,8 +21,9 @@ def seeded(name: str, **kwargs) -> nn.Module:
     return torchvision.models.get_model(name, **kwargs).eval()
 
 
-def capture_score(model: nn.Module, x: torch.Tensor, layer: str, score) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's activations and the gradient of ``score(output)`` summed over images, float64, without the library.
+def capture_score(model: nn.Module, x: torch.Tensor, layer: str, score, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's activations and the gradient of ``score(output)`` summed over images, float64, without the library
+    (``kwargs`` go to the model's forward).
 
     A plain forward hook keeps the layer's output and hands a copy on, so later
     in-place operations of the model cannot alter what is kept; the gradient is
@@ -36,7 +37,7 @@ def capture_score(model: nn.Module, x: torch.Tensor, layer: str, score) -> tuple
 
     handle = model.get_submodule(layer).register_forward_hook(keep)
     try:
-        output = model(x)
+        output = model(x, **kwargs)
     finally:
         handle.remove()
     (grad,) = torch.autograd.grad(score(output).sum(), kept["a"])

@@ -13,9 +13,9 @@ import explain
 from explain.targets import ClassTarget, RegressionTarget, SegmentationTarget, SimilarityTarget, TopK
 
 
-def reference_gradcam(model: nn.Module, x: torch.Tensor, layer: str, score) -> torch.Tensor:
+def reference_gradcam(model: nn.Module, x: torch.Tensor, layer: str, score, **kwargs) -> torch.Tensor:
     """Grad-CAM from the paper for any per-image score: raw (N, h, w) maps, float64."""
-    a, g = capture_score(model, x, layer, score)
+    a, g = capture_score(model, x, layer, score, **kwargs)
     return (g.mean(dim=(-2, -1))[..., None, None] * a).sum(dim=1).clamp(min=0)
 
 
@@ -183,3 +183,42 @@ def test_new_targets_leave_the_model_untouched(target) -> None:
     explain.cam(model, x, "scorecam", "layer3", target, batch_size=64)
     assert hook_count(model) == 0 and model.training
     assert [p.requires_grad for p in model.parameters()] == flags and all(p.grad is None for p in model.parameters())
+
+
+class ImageText(nn.Module):
+    """A CLIP-like model: image and text embeddings in, their scaled cosine similarities (N, T) out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.visual = seeded("resnet18", num_classes=16)
+
+    def forward(self, images: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        return 10 * F.normalize(self.visual(images), dim=1) @ F.normalize(text, dim=1).T
+
+
+class TextBound(nn.Module):
+    def __init__(self, model: nn.Module, text: torch.Tensor) -> None:
+        super().__init__()
+        self.model, self.text = model, text
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(images, text=self.text)
+
+
+def test_model_kwargs_reach_every_forward() -> None:
+    model = ImageText().eval()
+    x = inputs(2, 64)
+    torch.manual_seed(7)
+    text = torch.randn(3, 16)
+    expected = reference_gradcam(model, x, "visual.layer4", lambda logits: logits[:, 2], text=text)
+    got = explain.cam(model, x, "gradcam", None, 2, resize=False, normalize=False, model_kwargs={"text": text})
+    assert_maps(got, expected)  # the automatic layer search ran with the text too
+    score_cam = explain.ScoreCAM(model, "visual.layer3")(x, 2, model_kwargs={"text": text}, normalize=False)
+    baked = TextBound(model, text)  # the same network with the text inside: Score-CAM's reference tests cover it
+    torch.testing.assert_close(
+        score_cam.cams, explain.ScoreCAM(baked, "model.visual.layer3")(x, 2, normalize=False).cams
+    )
+    guided = explain.cam(model, x, "guided_gradcam", "visual.layer4", 2, model_kwargs={"text": text})
+    assert guided.shape == (2, 3, 64, 64)
+    with pytest.raises(TypeError, match="text"):
+        explain.gradcam(model, x, "visual.layer4", 2)

@@ -8,7 +8,7 @@ Files: ``gradient.py`` (maps from activations and gradients), ``activation.py``
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import Tensor, nn
@@ -76,6 +76,7 @@ def cam(
     resize: bool = True,
     normalize: bool = True,
     labels: Sequence[str] | None = None,
+    model_kwargs: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> Tensor:
     """Heatmaps of any method for a batch, in one call.
@@ -92,6 +93,8 @@ def cam(
         resize: Upsample to x's (H, W); False keeps the feature-map resolution.
         normalize: Min-max normalize each map to [0, 1]; False keeps the raw map.
         labels: Class names, needed for a class-name target.
+        model_kwargs: Further keyword arguments of the model's forward, passed to every
+            forward the method runs (see :meth:`explain.engine.CAM.__call__`).
         **options: The method's options: ``fuse``, ``aug_smooth``, ``eigen_smooth``,
             ``smooth_samples``, ``smooth_sigma``, ``batch_size``, ``seed`` (see
             :class:`explain.engine.CAM`), and ``samples``/``sigma`` for SS-CAM and IS-CAM.
@@ -100,7 +103,7 @@ def cam(
         float32 heatmaps (N, H, W) on x's device; (N, 3, H, W) images for the guided methods.
     """
     explainer = create_method(method, model, layer, labels=labels, **options)
-    return explainer(x, target, resize=resize, normalize=normalize).cams
+    return explainer(x, target, resize=resize, normalize=normalize, model_kwargs=model_kwargs).cams
 
 
 def gradcam(
@@ -112,13 +115,16 @@ def gradcam(
     resize: bool = True,
     normalize: bool = True,
     labels: Sequence[str] | None = None,
+    model_kwargs: Mapping[str, Any] | None = None,
 ) -> Tensor:
     """Grad-CAM heatmaps for a batch: :func:`cam` with ``method="gradcam"``.
 
     Returns:
         float32 heatmaps (N, H, W) on x's device.
     """
-    return cam(model, x, "gradcam", layer, target, resize=resize, normalize=normalize, labels=labels)
+    return cam(
+        model, x, "gradcam", layer, target, resize=resize, normalize=normalize, labels=labels, model_kwargs=model_kwargs
+    )
 
 
 __all__ = [

@@ -10,7 +10,7 @@ evidence of what the model relies on; the CAM methods pass that check.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -69,16 +69,19 @@ class GuidedBackprop:
         topk: int | None = None,
         resize: bool = True,
         normalize: bool = True,
+        model_kwargs: Mapping[str, Any] | None = None,
     ) -> CAMResult:
         """Explain a batch; ``cams`` are (N, 3, H, W) images in [0, 1] (with ``normalize``), ``raw`` the gradients.
 
         Args are those of :meth:`explain.engine.CAM.__call__`; ``resize`` has no effect.
         """
         check_images(x)
-        output, bound, scores, raw = self.input_gradients(x, as_target(target, topk))
+        output, bound, scores, raw = self.input_gradients(x, as_target(target, topk), model_kwargs)
         return make_result(visible(raw) if normalize else raw, raw, output, scores, bound, self.layer, self.name)
 
-    def input_gradients(self, x: Tensor, goal: Target | BoundTarget) -> tuple[Any, BoundTarget, Tensor, Tensor]:
+    def input_gradients(
+        self, x: Tensor, goal: Target | BoundTarget, model_kwargs: Mapping[str, Any] | None = None
+    ) -> tuple[Any, BoundTarget, Tensor, Tensor]:
         """Guided gradients of each target: the output, the bound target, its (N, K) scores, (N, K, 3, H, W) maps.
 
         ``goal`` is bound on this pass's output, unless it is bound already.
@@ -88,7 +91,7 @@ class GuidedBackprop:
             with guided_relus(self.model) as guided:
                 if not guided:
                     raise LayerError("Guided Backpropagation needs nn.ReLU or nn.ReLU6 modules; this model has none")
-                output = self.model(images)
+                output = self.model(images, **(model_kwargs or {}))
                 bound = goal if isinstance(goal, BoundTarget) else goal.bind(output, self.labels)
                 scores = target_scores(bound, output, x)
                 maps = [
@@ -131,10 +134,11 @@ class GuidedGradCAM(GuidedBackprop):
         topk: int | None = None,
         resize: bool = True,
         normalize: bool = True,
+        model_kwargs: Mapping[str, Any] | None = None,
     ) -> CAMResult:
         check_images(x)
-        cam = self.gradcam(x, target, topk=topk)
+        cam = self.gradcam(x, target, topk=topk, model_kwargs=model_kwargs)
         maps = cam.cams if cam.target.keeps_k else cam.cams[:, None]
-        output, bound, scores, guided = self.input_gradients(x, cam.target)
+        output, bound, scores, guided = self.input_gradients(x, cam.target, model_kwargs)
         raw = guided * maps[:, :, None]
         return make_result(visible(raw) if normalize else raw, raw, output, scores, bound, self.layer, self.name)

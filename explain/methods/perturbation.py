@@ -17,7 +17,7 @@ memory (scores agree to float32 rounding); the user's model is never changed.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -55,18 +55,19 @@ class PerturbationCAM(CAM):
                 total, count = 0.0, 0
                 for inputs, context in self.perturbed(capture, images[rows], channels[rows]):
                     with context:
-                        total = total + capture.score_rows(self._forward(model, inputs), images[rows]).float()
+                        output = self._forward(model, inputs, capture.model_kwargs)
+                        total = total + capture.score_rows(output, images[rows]).float()
                     count += 1
                 chunks.append(total / count)
         return torch.cat(chunks).clone() if chunks else capture.scores.new_zeros(0)
 
-    def _forward(self, model: nn.Module, inputs: Tensor) -> Any:
+    def _forward(self, model: nn.Module, inputs: Tensor, model_kwargs: Mapping[str, Any]) -> Any:
         if self._channels_last and inputs.device.type == "cpu":
             try:
-                return model(inputs.contiguous(memory_format=torch.channels_last))
+                return model(inputs.contiguous(memory_format=torch.channels_last), **model_kwargs)
             except RuntimeError:  # e.g. a .view() of a feature map; contiguous inputs serve every model
                 self._channels_last = False
-        return model(inputs.contiguous())
+        return model(inputs.contiguous(), **model_kwargs)
 
 
 class ScoreCAM(PerturbationCAM):
