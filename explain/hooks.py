@@ -19,6 +19,7 @@ gradient is the gradient with respect to that value, on either path.
 
 from __future__ import annotations
 
+import copy
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -37,6 +38,54 @@ _INPLACE_CLASH = "BackwardHookFunction"  # in PyTorch's error for an in-place ch
 # Modules whose output their model modifies in place, found by earlier calls: their
 # recorders start on the tensor-hook path and skip the failing first forward.
 _MODIFIED_IN_PLACE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def layer_entry(name: str) -> tuple[str, str | None]:
+    """A layer name's module and the entry it names in a dict, list or tuple output, if any:
+    ``"backbone.fpn:0"`` is entry ``"0"`` of what ``backbone.fpn`` returns."""
+    module, separator, key = name.partition(":")
+    return module, key if separator else None
+
+
+def _entry_key(output: Any, key: str) -> Any:
+    """The key or index of ``output`` that ``key`` names, or None."""
+    if isinstance(output, Mapping):
+        for candidate in (key, int(key) if key.lstrip("-").isdigit() else None):
+            if candidate in output:
+                return candidate
+    elif isinstance(output, (list, tuple)) and key.lstrip("-").isdigit() and -len(output) <= int(key) < len(output):
+        return int(key)
+    return None
+
+
+def output_entry(output: Any, key: str, name: str) -> tuple[Any, Tensor]:
+    """The entry of a dict, list or tuple output that ``key`` names: its key or index and the tensor.
+
+    Raises:
+        LayerError: No tensor entry of that name; the message lists the entries there are.
+    """
+    found = _entry_key(output, key)
+    if found is None or not isinstance(output[found], Tensor):
+        kind = type(output).__name__
+        entries: list[Any] = []
+        if isinstance(output, Mapping):
+            entries = list(output)
+        elif isinstance(output, (list, tuple)):
+            entries = list(range(len(output)))
+        listed = f"; its entries: {', '.join(map(repr, entries))}" if entries else ""
+        raise LayerError(f"layer {name!r}: the {kind} output has no tensor entry {key!r}{listed}")
+    return found, output[found]
+
+
+def with_entry(output: Any, key: Any, value: Tensor) -> Any:
+    """A copy of a dict, list or tuple output with one entry replaced."""
+    if isinstance(output, Mapping):
+        replaced = copy.copy(output)
+        replaced[key] = value
+        return replaced
+    items = list(output)
+    items[key] = value
+    return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)  # a namedtuple, or not
 
 
 def uses_tensor_hook(module: nn.Module) -> bool:
@@ -81,10 +130,14 @@ class ActivationGradientRecorder:
         self._remove()
         self._leaves.clear()
 
+    def _tensor_hooked(self, name: str) -> bool:
+        """Whether a layer's gradient is caught by a tensor hook (always for an entry of a dict or list output)."""
+        return self.tensor_hook or layer_entry(name)[1] is not None
+
     def _register(self) -> None:
         for name, module in self.modules.items():
             self._handles.append(module.register_forward_hook(partial(self._on_forward, name)))
-            if self.record_gradients and not self.tensor_hook:
+            if self.record_gradients and not self._tensor_hooked(name):
                 self._handles.append(module.register_full_backward_hook(partial(self._on_module_backward, name)))
 
     def _remove(self) -> None:
@@ -92,12 +145,21 @@ class ActivationGradientRecorder:
             handle.remove()
         self._handles.clear()
 
-    def _on_forward(self, name: str, module: nn.Module, inputs: Any, output: Any) -> Tensor | None:
+    def _on_forward(self, name: str, module: nn.Module, inputs: Any, output: Any) -> Any:
+        key = layer_entry(name)[1]
+        if key is not None:  # one entry of a dict or list output: recorded, and replaced in a copy of the output
+            index, value = output_entry(output, key, name)
+            passed_on = self._record(name, value)
+            return None if passed_on is None else with_entry(output, index, passed_on)
         if not isinstance(output, Tensor):
             raise LayerError(
-                f"layer {name!r} returns {type(output).__name__}, not a tensor; "
-                "choose a layer whose output is a feature map"
+                f"layer {name!r} returns {type(output).__name__}, not a tensor; choose a layer whose output is "
+                "a feature map, or name an entry of a dict or list output as 'layer:key'"
             )
+        return self._record(name, output)
+
+    def _record(self, name: str, output: Tensor) -> Tensor | None:
+        """Keep a layer's output; returns what the model gets instead (None: the output itself)."""
         if name in self.activations:
             raise LayerError(
                 f"layer {name!r} runs more than once in one forward pass (a shared module), "
@@ -111,7 +173,7 @@ class ActivationGradientRecorder:
         leaf = output if output.requires_grad else output.detach().requires_grad_(True)
         self.activations[name] = leaf.detach()
         self._leaves[name] = leaf
-        if not self.tensor_hook:
+        if not self._tensor_hooked(name):
             return leaf
         passed_on = leaf.clone()
         passed_on.register_hook(partial(self._on_tensor_backward, name))

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import LayerError
+from .hooks import layer_entry
 from .model_state import eval_mode
 
 LayerSpec = str | nn.Module | None
@@ -25,7 +26,9 @@ def resolve_layer(
 
     Args:
         model: The model that holds the layer.
-        layer: A dotted name such as ``"layer4"`` or ``"features.28"``, or the module itself.
+        layer: A dotted name such as ``"layer4"`` or ``"features.28"``, or the module itself;
+            ``"backbone.fpn:0"`` names entry ``"0"`` of a module's dict, list or tuple output
+            (a feature pyramid's level), checked when the model runs.
         x: An input batch of the model: for an unknown name, one forward of its first
             image finds the layers that could serve instead.
         model_kwargs: Further keyword arguments of the model's forward.
@@ -40,8 +43,9 @@ def resolve_layer(
             if module is layer:
                 return name, module
         raise LayerError(f"the given {type(layer).__name__} module is not a submodule of the model")
-    if layer in names:
-        return layer, names[layer]
+    module_name = layer_entry(layer)[0]
+    if module_name in names:
+        return layer, names[module_name]
     candidates = [info.name for info in candidate_layers(model, x, model_kwargs)]
     close = difflib.get_close_matches(layer, candidates, n=6, cutoff=0.5)
     listed = f"the closest are {', '.join(close)}" if close else f"the last are {', '.join(candidates[-6:])}"
@@ -84,7 +88,8 @@ class LayerInfo:
     Attributes:
         name: Its dotted name.
         kind: Its class's name.
-        shape: Its output's shape without the batch axis, or None when the output is not a tensor.
+        shape: Its output's shape without the batch axis, or None when the output is not a
+            tensor with one row per image (a dict, or the proposals of a detector's head).
         calls: How often it ran in the pass (more than once: a shared module).
     """
 
@@ -100,19 +105,31 @@ class LayerInfo:
 
 
 def trace_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> list[LayerInfo]:
-    """Every named module that runs when the model sees x's first image, in the order they finish.
+    """Every named module that runs when the model sees x's first image, in the order they finish, each
+    tensor entry of a dict, list or tuple output after it as ``"name:key"``.
 
     One forward pass, in eval and inference mode, with ``model_kwargs`` passed to the
     model's forward; the model is left as it was.
     """
     infos: dict[str, LayerInfo] = {}
 
+    def per_image_shape(value: Any) -> tuple[int, ...] | None:  # an output with one row per image, or None
+        return tuple(value.shape[1:]) if isinstance(value, Tensor) and value.dim() and len(value) == 1 else None
+
     def record(name: str, module: nn.Module, inputs: Any, output: Any) -> None:  # a forward hook
-        if name in infos:
-            infos[name] = replace(infos[name], calls=infos[name].calls + 1)
-            return
-        shape = tuple(output.shape[1:]) if isinstance(output, Tensor) else None
-        infos[name] = LayerInfo(name, type(module).__name__, shape, 1)
+        entries = (
+            output.items()
+            if isinstance(output, Mapping)
+            else enumerate(output)
+            if isinstance(output, (list, tuple))
+            else []
+        )
+        for key, value in [(None, output), *entries]:
+            label = name if key is None else f"{name}:{key}"
+            if label in infos:
+                infos[label] = replace(infos[label], calls=infos[label].calls + 1)
+            elif key is None or isinstance(value, Tensor):
+                infos[label] = LayerInfo(label, type(module).__name__, per_image_shape(value), 1)
 
     handles = [module.register_forward_hook(partial(record, name)) for name, module in model.named_modules() if name]
     try:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
+import torchvision
 from conftest import hook_count, reference_gradcam, seeded
+from torch import nn
 
 import explain
 from explain.hooks import ActivationGradientRecorder, uses_tensor_hook
@@ -83,3 +87,93 @@ def test_hooks_removed_when_the_forward_raises() -> None:
     with pytest.raises(RuntimeError), ActivationGradientRecorder({"layer4": model.layer4}) as recorder:
         recorder.forward(model, torch.randn(2, 5, 64, 64))  # wrong channel count
     assert hook_count(model) == 0
+
+
+class Pyramid(nn.Module):
+    """A backbone whose stage returns a dict of maps (like a feature pyramid) or a tuple, and a head over both."""
+
+    def __init__(self, as_tuple: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.levels = Levels(as_tuple)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        levels = self.levels(torch.relu(self.stem(x)))
+        fine, coarse = (levels[0], levels[1]) if isinstance(levels, tuple) else (levels["fine"], levels["coarse"])
+        return self.head(torch.cat([fine.mean(dim=(2, 3)), coarse.amax(dim=(2, 3))], dim=1))
+
+
+class Levels(nn.Module):
+    def __init__(self, as_tuple: bool) -> None:
+        super().__init__()
+        self.fine = nn.Conv2d(8, 8, 3, padding=1)
+        self.coarse = nn.Conv2d(8, 8, 3, stride=2, padding=1)
+        self.as_tuple = as_tuple
+
+    def forward(self, x: torch.Tensor):
+        fine, coarse = torch.relu(self.fine(x)), torch.relu(self.coarse(x))
+        return (fine, coarse) if self.as_tuple else OrderedDict(fine=fine, coarse=coarse)
+
+
+class DetectorBackbone(nn.Module):
+    """torchvision's Faster R-CNN backbone (MobileNetV3 + FPN, random weights) under a small classifier head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        detector = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_fpn(weights=None, weights_backbone=None)
+        self.backbone = detector.backbone
+        self.head = nn.Linear(3 * 256, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        levels = self.backbone(x)
+        return self.head(torch.cat([level.mean(dim=(2, 3)) for level in levels.values()], dim=1))
+
+
+ENTRY_CASES = [
+    (lambda: Pyramid(), "levels", "fine"),
+    (lambda: Pyramid(), "levels", "coarse"),
+    (lambda: Pyramid(as_tuple=True), "levels", "0"),
+    (lambda: Pyramid(as_tuple=True), "levels", "1"),
+    (DetectorBackbone, "backbone.fpn", "0"),
+]
+
+
+@pytest.mark.parametrize(("make", "module", "key"), ENTRY_CASES)
+def test_an_entry_of_a_dict_or_tuple_output_is_a_layer(make, module, key) -> None:
+    model = make().eval()
+    x = torch.randn(2, 3, 64, 64)
+    kept = {}
+
+    def keep(module, inputs, output):  # the reference: a plain hook that swaps in a tracked copy of the entry
+        index = int(key) if isinstance(output, tuple) else key
+        kept["a"] = output[index].clone().requires_grad_(True)
+        if isinstance(output, tuple):
+            return tuple(kept["a"] if i == index else t for i, t in enumerate(output))
+        return OrderedDict((k, kept["a"] if k == index else t) for k, t in output.items())
+
+    handle = model.get_submodule(module).register_forward_hook(keep)
+    logits = model(x)
+    handle.remove()
+    (g,) = torch.autograd.grad(logits[range(2), [0, 2]].sum(), kept["a"])
+    a = kept["a"].detach()
+    expected = (g.mean(dim=(2, 3))[..., None, None] * a).sum(1).clamp(min=0)
+    got = explain.GradCAM(model, f"{module}:{key}")(x, [0, 2], resize=False, normalize=False)
+    assert expected.amax() > 0
+    torch.testing.assert_close(got.raw, expected.float(), rtol=1e-5, atol=1e-6 * expected.amax().item())
+    assert got.layer == f"{module}:{key}" and hook_count(model) == 0
+
+
+def test_pyramid_levels_are_candidates_and_fuse() -> None:
+    model = Pyramid().eval()
+    x = torch.randn(2, 3, 16, 16)
+    names = [info.name for info in explain.candidate_layers(model, x)]
+    assert names[-2:] == ["levels:fine", "levels:coarse"]
+    fused = explain.GradCAM(model, ["levels:fine", "levels:coarse"])(x, 1)
+    assert fused.layer == "levels:fine+levels:coarse" and fused.cams.shape == (2, 16, 16)
+    with pytest.raises(explain.LayerError, match=r"no tensor entry 'middle'; its entries: 'fine', 'coarse'"):
+        explain.gradcam(model, x, "levels:middle")
+    with pytest.raises(explain.LayerError, match="name an entry of a dict or list output"):
+        explain.gradcam(model, x, "levels")
