@@ -14,7 +14,7 @@ input's device.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
 
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .errors import ExplainError, LayerError, TargetError
-from .hooks import ActivationGradientRecorder
+from .hooks import ActivationGradientRecorder, canvas_recorded
 from .layers import LayerSpec, auto_layer, resolve_layer
 from .maps import normalize_maps, postprocess, principal_projection, upsample
 from .model_state import untouched
@@ -122,6 +122,8 @@ class Capture:
         score_rows: Scores another forward's output for the explained target:
             ``score_rows(output, images)`` with ``images`` the index (into x) of the
             image each output row stands for, (rows,).
+        to_input: Brings maps (..., h, w) at the layer's resolution onto the input's
+            (H, W): upsampled, and for a detector, its canvas's padding cut off first.
         generator: The call's random number generator (from ``seed``), or None for
             PyTorch's global one.
         model_kwargs: The call's further keyword arguments of the model's forward.
@@ -134,8 +136,9 @@ class Capture:
     scores: Tensor
     classes: Tensor | None
     score_rows: Callable[[Any, Tensor], Tensor]
-    generator: torch.Generator | None = None
-    model_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    to_input: Callable[[Tensor], Tensor]
+    generator: torch.Generator | None
+    model_kwargs: Mapping[str, Any]
 
 
 AUG_SCALES = (0.9, 1.0, 1.1)
@@ -351,7 +354,8 @@ class CAM:
         """
         layers = dict(self._layers)
         grad_mode = torch.enable_grad() if self.needs_gradients else torch.no_grad()
-        with grad_mode, ActivationGradientRecorder(layers, gradients=self.needs_gradients) as recorder:
+        recording = ActivationGradientRecorder(layers, gradients=self.needs_gradients)
+        with grad_mode, canvas_recorded(self.model) as canvases, recording as recorder:
             output = recorder.forward(partial(self.model, **model_kwargs), x)
             for name, activation in recorder.activations.items():
                 if activation.dim() != 4:
@@ -364,6 +368,11 @@ class CAM:
             targets = range(scores.shape[1])
             gradients = [recorder.backward(scores[:, k].sum()) if self.needs_gradients else {} for k in targets]
             activations = {name: a.float() for name, a in recorder.activations.items()}
+        canvas = canvases[0] if canvases else None  # a detector's: its maps are brought onto the image
+
+        def to_input(maps: Tensor) -> Tensor:
+            return upsample(canvas.crop(maps) if canvas else maps, x.shape[-2:])
+
         maps = []
         for name, module in layers.items():
             per_target = []
@@ -379,7 +388,9 @@ class CAM:
                     score_rows=lambda output, images, k=k: bound.score(output, images)[:, k],
                     generator=generator,
                     model_kwargs=model_kwargs,
+                    to_input=to_input,
                 )
                 per_target.append(self.compute(capture))
-            maps.append(torch.stack(per_target, dim=1))
+            stacked = torch.stack(per_target, dim=1)
+            maps.append(canvas.crop(stacked) if canvas else stacked)
         return output, bound, scores, maps

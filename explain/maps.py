@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,25 @@ def upsample(maps: Tensor, size: Sequence[int]) -> Tensor:
     flat = maps.reshape(-1, 1, *maps.shape[-2:])
     resized = F.interpolate(flat, size=tuple(size), mode="bilinear", align_corners=False)
     return resized.reshape(*maps.shape[:-2], *resized.shape[-2:])
+
+
+@dataclass(frozen=True)
+class Canvas:
+    """The padded canvas on which a detector's transform (torchvision's ``GeneralizedRCNNTransform``)
+    puts the resized images: its layers' maps cover the canvas, not the image.
+
+    Attributes:
+        size: The canvas (H, W), padding included.
+        image: The resized image's (h, w) on it, from the top left corner.
+    """
+
+    size: tuple[int, int]
+    image: tuple[int, int]
+
+    def crop(self, maps: Tensor) -> Tensor:
+        """Maps (..., h, w) over the canvas as maps over the image: upsampled to the canvas, the padding cut off.
+        (Resizing the result to the input's size then undoes the transform's resize exactly.)"""
+        return upsample(maps, self.size)[..., : self.image[0], : self.image[1]]
 
 
 def postprocess(raw: Tensor, size: Sequence[int] | None, normalize: bool) -> Tensor:

@@ -27,7 +27,7 @@ from torch.fx.experimental.optimization import fuse
 
 from ..engine import CAM, Capture
 from ..hooks import output_replaced
-from ..maps import normalize_maps, upsample
+from ..maps import normalize_maps
 
 
 class PerturbationCAM(CAM):
@@ -110,7 +110,7 @@ class ScoreCAM(PerturbationCAM):
         return torch.where(flat, shared, scores).softmax(dim=1)
 
     def perturbed(self, capture: Capture, images: Tensor, channels: Tensor) -> Iterator[tuple[Tensor, Any]]:
-        mask = normalize_maps(upsample(capture.activations[images, channels], capture.x.shape[-2:]))[:, None]
+        mask = normalize_maps(capture.to_input(capture.activations[images, channels]))[:, None]
         picked = capture.x[images]
         for step in self.masks(mask.to(picked.dtype), capture.generator):
             yield picked * step, nullcontext()

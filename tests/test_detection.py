@@ -1,0 +1,157 @@
+"""Detection: torchvision's Faster R-CNN with random weights, its canvas geometry, and DetectionTarget
+against references written here with plain hooks, torchvision's box IoU and autograd."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from conftest import hook_count
+from torch import nn
+from torchvision.ops import box_iou
+
+import explain
+from explain.maps import Canvas, upsample
+from explain.targets import DetectionTarget
+
+LAYER, MODULE, LEVEL = "backbone.fpn:0", "backbone.fpn", "0"
+
+
+@pytest.fixture(scope="module")
+def detector() -> nn.Module:
+    """Faster R-CNN (MobileNetV3-FPN), small inputs; BatchNorm calibrated and the box head damped, so that
+    the random network gives several distinct detections with unsaturated scores."""
+    torch.manual_seed(0)
+    model = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_fpn(
+        weights=None, weights_backbone=None, num_classes=5, min_size=128, max_size=192,
+        box_score_thresh=0.3, box_detections_per_img=8,
+    )  # fmt: skip
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.momentum = None
+    torch.manual_seed(3)
+    with torch.no_grad():
+        model.backbone.train()(torch.rand(8, 3, 128, 160))
+        model.roi_heads.box_predictor.cls_score.weight *= 0.05
+        model.roi_heads.box_predictor.bbox_pred.weight *= 0.05
+    return model.eval()
+
+
+def images() -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.rand(2, 3, 100, 130)  # resized to 128 x 166 and padded to 128 x 192 by the detector
+
+
+def reference_maps(detector: nn.Module, x: torch.Tensor, boxes: list[torch.Tensor], labels: list[int]) -> torch.Tensor:
+    """Grad-CAM of each image's reference box at FPN level 0, on the image: (N, h, w) at the resized size.
+
+    The matched detection (same label, highest IoU >= 0.5) is found with torchvision's box_iou; the
+    map is upsampled to the detector's padded canvas and the padding cut off.
+    """
+    kept = {}
+
+    def keep(module, inputs, output):
+        kept["a"] = output[LEVEL].clone().requires_grad_(True)
+        return OrderedDict((k, kept["a"] if k == LEVEL else v) for k, v in output.items())
+
+    handle = detector.get_submodule(MODULE).register_forward_hook(keep)
+    detections = detector(x)
+    handle.remove()
+    scores = []
+    for found, box, label in zip(detections, boxes, labels):
+        overlap = box_iou(box[None], found["boxes"])[0]
+        overlap[found["labels"] != label] = -1
+        assert overlap.max() >= 0.5
+        scores.append(found["scores"][overlap.argmax()])
+    (g,) = torch.autograd.grad(torch.stack(scores).sum(), kept["a"])
+    maps = (g.mean(dim=(2, 3))[..., None, None] * kept["a"]).sum(dim=1).clamp(min=0).detach()
+    canvas = detector.transform(list(x))[0]
+    (height, width) = canvas.image_sizes[0]
+    padded = F.interpolate(maps[:, None], size=canvas.tensors.shape[-2:], mode="bilinear", align_corners=False)
+    return padded[:, 0, :height, :width]
+
+
+def assert_maps(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.shape == expected.shape and (expected.flatten(1).amax(dim=1) > 0).all()
+    assert (got - expected).abs().max().item() <= 1e-4 * expected.abs().max().item()
+
+
+def test_a_feature_cell_lands_on_its_rectangle_of_the_image(detector) -> None:
+    x = images()[:1]
+    listed = detector.transform(list(x))[0]
+    canvas = Canvas(tuple(listed.tensors.shape[-2:]), tuple(listed.image_sizes[0]))
+    assert canvas == Canvas((128, 192), (128, 166))
+    cell = torch.zeros(1, 4, 6)  # stride 32 over the canvas
+    cell[0, 1, 4] = 1.0
+    mapped = upsample(canvas.crop(cell), (100, 130))[0]
+    # By hand: the cell covers canvas rows 32-64 and columns 128-160; the image was scaled by 128/100 and 166/130.
+    top, bottom, left, right = 32 * 100 / 128, 64 * 100 / 128, 128 * 130 / 166, 160 * 130 / 166
+    peak = divmod(int(mapped.argmax()), 130)
+    assert top <= peak[0] < bottom and left <= peak[1] < right
+    rows, columns = torch.arange(100) + 0.5, torch.arange(130) + 0.5  # pixel centres
+    centre = (mapped.sum(dim=1) @ rows / mapped.sum(), mapped.sum(dim=0) @ columns / mapped.sum())
+    # within 1.5 px of the cell's centre (a cell is 25 px here; bilinear resampling shifts mass by about 1 px)
+    assert abs(centre[0] - (top + bottom) / 2) < 1.5 and abs(centre[1] - (left + right) / 2) < 1.5
+    naive = upsample(cell, (100, 130))[0]  # ignoring the padding would put it 20 px to the left
+    assert not left <= divmod(int(naive.argmax()), 130)[1] < right
+
+
+def test_given_boxes_match_the_reference(detector) -> None:
+    x = images()
+    with torch.no_grad():
+        plain = detector(x)
+    boxes = [found["boxes"][0] for found in plain]
+    labels = [int(found["labels"][0]) for found in plain]
+    target = DetectionTarget([b[None] for b in boxes], [[label] for label in labels])
+    result = explain.GradCAM(detector, LAYER)(x, target, normalize=False)
+    assert result.cams.shape == (2, 1, 100, 130) and result.target.valid.all()
+    assert result.class_indices[:, 0].tolist() == labels
+    torch.testing.assert_close(result.probabilities[:, 0], torch.stack([f["scores"][0] for f in plain]))
+    assert_maps(result.raw[:, 0], reference_maps(detector, x, boxes, labels))
+    assert hook_count(detector) == 0 and not detector.training
+
+
+def test_every_detection_above_the_threshold_gets_a_map(detector) -> None:
+    x = images()
+    with torch.no_grad():
+        plain = detector(x)
+    counts = [int((found["scores"] >= 0.5).sum()) for found in plain]
+    assert counts[0] != counts[1] and min(counts) >= 2  # a ragged K axis
+    result = explain.GradCAM(detector, LAYER)(x, DetectionTarget(score_threshold=0.5), normalize=False)
+    assert result.raw.shape[1] == max(counts)
+    assert result.target.valid.sum(dim=1).tolist() == counts
+    for i, count in enumerate(counts):
+        assert (result.raw[i, count:] == 0).all() and (result.class_indices[i, count:] == -1).all()
+    second = [found["boxes"][1] for found in plain]
+    expected = reference_maps(detector, x, second, [int(found["labels"][1]) for found in plain])
+    assert_maps(result.raw[:, 1], expected)
+
+
+def test_an_unmatched_box_is_reported(detector) -> None:
+    x = images()
+    nowhere = torch.tensor([[0.0, 0.0, 2.0, 2.0]])
+    with pytest.raises(
+        explain.TargetError, match=r"image 0: no detection of label 3 overlaps box \[0.0, 0.0, 2.0, 2.0\]"
+    ):
+        explain.gradcam(detector, x, LAYER, DetectionTarget(nowhere, [3]))
+    with pytest.raises(explain.TargetError, match="give labels="):
+        DetectionTarget(nowhere)
+    with pytest.raises(explain.TargetError, match=r"no detection scores at least 0\.999"):
+        explain.gradcam(detector, x, LAYER, DetectionTarget(score_threshold=0.999))
+    with pytest.raises(explain.TargetError, match="misplace a DetectionTarget"):
+        explain.cam(detector, x, "gradcam", LAYER, DetectionTarget(), aug_smooth=True)
+
+
+def test_perturbation_and_gradient_free_methods_serve_detection(detector) -> None:
+    x = images()[:1]
+    target = DetectionTarget(score_threshold=0.5)
+    score_cam = explain.ScoreCAM(detector, LAYER, batch_size=64)(x, target)
+    eigen = explain.EigenCAM(detector, LAYER)(x, target)
+    for result in (score_cam, eigen):
+        k = int(result.target.valid[0].sum())
+        assert result.cams.shape[:2] == (1, result.target.valid.shape[1]) and result.cams.shape[2:] == (100, 130)
+        assert torch.isfinite(result.cams).all() and (result.cams[0, :k].flatten(1).amax(dim=1) > 0).all()
+    assert hook_count(detector) == 0
