@@ -118,7 +118,8 @@ class Capture:
             method that needs none.
         module: The layer.
         scores: The explained score of each image (N,).
-        classes: The explained class of each image (N,), or None for a target without classes.
+        classes: The explained class of each image (N,), a row of the classifier, or None
+            for a target that is not a classifier's class.
         score_rows: Scores another forward's output for the explained target:
             ``score_rows(output, images)`` with ``images`` the index (into x) of the
             image each output row stands for, (rows,).
@@ -384,7 +385,7 @@ class CAM:
                     gradients=None if gradient is None else gradient.float(),
                     module=module,
                     scores=scores[:, k].detach(),
-                    classes=None if bound.classes is None else bound.classes[:, k],
+                    classes=bound.classes[:, k] if bound.classifier_rows else None,
                     score_rows=lambda output, images, k=k: bound.score(output, images)[:, k],
                     generator=generator,
                     model_kwargs=model_kwargs,

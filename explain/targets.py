@@ -125,6 +125,8 @@ class BoundTarget:
         valid: Which of the (N, K) entries stand for a target, when images have different
             numbers of them (detections) and K is the largest; None: all.
         boxes: The explained boxes (x1, y1, x2, y2) in input pixels, (N, K, 4), or None.
+        classifier_rows: Whether ``classes`` index the rows of a classifier's last linear
+            layer (class targets), which CAM weighs channels with.
     """
 
     score: Callable[[Any, Tensor], Tensor]
@@ -133,6 +135,7 @@ class BoundTarget:
     keeps_k: bool = False
     valid: Tensor | None = None
     boxes: Tensor | None = None
+    classifier_rows: bool = False
 
 
 class Target:
@@ -207,6 +210,7 @@ class ClassTarget(Target):
             classes=indices,
             probabilities=probabilities.gather(1, indices),
             keeps_k=isinstance(self, TopK),
+            classifier_rows=True,
         )
 
 

@@ -17,6 +17,7 @@ from conftest import capture, seeded
 from torch import nn
 
 import explain
+from explain.targets import RegressionTarget
 
 # model, layer, input side: a plain last stage, a conv whose output an in-place ReLU overwrites, a Hardswish stage.
 GRADIENT_CASES = [("resnet18", "layer4", 96), ("vgg11", "features.18", 64), ("mobilenet_v3_small", "features", 96)]
@@ -119,6 +120,9 @@ def test_original_cam_uses_the_classifier_row_without_relu() -> None:
         explain.cam(model, x, "cam", "layer3")
     with pytest.raises(explain.LayerError, match=r"'classifier\.3' reads 1024"):  # a hidden layer before the classifier
         explain.cam(seeded("mobilenet_v3_small", num_classes=10), x, "cam", "features")
+    for target in (lambda logits: logits[:, 3], RegressionTarget(index=3)):  # no class row to weigh with
+        with pytest.raises(explain.TargetError, match="this target is not a classifier's class"):
+            explain.cam(model, x, "cam", "layer4", target)
 
 
 def masked_scores(model: nn.Module, x: torch.Tensor, a: torch.Tensor, factors, targets: list[int]) -> torch.Tensor:

@@ -28,7 +28,10 @@ class OriginalCAM(CAM):
 
     def weights(self, capture: Capture) -> Tensor:
         if capture.classes is None:
-            raise TargetError("CAM weighs channels by a class's row of the classifier; a callable target has none")
+            raise TargetError(
+                "CAM weighs channels by a class's row of the classifier; this target is not a classifier's class "
+                "(use Grad-CAM or another method)"
+            )
         channels = capture.activations.shape[1]
         name, head = classifier(self.model)
         if head.in_features != channels:
