@@ -1,0 +1,86 @@
+"""Grad-CAM of one detection box against the detector's plain inference forward, and against pytorch-grad-cam.
+
+Faster R-CNN (MobileNetV3-Large FPN, torchvision's default 800-pixel resize) with random weights on one
+480x640 image; the explained box is the top detection of a plain forward. Contenders, rounds interleaved,
+medians reported: a plain inference forward; ``explain`` Grad-CAM with a ``DetectionTarget`` at the last
+backbone block; pytorch-grad-cam's ``GradCAM`` with its ``FasterRCNNBoxScoreTarget`` at the same layer
+(where ``grad-cam`` is installed). Target: explain costs at most 1.15x the inference forward.
+
+    python benchmarks/bench_detection.py [--rounds 5] [--out benchmarks/results_detection_cpu.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torchvision
+
+import explain
+from explain.targets import DetectionTarget
+
+LAYER = "backbone.body.16"  # the backbone's last block: a plain (N, 960, h, w) map, which both libraries can hook
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", help="also write the table to this markdown file")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_fpn(
+        weights=None, weights_backbone=None, box_score_thresh=0.0
+    ).eval()
+    x = torch.rand(1, 3, 480, 640)
+    with torch.inference_mode():
+        top = model(x)[0]
+    box, label = top["boxes"][:1].clone(), [int(top["labels"][0])]
+
+    def inference() -> object:
+        with torch.inference_mode():
+            return model(x)
+
+    explainer = explain.GradCAM(model, LAYER)
+    runs: dict[str, Callable[[], object]] = {
+        "inference forward": inference,
+        "explain GradCAM + DetectionTarget": lambda: explainer(x, DetectionTarget(box, label)),
+    }
+    if importlib.util.find_spec("pytorch_grad_cam"):
+        from pytorch_grad_cam import GradCAM as PGCGradCAM
+        from pytorch_grad_cam.utils.model_targets import FasterRCNNBoxScoreTarget
+
+        pgc = PGCGradCAM(model=model, target_layers=[model.get_submodule(LAYER)])
+        target = FasterRCNNBoxScoreTarget(label, box)
+        runs["pytorch-grad-cam GradCAM + FasterRCNNBoxScoreTarget"] = lambda: pgc(x, targets=[target])
+    for run in runs.values():  # warm-up
+        run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    base = statistics.median(times["inference forward"])
+    lines = [
+        f"fasterrcnn_mobilenet_v3_large_fpn, random weights, one 480x640 image, layer `{LAYER}`, "
+        f"torch {torch.__version__}, median of {args.rounds} interleaved rounds.",
+        "",
+        "| contender | median (ms) | × inference |",
+        "|---|---:|---:|",
+    ]
+    for name, seconds in times.items():
+        median = statistics.median(seconds)
+        lines.append(f"| {name} | {1000 * median:.1f} | {median / base:.2f} |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
