@@ -206,12 +206,9 @@ def _print_record(record: dict[str, Any], quiet: bool) -> None:
         return
     if quiet:
         return
-    if "outputs" in record:  # --topk: lists, one entry per class
-        rows = zip(record["class_name"], record["score"], record["outputs"])
-    else:
-        rows = [(record["class_name"], record["score"], record["output"])]
-    for name, score, output in rows:
-        tqdm.write(f"{record['input']}: {name} ({score:.3f}) layer={record['layer']} -> {output}", file=sys.stdout)
+    for target in record["targets"]:
+        line = f"{record['input']}: {target['class_name']} ({target['score']:.3f}) layer={record['layer']}"
+        tqdm.write(f"{line} -> {target['output']}", file=sys.stdout)
 
 
 def _method_options(args: argparse.Namespace) -> dict[str, Any]:

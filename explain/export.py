@@ -26,6 +26,9 @@ from .layers import LayerSpec
 from .methods import FAST_METHODS, Method, create_method, method_options
 from .models import ModelSpec
 
+# Version of the manifest records' fields; 2: one list of explained targets per input, whatever the options.
+MANIFEST_SCHEMA = 2
+
 
 @dataclass(frozen=True)
 class _Loaded:
@@ -111,11 +114,6 @@ class _Exporter:
             return given
         return {k: v for k, v in given.items() if k in method_options(name)}
 
-    @property
-    def layer(self) -> str | None:
-        """The target layer of the (first) method."""
-        return next(iter(self.methods.values())).layer
-
     def paths(self, base: Path) -> tuple[list[Path], list[Path], Path | None]:
         """The overlays, figures and raw map written for an output base path."""
         o = self.options
@@ -129,19 +127,23 @@ class _Exporter:
         overlays, figures, raw = self.paths(base)
         return [*overlays, *figures, *([raw] if raw else [])]
 
-    def record(self, item: Input, error: str | None = None, **fields: Any) -> dict[str, Any]:
-        many = self.options.topk is not None
+    def record(
+        self,
+        item: Input,
+        error: str | None = None,
+        targets: list[dict[str, Any]] | None = None,
+        layer: str | None = None,
+        raw: str | None = None,
+    ) -> dict[str, Any]:
+        """An input's manifest record: the same fields whatever the options (see ``MANIFEST_SCHEMA``)."""
         return {
+            "schema": MANIFEST_SCHEMA,
             "input": item.name,
-            "outputs" if many else "output": fields.get("outputs"),
-            "class_index": fields.get("class_index"),
-            "class_name": fields.get("class_name"),
-            "score": fields.get("score"),
-            "layer": self.layer,
-            "method": self.options.method,
             "model": self.spec.name,
-            **({"raw": fields.get("raw")} if self.options.save_raw else {}),
-            **({"figure": fields.get("figure")} if self.options.figure else {}),
+            "method": self.options.method,
+            "layer": layer,
+            "targets": targets,
+            "raw": raw,
             "error": error,
         }
 
@@ -208,18 +210,17 @@ class _Exporter:
         except OSError as err:
             return self.record(member.item, f"{member.item.name}: cannot write outputs: {first_line(err)}")
 
-        def one(values: list[Any]) -> Any:
-            return values if o.topk else values[0]
-
-        return self.record(
-            member.item,
-            outputs=one([str(p) for p in outputs]),
-            class_index=one(indices),
-            class_name=one(names),
-            score=one([round(p, 6) for p in probs]),
-            raw=str(raw_path) if raw_path else None,
-            figure=one([str(p) for p in figures]) if o.figure else None,
-        )
+        targets = [
+            {
+                "class_index": index,
+                "class_name": name,
+                "score": round(prob, 6),
+                "output": str(output),
+                "figure": str(figures[k]) if figures else None,
+            }
+            for k, (index, name, prob, output) in enumerate(zip(indices, names, probs, outputs))
+        ]
+        return self.record(member.item, targets=targets, layer=layer, raw=str(raw_path) if raw_path else None)
 
     def explain_robustly(self, group: Sequence[_Loaded]) -> list[Callable[[], dict[str, Any]]]:
         """Explain a group; if it fails, explain its images one by one so one bad image costs only itself."""

@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"})
 MANIFEST = "manifest.jsonl"
@@ -57,19 +58,25 @@ def _is_image(path: Path) -> bool:
 
 def _written_by_explain(folder: Path) -> set[Path]:
     """The files that the manifest of an output folder lists as written (paths as that run named them,
-    so relative ones are taken from the current folder)."""
+    so relative ones are taken from the current folder), in any of its schemas."""
     try:
         lines = (folder / MANIFEST).read_text(encoding="utf-8").splitlines()
         records = [json.loads(line) for line in lines if line.strip()]
     except (OSError, ValueError):
         return set()
     named: set[Path] = set()
-    for record in filter(lambda r: isinstance(r, dict), records):
-        for key in _OUTPUT_FIELDS:
-            value = record.get(key)
-            named.update(
-                Path(p).resolve() for p in (value if isinstance(value, list) else [value]) if isinstance(p, str)
-            )
+
+    def collect(value: Any, written: bool) -> None:  # every path under an output field, at any depth
+        if isinstance(value, dict):
+            for key, item in value.items():
+                collect(item, written or key in _OUTPUT_FIELDS)
+        elif isinstance(value, list):
+            for item in value:
+                collect(item, written)
+        elif written and isinstance(value, str):
+            named.add(Path(value).resolve())
+
+    collect(records, False)
     return named
 
 

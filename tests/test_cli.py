@@ -28,6 +28,11 @@ def manifest(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
 
 
+def top(record: dict) -> dict:
+    """A record's first explained target."""
+    return record["targets"][0]
+
+
 @pytest.fixture
 def photos(tmp_path) -> Path:
     """photos/cats/chelsea.png, photos/coffee.png and photos/more/chelsea.png (a same-named copy)."""
@@ -50,24 +55,30 @@ def test_folder_and_glob_export(photos, tmp_path, capsys) -> None:
         "coffee.png",
         "more/chelsea.png",
     ]
-    assert [r["class_name"] for r in records] == ["Egyptian cat", "espresso", "Egyptian cat"]
-    assert [r["class_index"] for r in records] == [285, 967, 285]
-    assert 0.6 < records[0]["score"] < 0.9 and records[1]["score"] > 0.8
+    assert all(r["schema"] == 2 and len(r["targets"]) == 1 for r in records)
+    assert [top(r)["class_name"] for r in records] == ["Egyptian cat", "espresso", "Egyptian cat"]
+    assert [top(r)["class_index"] for r in records] == [285, 967, 285]
+    assert 0.6 < top(records[0])["score"] < 0.9 and top(records[1])["score"] > 0.8
+    assert all(r["raw"] is None and top(r)["figure"] is None for r in records)  # the same fields without the flags
     assert all(r["layer"] == "bn2" and r["method"] == "gradcam" and r["model"] == "efficientnet_lite0" for r in records)
     assert all(r["error"] is None for r in records)
-    outputs = [Path(r["output"]) for r in records]
+    outputs = [Path(top(r)["output"]) for r in records]
     assert len(set(outputs)) == 3, "same-named inputs in different folders must not share an output"
     for record, output in zip(records, outputs):
         assert Image.open(output).size == Image.open(record["input"]).size
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3
-    assert lines[0].startswith(records[0]["input"]) and "Egyptian cat" in lines[0] and records[0]["output"] in lines[0]
+    assert (
+        lines[0].startswith(records[0]["input"])
+        and "Egyptian cat" in lines[0]
+        and top(records[0])["output"] in lines[0]
+    )
 
 
 def test_overlay_is_a_blend_of_the_photo(tmp_path) -> None:
     out = tmp_path / "out"
     assert main([str(CAT), "-o", str(out), "--alpha", "0.3", "--quiet", *LITE0]) == 0
-    written = np.asarray(Image.open(manifest(out)[0]["output"])).astype(float)
+    written = np.asarray(Image.open(top(manifest(out)[0])["output"])).astype(float)
     photo = np.asarray(Image.open(CAT).convert("RGB")).astype(float)
     residual = (written - 0.7 * photo) / 0.3  # what was blended in: colormap colours, within [0, 255]
     assert residual.min() > -3 and residual.max() < 258
@@ -92,9 +103,9 @@ def test_bad_files_fail_alone(photos, tmp_path, capsys) -> None:
     records = manifest(out)
     assert len(records) == 8
     empty = next(r for r in records if r["input"].endswith("empty.png"))
-    assert empty["error"] and empty["output"] is None and empty["class_name"] is None
+    assert empty["error"] and empty["targets"] is None and empty["layer"] is None and empty["schema"] == 2
     good = [r for r in records if r["error"] is None]
-    assert len(good) == 3 and all(Path(r["output"]).is_file() for r in good)
+    assert len(good) == 3 and all(Path(top(r)["output"]).is_file() for r in good)
 
 
 def test_batch_failure_costs_only_the_failing_image(photos, tmp_path, monkeypatch, capsys) -> None:
@@ -164,7 +175,7 @@ def test_outputs_never_overwrite_inputs(tmp_path) -> None:
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
     assert main([str(folder), "-o", str(folder), "--quiet", *LITE0]) == 0
     assert all((folder / name).read_bytes() == data for name, data in before.items())
-    outputs = [Path(r["output"]).name for r in manifest(folder)]
+    outputs = [Path(top(r)["output"]).name for r in manifest(folder)]
     assert len(set(outputs)) == 3 and not set(outputs) & set(before)
 
 
@@ -187,7 +198,7 @@ def test_output_folders_are_not_read_again(photos, tmp_path) -> None:
 def test_glob_inputs_keep_their_folders(photos, tmp_path) -> None:
     out = tmp_path / "out"
     assert main([str(photos / "**" / "*.png"), "-o", str(out), "--quiet", *LITE0]) == 0
-    outputs = [Path(r["output"]).relative_to(out).as_posix() for r in manifest(out)]
+    outputs = [Path(top(r)["output"]).relative_to(out).as_posix() for r in manifest(out)]
     assert outputs == ["cats/chelsea.gradcam.png", "coffee.gradcam.png", "more/chelsea.gradcam.png"]
 
 
@@ -201,7 +212,7 @@ def test_own_checkpoint_and_labels(tmp_path) -> None:
     args = [str(CAT), "-o", str(out), "--model", "resnet18", "--weights", str(weights), "--labels", str(labels)]
     assert main([*args, "--target", "bee", "--quiet"]) == 0
     (record,) = manifest(out)
-    assert (record["class_index"], record["class_name"], record["model"]) == (1, "bee", "resnet18")
+    assert (top(record)["class_index"], top(record)["class_name"], record["model"]) == (1, "bee", "resnet18")
     assert record["layer"] == "layer4"
 
 
@@ -210,14 +221,16 @@ def test_topk_raw_figure_jpg_and_keep_aspect(tmp_path) -> None:
     args = [str(CAT), "-o", str(out), "--topk", "3", "--save-raw", "--figure", "--format", "jpg", "--keep-aspect"]
     assert main([*args, "--quiet", *LITE0]) == 0
     (record,) = manifest(out)
-    assert record["class_name"][0] == "Egyptian cat" and set(record["class_name"][1:]) == {"tiger cat", "tabby"}
-    assert record["score"] == sorted(record["score"], reverse=True)
-    assert [Path(p).suffix for p in record["outputs"]] == [".jpg"] * 3
-    assert all(Image.open(p).size == (451, 300) for p in record["outputs"])
+    names, scores = [t["class_name"] for t in record["targets"]], [t["score"] for t in record["targets"]]
+    assert names[0] == "Egyptian cat" and set(names[1:]) == {"tiger cat", "tabby"}
+    assert scores == sorted(scores, reverse=True)
+    outputs, figures = [t["output"] for t in record["targets"]], [t["figure"] for t in record["targets"]]
+    assert [Path(p).suffix for p in outputs] == [".jpg"] * 3
+    assert all(Image.open(p).size == (451, 300) for p in outputs)
     raw = np.load(record["raw"])
     assert raw.shape == (3, 7, 11)  # short side 224 keeps the 451x300 aspect: 224x337 -> 7x11 features
-    assert [Path(p).suffix for p in record["figure"]] == [".jpg"] * 3  # --figure honours --format
-    assert all(Image.open(p).format == "JPEG" for p in record["figure"])
+    assert [Path(p).suffix for p in figures] == [".jpg"] * 3  # --figure honours --format
+    assert all(Image.open(p).format == "JPEG" for p in figures)
 
 
 def one_error_line(capsys) -> str:
@@ -356,9 +369,9 @@ def test_method_all_writes_one_comparison_grid_per_image(tmp_path) -> None:
     out = tmp_path / "out"
     assert main([str(CAT), str(COFFEE), "-o", str(out), "--method", "all", "--quiet", *LITE0]) == 0
     records = manifest(out)
-    assert [Path(r["output"]).name for r in records] == ["chelsea.all.png", "coffee.all.png"]
-    assert [r["class_name"] for r in records] == ["Egyptian cat", "espresso"] and records[0]["method"] == "all"
-    grid = np.asarray(Image.open(records[0]["output"]).convert("RGB")).astype(int)
+    assert [Path(top(r)["output"]).name for r in records] == ["chelsea.all.png", "coffee.all.png"]
+    assert [top(r)["class_name"] for r in records] == ["Egyptian cat", "espresso"] and records[0]["method"] == "all"
+    grid = np.asarray(Image.open(top(records[0])["output"]).convert("RGB")).astype(int)
     assert grid.shape[1] > 3 * grid.shape[0] // 2  # 3 rows of 4 panels of the 451 x 300 photo
     assert grid.std() > 30  # photos and heatmaps, not a blank canvas
 
@@ -376,8 +389,8 @@ def test_score_cam_forwards_respect_the_batch_size(tmp_path, monkeypatch) -> Non
     args = [str(COFFEE), "-o", str(out), "--method", "scorecam", "--layer", "blocks.3", "--batch-size", "24"]
     assert main([*args, "--quiet", *LITE0]) == 0
     (record,) = manifest(out)
-    assert record["class_name"] == "espresso" and record["method"] == "scorecam"
-    assert Path(record["output"]).name == "coffee.scorecam.png"
+    assert top(record)["class_name"] == "espresso" and record["method"] == "scorecam"
+    assert Path(top(record)["output"]).name == "coffee.scorecam.png"
     assert max(batches) == 24 and sum(batches) > 80  # 80 channels scored in chunks of at most 24
 
 
@@ -385,11 +398,11 @@ def test_guided_and_fused_smoothed_maps_from_the_command_line(tmp_path) -> None:
     out = tmp_path / "out"
     assert main([str(CAT), "-o", str(out), "--method", "guided_backprop", "--figure", "--quiet", *LITE0]) == 0
     (record,) = manifest(out)
-    guided = np.asarray(Image.open(record["output"]).convert("RGB")).astype(int)
+    guided = np.asarray(Image.open(top(record)["output"]).convert("RGB")).astype(int)
     assert guided.shape == (300, 451, 3) and abs(np.median(guided) - 128) <= 3  # grey where the gradient is 0
-    assert Path(record["figure"]).is_file()
+    assert Path(top(record)["figure"]).is_file()
 
     args = ["--method", "layercam", "--layer", "blocks.5,blocks.6", "--fuse", "max", "--aug-smooth", "--quiet"]
     assert main([str(CAT), "-o", str(out), *args, *LITE0]) == 0
     (record,) = manifest(out)
-    assert record["layer"] == "blocks.5+blocks.6" and Path(record["output"]).name == "chelsea.layercam.png"
+    assert record["layer"] == "blocks.5+blocks.6" and Path(top(record)["output"]).name == "chelsea.layercam.png"
