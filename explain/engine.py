@@ -14,6 +14,7 @@ input's device.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
@@ -116,13 +117,10 @@ class Capture:
         activations: The layer's output (N, C, h, w), float32.
         gradients: The target score's gradient with respect to it, or None for a
             method that needs none.
-        module: The layer.
+        module: The layer (None for the input).
         scores: The explained score of each image (N,).
-        classes: The explained class of each image (N,), a row of the classifier, or None
-            for a target that is not a classifier's class.
-        score_rows: Scores another forward's output for the explained target:
-            ``score_rows(output, images)`` with ``images`` the index (into x) of the
-            image each output row stands for, (rows,).
+        target: The call's bound target.
+        k: Which of its K targets per image this capture explains.
         to_input: Brings maps (..., h, w) at the layer's resolution onto the input's
             (H, W): upsampled, and for a detector, its canvas's padding cut off first.
         generator: The call's random number generator (from ``seed``), or None for
@@ -133,16 +131,28 @@ class Capture:
     x: Tensor
     activations: Tensor
     gradients: Tensor | None
-    module: nn.Module
+    module: nn.Module | None
     scores: Tensor
-    classes: Tensor | None
-    score_rows: Callable[[Any, Tensor], Tensor]
+    target: BoundTarget
+    k: int
     to_input: Callable[[Tensor], Tensor]
     generator: torch.Generator | None
     model_kwargs: Mapping[str, Any]
 
+    @property
+    def classes(self) -> Tensor | None:
+        """The explained class of each image (N,), a row of the classifier; None for a target that is not a
+        classifier's class."""
+        return self.target.classes[:, self.k] if self.target.classifier_rows else None
+
+    def score_rows(self, output: Any, images: Tensor) -> Tensor:
+        """The explained score in another forward's output, (rows,); ``images`` is the index (into x) of the
+        image each output row stands for."""
+        return self.target.score(output, images)[:, self.k]
+
 
 AUG_SCALES = (0.9, 1.0, 1.1)
+INPUT = "input"  # the layer name of the input, for methods whose map is the input's
 
 
 def _augment(x: Tensor, flip: bool, scale: float) -> Tensor:
@@ -201,6 +211,7 @@ class CAM:
     name = "cam"
     needs_gradients = True  # a method that needs no gradient skips the backward pass
     relu = True
+    map_of_input = False  # the map comes from the input and its gradient, not from a layer (guided methods)
 
     def __init__(
         self,
@@ -240,8 +251,11 @@ class CAM:
         """Dotted name of the target layer, names joined by ``+`` when fused (None until found)."""
         return "+".join(name for name, _ in self._layers) if self._layers else None
 
-    def _resolve_layers(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> list[tuple[str, nn.Module]]:
-        """The target layers by name and module: those asked for, or the automatic one for x."""
+    def _resolve_layers(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> list[tuple[str, nn.Module | None]]:
+        """The target layers by name and module: those asked for, or the automatic one for x (the input, for a
+        method whose map is the input's)."""
+        if self.map_of_input:
+            return [(INPUT, None)]
         if self._requested is None:
             return [auto_layer(self.model, x, model_kwargs)]
         return [resolve_layer(self.model, spec, x, model_kwargs) for spec in self._requested]
@@ -263,6 +277,14 @@ class CAM:
         """The raw map (N, h, w) of one layer and one target."""
         cam = self.combine(self.weighted_activations(capture))
         return torch.relu(cam) if self.relu else cam
+
+    def backward_rule(self) -> AbstractContextManager[Any]:
+        """A context around each pass's forward and backward that changes how gradients flow; default none."""
+        return nullcontext()
+
+    def finish(self, raw: Tensor, size: Sequence[int] | None, normalize: bool) -> Tensor:
+        """The result's maps from the raw ones: upsampled to ``size`` (if given) and normalized (if asked)."""
+        return postprocess(raw, size, normalize)
 
     def __call__(
         self,
@@ -327,7 +349,7 @@ class CAM:
                 sums = maps if not sums else [total + m for total, m in zip(sums, maps)]
             maps = [total / len(passes) for total in sums]
         raw = self._fused(maps, size) if self.fused or self.aug_smooth else maps[0]
-        cams = postprocess(raw, size if resize else None, normalize)
+        cams = self.finish(raw, size if resize else None, normalize)
         return make_result(cams, raw, output, scores, bound, self.layer, self.name)
 
     def _noisy(self, x: Tensor, generator: torch.Generator | None) -> Tensor:
@@ -354,9 +376,12 @@ class CAM:
             The model output, the bound target, its (N, K) scores, and each layer's (N, K, h, w) maps.
         """
         layers = dict(self._layers)
-        grad_mode = torch.enable_grad() if self.needs_gradients else torch.no_grad()
-        recording = ActivationGradientRecorder(layers, gradients=self.needs_gradients)
-        with grad_mode, canvas_recorded(self.model) as canvases, recording as recorder:
+        grad_mode = torch.enable_grad() if self.needs_gradients or self.map_of_input else torch.no_grad()
+        hooked = {name: module for name, module in layers.items() if module is not None}
+        recording = ActivationGradientRecorder(hooked, gradients=self.needs_gradients)
+        if self.map_of_input:  # the whole network is recorded, for the gradient at the input
+            x = x.detach().requires_grad_(True)
+        with grad_mode, self.backward_rule(), canvas_recorded(self.model) as canvases, recording as recorder:
             output = recorder.forward(partial(self.model, **model_kwargs), x)
             for name, activation in recorder.activations.items():
                 if activation.dim() != 4:
@@ -367,8 +392,10 @@ class CAM:
             bound = bound or goal.bind(output, self.labels)
             scores = target_scores(bound, output, x)
             targets = range(scores.shape[1])
-            gradients = [recorder.backward(scores[:, k].sum()) if self.needs_gradients else {} for k in targets]
+            gradients = [self._gradients(recorder, scores[:, k].sum(), x) for k in targets]
             activations = {name: a.float() for name, a in recorder.activations.items()}
+            if self.map_of_input:
+                activations[INPUT] = x.detach().float()
         canvas = canvases[0] if canvases else None  # a detector's: its maps are brought onto the image
 
         def to_input(maps: Tensor) -> Tensor:
@@ -380,18 +407,25 @@ class CAM:
             for k in targets:
                 gradient = gradients[k].get(name)
                 capture = Capture(
-                    x=x,
+                    x=x.detach(),
                     activations=activations[name],
                     gradients=None if gradient is None else gradient.float(),
                     module=module,
                     scores=scores[:, k].detach(),
-                    classes=bound.classes[:, k] if bound.classifier_rows else None,
-                    score_rows=lambda output, images, k=k: bound.score(output, images)[:, k],
+                    target=bound,
+                    k=k,
+                    to_input=to_input,
                     generator=generator,
                     model_kwargs=model_kwargs,
-                    to_input=to_input,
                 )
                 per_target.append(self.compute(capture))
             stacked = torch.stack(per_target, dim=1)
-            maps.append(canvas.crop(stacked) if canvas else stacked)
-        return output, bound, scores, maps
+            maps.append(canvas.crop(stacked) if canvas and module is not None else stacked)
+        return output, bound, scores.detach(), maps
+
+    def _gradients(self, recorder: ActivationGradientRecorder, score: Tensor, x: Tensor) -> dict[str, Tensor]:
+        """The gradient of one summed score at each layer, and at the input for a method whose map is the input's."""
+        found = recorder.backward(score) if self.needs_gradients else {}
+        if self.map_of_input:
+            found[INPUT] = torch.autograd.grad(score, x, retain_graph=True)[0]
+        return found

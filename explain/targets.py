@@ -509,7 +509,18 @@ class CallableTarget(Target):
         return BoundTarget(score=lambda out, images: self.scores(out))
 
 
-TargetLike = Target | int | str | Sequence[int | str] | Tensor | Callable[[Any], Tensor] | None
+class BoundAlready(Target):
+    """A target bound by an earlier call: binding it again returns it as it is (Guided Grad-CAM's Grad-CAM)."""
+
+    def __init__(self, bound: BoundTarget) -> None:
+        super().__init__(None)
+        self.bound = bound
+
+    def bind(self, output: Any, labels: Sequence[str] | None) -> BoundTarget:
+        return self.bound
+
+
+TargetLike = Target | BoundTarget | int | str | Sequence[int | str] | Tensor | Callable[[Any], Tensor] | None
 
 
 def as_target(target: TargetLike, topk: int | None = None) -> Target:
@@ -529,6 +540,8 @@ def as_target(target: TargetLike, topk: int | None = None) -> Target:
         return TopK(topk)
     if isinstance(target, Target):
         return target
+    if isinstance(target, BoundTarget):
+        return BoundAlready(target)
     if callable(target):
         return CallableTarget(target)
     return ClassTarget(target)

@@ -23,10 +23,10 @@ from .gradient import EigenGradCAM, GradCAM, GradCAMElementWise, GradCAMPlusPlus
 from .guided import GuidedBackprop, GuidedGradCAM
 from .perturbation import ISCAM, SSCAM, AblationCAM, ScoreCAM
 
-Method = CAM | GuidedBackprop
+Method = CAM  # every method, the guided ones included, is a CAM subclass called the same way
 
 # Each catalogued name to its class, imported above.
-METHODS: dict[str, type[CAM] | type[GuidedBackprop]] = {entry.name: globals()[entry.cls] for entry in METHOD_CATALOG}
+METHODS: dict[str, type[CAM]] = {entry.name: globals()[entry.cls] for entry in METHOD_CATALOG}
 
 # One forward and at most one backward per target: what ``--method all`` compares.
 FAST_METHODS = [entry.name for entry in METHOD_CATALOG if entry.fast]

@@ -10,18 +10,16 @@ evidence of what the model relies on; the CAM methods pass that check.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
 
-from ..engine import CAMResult, check_images, make_result, target_scores
+from ..engine import CAM, Capture
 from ..errors import LayerError
 from ..hooks import guided_relus
 from ..layers import LayerSpec
-from ..model_state import untouched
-from ..targets import BoundTarget, Target, TargetLike, as_target
 from .gradient import GradCAM
 
 
@@ -33,16 +31,18 @@ def visible(gradients: Tensor) -> Tensor:
     return (0.5 + 0.1 * (gradients - mean) / spread).clamp(0.0, 1.0)
 
 
-class GuidedBackprop:
+class GuidedBackprop(CAM):
     r"""Guided Backpropagation: Springenberg et al., "Striving for Simplicity: The All
     Convolutional Net", ICLR 2015 workshop (arXiv:1412.6806).
 
     The gradient of the target score with respect to the input, where every ReLU
     passes back only positive gradients (at positions where its input was
-    positive): :math:`R_{l} = \mathrm{ReLU}(R_{l+1}) \cdot [x_l > 0]`. Implemented by
-    full-backward hooks on the ``nn.ReLU`` and ``nn.ReLU6`` modules (see
-    :func:`explain.hooks.guided_relus`); ReLUs applied as functions are not guided. Fails the model-randomization sanity
-    check (Adebayo et al. 2018): see this module's notes.
+    positive): :math:`R_{l} = \mathrm{ReLU}(R_{l+1}) \cdot [x_l > 0]`. The rule is
+    full-backward hooks on the ``nn.ReLU`` and ``nn.ReLU6`` modules around the engine's
+    forward and backward (see :func:`explain.hooks.guided_relus`); ReLUs applied as
+    functions are not guided. Fails the model-randomization sanity check (Adebayo et
+    al. 2018): see this module's notes. Maps are (N, 3, H, W) images; ``normalize``
+    shows them as :func:`visible` does.
 
     Args:
         model: A classifier with ``nn.ReLU`` or ``nn.ReLU6`` modules; left as it was.
@@ -51,63 +51,34 @@ class GuidedBackprop:
     """
 
     name = "guided_backprop"
+    needs_gradients = False  # no layer's: the input's
+    map_of_input = True
 
     def __init__(self, model: nn.Module, layer: LayerSpec = None, *, labels: Sequence[str] | None = None) -> None:
-        self.model = model
-        self.labels = list(labels) if labels is not None else None
+        super().__init__(model, None, labels=labels)
 
-    @property
-    def layer(self) -> str:
-        """Where the map lives: the input."""
-        return "input"
+    @contextmanager
+    def backward_rule(self) -> Iterator[None]:
+        with guided_relus(self.model) as guided:
+            if not guided:
+                raise LayerError("Guided Backpropagation needs nn.ReLU or nn.ReLU6 modules; this model has none")
+            yield
 
-    def __call__(
-        self,
-        x: Tensor,
-        target: TargetLike = None,
-        *,
-        topk: int | None = None,
-        resize: bool = True,
-        normalize: bool = True,
-        model_kwargs: Mapping[str, Any] | None = None,
-    ) -> CAMResult:
-        """Explain a batch; ``cams`` are (N, 3, H, W) images in [0, 1] (with ``normalize``), ``raw`` the gradients.
+    def compute(self, capture: Capture) -> Tensor:
+        return capture.gradients
 
-        Args are those of :meth:`explain.engine.CAM.__call__`; ``resize`` has no effect.
-        """
-        check_images(x)
-        output, bound, scores, raw = self.input_gradients(x, as_target(target, topk), model_kwargs)
-        return make_result(visible(raw) if normalize else raw, raw, output, scores, bound, self.layer, self.name)
-
-    def input_gradients(
-        self, x: Tensor, goal: Target | BoundTarget, model_kwargs: Mapping[str, Any] | None = None
-    ) -> tuple[Any, BoundTarget, Tensor, Tensor]:
-        """Guided gradients of each target: the output, the bound target, its (N, K) scores, (N, K, 3, H, W) maps.
-
-        ``goal`` is bound on this pass's output, unless it is bound already.
-        """
-        with untouched(self.model), torch.inference_mode(False), torch.enable_grad():
-            images = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
-            with guided_relus(self.model) as guided:
-                if not guided:
-                    raise LayerError("Guided Backpropagation needs nn.ReLU or nn.ReLU6 modules; this model has none")
-                output = self.model(images, **(model_kwargs or {}))
-                bound = goal if isinstance(goal, BoundTarget) else goal.bind(output, self.labels)
-                scores = target_scores(bound, output, x)
-                maps = [
-                    torch.autograd.grad(scores[:, k].sum(), images, retain_graph=True)[0]
-                    for k in range(scores.shape[1])
-                ]
-        return output, bound, scores.detach(), torch.stack(maps, dim=1).float()
+    def finish(self, raw: Tensor, size: Sequence[int] | None, normalize: bool) -> Tensor:
+        return visible(raw) if normalize else raw
 
 
 class GuidedGradCAM(GuidedBackprop):
     r"""Guided Grad-CAM: Selvaraju et al. 2017 (arXiv:1610.02391), section 3.
 
     Guided Backpropagation multiplied by the Grad-CAM map upsampled to the input
-    and normalized to [0, 1]: :math:`R \odot \mathrm{GradCAM}`; the Grad-CAM target
-    (top-1 by default) is the one explained by both. Inherits Guided
-    Backpropagation's failure of the model-randomization sanity check in part.
+    and normalized to [0, 1]: :math:`R \odot \mathrm{GradCAM}`; the target (top-1 by
+    default) is bound once and explained by both (Grad-CAM in a pass of its own,
+    with the ReLUs unguided). Inherits Guided Backpropagation's failure of the
+    model-randomization sanity check in part.
 
     Args:
         model: A classifier with ``nn.ReLU`` or ``nn.ReLU6`` modules; left as it was.
@@ -126,19 +97,6 @@ class GuidedGradCAM(GuidedBackprop):
         """Grad-CAM's target layer."""
         return self.gradcam.layer or ""
 
-    def __call__(
-        self,
-        x: Tensor,
-        target: TargetLike = None,
-        *,
-        topk: int | None = None,
-        resize: bool = True,
-        normalize: bool = True,
-        model_kwargs: Mapping[str, Any] | None = None,
-    ) -> CAMResult:
-        check_images(x)
-        cam = self.gradcam(x, target, topk=topk, model_kwargs=model_kwargs)
-        maps = cam.cams if cam.target.keeps_k else cam.cams[:, None]
-        output, bound, scores, guided = self.input_gradients(x, cam.target, model_kwargs)
-        raw = guided * maps[:, :, None]
-        return make_result(visible(raw) if normalize else raw, raw, output, scores, bound, self.layer, self.name)
+    def compute(self, capture: Capture) -> Tensor:
+        cam = self.gradcam(capture.x, capture.target, model_kwargs=capture.model_kwargs).cams
+        return capture.gradients * (cam if cam.dim() == 3 else cam[:, capture.k])[:, None]
