@@ -28,7 +28,7 @@ from .hooks import ActivationGradientRecorder, canvas_recorded
 from .layers import LayerSpec, auto_layer, resolve_layer
 from .maps import normalize_maps, postprocess, principal_projection, upsample
 from .model_state import untouched
-from .targets import BoundTarget, Target, TargetLike, as_target
+from .targets import BoundAlready, BoundTarget, Target, TargetLike, as_target
 
 
 @dataclass(frozen=True)
@@ -325,12 +325,13 @@ class CAM:
         generator = None if self.seed is None else torch.Generator(device=x.device).manual_seed(self.seed)
         with untouched(self.model), torch.inference_mode(False), torch.enable_grad():
             images = x.clone() if x.is_inference() else x.detach()
-            bound = None  # the target, fixed on the plain input and kept for every other pass
+            plain = None  # the plain input's output binds the target, kept for every other pass
             if self.smooth_samples:
                 with torch.no_grad():
                     output = self.model(images, **model_kwargs)
                 bound = goal.bind(output, self.labels)
-                scores = target_scores(bound, output, x)
+                plain, scores = output, target_scores(bound, output, x)
+                goal = BoundAlready(bound)
             views = [(False, 1.0)]  # (flip, scale) of each pass's view of the input: the plain input first
             if self.aug_smooth:
                 views += [(flip, scale) for scale in AUG_SCALES for flip in (False, True) if (flip, scale) != views[0]]
@@ -340,17 +341,16 @@ class CAM:
                 seen = _augment(images, flip, scale)
                 if self.smooth_samples:
                     seen = self._noisy(seen, generator)
-                if bound is None:  # the plain pass: its output binds the target and is the result's
-                    output, bound, scores, maps = self._pass(seen, goal, None, generator, model_kwargs)
-                else:
-                    maps = self._pass(seen, goal, bound, generator, model_kwargs)[3]
+                pass_output, bound, pass_scores, maps = self._pass(seen, goal, generator, model_kwargs)
+                if plain is None:  # the plain pass: its output is the result's, its binding every other pass's
+                    plain, scores, goal = pass_output, pass_scores, BoundAlready(bound)
                 if self.aug_smooth:
                     maps = [_deaugment(m, flip, size) for m in maps]
                 sums = maps if not sums else [total + m for total, m in zip(sums, maps)]
             maps = [total / len(passes) for total in sums]
         raw = self._fused(maps, size) if self.fused or self.aug_smooth else maps[0]
         cams = self.finish(raw, size if resize else None, normalize)
-        return make_result(cams, raw, output, scores, bound, self.layer, self.name)
+        return make_result(cams, raw, plain, scores, bound, self.layer, self.name)
 
     def _noisy(self, x: Tensor, generator: torch.Generator | None) -> Tensor:
         """x plus Gaussian noise of ``smooth_sigma`` times each image's value range."""
@@ -366,11 +366,10 @@ class CAM:
         self,
         x: Tensor,
         goal: Target,
-        bound: BoundTarget | None,
         generator: torch.Generator | None,
         model_kwargs: Mapping[str, Any],
     ) -> tuple[Any, BoundTarget, Tensor, list[Tensor]]:
-        """One forward (and backward) pass; ``bound`` None binds ``goal`` on this pass's output.
+        """One forward (and backward) pass, ``goal`` bound on its output (a bound target binds to itself).
 
         Returns:
             The model output, the bound target, its (N, K) scores, and each layer's (N, K, h, w) maps.
@@ -389,7 +388,7 @@ class CAM:
                         f"layer {name!r} outputs shape {tuple(activation.shape)}; "
                         "a CAM needs a (N, C, H, W) feature map"
                     )
-            bound = bound or goal.bind(output, self.labels)
+            bound = goal.bind(output, self.labels)
             scores = target_scores(bound, output, x)
             targets = range(scores.shape[1])
             gradients = [self._gradients(recorder, scores[:, k].sum(), x) for k in targets]
@@ -421,7 +420,7 @@ class CAM:
                 per_target.append(self.compute(capture))
             stacked = torch.stack(per_target, dim=1)
             maps.append(canvas.crop(stacked) if canvas and module is not None else stacked)
-        return output, bound, scores.detach(), maps
+        return output, bound, scores, maps
 
     def _gradients(self, recorder: ActivationGradientRecorder, score: Tensor, x: Tensor) -> dict[str, Tensor]:
         """The gradient of one summed score at each layer, and at the input for a method whose map is the input's."""

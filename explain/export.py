@@ -168,10 +168,11 @@ class _Exporter:
                     raise
                 del self.methods[name]  # a comparison leaves out a method that does not fit the model (CAM)
 
-        def per_target(t: torch.Tensor) -> torch.Tensor:  # (N, K, ...) whether or not topk is set
-            return (t if o.topk else t[:, None]).cpu()
-
         first = next(iter(results.values()))
+
+        def per_target(t: torch.Tensor) -> torch.Tensor:  # (N, K, ...) whatever the target
+            return (t if first.target.keeps_k else t[:, None]).cpu()
+
         cams = {name: per_target(result.cams) for name, result in results.items()}
         raws = per_target(first.raw)
         indices, probs = per_target(first.class_indices).tolist(), per_target(first.probabilities).tolist()

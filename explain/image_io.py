@@ -74,6 +74,18 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
+def rgb_array(image: Image.Image | np.ndarray) -> np.ndarray:
+    """A PIL image (any mode, converted) or an HxWx3 uint8 RGB array, as an HxWx3 uint8 array.
+
+    Raises:
+        ValueError: An array of another shape or dtype.
+    """
+    array = np.asarray(image.convert("RGB") if isinstance(image, Image.Image) else image)
+    if array.ndim != 3 or array.shape[2] != 3 or array.dtype != np.uint8:
+        raise ValueError(f"image must be a PIL image or an HxWx3 uint8 array, got {array.dtype} {array.shape}")
+    return array
+
+
 def input_size(image: Image.Image, size: int, keep_aspect: bool) -> tuple[int, int]:
     """The (width, height) an image is resized to: ``size`` square, or short side ``size``."""
     if not keep_aspect:

@@ -117,13 +117,11 @@ def trace_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | 
         return tuple(value.shape[1:]) if isinstance(value, Tensor) and value.dim() and len(value) == 1 else None
 
     def record(name: str, module: nn.Module, inputs: Any, output: Any) -> None:  # a forward hook
-        entries = (
-            output.items()
-            if isinstance(output, Mapping)
-            else enumerate(output)
-            if isinstance(output, (list, tuple))
-            else []
-        )
+        entries: Any = []
+        if isinstance(output, Mapping):
+            entries = output.items()
+        elif isinstance(output, (list, tuple)):
+            entries = enumerate(output)
         for key, value in [(None, output), *entries]:
             label = name if key is None else f"{name}:{key}"
             if label in infos:

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from .catalog import BUNDLED_MODEL as BUNDLED
 from .catalog import DEFAULT_MODEL
 from .errors import ExplainError, ModelLoadError, first_line
-from .image_io import input_size, load_image, to_tensor
+from .image_io import input_size, load_image, rgb_array, to_tensor
 from .layers import classifier
 
 ImageLike = Image.Image | np.ndarray | str | Path
@@ -89,12 +89,11 @@ class ModelSpec:
 
 
 def _as_rgb(image: ImageLike) -> Image.Image:
-    if isinstance(image, Image.Image):
-        return image.convert("RGB")
-    if isinstance(image, np.ndarray):
-        if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
-            raise ExplainError(f"an image array must be HxWx3 uint8 RGB, got {image.dtype} {image.shape}")
-        return Image.fromarray(image)
+    if isinstance(image, (Image.Image, np.ndarray)):
+        try:
+            return Image.fromarray(rgb_array(image))
+        except ValueError as err:
+            raise ExplainError(str(err)) from None
     return load_image(image)
 
 

@@ -13,15 +13,10 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
+from .image_io import rgb_array
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
-
-
-def _as_image(image: Image.Image | np.ndarray) -> np.ndarray:
-    array = np.asarray(image.convert("RGB") if isinstance(image, Image.Image) else image)
-    if array.ndim != 3 or array.shape[2] != 3 or array.dtype != np.uint8:
-        raise ValueError(f"image must be a PIL image or an HxWx3 uint8 array, got {array.dtype} {array.shape}")
-    return array
 
 
 def resize_map(cam: Tensor | np.ndarray, height: int, width: int) -> np.ndarray:
@@ -60,7 +55,7 @@ def overlay(
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    pixels = _as_image(image)
+    pixels = rgb_array(image)
     heat = colorize(resize_map(cam, *pixels.shape[:2]), colormap)
     blended = (1.0 - alpha) * pixels.astype(np.float32) + alpha * heat.astype(np.float32)
     return Image.fromarray(np.clip(blended + 0.5, 0, 255).astype(np.uint8), mode="RGB")
@@ -80,7 +75,7 @@ def picture(
     image: Image.Image | np.ndarray, cam: Tensor | np.ndarray, alpha: float = 0.5, colormap: str = "jet"
 ) -> Image.Image:
     """What a method's map looks like on an image: a heatmap overlay, or the guided image (3-D maps)."""
-    pixels = _as_image(image)
+    pixels = rgb_array(image)
     if np.ndim(cam) == 3:
         return gradient_image(cam, *pixels.shape[:2])
     return overlay(pixels, cam, alpha, colormap)
@@ -129,7 +124,7 @@ def figure(
 ) -> Image.Image:
     """A side-by-side figure under ``title``: the image, the heatmap with a colour bar, and the
     overlay (or, for a guided map, the image and the guided image)."""
-    pixels = _as_image(image)
+    pixels = rgb_array(image)
     if np.ndim(cam) == 3:
         return _rendered(panel_figure({"image": pixels, "guided": picture(pixels, cam)}, title, columns=2))
     heat = np.clip(resize_map(cam, *pixels.shape[:2]), 0.0, 1.0)
@@ -146,6 +141,6 @@ def grid(
     columns: int = 4,
 ) -> Image.Image:
     """One figure comparing methods: the image, then each method's map on it, under its name."""
-    pixels = _as_image(image)
+    pixels = rgb_array(image)
     panels = {"image": pixels, **{name: picture(pixels, cam, alpha, colormap) for name, cam in cams.items()}}
     return _rendered(panel_figure(panels, title, columns=min(columns, len(panels))))

@@ -186,6 +186,8 @@ class ClassTarget(Target):
         output: See :class:`Target`.
     """
 
+    keeps_k = False  # one class per image: results drop the K axis
+
     def __init__(self, classes: Any = None, score: ClassScore = "logit", *, output: OutputPicker = None) -> None:
         super().__init__(output)
         if score not in ("logit", "probability", "sigmoid"):
@@ -209,7 +211,7 @@ class ClassTarget(Target):
             score=lambda out, images: _class_scores(self.read(out), self.score).gather(1, indices[images]),
             classes=indices,
             probabilities=probabilities.gather(1, indices),
-            keeps_k=isinstance(self, TopK),
+            keeps_k=self.keeps_k,
             classifier_rows=True,
         )
 
@@ -222,6 +224,8 @@ class TopK(ClassTarget):
         score: As for :class:`ClassTarget`.
         output: See :class:`Target`.
     """
+
+    keeps_k = True
 
     def __init__(self, k: int, score: ClassScore = "logit", *, output: OutputPicker = None) -> None:
         super().__init__(None, score, output=output)

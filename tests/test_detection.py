@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from conftest import hook_count
+from test_methods import first_component
 from torch import nn
 from torchvision.ops import box_iou
 
@@ -67,7 +68,21 @@ def reference_maps(detector: nn.Module, x: torch.Tensor, boxes: list[torch.Tenso
         assert overlap.max() >= 0.5
         scores.append(found["scores"][overlap.argmax()])
     (g,) = torch.autograd.grad(torch.stack(scores).sum(), kept["a"])
-    maps = (g.mean(dim=(2, 3))[..., None, None] * kept["a"]).sum(dim=1).clamp(min=0).detach()
+    return on_image(detector, x, (g.mean(dim=(2, 3))[..., None, None] * kept["a"]).sum(dim=1).clamp(min=0).detach())
+
+
+def level_zero(detector: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """FPN level 0 as a plain hook sees it, float64."""
+    kept = {}
+    handle = detector.get_submodule(MODULE).register_forward_hook(lambda m, i, o: kept.update(a=o[LEVEL].detach()))
+    with torch.no_grad():
+        detector(x)
+    handle.remove()
+    return kept["a"].double()
+
+
+def on_image(detector: nn.Module, x: torch.Tensor, maps: torch.Tensor) -> torch.Tensor:
+    """Maps over the detector's padded canvas, upsampled to it and the padding cut off: (N, h, w), resized size."""
     canvas = detector.transform(list(x))[0]
     (height, width) = canvas.image_sizes[0]
     padded = F.interpolate(maps[:, None], size=canvas.tensors.shape[-2:], mode="bilinear", align_corners=False)
@@ -149,7 +164,10 @@ def test_perturbation_and_gradient_free_methods_serve_detection(detector) -> Non
     x = images()[:1]
     target = DetectionTarget(score_threshold=0.5)
     score_cam = explain.ScoreCAM(detector, LAYER, batch_size=64)(x, target)
-    eigen = explain.EigenCAM(detector, LAYER)(x, target)
+    eigen = explain.EigenCAM(detector, LAYER)(x, target, normalize=False)
+    expected = on_image(detector, x, first_component(level_zero(detector, x)).clamp(min=0))
+    for k in range(eigen.raw.shape[1]):  # Eigen-CAM is the same for every box: the first principal component
+        assert_maps(eigen.raw[:, k].double(), expected)
     for result in (score_cam, eigen):
         k = int(result.target.valid[0].sum())
         assert result.cams.shape[:2] == (1, result.target.valid.shape[1]) and result.cams.shape[2:] == (100, 130)
