@@ -27,6 +27,7 @@ _EXPORTS = {
     "LayerError": "errors",
     "ModelLoadError": "errors",
     "TargetError": "errors",
+    "NothingToExplain": "errors",
     "ExportOptions": "export",
     "export_heatmaps": "export",
     "load_image": "image_io",

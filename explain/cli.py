@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``explain`` command."""
     parser = _Parser(
         prog="explain",
-        description="Grad-CAM heatmaps of a classifier's decision, overlaid on each image.",
+        description="Grad-CAM heatmaps of a model's decision, overlaid on each image: a classifier's class, "
+        "a segmenter's classes, a detector's boxes (the task follows from --model).",
         epilog="Exit status: 0 all inputs written, 1 some inputs failed (each named on stderr), 2 usage error.",
     )
     add = parser.add_argument
@@ -52,7 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="gradcam",
         help="CAM method (default gradcam); 'list' names them, 'all' compares the fast ones",
     )
-    add("--model", default=DEFAULT_MODEL, help=f"torchvision classifier, or {BUNDLED_MODEL} (bundled, offline)")
+    add(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"torchvision classifier, segmenter (lraspp_mobilenet_v3_large, ...) or detector "
+        f"(fasterrcnn_mobilenet_v3_large_fpn, ...), or {BUNDLED_MODEL} (bundled, offline); default {DEFAULT_MODEL}",
+    )
     add("--weights", type=Path, help="state_dict file (.pt, .pth, .safetensors) for the model's architecture")
     add("--labels", type=Path, help="text file of class names, one per line (for a checkpoint's own classes)")
     add(
@@ -74,7 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
     add("--smooth-samples", type=int, help="SmoothGrad-style: average the maps of N noisy copies")
     add("--smooth-sigma", type=float, help="noise of --smooth-samples, a fraction of the value range (default 0.15)")
     add("--seed", type=int, help="seed of the random numbers (noise, SS-CAM, the random baseline)")
-    add("--target", help="class index or class name to explain; default: each image's top-1 class")
+    add(
+        "--target",
+        help="class index or class name to explain; default: each image's top-1 class "
+        "(a segmenter: every class present but the background; a detector: every detection)",
+    )
+    add(
+        "--score-threshold",
+        type=float,
+        default=0.5,
+        help="a detector's least score of an explained detection, one overlay each (default 0.5)",
+    )
     add("--topk", type=int, help="write one overlay for each of the K top classes")
     add("--device", help="torch device (cpu, cuda, cuda:1, mps, ...); default: cuda if available, else cpu")
     add(
@@ -111,6 +127,8 @@ def _check_options(args: argparse.Namespace) -> None:
         raise UsageError("--batch-size must be at least 1")
     if not 0.0 <= args.alpha <= 1.0:
         raise UsageError("--alpha must be between 0 and 1")
+    if not 0.0 <= args.score_threshold <= 1.0:
+        raise UsageError("--score-threshold must be between 0 and 1")
     if args.layers is None and not args.inputs:
         raise UsageError("no inputs given: name image files, folders or glob patterns (explain --help)")
 
@@ -154,12 +172,15 @@ def _device(text: str | None) -> torch.device:
     return device
 
 
+PROBE_SIZE = 512  # the probe's side for a model that takes any size (a detector)
+
+
 def _probe(spec: ModelSpec, size: str) -> torch.Tensor:
     """A zero input of the model's (or the given) size, for one look at its layers: (1, 3, H, W)."""
     import torch
 
     try:
-        sides = [int(side) for side in size.lower().split("x")] if size else [spec.input_size]
+        sides = [int(side) for side in size.lower().split("x")] if size else [spec.input_size or PROBE_SIZE]
     except ValueError:
         sides = []
     if len(sides) not in (1, 2) or min(sides) < 1:
@@ -170,17 +191,18 @@ def _probe(spec: ModelSpec, size: str) -> torch.Tensor:
 
 def layer_table(spec: ModelSpec, x: torch.Tensor) -> str:
     """The model's layers with spatial outputs at x's size, the automatic choice marked."""
-    from .layers import candidate_layers
+    from .layers import candidate_layers, find_auto_layers
 
     candidates = candidate_layers(spec.model, x)
     if not candidates:
         return f"{spec.name} at {x.shape[-2]}x{x.shape[-1]}: no layer outputs a spatial map"
+    automatic = find_auto_layers(spec.model, x)
+    mark = "  <- automatic choice" + (" (fused)" if len(automatic) > 1 else "")
     width = max(len(info.name) for info in candidates)
     lines = [f"{spec.name} at {x.shape[-2]}x{x.shape[-1]}: layers with spatial outputs (C x H x W), in order"]
     for info in candidates:
         shape = "x".join(map(str, info.shape or ()))
-        chosen = "  <- automatic choice" if info is candidates[-1] else ""
-        lines.append(f"  {info.name:{width}}  {info.kind:24} {shape}{chosen}")
+        lines.append(f"  {info.name:{width}}  {info.kind:24} {shape}{mark if info.name in automatic else ''}")
     return "\n".join(lines)
 
 
@@ -206,6 +228,8 @@ def _print_record(record: dict[str, Any], quiet: bool) -> None:
         return
     if quiet:
         return
+    if record["note"]:
+        tqdm.write(f"{record['input']}: {record['note']}", file=sys.stdout)
     for target in record["targets"]:
         line = f"{record['input']}: {target['class_name']} ({target['score']:.3f}) layer={record['layer']}"
         tqdm.write(f"{line} -> {target['output']}", file=sys.stdout)
@@ -256,6 +280,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.target is not None:
         target = int(args.target) if args.target.lstrip("-").isdigit() else args.target
         class_index(target, spec.labels, len(spec.labels))
+    if args.topk is not None and spec.task != "classification":
+        raise UsageError(f"--topk explains a classifier's top classes; {spec.name} is a {spec.task} model")
     if args.topk is not None and args.topk > len(spec.labels):
         raise UsageError(f"--topk {args.topk} exceeds the model's {len(spec.labels)} classes")
     options = ExportOptions(
@@ -264,13 +290,14 @@ def _run(args: argparse.Namespace) -> int:
         layer=layer,
         target=target,
         topk=args.topk,
+        score_threshold=args.score_threshold,
         batch_size=args.batch_size,
         alpha=args.alpha,
         colormap=args.colormap,
         fmt=args.fmt,
         save_raw=args.save_raw,
         figure=args.figure,
-        keep_aspect=args.keep_aspect,
+        keep_aspect=args.keep_aspect or None,
     )
     records = export_heatmaps(
         spec,

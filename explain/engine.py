@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from .errors import ExplainError, LayerError, TargetError
 from .hooks import ActivationGradientRecorder, canvas_recorded
-from .layers import LayerSpec, auto_layer, resolve_layer
+from .layers import LayerSpec, auto_layers, resolve_layer
 from .maps import normalize_maps, postprocess, principal_projection, upsample
 from .model_state import untouched
 from .targets import BoundAlready, BoundTarget, Target, TargetLike, as_target
@@ -186,9 +186,11 @@ class CAM:
     Args:
         model: A classifier returning (N, classes) scores.
         layer: The target layer: dotted name, module, a list of them (their maps
-            are fused), or None to pick the last layer that outputs a spatial map
-            (found with one extra forward of one image, the first time a model
-            sees an input shape). Names are resolved at the first call; an unknown
+            are fused), or None for the automatic choice (see
+            :func:`explain.layers.find_auto_layers`: the last layer that outputs a
+            spatial map, or a detector's or segmenter's backbone levels, fused),
+            found with one extra forward of one image the first time a model
+            sees an input shape. Names are resolved at the first call; an unknown
             name is an error that lists the layers with spatial outputs.
         labels: Class names, to accept a class name as target.
         fuse: How the maps of several layers become one, each upsampled to the
@@ -257,7 +259,7 @@ class CAM:
         if self.map_of_input:
             return [(INPUT, None)]
         if self._requested is None:
-            return [auto_layer(self.model, x, model_kwargs)]
+            return auto_layers(self.model, x, model_kwargs)
         return [resolve_layer(self.model, spec, x, model_kwargs) for spec in self._requested]
 
     def weights(self, capture: Capture) -> Tensor:
@@ -321,6 +323,7 @@ class CAM:
             raise TargetError(f"aug_smooth flips and rescales the input, which would misplace a {type(goal).__name__}")
         if self._layers is None:
             self._layers = self._resolve_layers(x, model_kwargs)
+            self.fused = self.fused or len(self._layers) > 1  # the automatic layers of a detector are fused
         size = x.shape[-2:]
         generator = None if self.seed is None else torch.Generator(device=x.device).manual_seed(self.seed)
         with untouched(self.model), torch.inference_mode(False), torch.enable_grad():

@@ -15,6 +15,21 @@ class TargetError(ExplainError):
     """The requested target class or score cannot be resolved."""
 
 
+class NothingToExplain(TargetError):
+    """An image holds nothing the target asks for: no detection above the threshold, no pixel of the class.
+
+    Args:
+        reason: What is missing, in a few words (the export's note for the image).
+        image: The image of the batch it concerns, or None for every image.
+        hint: What to do about it, appended to the message.
+    """
+
+    def __init__(self, reason: str, image: int | None = None, hint: str = "") -> None:
+        self.reason = reason
+        where = "" if image is None else f"image {image}: "
+        super().__init__(where + reason + (f"; {hint}" if hint else ""))
+
+
 class ModelLoadError(ExplainError):
     """A model or its weights cannot be loaded."""
 

@@ -19,15 +19,17 @@ from tqdm import tqdm
 
 from . import render
 from .catalog import ALL_METHODS
-from .errors import ImageLoadError, LayerError, TargetError, first_line
+from .errors import ImageLoadError, LayerError, NothingToExplain, TargetError, first_line
 from .image_io import load_image, save_array, save_image, write_atomically
 from .inputs import MANIFEST, Input, collect_inputs, mark_output_folder
 from .layers import LayerSpec
 from .methods import FAST_METHODS, Method, create_method, method_options
 from .models import ModelSpec
+from .targets import ClassTarget, DetectionTarget, SegmentationTarget, Target, TopK
 
 # Version of the manifest records' fields; 2: one list of explained targets per input, whatever the options.
 MANIFEST_SCHEMA = 2
+BACKGROUND = "__background__"  # the name of class 0 of torchvision's segmenters and detectors
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,11 @@ class ExportOptions:
     """What to explain and what to write for each image.
 
     ``method`` is a name of ``explain.METHODS``, or ``"all"`` for one grid figure per
-    image with every fast method; ``method_options`` go to the method (see
-    :func:`explain.cam`); under ``"all"`` each method gets those it takes.
+    explained target with every fast method; ``method_options`` go to the method (see
+    :func:`explain.cam`); under ``"all"`` each method gets those it takes. What is
+    explained follows from the model's task (see :func:`task_target`): ``target`` is a
+    class index or name, ``topk`` a classifier's K top classes, ``score_threshold`` the
+    least score of an explained detection. ``keep_aspect`` None resizes as the model does.
     """
 
     method: str = "gradcam"
@@ -54,13 +59,50 @@ class ExportOptions:
     layer: LayerSpec | Sequence[str] = None
     target: int | str | None = None
     topk: int | None = None
+    score_threshold: float = 0.5
     batch_size: int = 16
     alpha: float = 0.5
     colormap: str = "jet"
     fmt: str = "png"
     save_raw: bool = False
     figure: bool = False
-    keep_aspect: bool = False
+    keep_aspect: bool | None = None
+
+
+def task_target(spec: ModelSpec, options: ExportOptions) -> Target:
+    """What the export explains, from the model's task.
+
+    - classification: ``options.target`` for every image, else each image's top class
+      (or its ``topk`` top classes);
+    - segmentation: ``options.target`` over the pixels it wins, else every class that wins
+      a pixel, background left out;
+    - detection: every detection scoring at least ``options.score_threshold`` (only those
+      of class ``options.target``, if given).
+    """
+    if spec.task == "segmentation":
+        background = 0 if spec.labels[0] == BACKGROUND else None
+        return SegmentationTarget(options.target, background=background)
+    if spec.task == "detection":
+        return DetectionTarget(labels=options.target, score_threshold=options.score_threshold)
+    return TopK(options.topk) if options.topk else ClassTarget(options.target)
+
+
+def _slug(name: str) -> str:
+    """A class name as part of a file name: lower case, runs of other characters than letters and digits as '-'."""
+    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split()) or "class"
+
+
+@dataclass(frozen=True)
+class _Explained:
+    """One explained target of one image, ready to render: its map(s) by method and what it explains."""
+
+    k: int
+    cams: dict[str, torch.Tensor]
+    class_index: int
+    class_name: str
+    score: float
+    box: list[float] | None  # x1, y1, x2, y2 in the original image's pixels
+    region: torch.Tensor | None  # the region's weights at the model output's resolution
 
 
 def output_bases(inputs: Sequence[Input], out_dir: Path, files_for: Callable[[Path], list[Path]]) -> list[Path]:
@@ -105,8 +147,16 @@ class _Exporter:
             name: create_method(name, spec.model, options.layer, labels=spec.labels, **self._options_for(name))
             for name in names
         }
-        count = options.topk or 1
-        self.tags = [f".{options.method}" + (f".top{k + 1}" if options.topk else "") for k in range(count)]
+        self.target = task_target(spec, options)
+
+    def tag(self, k: int, class_name: str) -> str:
+        """What tells an image's outputs apart: the method, and which target (top class, detection, segment)."""
+        o = self.options
+        if self.spec.task == "detection":
+            return f".{o.method}.box{k + 1}"
+        if self.spec.task == "segmentation":
+            return f".{o.method}.{_slug(class_name)}"
+        return f".{o.method}" + (f".top{k + 1}" if o.topk else "")
 
     def _options_for(self, name: str) -> dict[str, Any]:
         given = dict(self.options.method_options)
@@ -114,17 +164,17 @@ class _Exporter:
             return given
         return {k: v for k, v in given.items() if k in method_options(name)}
 
-    def paths(self, base: Path) -> tuple[list[Path], list[Path], Path | None]:
-        """The overlays, figures and raw map written for an output base path."""
+    def paths(self, base: Path, tags: Sequence[str]) -> tuple[list[Path], list[Path], Path | None]:
+        """The overlays, figures and raw maps written for an output base path and its targets' tags."""
         o = self.options
-        overlays = [base.with_name(base.name + tag + f".{o.fmt}") for tag in self.tags]
-        figures = [base.with_name(base.name + tag + f".figure.{o.fmt}") for tag in self.tags] if o.figure else []
+        overlays = [base.with_name(base.name + tag + f".{o.fmt}") for tag in tags]
+        figures = [base.with_name(base.name + tag + f".figure.{o.fmt}") for tag in tags] if o.figure else []
         raw = base.with_name(f"{base.name}.{o.method}.npy") if o.save_raw else None
         return overlays, figures, raw
 
     def files_for(self, base: Path) -> list[Path]:
-        """Every file written for an output base path."""
-        overlays, figures, raw = self.paths(base)
+        """The files written for an output base path (for detections and segments, those of the first target)."""
+        overlays, figures, raw = self.paths(base, [self.tag(k, "class") for k in range(self.options.topk or 1)])
         return [*overlays, *figures, *([raw] if raw else [])]
 
     def record(
@@ -134,6 +184,7 @@ class _Exporter:
         targets: list[dict[str, Any]] | None = None,
         layer: str | None = None,
         raw: str | None = None,
+        note: str | None = None,
     ) -> dict[str, Any]:
         """An input's manifest record: the same fields whatever the options (see ``MANIFEST_SCHEMA``)."""
         return {
@@ -144,6 +195,7 @@ class _Exporter:
             "layer": layer,
             "targets": targets,
             "raw": raw,
+            "note": note,
             "error": error,
         }
 
@@ -157,76 +209,105 @@ class _Exporter:
 
     def explain(self, group: Sequence[_Loaded]) -> list[Callable[[], dict[str, Any]]]:
         """Explain images of one input size together; returns a job per image that writes its outputs."""
-        o = self.options
         x = torch.stack([member.tensor for member in group]).to(self.device)
         results = {}
         for name, method in list(self.methods.items()):
             try:
-                results[name] = method(x, o.target, topk=o.topk)
+                results[name] = method(x, self.target)
             except LayerError:
                 if len(self.methods) == 1:
                     raise
                 del self.methods[name]  # a comparison leaves out a method that does not fit the model (CAM)
-
         first = next(iter(results.values()))
+        bound = first.target
 
-        def per_target(t: torch.Tensor) -> torch.Tensor:  # (N, K, ...) whatever the target
-            return (t if first.target.keeps_k else t[:, None]).cpu()
+        def per_target(t: torch.Tensor | None) -> torch.Tensor | None:  # (N, K, ...) whatever the target
+            return None if t is None else (t if bound.keeps_k else t[:, None]).cpu()
 
         cams = {name: per_target(result.cams) for name, result in results.items()}
-        raws = per_target(first.raw)
-        indices, probs = per_target(first.class_indices).tolist(), per_target(first.probabilities).tolist()
-        return [
-            partial(self.write, member, {n: c[i] for n, c in cams.items()}, raws[i], indices[i], probs[i], first.layer)
-            for i, member in enumerate(group)
-        ]
+        raws, classes, scores = per_target(first.raw), per_target(first.class_indices), per_target(first.probabilities)
+        valid = torch.ones(classes.shape, dtype=torch.bool) if bound.valid is None else bound.valid.cpu()
+        boxes = None if bound.boxes is None else bound.boxes.cpu()
+        regions = None if bound.regions is None else bound.regions.cpu()
+        jobs = []
+        for i, member in enumerate(group):
+            width, height = member.image.size
+            scale = torch.tensor([width / x.shape[-1], height / x.shape[-2]] * 2)
+            explained = [
+                _Explained(
+                    k=k,
+                    cams={name: c[i, k] for name, c in cams.items()},
+                    class_index=int(classes[i, k]),
+                    class_name=self.spec.labels[int(classes[i, k])],
+                    score=float(scores[i, k]),
+                    box=None if boxes is None else (boxes[i, k] * scale).tolist(),
+                    region=None if regions is None else regions[i, k],
+                )
+                for k in valid[i].nonzero()[:, 0].tolist()
+            ]
+            raw = raws[i][valid[i]] if bound.keeps_k else raws[i, 0]
+            jobs.append(partial(self.write, member, explained, raw, first.layer))
+        return jobs
 
-    def write(
-        self,
-        member: _Loaded,
-        cams: dict[str, torch.Tensor],
-        raw: torch.Tensor,
-        indices: list[int],
-        probs: list[float],
-        layer: str,
-    ) -> dict[str, Any]:
-        """Render and write one image's outputs (K maps per method); returns its manifest record."""
+    def write(self, member: _Loaded, explained: list[_Explained], raw: torch.Tensor, layer: str) -> dict[str, Any]:
+        """Render and write one image's outputs (a map per target and method); returns its manifest record."""
         o = self.options
-        names = [self.spec.labels[c] for c in indices]
-        outputs, figures, raw_path = self.paths(member.base)
+        tags = [self.tag(e.k, e.class_name) for e in explained]
+        outputs, figures, raw_path = self.paths(member.base, tags)
+        targets = []
         try:
-            if o.method == ALL_METHODS:
-                title = f"{names[0]} ({probs[0]:.1%}), every fast method"
-                first_maps = {name: per_method[0] for name, per_method in cams.items()}
-                save_image(render.grid(member.image, first_maps, title, o.alpha, o.colormap), outputs[0])
-            else:
-                (maps,) = cams.values()
-                for k, path in enumerate(outputs):
-                    save_image(render.picture(member.image, maps[k], o.alpha, o.colormap), path)
-                for k, path in enumerate(figures):
-                    title = f"{names[k]} ({probs[k]:.1%}), {o.method} at {layer}"
-                    save_image(render.figure(member.image, maps[k], title, o.alpha, o.colormap), path)
+            for j, (e, output) in enumerate(zip(explained, outputs)):
+                annotated = partial(self.annotated, e)
+                if o.method == ALL_METHODS:
+                    title = f"{e.class_name} ({e.score:.1%}), every fast method"
+                    save_image(render.grid(annotated(member.image), e.cams, title, o.alpha, o.colormap), output)
+                else:
+                    (cam,) = e.cams.values()
+                    save_image(annotated(render.picture(member.image, cam, o.alpha, o.colormap)), output)
+                if figures:
+                    title = f"{e.class_name} ({e.score:.1%}), {o.method} at {layer}"
+                    save_image(render.figure(annotated(member.image), cam, title, o.alpha, o.colormap), figures[j])
+                targets.append(
+                    {
+                        "class_index": e.class_index,
+                        "class_name": e.class_name,
+                        "score": round(e.score, 6),
+                        "box": None if e.box is None else [round(v, 1) for v in e.box],
+                        "region": None if e.region is None else self.region_record(e.region, member.image.size),
+                        "output": str(output),
+                        "figure": str(figures[j]) if figures else None,
+                    }
+                )
             if raw_path:
-                save_array((raw if o.topk else raw[0]).numpy(), raw_path)
+                save_array(raw.numpy(), raw_path)
         except OSError as err:
             return self.record(member.item, f"{member.item.name}: cannot write outputs: {first_line(err)}")
-
-        targets = [
-            {
-                "class_index": index,
-                "class_name": name,
-                "score": round(prob, 6),
-                "output": str(output),
-                "figure": str(figures[k]) if figures else None,
-            }
-            for k, (index, name, prob, output) in enumerate(zip(indices, names, probs, outputs))
-        ]
         return self.record(member.item, targets=targets, layer=layer, raw=str(raw_path) if raw_path else None)
 
+    @staticmethod
+    def annotated(e: _Explained, picture: Image.Image) -> Image.Image:
+        """A picture with what a detection's or a segment's map explains drawn on it: its box or outline, and label."""
+        if e.box is None and e.region is None:
+            return picture
+        return render.annotate(picture, f"{e.class_name} {e.score:.3g}", e.box, e.region)
+
+    @staticmethod
+    def region_record(region: torch.Tensor, size: tuple[int, int]) -> dict[str, Any]:
+        """A segment in the manifest: its share of the image and its bounding box in the image's pixels."""
+        rows, cols = region.nonzero(as_tuple=True)
+        height, width = region.shape
+        sx, sy = size[0] / width, size[1] / height
+        box = [float(cols.min()) * sx, float(rows.min()) * sy, float(cols.max() + 1) * sx, float(rows.max() + 1) * sy]
+        return {"fraction": round(float((region > 0).float().mean()), 6), "box": [round(v, 1) for v in box]}
+
     def explain_robustly(self, group: Sequence[_Loaded]) -> list[Callable[[], dict[str, Any]]]:
-        """Explain a group; if it fails, explain its images one by one so one bad image costs only itself."""
+        """Explain a group; if it fails, explain its images one by one so one bad image costs only itself.
+        An image with nothing to explain (no detection, no pixel of the class) gets a note and no outputs."""
         try:
             return self.explain(group)
+        except NothingToExplain as err:
+            if len(group) == 1:
+                return [partial(self.record, group[0].item, targets=[], note=f"nothing to explain: {err.reason}")]
         except (LayerError, TargetError):
             raise
         except RuntimeError as err:

@@ -217,10 +217,15 @@ class ActivationGradientRecorder:
     def backward(self, score: Tensor) -> dict[str, Tensor]:
         """Record the gradient of the scalar ``score`` with respect to each layer's output.
 
-        The graph is kept, so several scores of one forward can be explained.
+        The graph is kept, so several scores of one forward can be explained. Of several
+        layers, one the score does not reach gets a zero gradient (a feature pyramid's
+        level that a box was not assigned to); the score must reach at least one.
 
         Returns:
             The gradients by layer name, each shaped like its activation.
+
+        Raises:
+            LayerError: The score reaches none of the layers.
         """
         self.gradients.clear()
         if not score.requires_grad:
@@ -230,9 +235,11 @@ class ActivationGradientRecorder:
             # fires the hook with the output gradient alone, which is all a CAM needs.
             warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
             torch.autograd.grad(score, list(self._leaves.values()), retain_graph=True, allow_unused=True)
-        for name in self.modules:
-            if name not in self.gradients:
-                raise LayerError(f"the target score does not depend on layer {name!r}")
+        missing = [name for name in self.modules if name not in self.gradients]
+        if len(missing) == len(self.modules):
+            raise LayerError(f"the target score does not depend on layer(s) {', '.join(missing)}")
+        for name in missing:
+            self.gradients[name] = torch.zeros_like(self.activations[name])
         return dict(self.gradients)
 
 

@@ -67,18 +67,21 @@ def classifier(model: nn.Module) -> tuple[str, nn.Linear]:
     return linears[-1]
 
 
-# The automatic layer of each model, by input shape (C, H, W), so repeated calls skip the search.
-_AUTO_LAYERS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, ...], str]] = weakref.WeakKeyDictionary()
+# The automatic layers of each model, by input shape (C, H, W), so repeated calls skip the search.
+_AUTO_LAYERS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, ...], list[str]]] = weakref.WeakKeyDictionary()
 
 
-def auto_layer(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> tuple[str, nn.Module]:
-    """The automatic target layer (see :func:`find_auto_layer`), searched once per model and input shape."""
+def auto_layers(
+    model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None
+) -> list[tuple[str, nn.Module]]:
+    """The automatic target layers (see :func:`find_auto_layers`), searched once per model and input shape."""
     known = _AUTO_LAYERS.setdefault(model, {})
     shape = tuple(x.shape[1:])
     modules = dict(model.named_modules())
-    if known.get(shape) not in modules:  # not searched yet, or the model's modules changed since
-        known[shape] = find_auto_layer(model, x, model_kwargs)
-    return known[shape], modules[known[shape]]
+    names = known.get(shape)
+    if names is None or any(layer_entry(name)[0] not in modules for name in names):  # the model changed since
+        known[shape] = find_auto_layers(model, x, model_kwargs)
+    return [(name, modules[layer_entry(name)[0]]) for name in known[shape]]
 
 
 @dataclass(frozen=True)
@@ -145,8 +148,19 @@ def candidate_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any
     return [info for info in trace_layers(model, x, model_kwargs) if info.spatial and info.calls == 1]
 
 
-def find_auto_layer(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> str:
-    """Name the last layer to finish whose output is a spatial map (see :func:`candidate_layers`).
+BACKBONE = "backbone"  # torchvision's detectors and segmenters: the module whose dict of maps feeds the heads
+
+
+def find_auto_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> list[str]:
+    """Name the automatic target layers (one forward pass):
+
+    - a model with a ``backbone`` submodule whose output is a dict of maps (torchvision's
+      detectors and segmenters: the feature pyramid's levels, or a segmenter's ``out``,
+      ``aux``, ``low`` and ``high`` maps): every level, to be fused. A detection's score
+      reaches only the level its box or anchor was assigned to, so the other levels'
+      maps are zero and the fused map is that level's;
+    - any other model: the last layer to finish whose output is a spatial map (see
+      :func:`candidate_layers`).
 
     Raises:
         LayerError: No module of the model produces a spatial map.
@@ -154,4 +168,6 @@ def find_auto_layer(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any]
     candidates = candidate_layers(model, x, model_kwargs)
     if not candidates:
         raise LayerError("no layer of the model outputs a spatial (N, C, H, W) map; pass layer=")
-    return candidates[-1].name
+    entries = [(info.name, *layer_entry(info.name)) for info in candidates]
+    levels = [name for name, module, key in entries if module == BACKBONE and key is not None]
+    return levels or [candidates[-1].name]

@@ -1,6 +1,7 @@
-"""Models by name: torchvision classifiers with their ImageNet weights, and the bundled
-offline EfficientNet-Lite0; or any of them with a checkpoint of the user's. Each comes as a
-:class:`ModelSpec` that also turns images into the model's input."""
+"""Models by name: torchvision's classifiers, segmenters and detectors with their pretrained
+weights, and the bundled offline EfficientNet-Lite0; or any of them with a checkpoint of the
+user's. Each comes as a :class:`ModelSpec` that also turns images into the model's input and
+says what the model does (its task), which decides what is explained."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from importlib import resources
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -22,9 +24,9 @@ from .catalog import BUNDLED_MODEL as BUNDLED
 from .catalog import DEFAULT_MODEL
 from .errors import ExplainError, ModelLoadError, first_line
 from .image_io import input_size, load_image, rgb_array, to_tensor
-from .layers import classifier
 
 ImageLike = Image.Image | np.ndarray | str | Path
+Task = Literal["classification", "segmentation", "detection"]
 
 
 @dataclass
@@ -37,8 +39,14 @@ class ModelSpec:
         labels: One name per output class.
         mean: Per-channel normalization mean of the model's input.
         std: Per-channel normalization standard deviation.
-        input_size: Side of the square input the model was trained on.
+        input_size: Side of the square input the model was trained on (the short side
+            with ``keep_aspect``); None: images keep their size (a detector resizes them itself).
         resample: PIL resampling filter for resizing images to the input.
+        task: What the model does, which decides the default target: ``"classification"``
+            ((N, classes) scores), ``"segmentation"`` (a dict whose ``"out"`` is (N, classes,
+            H, W)) or ``"detection"`` (a list of dicts of boxes, labels and scores).
+        keep_aspect: The model's own resizing: short side to ``input_size`` (segmenters)
+            rather than the whole image to a square.
     """
 
     model: nn.Module
@@ -46,25 +54,29 @@ class ModelSpec:
     labels: list[str]
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
-    input_size: int = 224
+    input_size: int | None = 224
     resample: Image.Resampling = field(default=Image.Resampling.BILINEAR)
+    task: Task = "classification"
+    keep_aspect: bool = False
 
     @property
     def device(self) -> torch.device:
         """Where the model's parameters are."""
         return next(self.model.parameters()).device
 
-    def transform(self, image: Image.Image, keep_aspect: bool = False) -> Tensor:
+    def transform(self, image: Image.Image, keep_aspect: bool | None = None) -> Tensor:
         """One RGB image as the model sees it: (3, H, W) float32 on the CPU.
 
         The whole image is resized to ``input_size`` square (or, with ``keep_aspect``,
-        its short side to ``input_size``) with the model's resampling filter, scaled to
-        [0, 1] and normalized with the model's mean and std.
+        its short side to ``input_size``; None: as the model does it) with the model's
+        resampling filter, scaled to [0, 1] and normalized with the model's mean and std.
+        Without an ``input_size`` the image keeps its size.
         """
-        size = input_size(image, self.input_size, keep_aspect)
+        aspect = self.keep_aspect if keep_aspect is None else keep_aspect
+        size = image.size if self.input_size is None else input_size(image, self.input_size, aspect)
         return to_tensor(image, size, self.mean, self.std, self.resample)
 
-    def preprocess(self, images: ImageLike | Sequence[ImageLike], keep_aspect: bool = False) -> Tensor:
+    def preprocess(self, images: ImageLike | Sequence[ImageLike], keep_aspect: bool | None = None) -> Tensor:
         """Images as a batch for the model, on its device: (N, 3, H, W).
 
         Args:
@@ -72,7 +84,8 @@ class ModelSpec:
                 file paths (read with :func:`explain.load_image`: EXIF orientation
                 applied, any mode converted to RGB).
             keep_aspect: Resize the short side to ``input_size`` instead of the whole
-                image to a square; the images of one batch must then share a shape.
+                image to a square (None: as the model does it); the images of one
+                batch must then share a shape.
 
         Raises:
             ExplainError: With ``keep_aspect``, images whose resized shapes differ.
@@ -83,7 +96,8 @@ class ModelSpec:
         shapes = {tuple(t.shape) for t in batch}
         if len(shapes) > 1:
             raise ExplainError(
-                f"keep_aspect gives these images different shapes {sorted(shapes)}; preprocess them one at a time"
+                f"these images have different shapes as the model's input {sorted(shapes)}; "
+                "preprocess them one at a time"
             )
         return torch.stack(batch).to(self.device)
 
@@ -103,11 +117,17 @@ def imagenet_labels() -> list[str]:
     return text.splitlines()
 
 
+def _torchvision_tasks() -> dict[str, Task]:
+    """Every torchvision model explain can load, with its task."""
+    from torchvision import models
+
+    modules = {"classification": models, "segmentation": models.segmentation, "detection": models.detection}
+    return {name: task for task, module in modules.items() for name in models.list_models(module=module)}
+
+
 def available_models() -> list[str]:
     """Every model name :func:`load_model` accepts."""
-    import torchvision
-
-    return [BUNDLED, *torchvision.models.list_models(module=torchvision.models)]
+    return [BUNDLED, *_torchvision_tasks()]
 
 
 def load_model(
@@ -116,29 +136,33 @@ def load_model(
     labels: str | Path | None = None,
     device: str | torch.device = "cpu",
 ) -> ModelSpec:
-    """Build a classifier by name, with ImageNet weights or a checkpoint.
+    """Build a model by name, with its pretrained weights or a checkpoint.
 
     Args:
-        name: ``"efficientnet_lite0"`` (bundled weights, offline) or a torchvision
-            classification model (ImageNet weights through torchvision's weights API,
-            downloaded once into torch's cache).
+        name: ``"efficientnet_lite0"`` (bundled ImageNet weights, offline), or a
+            torchvision classifier (ImageNet), segmenter (``deeplabv3_mobilenet_v3_large``,
+            ``fcn_resnet50``, ``lraspp_mobilenet_v3_large``...: Pascal VOC classes) or
+            detector (``fasterrcnn_mobilenet_v3_large_fpn``, ``retinanet_resnet50_fpn``,
+            ``fcos_resnet50_fpn``, ``ssd300_vgg16``...: COCO classes). torchvision's weights
+            are downloaded once into torch's cache.
         weights: A state_dict file (``.pt``/``.pth``/``.safetensors``) for the
-            architecture, e.g. a fine-tuned checkpoint; its class count is read from
-            its classifier.
-        labels: A text file with one class name per line; default: the ImageNet
-            names for 1000 classes, else ``class 0``, ``class 1``, ...
+            architecture, e.g. a fine-tuned checkpoint; its class count is read from the
+            shapes of its class-dependent tensors (a classifier's rows, a detector's
+            class scores, a segmenter's last convolution).
+        labels: A text file with one class name per line; default: the pretrained
+            weights' class names when the class count is theirs, else ``class 0``, ``class 1``, ...
         device: Where to put the model.
 
     Raises:
-        ModelLoadError: Unknown name, unreadable or unfitting checkpoint, or ImageNet
+        ModelLoadError: Unknown name, unreadable or unfitting checkpoint, or pretrained
             weights that cannot be downloaded.
     """
-    names = [BUNDLED] if name == BUNDLED else available_models()  # the bundled model needs no torchvision
-    if name not in names:
-        close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
-        hint = f"; did you mean: {', '.join(close)}" if close else f"; choose from: {', '.join(names)}"
+    tasks = {BUNDLED: "classification"} if name == BUNDLED else {BUNDLED: "classification", **_torchvision_tasks()}
+    if name not in tasks:  # the bundled model needs no torchvision
+        close = difflib.get_close_matches(name, list(tasks), n=5, cutoff=0.5)
+        hint = f"; did you mean: {', '.join(close)}" if close else f"; choose from: {', '.join(tasks)}"
         raise ModelLoadError(f"unknown model {name!r}{hint}")
-    spec = _load_efficientnet_lite0(weights) if name == BUNDLED else _load_torchvision(name, weights)
+    spec = _load_efficientnet_lite0(weights) if name == BUNDLED else _load_torchvision(name, tasks[name], weights)
     if labels is not None:
         spec.labels = _read_labels(Path(labels), len(spec.labels))
     spec.model.eval().to(device)
@@ -155,8 +179,9 @@ def _read_labels(path: Path, num_classes: int) -> list[str]:
     return names
 
 
-def _default_labels(num_classes: int) -> list[str]:
-    return imagenet_labels() if num_classes == 1000 else [f"class {i}" for i in range(num_classes)]
+def _default_labels(known: list[str], num_classes: int) -> list[str]:
+    """The pretrained weights' class names for a model with as many classes, else numbered names."""
+    return known if len(known) == num_classes else [f"class {i}" for i in range(num_classes)]
 
 
 STATE_DICT_EXPECTED = "expected a state_dict: a file written by torch.save(model.state_dict(), path), or .safetensors"
@@ -199,58 +224,82 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
-def _num_classes(model: nn.Module) -> int:
-    return classifier(model)[1].out_features
+def _class_count(build: Callable[..., nn.Module], state: Mapping[str, Tensor], path: Path, name: str) -> int:
+    """The class count a checkpoint was trained with, from the tensors whose shapes depend on it.
 
-
-def _fit_checkpoint(build: Callable[..., nn.Module], state: Mapping[str, Tensor], path: Path, name: str) -> nn.Module:
-    """Build the architecture with the checkpoint's class count and load the checkpoint.
-
-    The class count is the number of rows of the checkpoint's weights for the
-    model's last linear layer (its classifier); loading is strict, so every name
-    and every shape is checked.
+    The architecture is built (on the meta device: no memory, no initialization cost) for
+    one and for two classes; the tensors that differ grow linearly with the class count
+    (a classifier's rows, a detector's per-anchor class scores or per-class box deltas),
+    so the checkpoint's first such tensor gives it.
     """
-    model = build()
-    head, linear = classifier(model)
-    key = f"{head}.weight"
-    if key not in state:
-        raise ModelLoadError(f"{path}: no classifier weights ({key}) in the checkpoint for {name}")
-    if state[key].shape[0] != linear.out_features:
-        model = build(num_classes=int(state[key].shape[0]))
+    with torch.device("meta"):
+        one, two = build(num_classes=1).state_dict(), build(num_classes=2).state_dict()
+    growing = [key for key in one if one[key].shape != two[key].shape]
+    present = [key for key in growing if key in state]
+    if not present:
+        raise ModelLoadError(f"{path}: no classifier weights ({growing[0]}) in the checkpoint for {name}")
+    key = present[0]
+    base, step = one[key].shape[0], two[key].shape[0] - one[key].shape[0]
+    count, rest = divmod(state[key].shape[0] - base, step)
+    if rest or count < 0:
+        raise ModelLoadError(f"{path}: {key} has shape {tuple(state[key].shape)}, which fits no class count of {name}")
+    return count + 1
+
+
+def _fit_checkpoint(
+    build: Callable[..., nn.Module], state: Mapping[str, Tensor], path: Path, name: str
+) -> tuple[nn.Module, int]:
+    """Build the architecture with the checkpoint's class count (see :func:`_class_count`) and load the
+    checkpoint; loading is strict, so every name and every shape is checked. Returns the model and its
+    class count."""
+    count = _class_count(build, state, path, name)
+    model = build(num_classes=count)
     try:
         model.load_state_dict(state)
     except RuntimeError as err:
         detail = " ".join(str(err).split())
         raise ModelLoadError(f"{path}: does not fit {name}: {detail[:300]}") from None
-    return model
+    return model, count
 
 
-def _load_torchvision(name: str, weights: str | Path | None) -> ModelSpec:
+def _load_torchvision(name: str, task: Task, weights: str | Path | None) -> ModelSpec:
     import torchvision
 
     default = torchvision.models.get_model_weights(name).DEFAULT
-    preprocess = default.transforms()
+    known = list(default.meta["categories"])
     if weights is None:
         try:
             model = torchvision.models.get_model(name, weights=default)
         except (OSError, RuntimeError) as err:  # no network, or an unreadable cached file
             raise ModelLoadError(
-                f"cannot get the ImageNet weights of {name} (offline and not in torch's cache? {first_line(err)}); "
+                f"cannot get the pretrained weights of {name} (offline and not in torch's cache? {first_line(err)}); "
                 f"use --model {BUNDLED} for the bundled offline model, or --weights FILE"
             ) from None
-        labels = list(default.meta["categories"])
+        labels = known
     else:
         path = Path(weights)
-        model = _fit_checkpoint(partial(torchvision.models.get_model, name), read_state_dict(path), path, name)
-        labels = _default_labels(_num_classes(model))
+        state = read_state_dict(path)
+        options = {}
+        if task != "classification":  # the checkpoint holds the backbone: no ImageNet download for it
+            options["weights_backbone"] = None
+        if task == "segmentation":
+            options["aux_loss"] = any(key.startswith("aux_classifier.") for key in state)
+        model, count = _fit_checkpoint(partial(torchvision.models.get_model, name, **options), state, path, name)
+        labels = _default_labels(known, count)
+    preprocess = default.transforms()
+    if task == "detection":  # the detector normalizes and resizes itself: it takes [0, 1] images of any size
+        return ModelSpec(model, name, labels, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), input_size=None, task=task)
+    bicubic = preprocess.interpolation.value == "bicubic"
     return ModelSpec(
         model=model,
         name=name,
         labels=labels,
         mean=tuple(preprocess.mean),
         std=tuple(preprocess.std),
-        input_size=int(preprocess.crop_size[0]),
-        resample=Image.Resampling.BICUBIC if preprocess.interpolation.value == "bicubic" else Image.Resampling.BILINEAR,
+        input_size=int(preprocess.crop_size[0] if task == "classification" else preprocess.resize_size[0]),
+        resample=Image.Resampling.BICUBIC if bicubic else Image.Resampling.BILINEAR,
+        task=task,
+        keep_aspect=task == "segmentation",  # torchvision's segmentation transform resizes the short side
     )
 
 
@@ -308,11 +357,11 @@ def _load_efficientnet_lite0(weights: str | Path | None) -> ModelSpec:
     state = read_state_dict(path)
     if any(key.startswith("_conv_stem.") for key in state):
         state = lite0_state_to_timm(state)
-    model = _fit_checkpoint(EfficientNetLite0, state, path, BUNDLED)
+    model, count = _fit_checkpoint(EfficientNetLite0, state, path, BUNDLED)
     return ModelSpec(
         model=model,
         name=BUNDLED,
-        labels=_default_labels(_num_classes(model)),
+        labels=_default_labels(imagenet_labels(), count),
         mean=(0.5, 0.5, 0.5),
         std=(0.5, 0.5, 0.5),
         input_size=224,

@@ -10,7 +10,7 @@ import matplotlib
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 from torch import Tensor
 
 from .image_io import rgb_array
@@ -79,6 +79,54 @@ def picture(
     if np.ndim(cam) == 3:
         return gradient_image(cam, *pixels.shape[:2])
     return overlay(pixels, cam, alpha, colormap)
+
+
+BOX_COLOUR = (255, 255, 255)  # white: distinct from every colour of the jet map that it is drawn over
+OUTLINE_COLOUR = (255, 255, 255)
+
+
+def outline(mask: Tensor | np.ndarray, height: int, width: int, thickness: int = 1) -> np.ndarray:
+    """The boundary pixels of a region, at (height, width): the region resized (nearest) minus its
+    3x3 erosion, thickened to ``thickness`` pixels. Returns a boolean (height, width) array."""
+    region = torch.as_tensor(mask).detach().cpu().float()[None, None] > 0
+    region = F.interpolate(region.float(), size=(height, width), mode="nearest-exact")
+    eroded = -F.max_pool2d(-region, 3, stride=1, padding=1)  # a 3x3 minimum; the image's border does not count
+    edge = region - eroded
+    if thickness > 1:
+        edge = F.max_pool2d(edge, 2 * (thickness // 2) + 1, stride=1, padding=thickness // 2)
+    return (edge[0, 0] > 0).numpy() & (region[0, 0] > 0).numpy()
+
+
+def annotate(
+    picture: Image.Image,
+    label: str,
+    box: tuple[float, float, float, float] | None = None,
+    region: Tensor | np.ndarray | None = None,
+) -> Image.Image:
+    """Draw what a map explains on its picture: a detection's box (image pixels), or a segment's outline
+    (a mask of any resolution, resized to the picture), and a label at its top left corner."""
+    annotated, corner = picture.copy(), (0.0, 0.0)
+    width, height = annotated.size
+    thickness = max(2, round(min(width, height) / 200))
+    if region is not None:
+        pixels = np.asarray(annotated).copy()
+        edge = outline(region, height, width, thickness)
+        pixels[edge] = OUTLINE_COLOUR
+        annotated = Image.fromarray(pixels)
+        rows, cols = np.nonzero(edge)
+        if len(rows):
+            corner = (float(cols.min()), float(rows.min()))
+    draw = ImageDraw.Draw(annotated)
+    if box is not None:
+        draw.rectangle(box, outline=BOX_COLOUR, width=thickness)
+        corner = (box[0], box[1])
+    font = ImageFont.load_default(size=max(10, round(min(width, height) / 30)))
+    _, _, right, bottom = draw.textbbox((0, 0), label, font=font)
+    x = min(max(0.0, corner[0]), max(0.0, width - right))
+    y = max(0.0, corner[1] - bottom) if corner[1] >= bottom else corner[1]
+    draw.rectangle((x, y, x + right, y + bottom), fill=BOX_COLOUR)
+    draw.text((x, y), label, fill=(0, 0, 0), font=font)
+    return annotated
 
 
 def panel_figure(

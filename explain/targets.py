@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .errors import TargetError
+from .errors import NothingToExplain, TargetError
 
 OutputPicker = str | int | Callable[[Any], Tensor] | None
 ClassScore = Literal["logit", "probability", "sigmoid"]
@@ -125,6 +125,7 @@ class BoundTarget:
         valid: Which of the (N, K) entries stand for a target, when images have different
             numbers of them (detections) and K is the largest; None: all.
         boxes: The explained boxes (x1, y1, x2, y2) in input pixels, (N, K, 4), or None.
+        regions: The explained regions' weights at the output's resolution, (N, K, H, W), or None.
         classifier_rows: Whether ``classes`` index the rows of a classifier's last linear
             layer (class targets), which CAM weighs channels with.
     """
@@ -135,6 +136,7 @@ class BoundTarget:
     keeps_k: bool = False
     valid: Tensor | None = None
     boxes: Tensor | None = None
+    regions: Tensor | None = None
     classifier_rows: bool = False
 
 
@@ -309,53 +311,108 @@ class SimilarityTarget(Target):
         return BoundTarget(score=score)
 
 
+def ragged(per_image_values: Sequence[Tensor], fill: float = 0) -> tuple[Tensor, Tensor]:
+    """Stack per-image tensors (M_i, ...) into (N, K, ...), K the largest M_i, padded with ``fill``;
+    returns it and the (N, K) mask of real entries."""
+    k = max(len(values) for values in per_image_values)
+    first = per_image_values[0]
+    stacked = first.new_full((len(per_image_values), k, *first.shape[1:]), fill)
+    valid = torch.zeros(len(per_image_values), k, dtype=torch.bool, device=first.device)
+    for i, values in enumerate(per_image_values):
+        stacked[i, : len(values)], valid[i, : len(values)] = values, True
+    return stacked, valid
+
+
 class SegmentationTarget(Target):
-    """A class of a dense output (N, classes, H, W): its logit summed over a region.
+    """Classes of a dense output (N, classes, H, W): each class's logit summed over its region.
 
     Args:
-        classes: A class index or name for all images, or one per image.
+        classes: A class index or name for all images, or one per image; None: every class
+            that wins at least one pixel of an image's argmax, one map each (a K axis, as
+            long as the image with the most classes; ``valid`` marks the real entries).
         mask: The region, (H, W) for all images or (N, H, W), boolean or weights; resized
             (nearest) to the output's size. Default: the pixels where the class wins
-            the argmax on the plain pass.
+            the argmax on the plain pass. An empty region is an error (its map would be
+            the gradient of a constant).
+        background: A class never explained with ``classes=None`` (torchvision's
+            segmenters: 0, ``__background__``).
         output: See :class:`Target` (torchvision's segmentation models return a dict
             whose ``"out"`` is read automatically).
     """
 
     geometric = True
 
-    def __init__(self, classes: Any, mask: Tensor | None = None, *, output: OutputPicker = None) -> None:
+    def __init__(
+        self,
+        classes: Any = None,
+        mask: Tensor | None = None,
+        *,
+        background: int | None = None,
+        output: OutputPicker = None,
+    ) -> None:
         super().__init__(output)
-        self.classes = classes
-        self.mask = mask
+        if classes is None and mask is not None:
+            raise TargetError("a SegmentationTarget mask needs classes=: the class explained over it")
+        self.classes, self.mask, self.background = classes, mask, background
 
-    def region(self, logits: Tensor, classes: Tensor) -> Tensor:
-        """The (N, H, W) weights of each image's region at the output's resolution."""
-        n, _, height, width = logits.shape
-        if self.mask is None:
-            return (logits.argmax(dim=1) == classes[:, None, None]).to(logits.dtype)
-        mask = torch.as_tensor(self.mask, device=logits.device).to(logits.dtype)
+    def given_mask(self, n: int, size: Sequence[int], like: Tensor) -> Tensor:
+        """The given mask as (N, H, W) weights at the output's size."""
+        mask = torch.as_tensor(self.mask, device=like.device).to(like.dtype)
         mask = mask[None].expand(n, -1, -1) if mask.dim() == 2 else mask
         if mask.dim() != 3 or mask.shape[0] != n:
             raise TargetError(f"a mask must be (H, W) or one per image (N, H, W) for {n} images, got {mask.shape}")
-        return F.interpolate(mask[:, None], size=(height, width), mode="nearest-exact")[:, 0]
+        return F.interpolate(mask[:, None], size=tuple(size), mode="nearest-exact")[:, 0]
+
+    def chosen(self, logits: Tensor, labels: Sequence[str] | None) -> tuple[Tensor, Tensor]:
+        """Each image's explained classes (N, K) and their regions (N, K, H, W) on the plain pass."""
+        n, num_classes = logits.shape[:2]
+        winners = logits.argmax(dim=1)
+        if self.classes is None:
+            present = [winners[i].unique() for i in range(n)]
+            present = [p[p != self.background] for p in present]
+            if not any(len(p) for p in present):
+                raise NothingToExplain("no class but the background wins a pixel")
+            classes, _ = ragged(present, fill=-1)
+        else:
+            chosen = [class_index(c, labels, num_classes) for c in per_image(self.classes, n, "classes")]
+            classes = torch.tensor(chosen, device=logits.device)[:, None]
+        if self.mask is not None:
+            regions = self.given_mask(n, logits.shape[-2:], logits)[:, None]
+        else:
+            regions = (winners[:, None] == classes[..., None, None]).to(logits.dtype)
+        empty = (~regions[:, 0].flatten(1).ne(0).any(dim=1)).nonzero() if self.classes is not None else []
+        if len(empty):
+            i = int(empty[0])
+            name = labels[classes[i, 0]] if labels else f"class {int(classes[i, 0])}"
+            found = "the mask is empty" if self.mask is not None else f"{name} wins no pixel"
+            raise NothingToExplain(found, i, f"give a mask= to explain {name} over a region")
+        return classes, regions
 
     def bind(self, output: Any, labels: Sequence[str] | None) -> BoundTarget:
         logits = self.read(output)
         if logits.dim() != 4:
             raise TargetError(f"SegmentationTarget needs a dense (N, classes, H, W) output, got {tuple(logits.shape)}")
-        n, num_classes = logits.shape[:2]
-        chosen = [class_index(c, labels, num_classes) for c in per_image(self.classes, n, "classes")]
-        classes = torch.tensor(chosen, device=logits.device)
-        region = self.region(logits.detach(), classes)
+        classes, regions = self.chosen(logits.detach(), labels)
+        valid = classes >= 0
+        index = classes.clamp(min=0)[..., None, None]
 
         def score(out: Any, images: Tensor) -> Tensor:
             dense = self.read(out)
-            if dense.shape[-2:] != region.shape[-2:]:
+            if dense.shape[-2:] != regions.shape[-2:]:
                 raise TargetError("the segmentation region is fixed at the plain pass's resolution, not this pass's")
-            picked = dense[torch.arange(len(images), device=dense.device), classes[images]]
-            return (picked * region[images]).sum(dim=(-2, -1))[:, None]
+            picked = dense.gather(1, index[images].expand(-1, -1, *dense.shape[-2:]))
+            return (picked * regions[images]).sum(dim=(-2, -1)) * valid[images]
 
-        return BoundTarget(score=score, classes=classes[:, None])
+        probabilities = logits.detach().float().softmax(dim=1).gather(1, index.expand(-1, -1, *logits.shape[-2:]))
+        area = regions.sum(dim=(-2, -1))
+        return BoundTarget(
+            score=score,
+            classes=classes,
+            probabilities=(probabilities * regions).sum(dim=(-2, -1)) / area.clamp_min(1e-12) * valid,
+            keeps_k=self.classes is None,
+            valid=None if self.classes is not None else valid,
+            regions=regions.expand(-1, classes.shape[1], -1, -1),
+        )
 
 
 def box_iou(a: Tensor, b: Tensor) -> Tensor:
@@ -456,26 +513,18 @@ class DetectionTarget(Target):
     def bind(self, output: Any, labels: Sequence[str] | None) -> BoundTarget:
         found = self.detections(output)
         refs = self.references(found, labels)
-        k = max(len(boxes) for boxes, _ in refs)
-        if k == 0:
-            raise TargetError(
-                f"no detection scores at least {self.score_threshold} in any image; lower score_threshold"
-            )
-        n, device = len(refs), found[0]["boxes"].device
-        boxes = torch.zeros(n, k, 4, device=device)
-        classes = torch.full((n, k), -1, dtype=torch.long, device=device)
-        valid = torch.zeros(n, k, dtype=torch.bool, device=device)
-        for i, (image_boxes, image_labels) in enumerate(refs):
-            boxes[i, : len(image_boxes)], classes[i, : len(image_boxes)] = image_boxes, image_labels
-            valid[i, : len(image_boxes)] = True
+        if not any(len(boxes) for boxes, _ in refs):
+            raise NothingToExplain(f"no detection scores at least {self.score_threshold}", hint="lower score_threshold")
+        boxes, valid = ragged([image_boxes for image_boxes, _ in refs])
+        classes, _ = ragged([image_labels for _, image_labels in refs], fill=-1)
         plain = [self.matched(d, boxes[i], classes[i]) for i, d in enumerate(found)]
         for i, (_, matched) in enumerate(plain):
             missing = valid[i].cpu() & ~matched.cpu()
             if missing.any():
                 j = int(missing.nonzero()[0])
-                raise TargetError(
-                    f"image {i}: no detection of label {int(classes[i, j])} overlaps box "
-                    f"{[round(v, 1) for v in boxes[i, j].tolist()]} with IoU >= {self.iou}"
+                box = [round(v, 1) for v in boxes[i, j].tolist()]
+                raise NothingToExplain(
+                    f"no detection of label {int(classes[i, j])} overlaps box {box} with IoU >= {self.iou}", i
                 )
 
         def score(out: Any, images: Tensor) -> Tensor:

@@ -15,7 +15,7 @@ from torch import nn
 from torchvision.ops import box_iou
 
 import explain
-from explain.maps import Canvas, upsample
+from explain.maps import Canvas, normalize_maps, upsample
 from explain.targets import DetectionTarget
 
 LAYER, MODULE, LEVEL = "backbone.fpn:0", "backbone.fpn", "0"
@@ -46,17 +46,20 @@ def images() -> torch.Tensor:
     return torch.rand(2, 3, 100, 130)  # resized to 128 x 166 and padded to 128 x 192 by the detector
 
 
-def reference_maps(detector: nn.Module, x: torch.Tensor, boxes: list[torch.Tensor], labels: list[int]) -> torch.Tensor:
-    """Grad-CAM of each image's reference box at FPN level 0, on the image: (N, h, w) at the resized size.
+def reference_maps(
+    detector: nn.Module, x: torch.Tensor, boxes: list[torch.Tensor], labels: list[int], level: str = LEVEL
+) -> torch.Tensor:
+    """Grad-CAM of each image's reference box at an FPN level, on the image: (N, h, w) at the resized size.
 
     The matched detection (same label, highest IoU >= 0.5) is found with torchvision's box_iou; the
-    map is upsampled to the detector's padded canvas and the padding cut off.
+    map is upsampled to the detector's padded canvas and the padding cut off. A level the score does
+    not reach gives zeros.
     """
     kept = {}
 
     def keep(module, inputs, output):
-        kept["a"] = output[LEVEL].clone().requires_grad_(True)
-        return OrderedDict((k, kept["a"] if k == LEVEL else v) for k, v in output.items())
+        kept["a"] = output[level].clone().requires_grad_(True)
+        return OrderedDict((k, kept["a"] if k == level else v) for k, v in output.items())
 
     handle = detector.get_submodule(MODULE).register_forward_hook(keep)
     detections = detector(x)
@@ -67,7 +70,8 @@ def reference_maps(detector: nn.Module, x: torch.Tensor, boxes: list[torch.Tenso
         overlap[found["labels"] != label] = -1
         assert overlap.max() >= 0.5
         scores.append(found["scores"][overlap.argmax()])
-    (g,) = torch.autograd.grad(torch.stack(scores).sum(), kept["a"])
+    (g,) = torch.autograd.grad(torch.stack(scores).sum(), kept["a"], allow_unused=True)
+    g = torch.zeros_like(kept["a"]) if g is None else g
     return on_image(detector, x, (g.mean(dim=(2, 3))[..., None, None] * kept["a"]).sum(dim=1).clamp(min=0).detach())
 
 
@@ -143,6 +147,23 @@ def test_every_detection_above_the_threshold_gets_a_map(detector) -> None:
     second = [found["boxes"][1] for found in plain]
     expected = reference_maps(detector, x, second, [int(found["labels"][1]) for found in plain])
     assert_maps(result.raw[:, 1], expected)
+
+
+def test_the_automatic_layers_fuse_every_pyramid_level(detector) -> None:
+    """Without a layer, every level of the backbone's output is explained and fused: each level's map on the
+    image, normalized (zero at a level the box's score does not reach), their mean, normalized."""
+    x = images()
+    with torch.no_grad():
+        plain = detector(x)
+    boxes, labels = [found["boxes"][0] for found in plain], [int(found["labels"][0]) for found in plain]
+    result = explain.GradCAM(detector)(x, DetectionTarget([b[None] for b in boxes], [[label] for label in labels]))
+    levels = list(detector.backbone(detector.transform(list(x))[0].tensors))
+    assert result.layer == "+".join(f"backbone:{level}" for level in levels) and len(levels) == 3
+    per_level = [normalize_maps(upsample(reference_maps(detector, x, boxes, labels, lv), (100, 130))) for lv in levels]
+    assert sum(bool(m.any()) for m in per_level) == 1  # torchvision assigns each box to one level
+    expected = normalize_maps(torch.stack(per_level).mean(dim=0))
+    assert (result.cams[:, 0].double() - expected).abs().max() < 1e-4
+    assert hook_count(detector) == 0
 
 
 def test_an_unmatched_box_is_reported(detector) -> None:

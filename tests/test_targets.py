@@ -48,7 +48,8 @@ def test_segmentation_class_over_its_argmax_region(segmenter) -> None:
     x = inputs()
     classes = [1, 3]
     with torch.no_grad():
-        winners = segmenter(x)["out"].argmax(dim=1)
+        dense = segmenter(x)["out"]
+    winners = dense.argmax(dim=1)
     assert all(0 < (winners[i] == c).float().mean() < 0.9 for i, c in enumerate(classes))  # partial regions
 
     def score(output):
@@ -57,8 +58,47 @@ def test_segmentation_class_over_its_argmax_region(segmenter) -> None:
 
     expected = reference_gradcam(segmenter, x, "backbone.16", score)
     result = explain.GradCAM(segmenter, "backbone.16")(x, SegmentationTarget(classes))
-    assert result.class_indices.tolist() == classes and result.probabilities is None
+    assert result.class_indices.tolist() == classes
+    mean_probability = [dense.softmax(dim=1)[i, c][winners[i] == c].mean() for i, c in enumerate(classes)]
+    torch.testing.assert_close(result.probabilities, torch.stack(mean_probability))
     assert_maps(result.raw, expected)
+
+
+def test_segmentation_every_present_class(segmenter) -> None:
+    """classes=None: one map per class that wins a pixel, background left out; each equals its own reference."""
+    x = inputs()
+    with torch.no_grad():
+        winners = segmenter(x)["out"].argmax(dim=1)
+    present = [sorted(set(w.unique().tolist()) - {0}) for w in winners]
+    assert len(present[0]) != len(present[1]) or present[0] != present[1]  # the images differ
+    result = explain.GradCAM(segmenter, "backbone.16")(x, SegmentationTarget(background=0))
+    k = max(map(len, present))
+    assert result.cams.shape == (2, k, 64, 64)
+    for i, classes in enumerate(present):
+        assert result.target.valid[i].tolist() == [j < len(classes) for j in range(k)]
+        assert result.class_indices[i, : len(classes)].tolist() == classes
+        for j, c in enumerate(classes):
+            region = winners[i : i + 1] == c
+            assert torch.equal(result.target.regions[i, j].bool(), region[0])
+
+            def score(out, c=c, region=region):
+                return (out["out"][:, c] * region).sum()
+
+            expected = reference_gradcam(segmenter, x[i : i + 1], "backbone.16", score)
+            assert_maps(result.raw[i, j][None], expected)
+
+
+def test_segmentation_empty_region_is_refused(segmenter) -> None:
+    x = inputs()
+    with torch.no_grad():
+        winners = segmenter(x)["out"].argmax(dim=1)
+    image, absent = next((i, c) for i in range(2) for c in range(4) if not (winners[i] == c).any())
+    with pytest.raises(explain.NothingToExplain, match=f"image {image}: class {absent} wins no pixel"):
+        explain.GradCAM(segmenter, "backbone.16")(x, SegmentationTarget(absent))
+    mask = torch.zeros(2, 64, 64)
+    mask[0, :8, :8] = 1
+    with pytest.raises(explain.NothingToExplain, match="image 1: the mask is empty"):
+        explain.GradCAM(segmenter, "backbone.16")(x, SegmentationTarget(1, mask=mask))
 
 
 def test_segmentation_with_a_given_mask(segmenter) -> None:
