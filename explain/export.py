@@ -214,10 +214,12 @@ class _Exporter:
         for name, method in list(self.methods.items()):
             try:
                 results[name] = method(x, self.target)
-            except LayerError:
+            except NothingToExplain:
+                raise
+            except (LayerError, TargetError):
                 if len(self.methods) == 1:
                     raise
-                del self.methods[name]  # a comparison leaves out a method that does not fit the model (CAM)
+                del self.methods[name]  # a comparison leaves out a method that does not fit the model or task (CAM)
         first = next(iter(results.values()))
         bound = first.target
 
@@ -257,16 +259,16 @@ class _Exporter:
         targets = []
         try:
             for j, (e, output) in enumerate(zip(explained, outputs)):
-                annotated = partial(self.annotated, e)
+                mark = partial(self.annotated, e)
                 if o.method == ALL_METHODS:
                     title = f"{e.class_name} ({e.score:.1%}), every fast method"
-                    save_image(render.grid(annotated(member.image), e.cams, title, o.alpha, o.colormap), output)
+                    save_image(render.grid(member.image, e.cams, title, o.alpha, o.colormap, mark=mark), output)
                 else:
                     (cam,) = e.cams.values()
-                    save_image(annotated(render.picture(member.image, cam, o.alpha, o.colormap)), output)
+                    save_image(mark(render.picture(member.image, cam, o.alpha, o.colormap)), output)
                 if figures:
                     title = f"{e.class_name} ({e.score:.1%}), {o.method} at {layer}"
-                    save_image(render.figure(annotated(member.image), cam, title, o.alpha, o.colormap), figures[j])
+                    save_image(render.figure(member.image, cam, title, o.alpha, o.colormap, mark), figures[j])
                 targets.append(
                     {
                         "class_index": e.class_index,

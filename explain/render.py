@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import matplotlib
@@ -163,20 +163,29 @@ def _rendered(fig: Figure) -> Image.Image:
     return Image.fromarray(np.asarray(canvas.buffer_rgba())[..., :3].copy())
 
 
+Marker = Callable[[Image.Image], Image.Image]  # draws what a map explains (a box, an outline) on a picture
+
+
+def _unmarked(picture: Image.Image) -> Image.Image:
+    return picture
+
+
 def figure(
     image: Image.Image | np.ndarray,
     cam: Tensor | np.ndarray,
     title: str,
     alpha: float = 0.5,
     colormap: str = "jet",
+    mark: Marker = _unmarked,
 ) -> Image.Image:
     """A side-by-side figure under ``title``: the image, the heatmap with a colour bar, and the
-    overlay (or, for a guided map, the image and the guided image)."""
+    overlay (or, for a guided map, the image and the guided image); ``mark`` draws on the pictures."""
     pixels = rgb_array(image)
+    plain = mark(Image.fromarray(pixels))
     if np.ndim(cam) == 3:
-        return _rendered(panel_figure({"image": pixels, "guided": picture(pixels, cam)}, title, columns=2))
+        return _rendered(panel_figure({"image": plain, "guided": mark(picture(pixels, cam))}, title, columns=2))
     heat = np.clip(resize_map(cam, *pixels.shape[:2]), 0.0, 1.0)
-    panels = {"image": pixels, "heatmap": heat, "overlay": overlay(pixels, heat, alpha, colormap)}
+    panels = {"image": plain, "heatmap": heat, "overlay": mark(overlay(pixels, heat, alpha, colormap))}
     return _rendered(panel_figure(panels, title, columns=3, colormap=colormap))
 
 
@@ -187,8 +196,11 @@ def grid(
     alpha: float = 0.5,
     colormap: str = "jet",
     columns: int = 4,
+    mark: Marker = _unmarked,
 ) -> Image.Image:
-    """One figure comparing methods: the image, then each method's map on it, under its name."""
+    """One figure comparing methods: the image, then each method's map on it, under its name; ``mark``
+    draws on every picture."""
     pixels = rgb_array(image)
-    panels = {"image": pixels, **{name: picture(pixels, cam, alpha, colormap) for name, cam in cams.items()}}
+    pictures = {name: picture(pixels, cam, alpha, colormap) for name, cam in cams.items()}
+    panels = {"image": mark(Image.fromarray(pixels)), **{name: mark(p) for name, p in pictures.items()}}
     return _rendered(panel_figure(panels, title, columns=min(columns, len(panels))))

@@ -129,19 +129,8 @@ def test_detector_one_overlay_per_detection_with_its_box(detector_file, tmp_path
     assert scores[2] - scores[3] > 1e-4
 
     out = tmp_path / "out"
-    code = main(
-        [
-            str(CAT),
-            "--model",
-            DETECTOR,
-            "--weights",
-            str(detector_file),
-            "--score-threshold",
-            str(threshold),
-            "-o",
-            str(out),
-        ]
-    )
+    args = ["--model", DETECTOR, "--weights", str(detector_file), "--score-threshold", str(threshold), "--figure"]
+    code = main([str(CAT), *args, "-o", str(out)])
     assert code == 0
     (record,) = manifest(out)
     coco = torchvision.models.get_model_weights(DETECTOR).DEFAULT.meta["categories"]
@@ -152,6 +141,9 @@ def test_detector_one_overlay_per_detection_with_its_box(detector_file, tmp_path
         assert target["score"] == pytest.approx(float(scores[k]), abs=1e-5)
         assert target["box"] == pytest.approx(found["boxes"][k].tolist(), abs=0.051)
         assert target["region"] is None
+        assert Path(target["figure"]).name == f"chelsea.gradcam.box{k + 1}.figure.png"
+        figure = Image.open(target["figure"])
+        assert figure.width > 2 * figure.height  # image, heatmap and overlay side by side
         # the box's top edge is drawn in white across its width
         x1, y1, x2, _ = target["box"]
         overlay = np.asarray(Image.open(target["output"]))

@@ -9,6 +9,7 @@ import urllib.error
 import numpy as np
 import pytest
 import torch
+import torchvision
 from conftest import CAT, COFFEE, seeded
 from PIL import Image
 
@@ -135,6 +136,35 @@ def test_checkpoint_with_its_own_class_count(tmp_path, suffix: str) -> None:
         assert torch.equal(spec.model(x), model(x))
 
 
+@pytest.mark.parametrize(
+    ("name", "options", "count", "task"),
+    [
+        ("lraspp_mobilenet_v3_large", {"num_classes": 4}, 4, "segmentation"),
+        ("deeplabv3_mobilenet_v3_large", {"num_classes": 21, "aux_loss": True}, 21, "segmentation"),
+        ("retinanet_resnet50_fpn", {"num_classes": 7}, 7, "detection"),  # 9 anchors x 7 class logits per cell
+        ("fasterrcnn_mobilenet_v3_large_fpn", {"num_classes": 91}, 91, "detection"),
+    ],
+)
+def test_segmenter_and_detector_checkpoints(tmp_path, name: str, options: dict, count: int, task: str) -> None:
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(name, weights=None, weights_backbone=None, **options).eval()
+    path = tmp_path / "checkpoint.pt"
+    torch.save(model.state_dict(), path)
+    spec = load_model(name, weights=path)
+    assert spec.task == task and len(spec.labels) == count
+    known = torchvision.models.get_model_weights(name).DEFAULT.meta["categories"]
+    assert spec.labels == (known if len(known) == count else [f"class {i}" for i in range(count)])
+    if task == "detection":  # the detector normalizes and resizes itself
+        assert (spec.input_size, spec.mean, spec.std) == (None, (0.0,) * 3, (1.0,) * 3)
+        assert spec.transform(Image.new("RGB", (50, 40))).shape == (3, 40, 50)
+    else:  # torchvision's segmentation transform: short side to 520, ImageNet statistics
+        assert (spec.input_size, spec.keep_aspect, spec.mean) == (520, True, (0.485, 0.456, 0.406))
+        assert spec.transform(Image.new("RGB", (100, 50))).shape == (3, 520, 1040)
+        x = torch.randn(1, 3, 64, 64)
+        with torch.no_grad():
+            assert torch.equal(spec.model(x)["out"], model(x)["out"])
+
+
 def test_bad_checkpoints_and_labels(tmp_path) -> None:
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint")
@@ -148,6 +178,13 @@ def test_bad_checkpoints_and_labels(tmp_path) -> None:
     torch.save({"epoch": 3, "optimizer": {"lr": 0.1}}, checkpoint)
     with pytest.raises(explain.ModelLoadError, match=r"checkpoint\.pt: holds a dict whose entries epoch, optimizer"):
         load_model("resnet18", weights=checkpoint)
+    retinanet = torchvision.models.get_model("retinanet_resnet50_fpn", weights=None, weights_backbone=None)
+    state = retinanet.state_dict()
+    state["head.classification_head.cls_logits.weight"] = state["head.classification_head.cls_logits.weight"][:10]
+    odd = tmp_path / "odd.pt"
+    torch.save(state, odd)
+    with pytest.raises(explain.ModelLoadError, match=r"cls_logits.weight has shape \(10, 256, 3, 3\), which fits no"):
+        load_model("retinanet_resnet50_fpn", weights=odd)
     labels = tmp_path / "labels.txt"
     labels.write_text("only\ntwo\n")
     with pytest.raises(explain.ModelLoadError, match="2 labels for a model with 1000 classes"):

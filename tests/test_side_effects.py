@@ -6,10 +6,12 @@ import contextlib
 
 import pytest
 import torch
+import torchvision
 from conftest import hook_count, seeded
 from torch import nn
 
 import explain
+from explain.targets import ClassTarget, DetectionTarget, RegressionTarget, SegmentationTarget, SimilarityTarget
 
 
 def snapshot(model: nn.Module) -> dict:
@@ -116,4 +118,62 @@ def test_every_method_leaves_model_unchanged_on_success_and_failure(method: str,
     assert cams.shape[0] == 2 and cams.shape[-2:] == (32, 32) and not cams.isnan().any()
     with pytest.raises(explain.TargetError):
         explain.cam(model, torch.randn(2, 3, 32, 32), method, layer, 99)
+    assert_unchanged(model, before)
+
+
+def with_state(model: nn.Module) -> nn.Module:
+    """A model in eval mode with some frozen parameters and some existing .grad."""
+    params = list(model.parameters())
+    params[0].requires_grad_(False)
+    params[-1].grad = torch.randn_like(params[-1])
+    return model.eval()
+
+
+def segmentation_case() -> tuple:
+    model = torchvision.models.segmentation.lraspp_mobilenet_v3_large(
+        weights=None, weights_backbone=None, num_classes=4
+    )
+    return model, SegmentationTarget(background=0), SegmentationTarget(0, mask=torch.zeros(64, 64))
+
+
+def detection_case() -> tuple:
+    model = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_fpn(
+        weights=None,
+        weights_backbone=None,
+        num_classes=3,
+        min_size=96,
+        max_size=128,
+        box_score_thresh=0.0,
+        box_detections_per_img=3,
+    )
+    return model, DetectionTarget(score_threshold=0.0), DetectionTarget(torch.tensor([[0.0, 0.0, 1.0, 1.0]]), [1])
+
+
+def similarity_case() -> tuple:
+    model = seeded("resnet18")
+    model.fc = nn.Identity()
+    return model, SimilarityTarget(torch.randn(512)), SimilarityTarget(torch.randn(3, 512))
+
+
+# Each builds (model, a target that succeeds, a target that fails after the forward).
+TASK_CASES = {
+    "segmentation": segmentation_case,
+    "detection": detection_case,
+    "regression": lambda: (seeded("resnet18", num_classes=1), RegressionTarget(sign=-1), RegressionTarget(index=3)),
+    "multilabel": lambda: (seeded("resnet18", num_classes=20), ClassTarget([3, 7], score="sigmoid"), ClassTarget([3])),
+    "similarity": similarity_case,
+}
+
+
+@pytest.mark.parametrize("case", list(TASK_CASES))
+def test_every_target_leaves_model_unchanged_on_success_and_failure(case: str) -> None:
+    torch.manual_seed(0)
+    model, good, bad = TASK_CASES[case]()
+    model = with_state(model)
+    x = torch.randn(2, 3, 64, 64)
+    before = snapshot(model)
+    result = explain.GradCAM(model)(x, good)
+    assert result.cams.shape[0] == 2 and torch.isfinite(result.cams).all()
+    with pytest.raises(explain.TargetError):
+        explain.GradCAM(model)(x, bad)
     assert_unchanged(model, before)
