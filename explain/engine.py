@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .detectors import canvas_recorded, sparse_box_heads
 from .errors import ExplainError, LayerError, TargetError
-from .hooks import ActivationGradientRecorder, canvas_recorded
+from .hooks import ActivationGradientRecorder
 from .layers import LayerSpec, auto_layers, resolve_layer
 from .maps import normalize_maps, postprocess, principal_projection, upsample
 from .model_state import untouched
@@ -383,7 +384,13 @@ class CAM:
         recording = ActivationGradientRecorder(hooked, gradients=self.needs_gradients)
         if self.map_of_input:  # the whole network is recorded, for the gradient at the input
             x = x.detach().requires_grad_(True)
-        with grad_mode, self.backward_rule(), canvas_recorded(self.model) as canvases, recording as recorder:
+        with (
+            grad_mode,
+            self.backward_rule(),
+            canvas_recorded(self.model) as canvases,
+            sparse_box_heads(self.model),
+            recording as recorder,
+        ):
             output = recorder.forward(partial(self.model, **model_kwargs), x)
             for name, activation in recorder.activations.items():
                 if activation.dim() != 4:

@@ -32,7 +32,6 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .errors import LayerError
-from .maps import Canvas
 
 _INPLACE_CLASH = "BackwardHookFunction"  # in PyTorch's error for an in-place change of the output
 
@@ -183,10 +182,12 @@ class ActivationGradientRecorder:
     def _on_module_backward(
         self, name: str, module: nn.Module, grad_input: Any, grad_output: tuple[Tensor, ...]
     ) -> None:
-        self.gradients[name] = grad_output[0]
+        if grad_output[0] is not None:  # None: the score does not reach the layer (an undefined gradient)
+            self.gradients[name] = grad_output[0]
 
-    def _on_tensor_backward(self, name: str, grad: Tensor) -> None:
-        self.gradients[name] = grad
+    def _on_tensor_backward(self, name: str, grad: Tensor | None) -> None:
+        if grad is not None:
+            self.gradients[name] = grad
 
     def forward(self, model: Callable[[Tensor], Any], x: Tensor) -> Any:
         """Run the model on ``x``, recording the activations.
@@ -241,40 +242,6 @@ class ActivationGradientRecorder:
         for name in missing:
             self.gradients[name] = torch.zeros_like(self.activations[name])
         return dict(self.gradients)
-
-
-@contextmanager
-def canvas_recorded(model: nn.Module) -> Iterator[list[Canvas]]:
-    """For the block, record the canvas of each forward of a torchvision detector.
-
-    A model whose ``transform`` resizes and pads its input into an ``ImageList`` (``.tensors``,
-    ``.image_sizes``), as torchvision's detectors do, gets a forward hook on it; any other
-    model records nothing.
-
-    Yields:
-        The list that receives one :class:`explain.maps.Canvas` per forward.
-
-    Raises:
-        LayerError: The images of one batch were resized to different sizes.
-    """
-    canvases: list[Canvas] = []
-    transform = getattr(model, "transform", None)
-
-    def record(module: nn.Module, inputs: Any, output: Any) -> None:
-        images = output[0] if isinstance(output, tuple) else output
-        if not hasattr(images, "image_sizes"):
-            return
-        sizes = {tuple(size) for size in images.image_sizes}
-        if len(sizes) != 1:
-            raise LayerError(f"the detector resized the batch's images to different sizes {sorted(sizes)}")
-        canvases.append(Canvas(tuple(images.tensors.shape[-2:]), sizes.pop()))
-
-    handle = transform.register_forward_hook(record) if isinstance(transform, nn.Module) else None
-    try:
-        yield canvases
-    finally:
-        if handle is not None:
-            handle.remove()
 
 
 @contextmanager

@@ -194,3 +194,31 @@ def test_perturbation_and_gradient_free_methods_serve_detection(detector) -> Non
         assert result.cams.shape[:2] == (1, result.target.valid.shape[1]) and result.cams.shape[2:] == (100, 130)
         assert torch.isfinite(result.cams).all() and (result.cams[0, :k].flatten(1).amax(dim=1) > 0).all()
     assert hook_count(detector) == 0
+
+
+def test_only_the_explained_rows_of_the_box_head_are_differentiated(detector, monkeypatch) -> None:
+    """The box head scores every proposal without autograd, then recomputes with autograd the explained
+    detections' rows alone; the maps equal the reference's through the whole head, and so do they where
+    a detection cannot be traced to its proposal and the whole head is run again with autograd."""
+    x = images()
+    with torch.no_grad():
+        plain = detector(x)
+    boxes, labels = [found["boxes"][1] for found in plain], [int(found["labels"][1]) for found in plain]
+    target = DetectionTarget([b[None] for b in boxes], [[label] for label in labels])
+    calls = []
+    handle = detector.roi_heads.box_head.register_forward_hook(lambda m, i, o: calls.append((len(o), o.requires_grad)))
+    try:
+        sparse = explain.GradCAM(detector, LAYER)(x, target, normalize=False)
+        assert calls[0][0] > 20 and not calls[0][1]  # every proposal of both images, no graph
+        assert calls[1:] == [(2, True)]  # one row per image: its explained detection
+        calls.clear()
+        monkeypatch.setattr("explain.detectors._trace", lambda *args: None)
+        dense = explain.GradCAM(detector, LAYER)(x, target, normalize=False)
+        assert calls[1] == (calls[0][0], True)  # the fallback: the whole head again, with autograd
+    finally:
+        handle.remove()
+    expected = reference_maps(detector, x, boxes, labels)
+    assert_maps(sparse.raw[:, 0], expected)
+    assert_maps(dense.raw[:, 0], expected)
+    torch.testing.assert_close(sparse.probabilities, dense.probabilities)
+    assert hook_count(detector) == 0
