@@ -127,6 +127,7 @@ class Capture:
         generator: The call's random number generator (from ``seed``), or None for
             PyTorch's global one.
         model_kwargs: The call's further keyword arguments of the model's forward.
+        shared: What a method computes once per pass for all its targets and layers (see :meth:`once`).
     """
 
     x: Tensor
@@ -139,6 +140,13 @@ class Capture:
     to_input: Callable[[Tensor], Tensor]
     generator: torch.Generator | None
     model_kwargs: Mapping[str, Any]
+    shared: dict[str, Any]
+
+    def once(self, key: str, compute: Callable[[], Any]) -> Any:
+        """``compute()``, run at the pass's first capture that asks for ``key`` and shared by the others."""
+        if key not in self.shared:
+            self.shared[key] = compute()
+        return self.shared[key]
 
     @property
     def classes(self) -> Tensor | None:
@@ -410,7 +418,7 @@ class CAM:
         def to_input(maps: Tensor) -> Tensor:
             return upsample(canvas.crop(maps) if canvas else maps, x.shape[-2:])
 
-        maps = []
+        maps, shared = [], {}
         for name, module in layers.items():
             per_target = []
             for k in targets:
@@ -426,6 +434,7 @@ class CAM:
                     to_input=to_input,
                     generator=generator,
                     model_kwargs=model_kwargs,
+                    shared=shared,
                 )
                 per_target.append(self.compute(capture))
             stacked = torch.stack(per_target, dim=1)

@@ -258,6 +258,26 @@ def test_guided_backprop_and_guided_gradcam_match_reference(name: str, layer: st
         assert (image - (0.5 + 0.1 * standardized).clamp(0, 1)).abs().max().item() <= 1e-5
 
 
+def test_guided_gradcam_topk_runs_grad_cam_once(name: str = "resnet18", layer: str = "layer3") -> None:
+    """With topk, Grad-CAM runs once for all K classes (one guided pass plus one Grad-CAM pass), and each of
+    the K maps is the guided gradient of its class times that class's Grad-CAM."""
+    model = seeded(name, num_classes=10)
+    x = inputs(64)
+    forwards = []
+    handle = model.register_forward_hook(lambda *args: forwards.append(1))
+    try:
+        result = explain.GuidedGradCAM(model, layer)(x, topk=3, normalize=False)
+    finally:
+        handle.remove()
+    assert len(forwards) == 2 and result.cams.shape == (2, 3, 3, 64, 64)
+    for k in range(3):
+        classes = result.class_indices[:, k].tolist()
+        cams = explain.gradcam(model, x, layer, classes)
+        expected = reference_guided(model, x, classes) * cams[:, None].double()
+        scale = max(1.0, expected.abs().max().item())
+        assert (result.cams[:, k].double() - expected).abs().max().item() <= 1e-5 * scale
+
+
 def test_method_names_and_options_are_checked() -> None:
     model = seeded("resnet18", num_classes=10)
     x = inputs(32)

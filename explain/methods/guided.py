@@ -98,5 +98,7 @@ class GuidedGradCAM(GuidedBackprop):
         return self.gradcam.layer or ""
 
     def compute(self, capture: Capture) -> Tensor:
-        cam = self.gradcam(capture.x, capture.target, model_kwargs=capture.model_kwargs).cams
+        cam = capture.once(
+            "gradcam", lambda: self.gradcam(capture.x, capture.target, model_kwargs=capture.model_kwargs).cams
+        )
         return capture.gradients * (cam if cam.dim() == 3 else cam[:, capture.k])[:, None]

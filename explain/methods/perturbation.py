@@ -48,7 +48,7 @@ class PerturbationCAM(CAM):
     def row_scores(self, capture: Capture, images: Tensor, channels: Tensor) -> Tensor:
         """The averaged target score of each row's perturbed inputs, (rows,), chunk by chunk."""
         chunks = []
-        model = self.scoring_model(capture.x.device)
+        model = capture.once("scoring model", lambda: self.scoring_model(capture.x.device))
         with torch.inference_mode():
             for start in range(0, len(images), self.batch_size):
                 rows = slice(start, start + self.batch_size)
