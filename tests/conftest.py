@@ -21,6 +21,37 @@ def seeded(name: str, **kwargs) -> nn.Module:
     return torchvision.models.get_model(name, **kwargs).eval()
 
 
+def random_segmenter(num_classes: int = 4) -> nn.Module:
+    """LR-ASPP with seeded random weights, in eval mode; without the heads' biases no class wins everywhere."""
+    torch.manual_seed(0)
+    model = torchvision.models.segmentation.lraspp_mobilenet_v3_large(
+        weights=None, weights_backbone=None, num_classes=num_classes
+    )
+    with torch.no_grad():
+        model.classifier.low_classifier.bias.zero_()
+        model.classifier.high_classifier.bias.zero_()
+    return model.eval()
+
+
+def random_detector(calibration: tuple[int, int], **options) -> nn.Module:
+    """Faster R-CNN (MobileNetV3-FPN) with seeded random weights, in eval mode: BatchNorm calibrated on random
+    images of the ``calibration`` size and the box head damped, so that the random network gives several
+    distinct detections with unsaturated scores. ``options`` go to torchvision's builder."""
+    torch.manual_seed(0)
+    model = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_fpn(
+        weights=None, weights_backbone=None, **options
+    )
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.momentum = None
+    torch.manual_seed(3)
+    with torch.no_grad():
+        model.backbone.train()(torch.rand(8, 3, *calibration))
+        model.roi_heads.box_predictor.cls_score.weight *= 0.05
+        model.roi_heads.box_predictor.bbox_pred.weight *= 0.05
+    return model.eval()
+
+
 def capture_score(model: nn.Module, x: torch.Tensor, layer: str, score, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's activations and the gradient of ``score(output)`` summed over images, float64, without the library
     (``kwargs`` go to the model's forward).

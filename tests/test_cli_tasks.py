@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from conftest import CAT
+from conftest import CAT, random_detector, random_segmenter
 from PIL import Image
-from torch import nn
 
 from explain.cli import main
 
@@ -30,37 +29,17 @@ def photo() -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def segmenter_file(tmp_path_factory) -> Path:
-    """LR-ASPP with 4 classes and random weights, heads without biases (so several classes win pixels)."""
-    torch.manual_seed(0)
-    model = torchvision.models.segmentation.lraspp_mobilenet_v3_large(
-        weights=None, weights_backbone=None, num_classes=4
-    )
-    with torch.no_grad():
-        model.classifier.low_classifier.bias.zero_()
-        model.classifier.high_classifier.bias.zero_()
+    """LR-ASPP with 4 classes and random weights (see random_segmenter)."""
     path = tmp_path_factory.mktemp("segmenter") / "lraspp.pt"
-    torch.save(model.state_dict(), path)
+    torch.save(random_segmenter(4).state_dict(), path)
     return path
 
 
 @pytest.fixture(scope="module")
 def detector_file(tmp_path_factory) -> Path:
-    """Faster R-CNN with COCO's 91 classes and random weights, BatchNorm calibrated and the box head damped,
-    so that it finds boxes with distinct scores."""
-    torch.manual_seed(0)
-    model = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_fpn(
-        weights=None, weights_backbone=None, num_classes=91
-    )
-    for module in model.modules():
-        if isinstance(module, nn.BatchNorm2d):
-            module.momentum = None
-    torch.manual_seed(3)
-    with torch.no_grad():
-        model.backbone.train()(torch.rand(8, 3, 320, 400))
-        model.roi_heads.box_predictor.cls_score.weight *= 0.05
-        model.roi_heads.box_predictor.bbox_pred.weight *= 0.05
+    """Faster R-CNN with COCO's 91 classes and random weights that detect (see random_detector)."""
     path = tmp_path_factory.mktemp("detector") / "frcnn.pt"
-    torch.save(model.eval().state_dict(), path)
+    torch.save(random_detector((320, 400), num_classes=91).state_dict(), path)
     return path
 
 

@@ -8,8 +8,7 @@ from collections import OrderedDict
 import pytest
 import torch
 import torch.nn.functional as F
-import torchvision
-from conftest import hook_count
+from conftest import hook_count, random_detector
 from test_methods import first_component
 from torch import nn
 from torchvision.ops import box_iou
@@ -23,22 +22,10 @@ LAYER, MODULE, LEVEL = "backbone.fpn:0", "backbone.fpn", "0"
 
 @pytest.fixture(scope="module")
 def detector() -> nn.Module:
-    """Faster R-CNN (MobileNetV3-FPN), small inputs; BatchNorm calibrated and the box head damped, so that
-    the random network gives several distinct detections with unsaturated scores."""
-    torch.manual_seed(0)
-    model = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_fpn(
-        weights=None, weights_backbone=None, num_classes=5, min_size=128, max_size=192,
-        box_score_thresh=0.3, box_detections_per_img=8,
-    )  # fmt: skip
-    for module in model.modules():
-        if isinstance(module, nn.BatchNorm2d):
-            module.momentum = None
-    torch.manual_seed(3)
-    with torch.no_grad():
-        model.backbone.train()(torch.rand(8, 3, 128, 160))
-        model.roi_heads.box_predictor.cls_score.weight *= 0.05
-        model.roi_heads.box_predictor.bbox_pred.weight *= 0.05
-    return model.eval()
+    """Faster R-CNN (MobileNetV3-FPN) for small inputs, with random weights that detect (see random_detector)."""
+    return random_detector(
+        (128, 160), num_classes=5, min_size=128, max_size=192, box_score_thresh=0.3, box_detections_per_img=8
+    )
 
 
 def images() -> torch.Tensor:

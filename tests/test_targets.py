@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-import torchvision
-from conftest import capture_score, hook_count, seeded
+from conftest import capture_score, hook_count, random_segmenter, seeded
 from torch import nn
 
 import explain
@@ -33,15 +32,8 @@ def inputs(n: int = 2, side: int = 64) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def segmenter() -> nn.Module:
-    """LR-ASPP with random weights; without the heads' biases, no class wins everywhere (each has a region)."""
-    torch.manual_seed(0)
-    model = torchvision.models.segmentation.lraspp_mobilenet_v3_large(
-        weights=None, weights_backbone=None, num_classes=4
-    )
-    with torch.no_grad():
-        model.classifier.low_classifier.bias.zero_()
-        model.classifier.high_classifier.bias.zero_()
-    return model.eval()
+    """LR-ASPP with 4 classes and random weights (see random_segmenter)."""
+    return random_segmenter(4)
 
 
 def test_segmentation_class_over_its_argmax_region(segmenter) -> None:
