@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default=DEFAULT_MODEL,
         help=f"torchvision classifier, segmenter (lraspp_mobilenet_v3_large, ...) or detector "
-        f"(fasterrcnn_mobilenet_v3_large_fpn, ...), or {BUNDLED_MODEL} (bundled, offline); default {DEFAULT_MODEL}",
+        f"(fasterrcnn_mobilenet_v3_large_fpn, ...), a timm classifier as timm/NAME, or {BUNDLED_MODEL} "
+        f"(bundled, offline); default {DEFAULT_MODEL}",
     )
     add("--weights", type=Path, help="state_dict file (.pt, .pth, .safetensors) for the model's architecture")
     add("--labels", type=Path, help="text file of class names, one per line (for a checkpoint's own classes)")
@@ -199,10 +200,12 @@ def layer_table(spec: ModelSpec, x: torch.Tensor) -> str:
     automatic = find_auto_layers(spec.model, x)
     mark = "  <- automatic choice" + (" (fused)" if len(automatic) > 1 else "")
     width = max(len(info.name) for info in candidates)
-    lines = [f"{spec.name} at {x.shape[-2]}x{x.shape[-1]}: layers with spatial outputs (C x H x W), in order"]
+    lines = [f"{spec.name} at {x.shape[-2]}x{x.shape[-1]}: layers whose output is a map (C x H x W), in order"]
     for info in candidates:
-        shape = "x".join(map(str, info.shape or ()))
-        lines.append(f"  {info.name:{width}}  {info.kind:24} {shape}{mark if info.name in automatic else ''}")
+        shape = "x".join(map(str, info.map_shape))
+        layout = "" if info.layout.kind == "channels_first" else f" ({info.layout.describe()})"
+        chosen = mark if info.name in automatic else ""
+        lines.append(f"  {info.name:{width}}  {info.kind:24} {shape}{layout}{chosen}")
     return "\n".join(lines)
 
 
@@ -217,7 +220,7 @@ def _check_layers(spec: ModelSpec, names: list[str], x: torch.Tensor) -> None:
         info = shapes.get(name)
         if info is None or not info.spatial:
             found = "does not run" if info is None else f"outputs {info.shape}"
-            raise UsageError(f"layer {name!r} {found}, not a spatial (C, H, W) map; see explain --layers")
+            raise UsageError(f"layer {name!r} {found}, not a map of the image (C, H, W); see explain --layers")
 
 
 def _print_record(record: dict[str, Any], quiet: bool) -> None:

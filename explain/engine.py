@@ -27,6 +27,7 @@ from .detectors import canvas_recorded, sparse_box_heads
 from .errors import ExplainError, LayerError, TargetError
 from .hooks import ActivationGradientRecorder
 from .layers import LayerSpec, auto_layers, resolve_layer
+from .layouts import Geometry, Layout, Reshape, find_layout, grids_recorded
 from .maps import normalize_maps, postprocess, principal_projection, upsample
 from .model_state import untouched
 from .targets import BoundAlready, BoundTarget, Target, TargetLike, as_target
@@ -128,6 +129,7 @@ class Capture:
             PyTorch's global one.
         model_kwargs: The call's further keyword arguments of the model's forward.
         shared: What a method computes once per pass for all its targets and layers (see :meth:`once`).
+        layout: How the layer's output became ``activations`` (None for the input).
     """
 
     x: Tensor
@@ -141,6 +143,7 @@ class Capture:
     generator: torch.Generator | None
     model_kwargs: Mapping[str, Any]
     shared: dict[str, Any]
+    layout: Layout | None
 
     def once(self, key: str, compute: Callable[[], Any]) -> Any:
         """``compute()``, run at the pass's first capture that asks for ``key`` and shared by the others."""
@@ -217,6 +220,9 @@ class CAM:
             (Score-CAM, Ablation-CAM): the bound on their memory.
         seed: Seed of the random numbers (noise, random weights), drawn on the
             input's device; None uses PyTorch's global generator.
+        reshape: How the target layers' outputs (and their gradients) become maps
+            (N, C, h, w); default: found from the output's shape (channels first or
+            last, or transformer tokens on the patch grid: see :mod:`explain.layouts`).
     """
 
     name = "cam"
@@ -237,6 +243,7 @@ class CAM:
         smooth_sigma: float = 0.15,
         batch_size: int = 16,
         seed: int | None = None,
+        reshape: Reshape | None = None,
     ) -> None:
         if fuse not in ("mean", "max"):
             raise ExplainError(f"fuse must be 'mean' or 'max', got {fuse!r}")
@@ -256,6 +263,7 @@ class CAM:
         self.smooth_sigma = smooth_sigma
         self.batch_size = batch_size
         self.seed = seed
+        self.reshape = reshape
 
     @property
     def layer(self) -> str | None:
@@ -396,24 +404,23 @@ class CAM:
             grad_mode,
             self.backward_rule(),
             canvas_recorded(self.model) as canvases,
+            grids_recorded(self.model) as grids,
             sparse_box_heads(self.model),
             recording as recorder,
         ):
             output = recorder.forward(partial(self.model, **model_kwargs), x)
-            for name, activation in recorder.activations.items():
-                if activation.dim() != 4:
-                    raise LayerError(
-                        f"layer {name!r} outputs shape {tuple(activation.shape)}; "
-                        "a CAM needs a (N, C, H, W) feature map"
-                    )
+            canvas = canvases[-1] if canvases else None  # a detector's: its maps are brought onto the image
+            geometry = Geometry(canvas.size if canvas else tuple(x.shape[-2:]), grids[-1] if grids else None)
+            layouts = {name: self._layout(name, a, geometry) for name, a in recorder.activations.items()}
             bound = goal.bind(output, self.labels)
             scores = target_scores(bound, output, x)
             targets = range(scores.shape[1])
-            gradients = [self._gradients(recorder, scores[:, k].sum(), x) for k in targets]
-            activations = {name: a.float() for name, a in recorder.activations.items()}
+            gradients = [self._gradients(recorder, scores[:, k].sum(), x, layouts) for k in targets]
+            if self.needs_gradients and not isinstance(goal, BoundAlready):  # the pass that binds the target
+                self._check_reached(gradients, bound)
+            activations = {name: layouts[name](a).float() for name, a in recorder.activations.items()}
             if self.map_of_input:
                 activations[INPUT] = x.detach().float()
-        canvas = canvases[0] if canvases else None  # a detector's: its maps are brought onto the image
 
         def to_input(maps: Tensor) -> Tensor:
             return upsample(canvas.crop(maps) if canvas else maps, x.shape[-2:])
@@ -435,15 +442,44 @@ class CAM:
                     generator=generator,
                     model_kwargs=model_kwargs,
                     shared=shared,
+                    layout=layouts.get(name),
                 )
                 per_target.append(self.compute(capture))
             stacked = torch.stack(per_target, dim=1)
             maps.append(canvas.crop(stacked) if canvas and module is not None else stacked)
         return output, bound, scores, maps
 
-    def _gradients(self, recorder: ActivationGradientRecorder, score: Tensor, x: Tensor) -> dict[str, Tensor]:
-        """The gradient of one summed score at each layer, and at the input for a method whose map is the input's."""
-        found = recorder.backward(score) if self.needs_gradients else {}
+    @staticmethod
+    def _check_reached(gradients: list[dict[str, Tensor]], bound: BoundTarget) -> None:
+        """Refuse maps of a gradient that is zero everywhere: they would be flat, a confident picture of nothing.
+
+        Raises:
+            LayerError: For some image and target, the gradient is zero at every position of every layer.
+        """
+        for k, by_layer in enumerate(gradients):
+            zero = torch.stack([~g.flatten(1).ne(0).any(dim=1) for g in by_layer.values()]).all(dim=0)
+            if bound.valid is not None:
+                zero &= bound.valid[:, k]
+            if zero.any():
+                raise LayerError(
+                    f"the target score's gradient is zero at every position of layer(s) {', '.join(by_layer)} "
+                    f"(image {int(zero.nonzero()[0])}): the score does not depend on the map there, as at the last "
+                    "block of a class-token transformer, whose patch tokens the head never reads; choose an "
+                    "earlier layer (explain --layers), or the automatic one"
+                )
+
+    def _layout(self, name: str, activation: Tensor, geometry: Geometry) -> Layout:
+        """How a layer's output becomes a map: the caller's ``reshape``, else found from its shape."""
+        if self.reshape is not None:
+            return Layout("reshape", reshape=self.reshape)
+        return find_layout(dict(self.model.named_modules()), name, activation.shape[1:], geometry)
+
+    def _gradients(
+        self, recorder: ActivationGradientRecorder, score: Tensor, x: Tensor, layouts: Mapping[str, Layout]
+    ) -> dict[str, Tensor]:
+        """The gradient of one summed score at each layer, as a map like the layer's activation, and at the input
+        for a method whose map is the input's."""
+        found = {name: layouts[name](g) for name, g in recorder.backward(score).items()} if self.needs_gradients else {}
         if self.map_of_input:
             found[INPUT] = torch.autograd.grad(score, x, retain_graph=True)[0]
         return found

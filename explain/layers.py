@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import itertools
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -12,8 +13,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .detectors import canvas_recorded
 from .errors import LayerError
 from .hooks import layer_entry
+from .layouts import Geometry, Layout, find_layout, grids_recorded, is_attention
 from .model_state import eval_mode
 
 LayerSpec = str | nn.Module | None
@@ -94,30 +97,47 @@ class LayerInfo:
         shape: Its output's shape without the batch axis, or None when the output is not a
             tensor with one row per image (a dict, or the proposals of a detector's head).
         calls: How often it ran in the pass (more than once: a shared module).
+        map_shape: The output as a map of the image, (C, h, w), or None when it is none
+            (see :mod:`explain.layouts`).
+        layout: How the output becomes that map, or None.
+        start: When the module started, and
+        finish: when it finished, on one clock that ticks at every module's start and finish.
     """
 
     name: str
     kind: str
     shape: tuple[int, ...] | None
     calls: int
+    map_shape: tuple[int, int, int] | None = None
+    layout: Layout | None = None
+    start: int = 0
+    finish: int = 0
 
     @property
     def spatial(self) -> bool:
-        """Whether the output is a spatial map (C, H, W) with H, W > 1."""
-        return self.shape is not None and len(self.shape) == 3 and min(self.shape[1:]) > 1
+        """Whether the output is a map of the image (C, h, w) with h, w > 1."""
+        return self.map_shape is not None and min(self.map_shape[1:]) > 1
 
 
 def trace_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> list[LayerInfo]:
     """Every named module that runs when the model sees x's first image, in the order they finish, each
-    tensor entry of a dict, list or tuple output after it as ``"name:key"``.
+    tensor entry of a dict, list or tuple output after it as ``"name:key"``, with how its output reads as
+    a map of the image (see :func:`explain.layouts.find_layout`); modules inside an attention module
+    give none.
 
     One forward pass, in eval and inference mode, with ``model_kwargs`` passed to the
     model's forward; the model is left as it was.
     """
     infos: dict[str, LayerInfo] = {}
+    modules = {name: module for name, module in model.named_modules() if name}
+    starts: dict[str, int] = {}
+    clock = itertools.count()
 
     def per_image_shape(value: Any) -> tuple[int, ...] | None:  # an output with one row per image, or None
         return tuple(value.shape[1:]) if isinstance(value, Tensor) and value.dim() and len(value) == 1 else None
+
+    def started(name: str, module: nn.Module, inputs: Any) -> None:  # a forward pre-hook
+        starts.setdefault(name, next(clock))
 
     def record(name: str, module: nn.Module, inputs: Any, output: Any) -> None:  # a forward hook
         entries: Any = []
@@ -130,25 +150,47 @@ def trace_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | 
             if label in infos:
                 infos[label] = replace(infos[label], calls=infos[label].calls + 1)
             elif key is None or isinstance(value, Tensor):
-                infos[label] = LayerInfo(label, type(module).__name__, per_image_shape(value), 1)
+                shape = per_image_shape(value)
+                infos[label] = LayerInfo(label, type(module).__name__, shape, 1, start=starts[name], finish=next(clock))
 
-    handles = [module.register_forward_hook(partial(record, name)) for name, module in model.named_modules() if name]
+    handles = [module.register_forward_pre_hook(partial(started, name)) for name, module in modules.items()]
+    handles += [module.register_forward_hook(partial(record, name)) for name, module in modules.items()]
     try:
-        with eval_mode(model), torch.inference_mode():
+        with (
+            eval_mode(model),
+            torch.inference_mode(),
+            canvas_recorded(model) as canvases,
+            grids_recorded(model) as grids,
+        ):
             model(x[:1], **(model_kwargs or {}))
     finally:
         for handle in handles:
             handle.remove()
-    return list(infos.values())
+    geometry = Geometry(canvases[-1].size if canvases else tuple(x.shape[-2:]), grids[-1] if grids else None)
+    return [_as_map(modules, info, geometry) for info in infos.values()]
+
+
+def _as_map(modules: Mapping[str, nn.Module], info: LayerInfo, geometry: Geometry) -> LayerInfo:
+    """The info with its map shape and layout, where its output is a map of the image."""
+    if info.shape is None:
+        return info
+    try:
+        layout = find_layout(modules, info.name, info.shape, geometry)
+    except LayerError:
+        return info
+    probe = layout(torch.empty(1, *info.shape, device="meta"))
+    return replace(info, map_shape=tuple(probe.shape[1:]), layout=layout)
 
 
 def candidate_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> list[LayerInfo]:
     """The layers a CAM can explain at x's input size: modules that run once per forward and
-    output a spatial map (N, C, H, W) with H, W > 1, in the order they finish (one forward pass)."""
+    whose output is a map of the image (see :mod:`explain.layouts`) with h, w > 1, in the order
+    they finish (one forward pass)."""
     return [info for info in trace_layers(model, x, model_kwargs) if info.spatial and info.calls == 1]
 
 
 BACKBONE = "backbone"  # torchvision's detectors and segmenters: the module whose dict of maps feeds the heads
+_NOT_AUTOMATIC = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Identity)  # a resampling or an alias of a map
 
 
 def find_auto_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> list[str]:
@@ -159,15 +201,33 @@ def find_auto_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any
       ``aux``, ``low`` and ``high`` maps): every level, to be fused. A detection's score
       reaches only the level its box or anchor was assigned to, so the other levels'
       maps are zero and the fused map is that level's;
-    - any other model: the last layer to finish whose output is a spatial map (see
-      :func:`candidate_layers`).
+    - a transformer whose layers output tokens: the input of its last attention, the
+      last normalization with token output to finish after the previous attention and
+      before the last one starts (``blocks.11.norm1``). The last block's own output gets
+      no gradient at the patch tokens when the head reads only the class token;
+    - any other model: the last layer to finish whose output is a map of the image,
+      adaptive pools (which resample the map to a fixed size) and identities left out.
 
     Raises:
         LayerError: No module of the model produces a spatial map.
     """
-    candidates = candidate_layers(model, x, model_kwargs)
+    infos = trace_layers(model, x, model_kwargs)
+    candidates = [info for info in infos if info.spatial and info.calls == 1]
     if not candidates:
-        raise LayerError("no layer of the model outputs a spatial (N, C, H, W) map; pass layer=")
+        raise LayerError("no layer of the model outputs a map of the image (N, C, H, W); pass layer=")
     entries = [(info.name, *layer_entry(info.name)) for info in candidates]
     levels = [name for name, module, key in entries if module == BACKBONE and key is not None]
-    return levels or [candidates[-1].name]
+    if levels:
+        return levels
+    modules = dict(model.named_modules())
+    calls = [(info.start, info.finish) for info in infos if is_attention(modules[layer_entry(info.name)[0]])]
+    if calls and any(info.layout.kind == "tokens" for info in candidates):
+        last = max(start for start, _ in calls)
+        previous = max((finish for _, finish in calls if finish < last), default=-1)  # the block before's attention
+        inputs = [
+            c for c in candidates if c.layout.kind == "tokens" and "Norm" in c.kind and previous < c.finish < last
+        ]
+        if inputs:
+            return [inputs[-1].name]
+    usable = [info for info in candidates if not isinstance(modules[layer_entry(info.name)[0]], _NOT_AUTOMATIC)]
+    return [(usable or candidates)[-1].name]

@@ -143,8 +143,10 @@ def load_model(
             torchvision classifier (ImageNet), segmenter (``deeplabv3_mobilenet_v3_large``,
             ``fcn_resnet50``, ``lraspp_mobilenet_v3_large``...: Pascal VOC classes) or
             detector (``fasterrcnn_mobilenet_v3_large_fpn``, ``retinanet_resnet50_fpn``,
-            ``fcos_resnet50_fpn``, ``ssd300_vgg16``...: COCO classes). torchvision's weights
-            are downloaded once into torch's cache.
+            ``fcos_resnet50_fpn``, ``ssd300_vgg16``...: COCO classes), or a timm classifier
+            as ``"timm/NAME"`` (``"timm/vit_small_patch16_224.augreg_in21k_ft_in1k"``: the
+            architecture and, after a dot, the pretrained tag; needs the ``timm`` package).
+            Pretrained weights are downloaded once into torch's or timm's cache.
         weights: A state_dict file (``.pt``/``.pth``/``.safetensors``) for the
             architecture, e.g. a fine-tuned checkpoint; its class count is read from the
             shapes of its class-dependent tensors (a classifier's rows, a detector's
@@ -157,12 +159,20 @@ def load_model(
         ModelLoadError: Unknown name, unreadable or unfitting checkpoint, or pretrained
             weights that cannot be downloaded.
     """
+    if name.startswith(TIMM_PREFIX):
+        spec = _load_timm(name, weights)
+        return _finished(spec, labels, device)
     tasks = {BUNDLED: "classification"} if name == BUNDLED else {BUNDLED: "classification", **_torchvision_tasks()}
     if name not in tasks:  # the bundled model needs no torchvision
         close = difflib.get_close_matches(name, list(tasks), n=5, cutoff=0.5)
         hint = f"; did you mean: {', '.join(close)}" if close else f"; choose from: {', '.join(tasks)}"
         raise ModelLoadError(f"unknown model {name!r}{hint}")
     spec = _load_efficientnet_lite0(weights) if name == BUNDLED else _load_torchvision(name, tasks[name], weights)
+    return _finished(spec, labels, device)
+
+
+def _finished(spec: ModelSpec, labels: str | Path | None, device: str | torch.device) -> ModelSpec:
+    """The spec with the user's class names, its model in eval mode on ``device``."""
     if labels is not None:
         spec.labels = _read_labels(Path(labels), len(spec.labels))
     spec.model.eval().to(device)
@@ -300,6 +310,48 @@ def _load_torchvision(name: str, task: Task, weights: str | Path | None) -> Mode
         resample=Image.Resampling.BICUBIC if bicubic else Image.Resampling.BILINEAR,
         task=task,
         keep_aspect=task == "segmentation",  # torchvision's segmentation transform resizes the short side
+    )
+
+
+TIMM_PREFIX = "timm/"
+
+
+def _load_timm(name: str, weights: str | Path | None) -> ModelSpec:
+    """A timm classifier, fed as its pretrained config says: mean, std, input size and interpolation (the whole
+    image is resized to the input, not cropped, so that the map covers all of it)."""
+    try:
+        import timm
+    except ImportError:
+        raise ModelLoadError(f"{name} needs the timm package: pip install timm") from None
+    architecture = name.removeprefix(TIMM_PREFIX)
+    known = timm.list_models()
+    if architecture.split(".")[0] not in known:
+        close = difflib.get_close_matches(architecture.split(".")[0], known, n=5, cutoff=0.6)
+        hint = f"; did you mean: {', '.join(TIMM_PREFIX + c for c in close)}" if close else ""
+        raise ModelLoadError(f"unknown timm model {architecture!r}{hint}")
+    if weights is None:
+        try:
+            model = timm.create_model(architecture, pretrained=True)
+        except Exception as err:  # no network and no cached file, or a tag without weights
+            raise ModelLoadError(
+                f"cannot get the pretrained weights of {name} (offline and not in timm's cache? {first_line(err)}); "
+                f"use --weights FILE (a state_dict for {architecture}), or --model {BUNDLED} for the bundled model"
+            ) from None
+        count = model.num_classes
+    else:
+        path = Path(weights)
+        build = partial(timm.create_model, architecture, pretrained=False)
+        model, count = _fit_checkpoint(build, read_state_dict(path), path, name)
+    config = timm.data.resolve_data_config({}, model=model)
+    bicubic = config["interpolation"] == "bicubic"
+    return ModelSpec(
+        model=model,
+        name=name,
+        labels=_default_labels(imagenet_labels(), count),
+        mean=tuple(config["mean"]),
+        std=tuple(config["std"]),
+        input_size=int(config["input_size"][-1]),
+        resample=Image.Resampling.BICUBIC if bicubic else Image.Resampling.BILINEAR,
     )
 
 

@@ -140,7 +140,7 @@ def test_unwritable_output_fails_alone(photos, tmp_path, capsys) -> None:
     [
         (["--model", "resnet05"], "did you mean: resnet50"),
         ([*LITE0, "--layer", "blocks.9"], "unknown layer 'blocks.9'"),
-        ([*LITE0, "--layer", "classifier"], "layer 'classifier' outputs (1000,), not a spatial (C, H, W) map"),
+        ([*LITE0, "--layer", "classifier"], "layer 'classifier' outputs (1000,), not a map of the image (C, H, W)"),
         ([*LITE0, "--target", "Egyptain cat"], "did you mean: Egyptian cat"),
         ([*LITE0, "--target", "1000"], "out of range"),
         ([*LITE0, "--topk", "2", "--target", "3"], "exclude each other"),

@@ -152,7 +152,7 @@ def test_target_errors() -> None:
 def test_automatic_layer() -> None:
     cases = {
         "resnet18": "layer4",
-        "vgg11": "avgpool",
+        "vgg11": "features",  # not the adaptive pool, which resamples the 2x2 map to 7x7
         "densenet121": "features",
         "mobilenet_v3_small": "features",
     }
@@ -224,7 +224,7 @@ def test_shared_module_is_refused() -> None:
 
 def test_layer_that_is_not_a_feature_map_or_not_used() -> None:
     model = seeded("resnet18", num_classes=5)
-    with pytest.raises(explain.LayerError, match=r"\(N, C, H, W\)"):
+    with pytest.raises(explain.LayerError, match=r"outputs \(5,\), not a map of the image .* reshape="):
         explain.gradcam(model, torch.randn(2, 3, 64, 64), "fc")
 
     class Unused(nn.Module):

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.fx.experimental.optimization import fuse
 
 from ..engine import CAM, Capture
+from ..errors import LayerError
 from ..hooks import output_replaced
 from ..maps import normalize_maps
 
@@ -180,6 +181,11 @@ class AblationCAM(PerturbationCAM):
     name = "ablationcam"
 
     def weights(self, capture: Capture) -> Tensor:
+        if capture.layout.kind != "channels_first":
+            raise LayerError(
+                f"Ablation-CAM puts the ablated map in place of the layer's output, so it needs a layer whose output "
+                f"is the map (N, C, h, w) itself, not {capture.layout.describe()}; use Score-CAM or a gradient method"
+            )
         a = capture.activations
         images, channels = a.flatten(2).ne(0).any(dim=-1).nonzero(as_tuple=True)
         y = capture.scores.float()
