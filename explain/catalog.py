@@ -49,6 +49,8 @@ METHOD_CATALOG: tuple[MethodEntry, ...] = (
     MethodEntry("iscam", "ISCAM", "IS-CAM (Naidu et al. 2020)", fast=False),
     MethodEntry("ablationcam", "AblationCAM", "Ablation-CAM (Desai & Ramaswamy 2020)", fast=False),
     MethodEntry("random", "RandomCAM", "random channel weights, a baseline", fast=False),
+    MethodEntry("attention_rollout", "AttentionRollout", "Attention Rollout (Abnar & Zuidema 2020)", fast=False),
+    MethodEntry("gradient_rollout", "GradientRollout", "Gradient-weighted rollout (Chefer et al. 2021)", fast=False),
 )
 
 METHOD_NAMES = [entry.name for entry in METHOD_CATALOG]

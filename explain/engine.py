@@ -130,6 +130,7 @@ class Capture:
         model_kwargs: The call's further keyword arguments of the model's forward.
         shared: What a method computes once per pass for all its targets and layers (see :meth:`once`).
         layout: How the layer's output became ``activations`` (None for the input).
+        geometry: The picture the pass's layers saw, and the patch grid.
     """
 
     x: Tensor
@@ -144,6 +145,7 @@ class Capture:
     model_kwargs: Mapping[str, Any]
     shared: dict[str, Any]
     layout: Layout | None
+    geometry: Geometry
 
     def once(self, key: str, compute: Callable[[], Any]) -> Any:
         """``compute()``, run at the pass's first capture that asks for ``key`` and shared by the others."""
@@ -279,6 +281,10 @@ class CAM:
             return auto_layers(self.model, x, model_kwargs)
         return [resolve_layer(self.model, spec, x, model_kwargs) for spec in self._requested]
 
+    def recorder(self, modules: Mapping[str, nn.Module]) -> ActivationGradientRecorder:
+        """What records the target layers' outputs and gradients in a pass (see :mod:`explain.hooks`)."""
+        return ActivationGradientRecorder(modules, gradients=self.needs_gradients)
+
     def weights(self, capture: Capture) -> Tensor:
         """Channel weights (N, C)."""
         raise NotImplementedError(f"{type(self).__name__} defines neither weights() nor weighted_activations()")
@@ -397,7 +403,7 @@ class CAM:
         layers = dict(self._layers)
         grad_mode = torch.enable_grad() if self.needs_gradients or self.map_of_input else torch.no_grad()
         hooked = {name: module for name, module in layers.items() if module is not None}
-        recording = ActivationGradientRecorder(hooked, gradients=self.needs_gradients)
+        recording = self.recorder(hooked)
         if self.map_of_input:  # the whole network is recorded, for the gradient at the input
             x = x.detach().requires_grad_(True)
         with (
@@ -443,6 +449,7 @@ class CAM:
                     model_kwargs=model_kwargs,
                     shared=shared,
                     layout=layouts.get(name),
+                    geometry=geometry,
                 )
                 per_target.append(self.compute(capture))
             stacked = torch.stack(per_target, dim=1)

@@ -56,13 +56,14 @@ class Layout:
     """How a layer's output becomes a map (N, C, h, w).
 
     Attributes:
-        kind: ``"channels_first"``, ``"channels_last"``, ``"tokens"``, or ``"reshape"`` (the caller's).
+        kind: ``"channels_first"``, ``"channels_last"``, ``"tokens"``, ``"reshape"`` (the caller's), or
+            ``"attention"`` (attention probabilities, kept as recorded for the rollout methods).
         prefix: Tokens before the patch tokens (class, distillation, registers), for ``"tokens"``.
         grid: The patch grid (h, w), for ``"tokens"``.
         reshape: The caller's callable, for ``"reshape"``.
     """
 
-    kind: Literal["channels_first", "channels_last", "tokens", "reshape"]
+    kind: Literal["channels_first", "channels_last", "tokens", "reshape", "attention"]
     prefix: int = 0
     grid: tuple[int, int] | None = None
     reshape: Reshape | None = None

@@ -289,7 +289,8 @@ def test_method_names_and_options_are_checked() -> None:
         explain.cam(model, x, "scorecam", samples=3)
     with pytest.raises(explain.ExplainError, match="fuse must be 'mean' or 'max'"):
         explain.cam(model, x, "gradcam", ["layer3", "layer4"], fuse="median")
-    assert set(explain.FAST_METHODS) == set(explain.METHODS) - {"scorecam", "sscam", "iscam", "ablationcam", "random"}
+    slow = {"scorecam", "sscam", "iscam", "ablationcam", "random", "attention_rollout", "gradient_rollout"}
+    assert set(explain.FAST_METHODS) == set(explain.METHODS) - slow
 
 
 def test_catalogue_names_every_method_class_once() -> None:
@@ -297,11 +298,11 @@ def test_catalogue_names_every_method_class_once() -> None:
     import inspect
 
     from explain.catalog import METHOD_CATALOG
-    from explain.methods import activation, gradient, guided, perturbation
+    from explain.methods import activation, attention, gradient, guided, perturbation
 
     classes = {
         cls
-        for module in (activation, gradient, guided, perturbation)
+        for module in (activation, attention, gradient, guided, perturbation)
         for _, cls in inspect.getmembers(module, inspect.isclass)
         if cls.__module__ == module.__name__ and "name" in cls.__dict__
     }

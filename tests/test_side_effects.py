@@ -8,6 +8,7 @@ import pytest
 import torch
 import torchvision
 from conftest import hook_count, seeded
+from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 import explain
@@ -106,8 +107,11 @@ def test_train_mode_uses_batch_statistics_but_restores_running_stats() -> None:
     assert model.bn1.num_batches_tracked.item() == 0
 
 
+ROLLOUTS = ["attention_rollout", "gradient_rollout"]  # for transformers: tested below
+
+
 @pytest.mark.parametrize("train", [False, True])
-@pytest.mark.parametrize("method", list(explain.METHODS))
+@pytest.mark.parametrize("method", [name for name in explain.METHODS if name not in ROLLOUTS])
 def test_every_method_leaves_model_unchanged_on_success_and_failure(method: str, train: bool) -> None:
     model = prepared("resnet18", train)  # in-place ReLUs, which Guided Backpropagation switches for its call
     assert any(m.inplace for m in model.modules() if isinstance(m, nn.ReLU))
@@ -176,4 +180,32 @@ def test_every_target_leaves_model_unchanged_on_success_and_failure(case: str) -
     assert result.cams.shape[0] == 2 and torch.isfinite(result.cams).all()
     with pytest.raises(explain.TargetError):
         explain.GradCAM(model)(x, bad)
+    assert_unchanged(model, before)
+
+
+def transformers() -> dict[str, nn.Module]:
+    torch.manual_seed(0)
+    return {
+        "timm": VisionTransformer(img_size=32, patch_size=8, embed_dim=24, depth=2, num_heads=2, num_classes=10),
+        "torchvision": torchvision.models.VisionTransformer(
+            image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32, num_classes=10
+        ),
+    }
+
+
+@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize("kind", ["timm", "torchvision"])
+@pytest.mark.parametrize("method", ROLLOUTS)
+def test_rollouts_leave_transformers_unchanged_on_success_and_failure(method: str, kind: str, train: bool) -> None:
+    """The per-head-weights pre-hook on nn.MultiheadAttention and the hooks on timm's attention last one call."""
+    model = transformers()[kind].train(train)
+    nn.init.normal_(list(model.parameters())[-2], std=0.5)  # torchvision's head starts at zero
+    params = list(model.parameters())
+    params[0].requires_grad_(False)
+    params[1].grad = torch.randn_like(params[1])
+    before = snapshot(model)
+    cams = explain.cam(model, torch.randn(2, 3, 32, 32), method, None, [1, 2])
+    assert cams.shape == (2, 32, 32) and not cams.isnan().any()
+    with pytest.raises(explain.TargetError):
+        explain.cam(model, torch.randn(2, 3, 32, 32), method, None, 99)
     assert_unchanged(model, before)

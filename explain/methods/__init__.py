@@ -2,7 +2,8 @@
 
 Files: ``gradient.py`` (maps from activations and gradients), ``activation.py``
 (activations alone), ``perturbation.py`` (scores of masked or ablated inputs),
-``guided.py`` (input-resolution guided gradients).
+``guided.py`` (input-resolution guided gradients), ``attention.py`` (vision
+transformers' attention rolled out through the layers).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..errors import ExplainError
 from ..layers import LayerSpec
 from ..targets import TargetLike
 from .activation import EigenCAM, OriginalCAM, RandomCAM
+from .attention import AttentionRollout, GradientRollout
 from .gradient import EigenGradCAM, GradCAM, GradCAMElementWise, GradCAMPlusPlus, HiResCAM, LayerCAM, XGradCAM
 from .guided import GuidedBackprop, GuidedGradCAM
 from .perturbation import ISCAM, SSCAM, AblationCAM, ScoreCAM
@@ -133,11 +135,13 @@ __all__ = [
     "METHODS",
     "SSCAM",
     "AblationCAM",
+    "AttentionRollout",
     "EigenCAM",
     "EigenGradCAM",
     "GradCAM",
     "GradCAMElementWise",
     "GradCAMPlusPlus",
+    "GradientRollout",
     "GuidedBackprop",
     "GuidedGradCAM",
     "HiResCAM",

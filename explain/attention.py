@@ -1,0 +1,149 @@
+"""Capture a transformer's attention probabilities, and the gradient of a score with respect to them.
+
+Two kinds of attention module are read, each through the hook APIs, for one call only:
+
+- ``torch.nn.MultiheadAttention`` (torchvision's ViT): a forward pre-hook asks the call for
+  per-head weights (``need_weights=True, average_attn_weights=False``), which makes PyTorch
+  form the probabilities A = softmax(q kᵀ / √d) explicitly and return them; their gradient is
+  taken at the tensor the attention multiplies with v.
+- timm's ``Attention`` (ViT, DeiT, register ViTs): its fused kernel never forms the
+  probabilities, so they are computed from q and k as the module's q/k norms give them, with
+  the module's own scale: A = softmax(scale · q kᵀ), as timm's unfused path does. The gradient
+  follows from the attention's output O = A v: ∂s/∂A = (∂s/∂O) vᵀ, with ∂s/∂O taken where the
+  heads' outputs enter the module's ``norm``.
+
+Other attention modules are refused with an error that names their type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from .errors import LayerError
+
+TIMM_PARTS = ("qkv", "q_norm", "k_norm", "norm", "scale", "num_heads")
+
+
+def attention_kind(module: nn.Module) -> str | None:
+    """``"torch"`` for ``nn.MultiheadAttention``, ``"timm"`` for timm's ``Attention``, else None."""
+    if isinstance(module, nn.MultiheadAttention):
+        return "torch"
+    return "timm" if all(hasattr(module, part) for part in TIMM_PARTS) else None
+
+
+def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's attention modules that can be read, by dotted name, in registration order."""
+    return {name: m for name, m in model.named_modules() if name and attention_kind(m) is not None}
+
+
+class AttentionRecorder:
+    """Context manager that records, during one forward, the attention probabilities of the given modules.
+
+    Args:
+        modules: The attention modules by dotted name, in the order the model runs them.
+        name: The name the stacked attention goes by in :attr:`activations`.
+        gradients: Whether :meth:`backward` will be called: the forward then records autograd from the
+            input on.
+
+    Attributes:
+        activations: ``{name: A}``, the probabilities of every module, (N, layers, heads, T, T).
+    """
+
+    def __init__(self, modules: Mapping[str, nn.Module], name: str, gradients: bool = True) -> None:
+        self.modules = dict(modules)
+        for module_name, module in self.modules.items():
+            if attention_kind(module) is None:
+                raise LayerError(
+                    f"{module_name!r} is a {type(module).__name__}, not an attention module whose probabilities "
+                    "can be read (nn.MultiheadAttention, timm's Attention)"
+                )
+        self.name = name
+        self.record_gradients = gradients
+        self.activations: dict[str, Tensor] = {}
+        self._probabilities: dict[str, Tensor] = {}
+        self._gradient_of: dict[str, tuple[Tensor, Callable[[Tensor], Tensor]]] = {}
+        self._parts: dict[str, dict[str, Tensor]] = {}
+        self._handles: list[RemovableHandle] = []
+
+    def __enter__(self) -> AttentionRecorder:
+        for name, module in self.modules.items():
+            if attention_kind(module) == "torch":
+                self._handles.append(module.register_forward_pre_hook(_per_head_weights, with_kwargs=True))
+                self._handles.append(module.register_forward_hook(partial(self._torch_weights, name)))
+            else:
+                keep = partial(self._keep, name)
+                self._handles.append(module.qkv.register_forward_hook(lambda m, i, o, keep=keep: keep("qkv", o)))
+                self._handles.append(module.q_norm.register_forward_hook(lambda m, i, o, keep=keep: keep("q", o)))
+                self._handles.append(module.k_norm.register_forward_hook(partial(self._timm_probabilities, name)))
+                self._handles.append(module.norm.register_forward_pre_hook(partial(self._timm_output, name)))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._gradient_of.clear()
+        self._parts.clear()
+
+    def _keep(self, name: str, part: str, value: Tensor) -> None:
+        self._parts.setdefault(name, {})[part] = value
+
+    def _torch_weights(self, name: str, module: nn.Module, inputs: Any, output: Any) -> None:
+        weights = output[1]
+        if weights is None or weights.dim() != 4:
+            raise LayerError(f"attention {name!r} returned no per-head weights")
+        self._probabilities[name] = weights.detach()
+        if self.record_gradients:
+            if weights._base is None:
+                raise LayerError(f"attention {name!r}: PyTorch returned weights outside the graph")
+            self._gradient_of[name] = (weights._base, lambda grad, shape=weights.shape: grad.reshape(shape))
+
+    def _timm_probabilities(self, name: str, module: nn.Module, inputs: Any, k: Tensor) -> None:
+        q = self._parts[name]["q"]
+        logits = (q.detach() * self.modules[name].scale) @ k.detach().transpose(-2, -1)
+        self._probabilities[name] = logits.float().softmax(dim=-1).to(q.dtype)
+
+    def _timm_output(self, name: str, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if not self.record_gradients:
+            return
+        merged = args[0]  # the heads' outputs O = A v, merged: (N, T, heads * head dim)
+        n, tokens, _ = merged.shape
+        heads = self.modules[name].num_heads
+        v = self._parts[name]["qkv"].detach().reshape(n, tokens, 3, heads, -1)[:, :, 2].transpose(1, 2)
+
+        def to_probabilities(grad: Tensor) -> Tensor:  # dS/dA = dS/dO v^T, head by head
+            return grad.reshape(n, tokens, heads, -1).transpose(1, 2) @ v.transpose(-2, -1)
+
+        self._gradient_of[name] = (merged, to_probabilities)
+
+    def forward(self, model: Callable[[Tensor], Any], x: Tensor) -> Any:
+        """Run the model on ``x``, recording every module's probabilities (and the graph, for gradients)."""
+        self._probabilities.clear()
+        output = model(x.detach().requires_grad_(True) if self.record_gradients else x)
+        missing = [name for name in self.modules if name not in self._probabilities]
+        if missing:
+            raise LayerError(f"attention {missing[0]!r} did not run during the forward pass")
+        self.activations = {self.name: torch.stack([self._probabilities[n] for n in self.modules], dim=1)}
+        return output
+
+    def backward(self, score: Tensor) -> dict[str, Tensor]:
+        """The gradient of the scalar ``score`` with respect to every module's probabilities, stacked like
+        them: ``{name: dS/dA}``, (N, layers, heads, T, T)."""
+        tensors = [self._gradient_of[name][0] for name in self.modules]
+        grads = torch.autograd.grad(score, tensors, retain_graph=True, allow_unused=True)
+        per_layer = [
+            self._gradient_of[name][1](torch.zeros_like(tensor) if grad is None else grad)
+            for name, tensor, grad in zip(self.modules, tensors, grads)
+        ]
+        return {self.name: torch.stack(per_layer, dim=1)}
+
+
+def _per_head_weights(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """Make an ``nn.MultiheadAttention`` call return its per-head probabilities."""
+    return args, {**kwargs, "need_weights": True, "average_attn_weights": False}
