@@ -212,3 +212,25 @@ def test_timm_model_without_weights_offline_names_the_way_out(tmp_path) -> None:
     offline, unknown = found.stdout.splitlines()
     assert "cannot get the pretrained weights of timm/vit_tiny_patch16_224" in offline and "--weights FILE" in offline
     assert unknown.startswith("unknown timm model 'vit_tiny_patch16_22'; did you mean: timm/vit_tiny_patch16_224")
+
+
+def test_huggingface_vit_from_a_random_config() -> None:
+    """A HuggingFace image classifier: its ModelOutput's logits are read, its tokens laid out on its patch grid,
+    and the automatic layer is the last layer's ``layernorm_before``; no download (a random config)."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    config = ViTConfig(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, num_labels=10,
+    )  # fmt: skip
+    model = ViTForImageClassification(config).eval()
+    x = torch.randn(2, 3, 32, 32)
+    result = explain.GradCAM(model)(x, [1, 2], normalize=False, resize=False)
+    norms = [name for name, _ in model.named_modules() if name.endswith("layernorm_before")]
+    assert result.layer == norms[-1]
+    a, g = capture_score(model, x, result.layer, lambda output: output.logits[range(2), [1, 2]])
+    a, g = (t[:, 1:].transpose(1, 2).reshape(2, -1, 4, 4) for t in (a, g))  # class token, then a 4 x 4 grid
+    expected = (g.mean(dim=(2, 3))[..., None, None] * a).sum(dim=1).clamp(min=0)
+    assert expected.abs().max() > 0
+    assert (result.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
