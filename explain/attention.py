@@ -12,7 +12,9 @@ Two kinds of attention module are read, each through the hook APIs, for one call
   follows from the attention's output O = A v: ∂s/∂A = (∂s/∂O) vᵀ, with ∂s/∂O taken where the
   heads' outputs enter the module's ``norm``.
 
-Other attention modules are refused with an error that names their type.
+Other attention modules (EVA's rotary embedding, BEiT's relative position bias, HuggingFace's) are not read:
+named, they are an error that names their type; by default the rollout takes the readable ones and refuses a
+model with none. A timm attention called with a mask is refused too.
 """
 
 from __future__ import annotations
@@ -27,14 +29,16 @@ from torch.utils.hooks import RemovableHandle
 
 from .errors import LayerError
 
-TIMM_PARTS = ("qkv", "q_norm", "k_norm", "norm", "scale", "num_heads")
+# timm's plain attention (ViT, DeiT, register ViTs), where timm 1.x and 0.9 define it. Not its relatives with the
+# same parts (EVA's rotary embedding, BEiT's relative position bias): their probabilities are not softmax(q k^T).
+TIMM_ATTENTION = {("timm.layers.attention", "Attention"), ("timm.models.vision_transformer", "Attention")}
 
 
 def attention_kind(module: nn.Module) -> str | None:
-    """``"torch"`` for ``nn.MultiheadAttention``, ``"timm"`` for timm's ``Attention``, else None."""
+    """``"torch"`` for ``nn.MultiheadAttention``, ``"timm"`` for timm's plain ``Attention``, else None."""
     if isinstance(module, nn.MultiheadAttention):
         return "torch"
-    return "timm" if all(hasattr(module, part) for part in TIMM_PARTS) else None
+    return "timm" if (type(module).__module__, type(module).__name__) in TIMM_ATTENTION else None
 
 
 def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -77,6 +81,7 @@ class AttentionRecorder:
                 self._handles.append(module.register_forward_pre_hook(_per_head_weights, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(partial(self._torch_weights, name)))
             else:
+                self._handles.append(module.register_forward_pre_hook(partial(_unmasked, name), with_kwargs=True))
                 keep = partial(self._keep, name)
                 self._handles.append(module.qkv.register_forward_hook(lambda m, i, o, keep=keep: keep("qkv", o)))
                 self._handles.append(module.q_norm.register_forward_hook(lambda m, i, o, keep=keep: keep("q", o)))
@@ -142,6 +147,13 @@ class AttentionRecorder:
             for name, tensor, grad in zip(self.modules, tensors, grads)
         ]
         return {self.name: torch.stack(per_layer, dim=1)}
+
+
+def _unmasked(name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse a timm attention call with a mask: its probabilities would not be softmax(scale q k^T)."""
+    mask = kwargs.get("attn_mask", args[1] if len(args) > 1 else None)
+    if mask is not None or kwargs.get("is_causal", False):
+        raise LayerError(f"attention {name!r} is called with a mask, which the rollout does not read")
 
 
 def _per_head_weights(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:

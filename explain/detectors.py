@@ -74,7 +74,8 @@ def _is_proposal_network(module: nn.Module) -> bool:
 def sparse_box_heads(model: nn.Module) -> Iterator[None]:
     """For the block, differentiate a torchvision R-CNN's kept detections through their own proposals only.
 
-    Each ``RoIHeads`` in eval mode whose features require grad runs on detached features: no
+    The model's ``roi_heads`` (torchvision's ``GeneralizedRCNN``: Faster, Mask and Keypoint R-CNN), in eval
+    mode and with features that require grad, runs on detached features: no
     autograd graph over its thousand proposals. Each kept detection is then traced to the
     proposal it was decoded from (the same decode, softmax and clipping as torchvision's
     ``postprocess_detections``, compared exactly), and its boxes and scores are returned as
@@ -84,13 +85,14 @@ def sparse_box_heads(model: nn.Module) -> Iterator[None]:
     their gradient, since a row of the head depends on its own proposal alone (torchvision
     detaches the proposals). An image whose detections cannot all be traced gets the whole
     head run again with autograd, as torchvision would have run it. For the same reason the
-    ``RegionProposalNetwork``, whose outputs torchvision detaches in eval mode, runs on
-    detached features.
+    model's ``rpn``, whose outputs torchvision detaches in eval mode, runs on detached features.
+    A detector wrapped in another module is differentiated as it is, whole.
     """
     handles = []
-    for proposer in filter(_is_proposal_network, model.modules()):
+    proposer, head = getattr(model, "rpn", None), getattr(model, "roi_heads", None)  # torchvision's GeneralizedRCNN
+    if isinstance(proposer, nn.Module) and _is_proposal_network(proposer):
         handles.append(proposer.register_forward_pre_hook(_proposals_detached))
-    for head in filter(_is_box_head, model.modules()):
+    if isinstance(head, nn.Module) and _is_box_head(head):
         seen: dict[str, Any] = {}
         handles.append(head.register_forward_pre_hook(partial(_detach_features, seen)))
         handles.append(head.box_predictor.register_forward_hook(lambda m, i, o, seen=seen: seen.update(rows=o)))

@@ -479,7 +479,7 @@ class CAM:
         """How a layer's output becomes a map: the caller's ``reshape``, else found from its shape."""
         if self.reshape is not None:
             return Layout("reshape", reshape=self.reshape)
-        return find_layout(dict(self.model.named_modules()), name, activation.shape[1:], geometry)
+        return find_layout(self.model, name, activation.shape[1:], geometry)
 
     def _gradients(
         self, recorder: ActivationGradientRecorder, score: Tensor, x: Tensor, layouts: Mapping[str, Layout]

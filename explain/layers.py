@@ -167,15 +167,15 @@ def trace_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | 
         for handle in handles:
             handle.remove()
     geometry = Geometry(canvases[-1].size if canvases else tuple(x.shape[-2:]), grids[-1] if grids else None)
-    return [_as_map(modules, info, geometry) for info in infos.values()]
+    return [_as_map(model, info, geometry) for info in infos.values()]
 
 
-def _as_map(modules: Mapping[str, nn.Module], info: LayerInfo, geometry: Geometry) -> LayerInfo:
+def _as_map(model: nn.Module, info: LayerInfo, geometry: Geometry) -> LayerInfo:
     """The info with its map shape and layout, where its output is a map of the image."""
     if info.shape is None:
         return info
     try:
-        layout = find_layout(modules, info.name, info.shape, geometry)
+        layout = find_layout(model, info.name, info.shape, geometry)
     except LayerError:
         return info
     probe = layout(torch.empty(1, *info.shape, device="meta"))

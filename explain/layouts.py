@@ -21,7 +21,7 @@ that names ``reshape=``, a callable the caller passes to lay the output out itse
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -113,10 +113,8 @@ WAY_OUT = (
 )
 
 
-def find_layout(modules: Mapping[str, nn.Module], name: str, shape: Sequence[int], geometry: Geometry) -> Layout:
-    """How the output of layer ``name`` (per-image ``shape``, batch axis left out) becomes a map.
-
-    ``modules`` are the model's modules by dotted name (``dict(model.named_modules())``).
+def find_layout(model: nn.Module, name: str, shape: Sequence[int], geometry: Geometry) -> Layout:
+    """How the output of layer ``name`` of ``model`` (per-image ``shape``, batch axis left out) becomes a map.
 
     Raises:
         LayerError: The layer lies inside an attention module, its output is no map of the
@@ -124,7 +122,7 @@ def find_layout(modules: Mapping[str, nn.Module], name: str, shape: Sequence[int
     """
     module_name = layer_entry(name)[0]
     for outer in (module_name.rsplit(".", depth)[0] for depth in range(1, module_name.count(".") + 1)):
-        if is_attention(modules[outer]):
+        if is_attention(model.get_submodule(outer)):
             raise LayerError(
                 f"layer {name!r} lies inside the attention module {outer!r}: its outputs are attention weights "
                 f"or heads, not a map of the image; {WAY_OUT}"
@@ -133,7 +131,7 @@ def find_layout(modules: Mapping[str, nn.Module], name: str, shape: Sequence[int
     if len(shape) == 3:
         first, last = _fits(shape[1], shape[2], geometry.size), _fits(shape[0], shape[1], geometry.size)
         if first and last:
-            telling = _channels_last_module(modules[module_name])
+            telling = _channels_last_module(model.get_submodule(module_name))
             if telling is None:
                 raise LayerError(f"layer {name!r} outputs {shape}, which reads as channels first or last; {WAY_OUT}")
             first = not telling

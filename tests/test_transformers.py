@@ -234,3 +234,32 @@ def test_huggingface_vit_from_a_random_config() -> None:
     expected = (g.mean(dim=(2, 3))[..., None, None] * a).sum(dim=1).clamp(min=0)
     assert expected.abs().max() > 0
     assert (result.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_clip_vision_tower_explains_a_similarity() -> None:
+    """CLIP's vision tower (HuggingFace, random config): the similarity of its image embedding to a reference
+    (a text embedding, say), explained at the input of its last attention."""
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    from explain.targets import SimilarityTarget
+
+    torch.manual_seed(0)
+    config = CLIPVisionConfig(
+        image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, projection_dim=16,
+    )  # fmt: skip
+    model = CLIPVisionModelWithProjection(config).eval()
+    x, text = torch.randn(2, 3, 32, 32), torch.randn(16)
+    target = SimilarityTarget(text, output="image_embeds")
+    result = explain.GradCAM(model)(x, target, normalize=False, resize=False)
+    norms = [name for name, _ in model.named_modules() if name.endswith("layer_norm1")]
+    assert result.layer == norms[-1]
+
+    def similarity(output):
+        return torch.cosine_similarity(output.image_embeds, text[None], dim=1)
+
+    a, g = capture_score(model, x, result.layer, similarity)
+    a, g = (t[:, 1:].transpose(1, 2).reshape(2, -1, 4, 4) for t in (a, g))
+    expected = (g.mean(dim=(2, 3))[..., None, None] * a).sum(dim=1).clamp(min=0)
+    assert expected.abs().max() > 0
+    assert (result.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
