@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torchvision
+from timing import emit, interleaved_medians
 
 import explain
 from explain.targets import DetectionTarget
@@ -56,15 +55,8 @@ def main() -> None:
         pgc = PGCGradCAM(model=model, target_layers=[model.get_submodule(LAYER)])
         target = FasterRCNNBoxScoreTarget(label, box)
         runs["pytorch-grad-cam GradCAM + FasterRCNNBoxScoreTarget"] = lambda: pgc(x, targets=[target])
-    for run in runs.values():  # warm-up
-        run()
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(args.rounds):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-    base = statistics.median(times["inference forward"])
+    medians = interleaved_medians(runs, args.rounds)
+    base = medians["inference forward"]
     lines = [
         f"fasterrcnn_mobilenet_v3_large_fpn, random weights, one 480x640 image, layer `{LAYER}`, "
         f"torch {torch.__version__}, median of {args.rounds} interleaved rounds.",
@@ -72,14 +64,8 @@ def main() -> None:
         "| contender | median (ms) | × inference |",
         "|---|---:|---:|",
     ]
-    for name, seconds in times.items():
-        median = statistics.median(seconds)
-        lines.append(f"| {name} | {1000 * median:.1f} | {median / base:.2f} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(table + "\n")
+    lines += [f"| {name} | {1000 * median:.1f} | {median / base:.2f} |" for name, median in medians.items()]
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
-import time
 from collections.abc import Callable
 
 import numpy as np
 import timm
 import torch
+from timing import emit, interleaved_medians
 
 import explain
 
@@ -52,21 +51,13 @@ def measure(model: torch.nn.Module, batch: int, rounds: int) -> list[str]:
 
         pgc = PGCGradCAM(model=model, target_layers=[model.get_submodule(LAYER)], reshape_transform=tokens_to_map)
         runs["pytorch-grad-cam GradCAM"] = lambda: pgc(x, targets=None)
-    results = {name: run() for name, run in runs.items()}  # warm-up, and the maps compared
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-    base = statistics.median(times["inference forward"])
-    ours = results["explain GradCAM"].flatten().numpy()
+    ours = runs["explain GradCAM"]().flatten().numpy()
+    theirs = np.asarray(runs["pytorch-grad-cam GradCAM"]()).flatten() if "pytorch-grad-cam GradCAM" in runs else None
+    medians = interleaved_medians(runs, rounds)
+    base = medians["inference forward"]
     rows = []
-    for name, seconds in times.items():
-        median = statistics.median(seconds)
-        r = ""
-        if name == "pytorch-grad-cam GradCAM":
-            r = f"{np.corrcoef(ours, np.asarray(results[name]).flatten())[0, 1]:.5f}"
+    for name, median in medians.items():
+        r = f"{np.corrcoef(ours, theirs)[0, 1]:.5f}" if name == "pytorch-grad-cam GradCAM" else ""
         rows.append(f"| {batch} | {name} | {1000 * median:.1f} | {median / base:.2f} | {r} |")
     return rows
 
@@ -90,11 +81,7 @@ def main() -> None:
         rows = measure(model, batch, args.rounds)
         print("\n".join(rows), flush=True)
         lines += rows
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(table + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

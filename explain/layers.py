@@ -118,6 +118,11 @@ class LayerInfo:
         """Whether the output is a map of the image (C, h, w) with h, w > 1."""
         return self.map_shape is not None and min(self.map_shape[1:]) > 1
 
+    @property
+    def candidate(self) -> bool:
+        """Whether a CAM can explain the layer: its output is a map of the image, and it runs once per forward."""
+        return self.spatial and self.calls == 1
+
 
 def trace_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> list[LayerInfo]:
     """Every named module that runs when the model sees x's first image, in the order they finish, each
@@ -186,7 +191,7 @@ def candidate_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any
     """The layers a CAM can explain at x's input size: modules that run once per forward and
     whose output is a map of the image (see :mod:`explain.layouts`) with h, w > 1, in the order
     they finish (one forward pass)."""
-    return [info for info in trace_layers(model, x, model_kwargs) if info.spatial and info.calls == 1]
+    return [info for info in trace_layers(model, x, model_kwargs) if info.candidate]
 
 
 BACKBONE = "backbone"  # torchvision's detectors and segmenters: the module whose dict of maps feeds the heads
@@ -212,7 +217,7 @@ def find_auto_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any
         LayerError: No module of the model produces a spatial map.
     """
     infos = trace_layers(model, x, model_kwargs)
-    candidates = [info for info in infos if info.spatial and info.calls == 1]
+    candidates = [info for info in infos if info.candidate]
     if not candidates:
         raise LayerError("no layer of the model outputs a map of the image (N, C, H, W); pass layer=")
     entries = [(info.name, *layer_entry(info.name)) for info in candidates]

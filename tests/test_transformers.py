@@ -214,25 +214,38 @@ def test_timm_model_without_weights_offline_names_the_way_out(tmp_path) -> None:
     assert unknown.startswith("unknown timm model 'vit_tiny_patch16_22'; did you mean: timm/vit_tiny_patch16_224")
 
 
+# A HuggingFace vision transformer small enough for the suite: 32 x 32 inputs, 8-pixel patches, two layers.
+TINY_HF = {
+    "image_size": 32,
+    "patch_size": 8,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+}
+
+
+def token_reference(model: nn.Module, x: torch.Tensor, layer: str, score) -> torch.Tensor:
+    """Grad-CAM of a 32 x 32 input's tokens at a layer: the class token dropped, a 4 x 4 grid of 8-pixel patches."""
+    a, g = capture_score(model, x, layer, score)
+    a, g = (t[:, 1:].transpose(1, 2).reshape(len(t), -1, 4, 4) for t in (a, g))
+    expected = (g.mean(dim=(2, 3))[..., None, None] * a).sum(dim=1).clamp(min=0)
+    assert expected.abs().max() > 0
+    return expected
+
+
 def test_huggingface_vit_from_a_random_config() -> None:
     """A HuggingFace image classifier: its ModelOutput's logits are read, its tokens laid out on its patch grid,
     and the automatic layer is the last layer's ``layernorm_before``; no download (a random config)."""
     from transformers import ViTConfig, ViTForImageClassification
 
     torch.manual_seed(0)
-    config = ViTConfig(
-        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, num_labels=10,
-    )  # fmt: skip
-    model = ViTForImageClassification(config).eval()
+    model = ViTForImageClassification(ViTConfig(**TINY_HF, num_labels=10)).eval()
     x = torch.randn(2, 3, 32, 32)
     result = explain.GradCAM(model)(x, [1, 2], normalize=False, resize=False)
     norms = [name for name, _ in model.named_modules() if name.endswith("layernorm_before")]
     assert result.layer == norms[-1]
-    a, g = capture_score(model, x, result.layer, lambda output: output.logits[range(2), [1, 2]])
-    a, g = (t[:, 1:].transpose(1, 2).reshape(2, -1, 4, 4) for t in (a, g))  # class token, then a 4 x 4 grid
-    expected = (g.mean(dim=(2, 3))[..., None, None] * a).sum(dim=1).clamp(min=0)
-    assert expected.abs().max() > 0
+    expected = token_reference(model, x, result.layer, lambda output: output.logits[range(2), [1, 2]])
     assert (result.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
@@ -244,11 +257,7 @@ def test_clip_vision_tower_explains_a_similarity() -> None:
     from explain.targets import SimilarityTarget
 
     torch.manual_seed(0)
-    config = CLIPVisionConfig(
-        image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, projection_dim=16,
-    )  # fmt: skip
-    model = CLIPVisionModelWithProjection(config).eval()
+    model = CLIPVisionModelWithProjection(CLIPVisionConfig(**TINY_HF, projection_dim=16)).eval()
     x, text = torch.randn(2, 3, 32, 32), torch.randn(16)
     target = SimilarityTarget(text, output="image_embeds")
     result = explain.GradCAM(model)(x, target, normalize=False, resize=False)
@@ -258,8 +267,5 @@ def test_clip_vision_tower_explains_a_similarity() -> None:
     def similarity(output):
         return torch.cosine_similarity(output.image_embeds, text[None], dim=1)
 
-    a, g = capture_score(model, x, result.layer, similarity)
-    a, g = (t[:, 1:].transpose(1, 2).reshape(2, -1, 4, 4) for t in (a, g))
-    expected = (g.mean(dim=(2, 3))[..., None, None] * a).sum(dim=1).clamp(min=0)
-    assert expected.abs().max() > 0
+    expected = token_reference(model, x, result.layer, similarity)
     assert (result.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()

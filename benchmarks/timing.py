@@ -1,0 +1,30 @@
+"""What the benchmarks share: interleaved timing rounds, and the table written out."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+def interleaved_medians(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """The median seconds of each run over ``rounds`` rounds, the runs interleaved within a round (so that a
+    slow moment of the machine costs every contender alike); each run is called once first, as a warm-up."""
+    for run in runs.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
+
+
+def emit(lines: list[str], out: str | None) -> None:
+    """Print the table, and write it to ``out`` when given."""
+    table = "\n".join(lines)
+    print(table)
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(table + "\n")
