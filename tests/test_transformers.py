@@ -269,3 +269,15 @@ def test_clip_vision_tower_explains_a_similarity() -> None:
 
     expected = token_reference(model, x, result.layer, similarity)
     assert (result.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_perturbation_methods_on_tokens() -> None:
+    """Score-CAM masks the input with the laid-out maps, so it takes tokens; Ablation-CAM would put a map in
+    place of the tokens, so it refuses them."""
+    model = build("registers")
+    x = torch.randn(2, 3, 64, 64)
+    cams = explain.cam(model, x, "scorecam", "blocks.1.norm1", [3, 7], batch_size=64)
+    assert cams.shape == (2, 64, 64) and torch.isfinite(cams).all() and (cams.flatten(1).amax(dim=1) > 0).all()
+    with pytest.raises(explain.LayerError, match=r"Ablation-CAM .* not tokens: 5 prefix, 4x4 patches"):
+        explain.cam(model, x, "ablationcam", "blocks.1.norm1", [3, 7])
+    assert hook_count(model) == 0
