@@ -312,7 +312,7 @@ class _Exporter:
                 return [partial(self.record, group[0].item, targets=[], note=f"nothing to explain: {err.reason}")]
         except (LayerError, TargetError):
             raise
-        except RuntimeError as err:
+        except (RuntimeError, AssertionError) as err:  # the model's own refusal of an input (timm asserts sizes)
             if len(group) == 1:
                 return [partial(self.record, group[0].item, f"{group[0].item.name}: {first_line(err)}")]
         return [job for member in group for job in self.explain_robustly([member])]

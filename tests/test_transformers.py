@@ -197,6 +197,13 @@ def test_timm_model_by_name_with_a_checkpoint(tmp_path) -> None:
     assert target["score"] == pytest.approx(float(probabilities.max()), abs=1e-4)
     assert Image.open(target["output"]).size == Image.open(CAT).size
 
+    # A ViT of fixed input size refuses the aspect-kept 224 x 337 input: a one-line error for that input, exit 1.
+    kept = tmp_path / "kept"
+    args = [str(CAT), "--model", "timm/vit_tiny_patch16_224", "--weights", str(weights), "--keep-aspect"]
+    assert main([*args, "-o", str(kept)]) == 1
+    (failed,) = [json.loads(line) for line in (kept / "manifest.jsonl").read_text().splitlines()]
+    assert "chelsea.png: Input width (337) doesn't match model (224)" in failed["error"]
+
 
 def test_timm_model_without_weights_offline_names_the_way_out(tmp_path) -> None:
     script = (
