@@ -192,12 +192,13 @@ def _probe(spec: ModelSpec, size: str) -> torch.Tensor:
 
 def layer_table(spec: ModelSpec, x: torch.Tensor) -> str:
     """The model's layers with spatial outputs at x's size, the automatic choice marked."""
-    from .layers import candidate_layers, find_auto_layers
+    from .layers import choose_auto_layers, trace_layers
 
-    candidates = candidate_layers(spec.model, x)
+    infos = trace_layers(spec.model, x)  # one forward serves the list and the automatic choice
+    candidates = [info for info in infos if info.candidate]
     if not candidates:
         return f"{spec.name} at {x.shape[-2]}x{x.shape[-1]}: no layer outputs a spatial map"
-    automatic = find_auto_layers(spec.model, x)
+    automatic = choose_auto_layers(spec.model, infos)
     mark = "  <- automatic choice" + (" (fused)" if len(automatic) > 1 else "")
     width = max(len(info.name) for info in candidates)
     lines = [f"{spec.name} at {x.shape[-2]}x{x.shape[-1]}: layers whose output is a map (C x H x W), in order"]

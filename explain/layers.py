@@ -216,7 +216,15 @@ def find_auto_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any
     Raises:
         LayerError: No module of the model produces a spatial map.
     """
-    infos = trace_layers(model, x, model_kwargs)
+    return choose_auto_layers(model, trace_layers(model, x, model_kwargs))
+
+
+def choose_auto_layers(model: nn.Module, infos: list[LayerInfo]) -> list[str]:
+    """The automatic target layers (see :func:`find_auto_layers`) among a forward pass's traced layers.
+
+    Raises:
+        LayerError: No module of the model produces a spatial map.
+    """
     candidates = [info for info in infos if info.candidate]
     if not candidates:
         raise LayerError("no layer of the model outputs a map of the image (N, C, H, W); pass layer=")

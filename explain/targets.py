@@ -368,11 +368,15 @@ class SegmentationTarget(Target):
         n, num_classes = logits.shape[:2]
         winners = logits.argmax(dim=1)
         if self.classes is None:
-            present = [winners[i].unique() for i in range(n)]
-            present = [p[p != self.background] for p in present]
-            if not any(len(p) for p in present):
+            won = torch.zeros(n, num_classes, dtype=torch.bool, device=logits.device)
+            won.scatter_(1, winners.flatten(1), True)  # (N, classes): which classes win a pixel of each image
+            if self.background is not None:
+                won[:, self.background] = False
+            if not won.any():
                 raise NothingToExplain("no class but the background wins a pixel")
-            classes, _ = ragged(present, fill=-1)
+            index = torch.arange(num_classes, device=logits.device).expand(n, -1)
+            ranked = torch.where(won, index, num_classes).sort(dim=1).values[:, : int(won.sum(dim=1).max())]
+            classes = torch.where(ranked < num_classes, ranked, -1)  # each image's classes in order, then -1
         else:
             chosen = [class_index(c, labels, num_classes) for c in per_image(self.classes, n, "classes")]
             classes = torch.tensor(chosen, device=logits.device)[:, None]
@@ -518,14 +522,13 @@ class DetectionTarget(Target):
         boxes, valid = ragged([image_boxes for image_boxes, _ in refs])
         classes, _ = ragged([image_labels for _, image_labels in refs], fill=-1)
         plain = [self.matched(d, boxes[i], classes[i]) for i, d in enumerate(found)]
-        for i, (_, matched) in enumerate(plain):
-            missing = valid[i].cpu() & ~matched.cpu()
-            if missing.any():
-                j = int(missing.nonzero()[0])
-                box = [round(v, 1) for v in boxes[i, j].tolist()]
-                raise NothingToExplain(
-                    f"no detection of label {int(classes[i, j])} overlaps box {box} with IoU >= {self.iou}", i
-                )
+        missing = valid & ~torch.stack([matched for _, matched in plain])
+        if missing.any():
+            i, j = missing.nonzero()[0].tolist()
+            box = [round(v, 1) for v in boxes[i, j].tolist()]
+            raise NothingToExplain(
+                f"no detection of label {int(classes[i, j])} overlaps box {box} with IoU >= {self.iou}", i
+            )
 
         def score(out: Any, images: Tensor) -> Tensor:
             rows = self.detections(out)
