@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from .errors import LayerError
 from .maps import Canvas
+from .rows import RowsRecomputed
 
 
 @contextmanager
@@ -79,7 +80,7 @@ def sparse_box_heads(model: nn.Module) -> Iterator[None]:
     autograd graph over its thousand proposals. Each kept detection is then traced to the
     proposal it was decoded from (the same decode, softmax and clipping as torchvision's
     ``postprocess_detections``, compared exactly), and its boxes and scores are returned as
-    they are, joined to the features by :class:`_KeptRows`, whose backward recomputes, with
+    they are, joined to the features by :class:`explain.rows.RowsRecomputed`, whose backward recomputes, with
     autograd, only the rows whose gradient is asked for: RoI pooling, box head, predictor,
     softmax and box decoding of that one proposal. The values are torchvision's, and so is
     their gradient, since a row of the head depends on its own proposal alone (torchvision
@@ -128,26 +129,6 @@ def _decoded(head: nn.Module, regression: Tensor, proposals: list[Tensor], shape
     return [box_ops.clip_boxes_to_image(boxes, shape) for boxes, shape in zip(decoded, shapes)]
 
 
-class _KeptRows(torch.autograd.Function):
-    """The kept detections' values (D, 5): boxes and scores as computed without autograd, joined to the features
-    they came from. The backward recomputes, with autograd, the rows whose incoming gradient is not zero."""
-
-    @staticmethod
-    def forward(ctx: Any, recompute: Any, values: Tensor, *levels: Tensor) -> Tensor:
-        ctx.recompute = recompute
-        ctx.save_for_backward(*levels)
-        return values.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        levels = [level.detach().requires_grad_(True) for level in ctx.saved_tensors]
-        rows = grad.ne(0).any(dim=1).nonzero()[:, 0]
-        with torch.enable_grad():
-            recomputed = ctx.recompute(levels, rows)
-        grads = torch.autograd.grad(recomputed, levels, grad[rows], allow_unused=True)
-        return (None, None, *grads)
-
-
 def _kept_rows_joined(seen: dict[str, Any], head: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
     if "features" not in seen:
         return None
@@ -178,7 +159,7 @@ def _kept_rows_joined(seen: dict[str, Any], head: nn.Module, args: tuple[Any, ..
         return torch.cat([boxes, F.softmax(row_logits, -1)[index, row_labels, None]], dim=1)
 
     values = torch.cat([torch.cat([d["boxes"], d["scores"][:, None]], dim=1) for d in result])
-    joined = _KeptRows.apply(recompute, values, *features.values()).split([len(rows) for rows in traced])
+    joined = RowsRecomputed.apply(recompute, None, values, *features.values()).split([len(rows) for rows in traced])
     return [{**d, "boxes": v[:, :4], "scores": v[:, 4]} for d, v in zip(result, joined)], losses
 
 

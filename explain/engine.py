@@ -7,8 +7,9 @@ weights (:meth:`CAM.weights`), its element-wise weighted activations
 One call costs one forward pass plus a backward pass through the part of the
 network after the target layer: parameters' gradients are switched off for the
 call, so autograd records nothing before the layer and computes no weight
-gradient (see :mod:`explain.hooks`). All map arithmetic is batched torch on the
-input's device.
+gradient (see :mod:`explain.hooks`); there, a sequence model's position-wise layers are differentiated only
+at the rows the score reaches (see :mod:`explain.rows`). All map arithmetic is batched torch on the input's
+device.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .layers import LayerSpec, auto_layers, resolve_layer
 from .layouts import Geometry, Layout, Reshape, find_layout, grids_recorded
 from .maps import normalize_maps, postprocess, principal_projection, upsample
 from .model_state import untouched
+from .rows import positionwise_rows
 from .targets import BoundAlready, BoundTarget, Target, TargetLike, as_target
 
 
@@ -412,6 +414,7 @@ class CAM:
             canvas_recorded(self.model) as canvases,
             grids_recorded(self.model) as grids,
             sparse_box_heads(self.model),
+            positionwise_rows(self.model, skip=hooked.values()),
             recording as recorder,
         ):
             output = recorder.forward(partial(self.model, **model_kwargs), x)
