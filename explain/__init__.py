@@ -41,10 +41,15 @@ _EXPORTS = {
     **dict.fromkeys(["FAST_METHODS", "METHODS", "cam", "create_method", "gradcam"], "methods"),
 }
 
-__all__ = ["__version__", *sorted(_EXPORTS)]
+__all__ = ["__version__", "metrics", *sorted(_EXPORTS)]
+
+
+_SUBPACKAGES = {"metrics"}  # reached as explain.metrics after a plain ``import explain``
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return import_module(f".{name}", __name__)
     if name not in _EXPORTS:
         raise AttributeError(f"module 'explain' has no attribute {name!r}")
     value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
@@ -53,4 +58,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+    return sorted({*globals(), *_EXPORTS, *_SUBPACKAGES})

@@ -1,0 +1,40 @@
+"""How faithful a map is: the field's evaluation metrics, batched on the input's device.
+
+Each model-based metric takes the model, the images ``x`` (N, C, H, W), one map per image (N, h, w) at any
+resolution (``result.cams``) and the target the maps explain (``result.target``, or a class, or None for the
+top class), and returns per-image values; every perturbed copy of every image goes through the model in chunks
+of ``batch_size``, and the model is left as it was.
+
+Files: ``scoring.py`` (binding the target and scoring perturbed copies), ``perturbation.py`` (deletion,
+insertion, ROAD), ``imputation.py`` (RISE's blur, ROAD's noisy linear imputer), ``confidence.py`` (Average
+Drop, Increase in Confidence, Average Gain), ``pointing.py`` (the pointing games), ``sanity.py`` (cascading
+randomization).
+
+>>> result = explain.GradCAM(model)(x)
+>>> explain.metrics.deletion(model, x, result.cams, result.target).auc   # (N,), lower is better
+"""
+
+from .confidence import ConfidenceChange, average_drop, average_gain, increase_in_confidence
+from .imputation import gaussian_blur, noisy_linear_imputation
+from .perturbation import CurveResult, RoadResult, deletion, insertion, road
+from .pointing import energy_pointing_game, pointing_game
+from .sanity import SanityResult, cascading_blocks, sanity_check
+
+__all__ = [
+    "ConfidenceChange",
+    "CurveResult",
+    "RoadResult",
+    "SanityResult",
+    "average_drop",
+    "average_gain",
+    "cascading_blocks",
+    "deletion",
+    "energy_pointing_game",
+    "gaussian_blur",
+    "increase_in_confidence",
+    "insertion",
+    "noisy_linear_imputation",
+    "pointing_game",
+    "road",
+    "sanity_check",
+]

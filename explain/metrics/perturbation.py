@@ -1,0 +1,230 @@
+"""Metrics that remove pixels in the order a map ranks them and watch the explained score: deletion and insertion
+(RISE) and ROAD.
+
+Pixels are ranked by the map upsampled (bilinearly) to the input, highest first; equal values keep raster order.
+Every perturbed copy of every image is built on the input's device, a chunk of ``batch_size`` at a time, and
+scored by the metric's target (see :func:`explain.metrics.scoring.scorer`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import ExplainError
+from ..targets import TargetLike
+from .imputation import gaussian_blur, noisy_linear_imputation
+from .scoring import MetricScore, input_maps, scorer
+
+Baseline = float | Tensor | str
+
+
+@dataclass(frozen=True)
+class CurveResult:
+    """A deletion or insertion curve per image.
+
+    Attributes:
+        auc: The area under each curve by the trapezoid rule over the fraction of pixels changed, (N,); in
+            [0, 1] for probabilities.
+        curve: The explained score after each step, (N, steps + 1); column 0 is before any pixel changed.
+        fractions: The fraction of pixels changed at each step, (steps + 1,), from 0 to 1.
+    """
+
+    auc: Tensor
+    curve: Tensor
+    fractions: Tensor
+
+
+def ranks(maps: Tensor) -> Tensor:
+    """Each pixel's place in its map's order, highest value first (0) and ties in raster order, (N, H*W)."""
+    flat = maps.flatten(1)
+    order = flat.argsort(dim=1, descending=True, stable=True)
+    places = torch.arange(flat.shape[1], device=flat.device).expand_as(order)
+    return torch.empty_like(order).scatter_(1, order, places)
+
+
+def _substrate(x: Tensor, baseline: Baseline, metric: str) -> Tensor:
+    """What removed pixels show: a constant, a tensor broadcast to x, or ``"blur"`` (see :func:`gaussian_blur`)."""
+    if isinstance(baseline, str):
+        if baseline != "blur":
+            raise ExplainError(f"{metric}: baseline must be a number, a tensor or 'blur', got {baseline!r}")
+        return gaussian_blur(x)
+    if isinstance(baseline, Tensor):
+        try:
+            return baseline.to(x.device, x.dtype).expand_as(x)
+        except RuntimeError:
+            raise ExplainError(
+                f"{metric}: a baseline of shape {tuple(baseline.shape)} does not broadcast to the images' "
+                f"{tuple(x.shape)}"
+            ) from None
+    return torch.full_like(x, float(baseline))
+
+
+def _curve(
+    metric: str,
+    model: nn.Module,
+    x: Tensor,
+    maps: Tensor,
+    target: TargetLike,
+    start: Baseline | None,
+    end: Baseline | None,
+    steps: int,
+    score: MetricScore,
+    batch_size: int,
+    model_kwargs: Mapping[str, Any] | None,
+) -> CurveResult:
+    """Pixels turned, in the map's order, from ``start`` to ``end`` (None: the image itself) in ``steps`` equal
+    steps, the explained score after each."""
+    scoring = scorer(model, x, target, score, metric, batch_size, model_kwargs)
+    if steps < 1:
+        raise ExplainError(f"{metric}: steps must be >= 1, got {steps}")
+    order = ranks(input_maps(maps.to(x.device), len(x), x.shape[-2:], metric))
+    before = x if start is None else _substrate(x, start, metric)
+    after = x if end is None else _substrate(x, end, metric)
+    pixels = order.shape[1]
+    counts = torch.round(torch.arange(steps + 1, device=x.device) * pixels / steps).long()
+    images = torch.arange(len(x), device=x.device).repeat_interleave(steps + 1)
+    step = torch.arange(steps + 1, device=x.device).repeat(len(x))
+
+    def make(rows: Tensor) -> Tensor:
+        changed = (order[images[rows]] < counts[step[rows], None]).view(len(rows), 1, *x.shape[-2:])
+        return torch.where(changed, after[images[rows]], before[images[rows]])
+
+    curve = scoring.copies(images, make).view(len(x), steps + 1)
+    fractions = counts.float() / pixels
+    return CurveResult(torch.trapezoid(curve, fractions, dim=1), curve, fractions)
+
+
+def deletion(
+    model: nn.Module,
+    x: Tensor,
+    maps: Tensor,
+    target: TargetLike = None,
+    *,
+    steps: int = 50,
+    baseline: Baseline = 0.0,
+    score: MetricScore = "probability",
+    batch_size: int = 16,
+    model_kwargs: Mapping[str, Any] | None = None,
+) -> CurveResult:
+    """Deletion (Petsiuk et al., BMVC 2018, RISE): the map's pixels, highest first, replaced by the baseline in
+    ``steps`` equal steps; a faithful map makes the score fall fast (a low AUC is better).
+
+    Args:
+        model: The model, run as it is, without autograd; left as it was.
+        x: The normalized images the maps explain, (N, C, H, W).
+        maps: One map per image, (N, h, w) at any resolution (``result.cams`` or ``result.raw``).
+        target: What the maps explain: None for each image's top class, a class or one per image, a
+            ``ClassTarget``, a result's bound target (``result.target``), or with ``score="target"`` any target.
+        steps: How many steps; each changes 1/steps of the pixels. 50 by default (2% a step); RISE's code
+            changes 224 pixels a step at 224x224, ``steps=224``.
+        baseline: What deleted pixels become in the normalized input: 0 (the dataset's mean colour, as RISE's
+            code), another number, a tensor broadcast to x, or ``"blur"``.
+        score: The explained class's softmax ``"probability"`` (RISE's), its ``"logit"``, or the target's own
+            score (``"target"``).
+        batch_size: Most perturbed copies per forward.
+        model_kwargs: Further keyword arguments of the model's forward.
+
+    Returns:
+        The AUC, the curve and the fraction deleted at each step.
+    """
+    return _curve("deletion", model, x, maps, target, None, baseline, steps, score, batch_size, model_kwargs)
+
+
+def insertion(
+    model: nn.Module,
+    x: Tensor,
+    maps: Tensor,
+    target: TargetLike = None,
+    *,
+    steps: int = 50,
+    baseline: Baseline = "blur",
+    score: MetricScore = "probability",
+    batch_size: int = 16,
+    model_kwargs: Mapping[str, Any] | None = None,
+) -> CurveResult:
+    """Insertion (Petsiuk et al., BMVC 2018, RISE): starting from the baseline, the map's pixels, highest first,
+    revealed in ``steps`` equal steps; a faithful map makes the score rise fast (a high AUC is better).
+
+    Args:
+        baseline: The start: ``"blur"`` (RISE's: an 11x11 Gaussian of sigma 5 over the normalized input, zero
+            padded), a number or a tensor broadcast to x.
+        Others: as for :func:`deletion`.
+
+    Returns:
+        The AUC, the curve and the fraction revealed at each step.
+    """
+    return _curve("insertion", model, x, maps, target, baseline, None, steps, score, batch_size, model_kwargs)
+
+
+@dataclass(frozen=True)
+class RoadResult:
+    """ROAD's scores per image and percentile.
+
+    Attributes:
+        percentiles: The percentages of pixels removed, (P,).
+        morf: The explained score with the map's most relevant pixels removed, (N, P): lower is better.
+        lerf: The score with its least relevant pixels removed, (N, P): higher is better.
+    """
+
+    percentiles: Tensor
+    morf: Tensor
+    lerf: Tensor
+
+    @property
+    def combined(self) -> Tensor:
+        """(LeRF - MoRF) / 2 averaged over the percentiles, (N,): higher is better."""
+        return (self.lerf - self.morf).mean(dim=1) / 2
+
+
+def road(
+    model: nn.Module,
+    x: Tensor,
+    maps: Tensor,
+    target: TargetLike = None,
+    *,
+    percentiles: Sequence[float] = (10, 20, 30, 40, 50, 60, 70, 80, 90),
+    noise: float = 0.01,
+    score: MetricScore = "probability",
+    batch_size: int = 16,
+    seed: int | None = 0,
+    model_kwargs: Mapping[str, Any] | None = None,
+) -> RoadResult:
+    """ROAD, RemOve And Debias (Rong et al., ICML 2022): at each percentile p, the map's p% most relevant pixels
+    (MoRF) or its p% least relevant (LeRF) are removed and filled by the noisy linear imputer (see
+    :func:`explain.metrics.imputation.noisy_linear_imputation`), which leaves little trace of the removed
+    shape for the model to read.
+
+    Args:
+        percentiles: Percentages of pixels removed, each in (0, 100).
+        noise: The imputer's noise, standard deviation in the normalized input's units (ROAD's 0.01).
+        seed: Seed of the noise, drawn on the input's device; None uses PyTorch's global generator.
+        Others: as for :func:`deletion`.
+
+    Returns:
+        The scores per image and percentile, MoRF and LeRF.
+    """
+    scoring = scorer(model, x, target, score, "road", batch_size, model_kwargs)
+    shares = torch.tensor([float(p) for p in percentiles], device=x.device)
+    if shares.dim() != 1 or len(shares) == 0 or not bool(((shares > 0) & (shares < 100)).all()):
+        raise ExplainError(f"road: percentiles must lie strictly between 0 and 100, got {list(percentiles)}")
+    order = ranks(input_maps(maps.to(x.device), len(x), x.shape[-2:], "road"))
+    pixels = order.shape[1]
+    counts = torch.round(shares / 100 * pixels).long()
+    generator = None if seed is None else torch.Generator(device=x.device).manual_seed(seed)
+    p = len(shares)
+    images = torch.arange(len(x), device=x.device).repeat_interleave(2 * p)  # per image: MoRF then LeRF
+    column = torch.arange(2 * p, device=x.device).repeat(len(x))
+
+    def make(rows: Tensor) -> Tensor:
+        place, count = order[images[rows]], counts[column[rows] % p, None]
+        most = column[rows, None] < p
+        removed = torch.where(most, place < count, place >= pixels - count)
+        return noisy_linear_imputation(x[images[rows]], removed, noise, generator)
+
+    scores = scoring.copies(images, make).view(len(x), 2, p)
+    return RoadResult(shares, scores[:, 0], scores[:, 1])
