@@ -57,6 +57,47 @@ METHOD_NAMES = [entry.name for entry in METHOD_CATALOG]
 ALL_METHODS = "all"  # the CLI's name for one comparison grid of every fast method per image
 
 
+@dataclass(frozen=True)
+class MetricEntry:
+    """One faithfulness metric of ``--metrics`` (see :mod:`explain.metrics`).
+
+    Attributes:
+        name: The name ``--metrics`` takes.
+        title: What each image's value is.
+        better: ``"lower"`` or ``"higher"``: which way a more faithful map moves it.
+    """
+
+    name: str
+    title: str
+    better: str
+
+
+METRIC_CATALOG: tuple[MetricEntry, ...] = (
+    MetricEntry("deletion", "deletion AUC (RISE)", "lower"),
+    MetricEntry("insertion", "insertion AUC (RISE)", "higher"),
+    MetricEntry("drop", "Average Drop, %", "lower"),
+    MetricEntry("increase", "Increase in Confidence, %", "higher"),
+    MetricEntry("gain", "Average Gain, %", "higher"),
+    MetricEntry("road", "ROAD, (LeRF - MoRF) / 2", "higher"),
+)
+METRIC_NAMES = [entry.name for entry in METRIC_CATALOG]
+
+
+def check_metrics(text: str) -> list[str]:
+    """The metric names of a comma-separated list, in catalog order.
+
+    Raises:
+        ExplainError: A name is not a metric's.
+    """
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in METRIC_NAMES]
+    if unknown or not names:
+        raise ExplainError(
+            f"unknown metric(s) {', '.join(map(repr, unknown)) or 'none given'}; known: {', '.join(METRIC_NAMES)}"
+        )
+    return [name for name in METRIC_NAMES if name in names]
+
+
 def check_method(name: str) -> None:
     """Refuse a name that is not a method's, suggesting close ones.
 

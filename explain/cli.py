@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
-from .catalog import ALL_METHODS, BUNDLED_MODEL, DEFAULT_MODEL, check_method, method_table
+from .catalog import ALL_METHODS, BUNDLED_MODEL, DEFAULT_MODEL, METRIC_NAMES, check_method, check_metrics, method_table
 from .errors import ExplainError
 from .inputs import Input, collect_inputs
 
@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a detector's least score of an explained detection, one overlay each (default 0.5)",
     )
     add("--topk", type=int, help="write one overlay for each of the K top classes")
+    add(
+        "--metrics",
+        help=f"faithfulness metrics of each map, comma-separated: {', '.join(METRIC_NAMES)}; each image's values "
+        "go into its manifest record, their means with 95%% intervals into metrics.json, metrics.csv and "
+        "metrics.png (deletion and insertion curves); a classifier's class only",
+    )
     add("--device", help="torch device (cpu, cuda, cuda:1, mps, ...); default: cuda if available, else cpu")
     add(
         "--batch-size",
@@ -118,6 +124,10 @@ def _check_options(args: argparse.Namespace) -> None:
         check_method(args.method)
     if args.method == ALL_METHODS and (args.topk or args.figure or args.save_raw):
         raise UsageError("--method all writes one comparison grid per image; drop --topk, --figure and --save-raw")
+    if args.metrics is not None:
+        args.metrics = check_metrics(args.metrics)
+        if args.method == ALL_METHODS or args.topk is not None:
+            raise UsageError("--metrics measures one map per image; drop --method all and --topk")
     if args.smooth_samples is not None and args.smooth_samples < 1:
         raise UsageError("--smooth-samples must be at least 1")
     if args.topk is not None and args.target is not None:
@@ -286,6 +296,8 @@ def _run(args: argparse.Namespace) -> int:
         class_index(target, spec.labels, len(spec.labels))
     if args.topk is not None and spec.task != "classification":
         raise UsageError(f"--topk explains a classifier's top classes; {spec.name} is a {spec.task} model")
+    if args.metrics and spec.task != "classification":
+        raise UsageError(f"--metrics scores a classifier's class; {spec.name} is a {spec.task} model")
     if args.topk is not None and args.topk > len(spec.labels):
         raise UsageError(f"--topk {args.topk} exceeds the model's {len(spec.labels)} classes")
     options = ExportOptions(
@@ -302,6 +314,7 @@ def _run(args: argparse.Namespace) -> int:
         save_raw=args.save_raw,
         figure=args.figure,
         keep_aspect=args.keep_aspect or None,
+        metrics=tuple(args.metrics or ()),
     )
     records = export_heatmaps(
         spec,
@@ -312,7 +325,24 @@ def _run(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         report=lambda record: _print_record(record, args.quiet),
     )
+    if args.metrics and any(record["targets"] for record in records):
+        _report_metrics(args.out, records, args.quiet)
     return EXIT_SOME_FAILED if any(record["error"] for record in records) else EXIT_OK
+
+
+def _report_metrics(out: Path, records: list[dict[str, Any]], quiet: bool) -> None:
+    """Write the metrics' summary files, and print their means with 95% intervals."""
+    from .metrics.report import write_summary
+
+    rows = write_summary(out, records)
+    if not quiet:
+        for row in rows:
+            low, high = row["ci95"]
+            print(
+                f"{row['method']} {row['metric']}: {row['mean']:.4g} (95% CI {low:.4g} to {high:.4g}, "
+                f"{row['images']} images, {row['better']} is better)"
+            )
+        print(f"metrics: {out / 'metrics.csv'}, {out / 'metrics.json'}, {out / 'metrics.png'}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

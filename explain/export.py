@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from . import render
 from .catalog import ALL_METHODS
+from .engine import CAMResult
 from .errors import ImageLoadError, LayerError, NothingToExplain, TargetError, first_line
 from .image_io import load_image, save_array, save_image, write_atomically
 from .inputs import MANIFEST, Input, collect_inputs, mark_output_folder
@@ -28,7 +29,7 @@ from .models import ModelSpec
 from .targets import ClassTarget, DetectionTarget, SegmentationTarget, Target, TopK
 
 # Version of the manifest records' fields; 2: one list of explained targets per input, whatever the options.
-MANIFEST_SCHEMA = 2
+MANIFEST_SCHEMA = 3
 BACKGROUND = "__background__"  # the name of class 0 of torchvision's segmenters and detectors
 
 
@@ -52,6 +53,8 @@ class ExportOptions:
     explained follows from the model's task (see :func:`task_target`): ``target`` is a
     class index or name, ``topk`` a classifier's K top classes, ``score_threshold`` the
     least score of an explained detection. ``keep_aspect`` None resizes as the model does.
+    ``metrics`` names faithfulness metrics (``explain.catalog.METRIC_NAMES``) measured for each image's map,
+    one class per image.
     """
 
     method: str = "gradcam"
@@ -67,6 +70,7 @@ class ExportOptions:
     save_raw: bool = False
     figure: bool = False
     keep_aspect: bool | None = None
+    metrics: Sequence[str] = ()
 
 
 def task_target(spec: ModelSpec, options: ExportOptions) -> Target:
@@ -103,6 +107,8 @@ class _Explained:
     score: float
     box: list[float] | None  # x1, y1, x2, y2 in the original image's pixels
     region: torch.Tensor | None  # the region's weights at the model output's resolution
+    metrics: dict[str, float] | None = None  # each asked metric's value (see explain.metrics.report)
+    curves: dict[str, list[float]] | None = None  # the deletion and insertion curves among them
 
 
 def output_bases(inputs: Sequence[Input], out_dir: Path, files_for: Callable[[Path], list[Path]]) -> list[Path]:
@@ -231,6 +237,7 @@ class _Exporter:
         valid = torch.ones(classes.shape, dtype=torch.bool) if bound.valid is None else bound.valid.cpu()
         boxes = None if bound.boxes is None else bound.boxes.cpu()
         regions = None if bound.regions is None else bound.regions.cpu()
+        values, curves = self.measured(x, first)
         jobs = []
         for i, member in enumerate(group):
             width, height = member.image.size
@@ -244,12 +251,25 @@ class _Exporter:
                     score=float(scores[i, k]),
                     box=None if boxes is None else (boxes[i, k] * scale).tolist(),
                     region=None if regions is None else regions[i, k],
+                    metrics={name: round(float(v[i]), 6) for name, v in values.items()} if values else None,
+                    curves={name: [round(p, 6) for p in c[i].tolist()] for name, c in curves.items()} or None,
                 )
                 for k in valid[i].nonzero()[:, 0].tolist()
             ]
             raw = raws[i][valid[i]] if bound.keeps_k else raws[i, 0]
             jobs.append(partial(self.write, member, explained, raw, first.layer))
         return jobs
+
+    def measured(self, x: torch.Tensor, result: CAMResult) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The asked metrics of a batch's maps, per image, and the deletion and insertion curves among them."""
+        if not self.options.metrics:
+            return {}, {}
+        from .metrics.report import image_metrics
+
+        values, curves = image_metrics(
+            self.options.metrics, self.spec.model, x, result.cams, result.target, self.options.batch_size
+        )
+        return {k: v.cpu() for k, v in values.items()}, {k: c.cpu() for k, c in curves.items()}
 
     def write(self, member: _Loaded, explained: list[_Explained], raw: torch.Tensor, layer: str) -> dict[str, Any]:
         """Render and write one image's outputs (a map per target and method); returns its manifest record."""
@@ -278,6 +298,8 @@ class _Exporter:
                         "region": None if e.region is None else self.region_record(e.region, member.image.size),
                         "output": str(output),
                         "figure": str(figures[j]) if figures else None,
+                        "metrics": e.metrics,
+                        "curves": e.curves,
                     }
                 )
             if raw_path:

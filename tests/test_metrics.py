@@ -5,6 +5,8 @@ hand-placed maps and boxes, and a randomization whose effect on the map is known
 from __future__ import annotations
 
 import copy
+import csv
+import json
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ import scipy.sparse.linalg
 import scipy.stats
 import torch
 from conftest import ASSETS, CAT, COFFEE, hook_count, reference_gradcam, seeded
+from PIL import Image
 from torch import nn
 
 import explain
@@ -284,3 +287,62 @@ def test_random_maps_score_worse_than_gradcam_on_real_photos(lite0: explain.Mode
         gradcam = metric(model, x, result.cams, result.target, steps=16).auc
         random = metric(model, x, noise, result.target, steps=16).auc
         assert better(gradcam, random).all(), (metric.__name__, gradcam, random)
+
+
+def test_cli_metrics_in_the_manifest_and_the_summary_files(lite0: explain.ModelSpec, tmp_path, capsys) -> None:
+    from explain.cli import main
+
+    out = tmp_path / "out"
+    code = main(
+        [str(CAT), str(COFFEE), "--model", "efficientnet_lite0", "--metrics", "insertion,deletion,drop", "-o", str(out)]
+    )
+    assert code == 0
+    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    # Each image's values are the API's on the same images and maps.
+    x = lite0.preprocess([CAT, COFFEE])
+    result = explain.GradCAM(lite0.model)(x)
+    expected = {
+        "deletion": metrics.deletion(lite0.model, x, result.cams, result.target).auc,
+        "insertion": metrics.insertion(lite0.model, x, result.cams, result.target).auc,
+        "drop": metrics.average_drop(lite0.model, x, result.cams, result.target).value,
+    }
+    for i, record in enumerate(records):
+        (target,) = record["targets"]
+        assert list(target["metrics"]) == ["deletion", "insertion", "drop"]  # catalog order
+        for name, values in expected.items():
+            assert abs(target["metrics"][name] - float(values[i])) < 1e-4, name
+        assert len(target["curves"]["deletion"]) == 51 and set(target["curves"]) == {"deletion", "insertion"}
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    assert [(r["method"], r["metric"]) for r in rows] == [
+        ("gradcam", "deletion"),
+        ("gradcam", "insertion"),
+        ("gradcam", "drop"),
+    ]
+    for row in rows:
+        mean = float(expected[row["metric"]].mean())
+        assert abs(float(row["mean"]) - mean) < 1e-4
+        assert float(row["ci95_low"]) <= float(row["mean"]) <= float(row["ci95_high"])
+    summary = json.loads((out / "metrics.json").read_text())
+    assert summary["rows"][0]["better"] == "lower" and set(summary["curves"]) == {"deletion", "insertion"}
+    plot = np.asarray(Image.open(out / "metrics.png").convert("L"))
+    assert plot.shape[1] > plot.shape[0] and (plot < 128).mean() > 0.01  # two panels with lines and text
+    printed = capsys.readouterr().out
+    assert "gradcam deletion:" in printed and "95% CI" in printed
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--metrics", "deletion,speed"], "unknown metric(s) 'speed'"),
+        (["--metrics", "deletion", "--method", "all"], "--metrics measures one map per image"),
+        (["--metrics", "deletion", "--topk", "2"], "--metrics measures one map per image"),
+    ],
+)
+def test_cli_metrics_usage_errors(arguments: list[str], message: str, tmp_path, capsys) -> None:
+    from explain.cli import main
+
+    out = tmp_path / "out"
+    assert main([str(CAT), "--model", "efficientnet_lite0", "-o", str(out), *arguments]) == 2
+    error = capsys.readouterr().err
+    assert message in error and len(error.strip().splitlines()) == 1
+    assert not out.exists()

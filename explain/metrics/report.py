@@ -1,0 +1,125 @@
+"""The command line's metrics: each image's value of each named metric, and their summary over images
+(``metrics.json``, ``metrics.csv``, ``metrics.png``)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..catalog import METRIC_CATALOG
+from ..image_io import write_atomically
+from ..targets import TargetLike
+from .confidence import average_drop, average_gain, increase_in_confidence
+from .perturbation import deletion, insertion, road
+
+CURVES = ("deletion", "insertion")  # the metrics whose curves the summary plots
+
+
+def image_metrics(
+    names: Sequence[str], model: nn.Module, x: Tensor, maps: Tensor, target: TargetLike, batch_size: int
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Each named metric's value per image (N,), and the deletion and insertion curves (N, steps + 1) among them."""
+    values: dict[str, Tensor] = {}
+    curves: dict[str, Tensor] = {}
+    for name in names:
+        if name in CURVES:
+            result = (deletion if name == "deletion" else insertion)(model, x, maps, target, batch_size=batch_size)
+            values[name], curves[name] = result.auc, result.curve
+        elif name == "road":
+            values[name] = road(model, x, maps, target, batch_size=batch_size).combined
+        else:
+            metric = {"drop": average_drop, "increase": increase_in_confidence, "gain": average_gain}[name]
+            values[name] = metric(model, x, maps, target, batch_size=batch_size).value
+    return values, curves
+
+
+def interval(values: Tensor, resamples: int = 10000, seed: int = 0) -> tuple[float, float]:
+    """The 95% confidence interval of the mean: the 2.5th and 97.5th percentiles of the means of ``resamples``
+    bootstrap resamples (seeded); a single value gives itself."""
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randint(len(values), (resamples, len(values)), generator=generator)
+    means = values.double()[picks].mean(dim=1)
+    low, high = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return low, high
+
+
+def summary(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean and 95% confidence interval over the images of each method and metric in manifest records."""
+    gathered: dict[tuple[str, str], list[float]] = {}
+    for record in records:
+        for target in record.get("targets") or []:
+            for name, value in (target.get("metrics") or {}).items():
+                gathered.setdefault((record["method"], name), []).append(value)
+    better = {entry.name: entry.better for entry in METRIC_CATALOG}
+    rows = []
+    for (method, name), found in gathered.items():
+        values = torch.tensor(found, dtype=torch.float64)
+        low, high = interval(values)
+        rows.append(
+            {
+                "method": method,
+                "metric": name,
+                "mean": round(float(values.mean()), 6),
+                "ci95": [round(low, 6), round(high, 6)],
+                "images": len(found),
+                "better": better[name],
+            }
+        )
+    return rows
+
+
+def mean_curves(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
+    """Each method's mean deletion and insertion curves over the images of manifest records."""
+    found: dict[tuple[str, str], list[list[float]]] = {}
+    for record in records:
+        for target in record.get("targets") or []:
+            for name, curve in (target.get("curves") or {}).items():
+                found.setdefault((record["method"], name), []).append(curve)
+    curves: dict[str, dict[str, list[float]]] = {}
+    for (method, name), rows in found.items():
+        curves.setdefault(name, {})[method] = torch.tensor(rows).mean(dim=0).tolist()
+    return curves
+
+
+def write_summary(out_dir: Path, records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Write ``metrics.json``, ``metrics.csv`` and (with a curve) ``metrics.png`` for manifest records; returns
+    the summary's rows."""
+    rows = summary(records)
+    curves = mean_curves(records)
+    document = {"rows": rows, "curves": curves}
+    write_atomically(out_dir / "metrics.json", lambda temp: temp.write_text(json.dumps(document, indent=1)))
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")
+    writer.writerow(["method", "metric", "mean", "ci95_low", "ci95_high", "images", "better"])
+    for row in rows:
+        writer.writerow([row["method"], row["metric"], row["mean"], *row["ci95"], row["images"], row["better"]])
+    write_atomically(out_dir / "metrics.csv", lambda temp: temp.write_text(text.getvalue()))
+    if curves:
+        write_atomically(out_dir / "metrics.png", lambda temp: _plot(curves, temp))
+    return rows
+
+
+def _plot(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
+    """Deletion and insertion curves side by side, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 4), squeeze=False, layout="constrained")
+    for axis, (name, by_method) in zip(axes[0], curves.items()):
+        for method, curve in by_method.items():
+            fractions = torch.linspace(0, 1, len(curve)).tolist()
+            axis.plot(fractions, curve, label=method)
+        axis.set(title=name, xlabel=f"fraction of pixels {'deleted' if name == 'deletion' else 'inserted'}")
+        axis.set(ylabel="score of the explained class", ylim=(0, None))
+        axis.legend()
+    figure.savefig(path, format="png", dpi=100)
+    plt.close(figure)
