@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--method",
         default="gradcam",
-        help="CAM method (default gradcam); 'list' names them, 'all' compares the fast ones",
+        help="CAM method (default gradcam), or several joined by commas (each writes its own overlays); "
+        "'list' names them, 'all' compares the fast ones in one grid",
     )
     add(
         "--model",
@@ -121,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_options(args: argparse.Namespace) -> None:
     """The checks that need neither torch nor the model."""
     if args.method != ALL_METHODS:
-        check_method(args.method)
+        for name in args.method.split(","):
+            check_method(name)
     if args.method == ALL_METHODS and (args.topk or args.figure or args.save_raw):
         raise UsageError("--method all writes one comparison grid per image; drop --topk, --figure and --save-raw")
     if args.metrics is not None:
@@ -262,7 +264,7 @@ def _method_options(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
     }
     options = {name: value for name, value in flags.items() if value is not None}
-    if args.method == ALL_METHODS or "batch_size" in method_options(args.method):
+    if args.method == ALL_METHODS or any("batch_size" in method_options(m) for m in args.method.split(",")):
         options["batch_size"] = args.batch_size
     return options
 

@@ -47,8 +47,9 @@ class _Loaded:
 class ExportOptions:
     """What to explain and what to write for each image.
 
-    ``method`` is a name of ``explain.METHODS``, or ``"all"`` for one grid figure per
-    explained target with every fast method; ``method_options`` go to the method (see
+    ``method`` is a name of ``explain.METHODS``, several joined by commas (each writes its own
+    outputs and manifest records), or ``"all"`` for one grid figure per explained target with
+    every fast method; ``method_options`` go to the method (see
     :func:`explain.cam`); under ``"all"`` each method gets those it takes. What is
     explained follows from the model's task (see :func:`task_target`): ``target`` is a
     class index or name, ``topk`` a classifier's K top classes, ``score_threshold`` the
@@ -107,8 +108,8 @@ class _Explained:
     score: float
     box: list[float] | None  # x1, y1, x2, y2 in the original image's pixels
     region: torch.Tensor | None  # the region's weights at the model output's resolution
-    metrics: dict[str, float] | None = None  # each asked metric's value (see explain.metrics.report)
-    curves: dict[str, list[float]] | None = None  # the deletion and insertion curves among them
+    metrics: dict[str, dict[str, float]] | None = None  # by method, each asked metric's value
+    curves: dict[str, dict[str, list[float]]] | None = None  # by method, the deletion and insertion curves
 
 
 def output_bases(inputs: Sequence[Input], out_dir: Path, files_for: Callable[[Path], list[Path]]) -> list[Path]:
@@ -148,40 +149,49 @@ class _Exporter:
         self.out_dir = out_dir
         self.options = options
         self.device = device
-        names = FAST_METHODS if options.method == ALL_METHODS else [options.method]
+        names = FAST_METHODS if options.method == ALL_METHODS else options.method.split(",")
         self.methods: dict[str, Method] = {
             name: create_method(name, spec.model, options.layer, labels=spec.labels, **self._options_for(name))
             for name in names
         }
         self.target = task_target(spec, options)
 
-    def tag(self, k: int, class_name: str) -> str:
+    @property
+    def outputs(self) -> list[str]:
+        """The methods whose outputs are written apart: each asked one, or ``"all"`` (one grid of them all)."""
+        return [ALL_METHODS] if self.options.method == ALL_METHODS else list(self.methods)
+
+    def tag(self, k: int, class_name: str, method: str) -> str:
         """What tells an image's outputs apart: the method, and which target (top class, detection, segment)."""
-        o = self.options
         if self.spec.task == "detection":
-            return f".{o.method}.box{k + 1}"
+            return f".{method}.box{k + 1}"
         if self.spec.task == "segmentation":
-            return f".{o.method}.{_slug(class_name)}"
-        return f".{o.method}" + (f".top{k + 1}" if o.topk else "")
+            return f".{method}.{_slug(class_name)}"
+        return f".{method}" + (f".top{k + 1}" if self.options.topk else "")
 
     def _options_for(self, name: str) -> dict[str, Any]:
+        """The options a method gets: all given for one method; of several, each gets those it takes."""
         given = dict(self.options.method_options)
-        if self.options.method != ALL_METHODS:
+        if self.options.method == name:
             return given
         return {k: v for k, v in given.items() if k in method_options(name)}
 
-    def paths(self, base: Path, tags: Sequence[str]) -> tuple[list[Path], list[Path], Path | None]:
-        """The overlays, figures and raw maps written for an output base path and its targets' tags."""
+    def paths(self, base: Path, tags: Sequence[str], method: str) -> tuple[list[Path], list[Path], Path | None]:
+        """The overlays, figures and raw maps of one method written for an output base path and its targets' tags."""
         o = self.options
         overlays = [base.with_name(base.name + tag + f".{o.fmt}") for tag in tags]
         figures = [base.with_name(base.name + tag + f".figure.{o.fmt}") for tag in tags] if o.figure else []
-        raw = base.with_name(f"{base.name}.{o.method}.npy") if o.save_raw else None
+        raw = base.with_name(f"{base.name}.{method}.npy") if o.save_raw else None
         return overlays, figures, raw
 
     def files_for(self, base: Path) -> list[Path]:
         """The files written for an output base path (for detections and segments, those of the first target)."""
-        overlays, figures, raw = self.paths(base, [self.tag(k, "class") for k in range(self.options.topk or 1)])
-        return [*overlays, *figures, *([raw] if raw else [])]
+        files = []
+        for method in self.outputs:
+            tags = [self.tag(k, "class", method) for k in range(self.options.topk or 1)]
+            overlays, figures, raw = self.paths(base, tags, method)
+            files += [*overlays, *figures, *([raw] if raw else [])]
+        return files
 
     def record(
         self,
@@ -191,13 +201,15 @@ class _Exporter:
         layer: str | None = None,
         raw: str | None = None,
         note: str | None = None,
+        method: str | None = None,
     ) -> dict[str, Any]:
-        """An input's manifest record: the same fields whatever the options (see ``MANIFEST_SCHEMA``)."""
+        """A manifest record of an input (and one method of several): the same fields whatever the options
+        (see ``MANIFEST_SCHEMA``)."""
         return {
             "schema": MANIFEST_SCHEMA,
             "input": item.name,
             "model": self.spec.name,
-            "method": self.options.method,
+            "method": method or self.options.method,
             "layer": layer,
             "targets": targets,
             "raw": raw,
@@ -213,7 +225,7 @@ class _Exporter:
             return self.record(item, str(err))
         return _Loaded(item, image, self.spec.transform(image, self.options.keep_aspect), base)
 
-    def explain(self, group: Sequence[_Loaded]) -> list[Callable[[], dict[str, Any]]]:
+    def explain(self, group: Sequence[_Loaded]) -> list[Callable[[], list[dict[str, Any]]]]:
         """Explain images of one input size together; returns a job per image that writes its outputs."""
         x = torch.stack([member.tensor for member in group]).to(self.device)
         results = {}
@@ -223,9 +235,9 @@ class _Exporter:
             except NothingToExplain:
                 raise
             except (LayerError, TargetError):
-                if len(self.methods) == 1:
+                if self.options.method != ALL_METHODS:
                     raise
-                del self.methods[name]  # a comparison leaves out a method that does not fit the model or task (CAM)
+                del self.methods[name]  # the comparison grid leaves out a method that does not fit the model (CAM)
         first = next(iter(results.values()))
         bound = first.target
 
@@ -233,11 +245,12 @@ class _Exporter:
             return None if t is None else (t if bound.keeps_k else t[:, None]).cpu()
 
         cams = {name: per_target(result.cams) for name, result in results.items()}
-        raws, classes, scores = per_target(first.raw), per_target(first.class_indices), per_target(first.probabilities)
+        raws = {name: per_target(result.raw) for name, result in results.items()}
+        classes, scores = per_target(first.class_indices), per_target(first.probabilities)
         valid = torch.ones(classes.shape, dtype=torch.bool) if bound.valid is None else bound.valid.cpu()
         boxes = None if bound.boxes is None else bound.boxes.cpu()
         regions = None if bound.regions is None else bound.regions.cpu()
-        values, curves = self.measured(x, first)
+        measured = {name: self.measured(x, result) for name, result in results.items()}
         jobs = []
         for i, member in enumerate(group):
             width, height = member.image.size
@@ -251,12 +264,22 @@ class _Exporter:
                     score=float(scores[i, k]),
                     box=None if boxes is None else (boxes[i, k] * scale).tolist(),
                     region=None if regions is None else regions[i, k],
-                    metrics={name: round(float(v[i]), 6) for name, v in values.items()} if values else None,
-                    curves={name: [round(p, 6) for p in c[i].tolist()] for name, c in curves.items()} or None,
+                    metrics={
+                        m: {name: round(float(v[i]), 6) for name, v in values.items()}
+                        for m, (values, _) in measured.items()
+                    }
+                    if self.options.metrics
+                    else None,
+                    curves={
+                        m: {name: [round(p, 6) for p in c[i].tolist()] for name, c in curves.items()}
+                        for m, (_, curves) in measured.items()
+                    }
+                    if self.options.metrics
+                    else None,
                 )
                 for k in valid[i].nonzero()[:, 0].tolist()
             ]
-            raw = raws[i][valid[i]] if bound.keeps_k else raws[i, 0]
+            raw = {name: r[i][valid[i]] if bound.keeps_k else r[i, 0] for name, r in raws.items()}
             jobs.append(partial(self.write, member, explained, raw, first.layer))
         return jobs
 
@@ -271,24 +294,34 @@ class _Exporter:
         )
         return {k: v.cpu() for k, v in values.items()}, {k: c.cpu() for k, c in curves.items()}
 
-    def write(self, member: _Loaded, explained: list[_Explained], raw: torch.Tensor, layer: str) -> dict[str, Any]:
-        """Render and write one image's outputs (a map per target and method); returns its manifest record."""
+    def write(
+        self, member: _Loaded, explained: list[_Explained], raws: dict[str, torch.Tensor], layer: str
+    ) -> list[dict[str, Any]]:
+        """Render and write one image's outputs, a map per target for each method (or their grid); returns its
+        manifest records, one per method written apart."""
+        return [self.write_method(member, explained, method, raws.get(method), layer) for method in self.outputs]
+
+    def write_method(
+        self, member: _Loaded, explained: list[_Explained], method: str, raw: torch.Tensor | None, layer: str
+    ) -> dict[str, Any]:
+        """Render and write one image's outputs of one method (or of ``"all"``: the grid); returns the record."""
         o = self.options
-        tags = [self.tag(e.k, e.class_name) for e in explained]
-        outputs, figures, raw_path = self.paths(member.base, tags)
+        tags = [self.tag(e.k, e.class_name, method) for e in explained]
+        outputs, figures, raw_path = self.paths(member.base, tags, method)
         targets = []
         try:
             for j, (e, output) in enumerate(zip(explained, outputs)):
                 mark = partial(self.annotated, e)
-                if o.method == ALL_METHODS:
+                if method == ALL_METHODS:
                     title = f"{e.class_name} ({e.score:.1%}), every fast method"
                     save_image(render.grid(member.image, e.cams, title, o.alpha, o.colormap, mark=mark), output)
                 else:
-                    (cam,) = e.cams.values()
-                    save_image(mark(render.picture(member.image, cam, o.alpha, o.colormap)), output)
+                    save_image(mark(render.picture(member.image, e.cams[method], o.alpha, o.colormap)), output)
                 if figures:
-                    title = f"{e.class_name} ({e.score:.1%}), {o.method} at {layer}"
-                    save_image(render.figure(member.image, cam, title, o.alpha, o.colormap, mark), figures[j])
+                    title = f"{e.class_name} ({e.score:.1%}), {method} at {layer}"
+                    save_image(
+                        render.figure(member.image, e.cams[method], title, o.alpha, o.colormap, mark), figures[j]
+                    )
                 targets.append(
                     {
                         "class_index": e.class_index,
@@ -298,15 +331,17 @@ class _Exporter:
                         "region": None if e.region is None else self.region_record(e.region, member.image.size),
                         "output": str(output),
                         "figure": str(figures[j]) if figures else None,
-                        "metrics": e.metrics,
-                        "curves": e.curves,
+                        "metrics": e.metrics[method] if e.metrics else None,
+                        "curves": (e.curves[method] or None) if e.curves else None,
                     }
                 )
             if raw_path:
                 save_array(raw.numpy(), raw_path)
         except OSError as err:
-            return self.record(member.item, f"{member.item.name}: cannot write outputs: {first_line(err)}")
-        return self.record(member.item, targets=targets, layer=layer, raw=str(raw_path) if raw_path else None)
+            error = f"{member.item.name}: cannot write outputs: {first_line(err)}"
+            return self.record(member.item, error, method=method)
+        raw_name = str(raw_path) if raw_path else None
+        return self.record(member.item, targets=targets, layer=layer, raw=raw_name, method=method)
 
     @staticmethod
     def annotated(e: _Explained, picture: Image.Image) -> Image.Image:
@@ -324,19 +359,21 @@ class _Exporter:
         box = [float(cols.min()) * sx, float(rows.min()) * sy, float(cols.max() + 1) * sx, float(rows.max() + 1) * sy]
         return {"fraction": round(float((region > 0).float().mean()), 6), "box": [round(v, 1) for v in box]}
 
-    def explain_robustly(self, group: Sequence[_Loaded]) -> list[Callable[[], dict[str, Any]]]:
+    def explain_robustly(self, group: Sequence[_Loaded]) -> list[Callable[[], list[dict[str, Any]]]]:
         """Explain a group; if it fails, explain its images one by one so one bad image costs only itself.
         An image with nothing to explain (no detection, no pixel of the class) gets a note and no outputs."""
         try:
             return self.explain(group)
         except NothingToExplain as err:
             if len(group) == 1:
-                return [partial(self.record, group[0].item, targets=[], note=f"nothing to explain: {err.reason}")]
+                note = f"nothing to explain: {err.reason}"
+                return [lambda: [self.record(group[0].item, targets=[], note=note, method=m) for m in self.outputs]]
         except (LayerError, TargetError):
             raise
         except (RuntimeError, AssertionError) as err:  # the model's own refusal of an input (timm asserts sizes)
             if len(group) == 1:
-                return [partial(self.record, group[0].item, f"{group[0].item.name}: {first_line(err)}")]
+                error = f"{group[0].item.name}: {first_line(err)}"
+                return [lambda: [self.record(group[0].item, error)]]
         return [job for member in group for job in self.explain_robustly([member])]
 
 
@@ -367,21 +404,21 @@ def export_heatmaps(
         report: Called with each input's manifest entry as soon as it is done.
 
     Returns:
-        The manifest entries, in input order.
+        The manifest entries, in input order (an input's entries in method order).
     """
     out_dir = Path(out_dir)
     exporter = _Exporter(spec, out_dir, options, torch.device(device))
     inputs = collect_inputs(sources, exclude=out_dir)
     readable = [item for item in inputs if item.path is not None]
     bases = dict(zip(readable, output_bases(readable, out_dir, exporter.files_for)))
-    done: dict[Input, dict[str, Any]] = {}
-    writing: deque[tuple[Input, Future[dict[str, Any]]]] = deque()
+    done: dict[Input, list[dict[str, Any]]] = {}
+    writing: deque[tuple[Input, Future[list[dict[str, Any]]]]] = deque()
 
-    def finish(item: Input, record: dict[str, Any]) -> None:
-        done[item] = record
+    def finish(item: Input, records: list[dict[str, Any]]) -> None:
+        done[item] = records
         if item.path is not None:  # the bar counts files, not sources that gave none
             bar.update()
-        if report:
+        for record in records if report else ():
             report(record)
 
     def collect(keep: int) -> None:
@@ -397,21 +434,21 @@ def export_heatmaps(
     ):
         for item in inputs:
             if item.error is not None:
-                finish(item, exporter.record(item, item.error))
+                finish(item, [exporter.record(item, item.error)])
         for batch in _batches(readable, options.batch_size):
             groups: dict[tuple[int, ...], list[_Loaded]] = {}
             for item, loaded in zip(batch, pool.map(exporter.load, batch, [bases[i] for i in batch])):
                 if isinstance(loaded, _Loaded):
                     groups.setdefault(tuple(loaded.tensor.shape), []).append(loaded)
                 else:
-                    finish(item, loaded)
+                    finish(item, [loaded])
             for group in groups.values():
                 jobs = exporter.explain_robustly(group)
                 mark_output_folder(out_dir)
                 writing.extend((member.item, pool.submit(job)) for member, job in zip(group, jobs))
             collect(keep=2 * options.batch_size)
         collect(keep=0)
-    records = [done[item] for item in inputs]
+    records = [record for item in inputs for record in done[item]]
     text = "".join(json.dumps(record) + "\n" for record in records)
     mark_output_folder(out_dir)
     write_atomically(out_dir / MANIFEST, lambda temp: temp.write_text(text, encoding="utf-8"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import csv
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -346,3 +347,25 @@ def test_cli_metrics_usage_errors(arguments: list[str], message: str, tmp_path, 
     error = capsys.readouterr().err
     assert message in error and len(error.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_cli_several_methods_each_write_their_outputs_and_records(tmp_path, capsys) -> None:
+    from explain.cli import main
+
+    out = tmp_path / "out"
+    methods = "gradcam,layercam,eigencam"
+    code = main([str(CAT), str(COFFEE), "--model", "efficientnet_lite0", "--method", methods, "-o", str(out)])
+    assert code == 0
+    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert [(Path(r["input"]).name, r["method"]) for r in records] == [
+        (photo, method) for photo in ("chelsea.png", "coffee.png") for method in methods.split(",")
+    ]
+    model = explain.load_model("efficientnet_lite0")
+    x = model.preprocess([CAT, COFFEE])
+    for record in records:
+        (target,) = record["targets"]
+        written = np.asarray(Image.open(target["output"]))
+        i = 0 if record["input"].endswith("chelsea.png") else 1
+        cam = explain.cam(model.model, x, record["method"])[i]
+        expected = np.asarray(explain.overlay(Image.open(record["input"]).convert("RGB"), cam))
+        assert np.abs(written.astype(int) - expected.astype(int)).max() <= 1, record["method"]
