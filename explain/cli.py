@@ -95,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--topk", type=int, help="write one overlay for each of the K top classes")
     add(
+        "--sanity-check",
+        action="store_true",
+        help="instead of overlays, run the model-parameter randomization test (Adebayo et al. 2018) of each --method "
+        "on the images: sanity.csv, sanity.json and sanity.png (Spearman correlation with the trained maps per "
+        "block randomized, from the output down)",
+    )
+    add(
         "--metrics",
         help=f"faithfulness metrics of each map, comma-separated: {', '.join(METRIC_NAMES)}; each image's values "
         "go into its manifest record, their means with 95%% intervals into metrics.json, metrics.csv and "
@@ -130,6 +137,8 @@ def _check_options(args: argparse.Namespace) -> None:
         args.metrics = check_metrics(args.metrics)
         if args.method == ALL_METHODS or args.topk is not None:
             raise UsageError("--metrics measures one map per image; drop --method all and --topk")
+    if args.sanity_check and (args.topk is not None or args.metrics or args.figure or args.save_raw):
+        raise UsageError("--sanity-check writes only its own files; drop --topk, --metrics, --figure and --save-raw")
     if args.smooth_samples is not None and args.smooth_samples < 1:
         raise UsageError("--smooth-samples must be at least 1")
     if args.topk is not None and args.target is not None:
@@ -298,8 +307,11 @@ def _run(args: argparse.Namespace) -> int:
         class_index(target, spec.labels, len(spec.labels))
     if args.topk is not None and spec.task != "classification":
         raise UsageError(f"--topk explains a classifier's top classes; {spec.name} is a {spec.task} model")
-    if args.metrics and spec.task != "classification":
-        raise UsageError(f"--metrics scores a classifier's class; {spec.name} is a {spec.task} model")
+    if (args.metrics or args.sanity_check) and spec.task != "classification":
+        option = "--metrics" if args.metrics else "--sanity-check"
+        raise UsageError(f"{option} explains a classifier's class; {spec.name} is a {spec.task} model")
+    if args.sanity_check:
+        return _sanity_check(args, spec, inputs, layer, target, device)
     if args.topk is not None and args.topk > len(spec.labels):
         raise UsageError(f"--topk {args.topk} exceeds the model's {len(spec.labels)} classes")
     options = ExportOptions(
@@ -330,6 +342,60 @@ def _run(args: argparse.Namespace) -> int:
     if args.metrics and any(record["targets"] for record in records):
         _report_metrics(args.out, records, args.quiet)
     return EXIT_SOME_FAILED if any(record["error"] for record in records) else EXIT_OK
+
+
+def _sanity_check(
+    args: argparse.Namespace, spec: ModelSpec, inputs: list[Input], layer: Any, target: Any, device: torch.device
+) -> int:
+    """The randomization test of each asked method on the readable images, in batches; its files and verdicts."""
+    import torch
+
+    from .errors import ImageLoadError
+    from .image_io import load_image
+    from .inputs import mark_output_folder
+    from .methods import FAST_METHODS, method_options
+    from .metrics.report import write_sanity
+    from .metrics.sanity import SanityResult, sanity_check
+
+    failed = False
+    groups: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    for item in inputs:
+        try:
+            if item.error is not None:
+                raise ImageLoadError(item.error)
+            tensor = spec.transform(load_image(item.path), args.keep_aspect or None)
+        except ImageLoadError as err:
+            print(f"explain: error: {err}", file=sys.stderr)
+            failed = True
+            continue
+        groups.setdefault(tuple(tensor.shape), []).append(tensor)
+    if not groups:
+        return EXIT_SOME_FAILED
+    names = FAST_METHODS if args.method == ALL_METHODS else args.method.split(",")
+    options = _method_options(args)
+    results = {}
+    for name in names:
+        own = {key: value for key, value in options.items() if key in method_options(name)}
+        parts = [
+            sanity_check(
+                spec.model, torch.stack(batch).to(device), name, target, layer=layer, seed=args.seed or 0, **own
+            )
+            for group in groups.values()
+            for batch in (group[i : i + args.batch_size] for i in range(0, len(group), args.batch_size))
+        ]
+        spearman, ssim = (torch.cat([getattr(p, key) for p in parts], dim=1) for key in ("spearman", "ssim"))
+        results[name] = SanityResult(parts[0].blocks, spearman, ssim)
+    mark_output_folder(args.out)
+    write_sanity(args.out, results)
+    if not args.quiet:
+        for name, result in results.items():
+            verdict = "FAILS" if result.insensitive() else "passes"
+            print(
+                f"{name}: {verdict} (Spearman with the trained maps: {result.spearman[0].mean():.2f} with "
+                f"{result.blocks[0]} random, {result.spearman[-1].mean():.2f} with all {len(result.blocks)} blocks)"
+            )
+        print(f"sanity check: {args.out / 'sanity.csv'}, {args.out / 'sanity.json'}, {args.out / 'sanity.png'}")
+    return EXIT_SOME_FAILED if failed else EXIT_OK
 
 
 def _report_metrics(out: Path, records: list[dict[str, Any]], quiet: bool) -> None:

@@ -369,3 +369,24 @@ def test_cli_several_methods_each_write_their_outputs_and_records(tmp_path, caps
         cam = explain.cam(model.model, x, record["method"])[i]
         expected = np.asarray(explain.overlay(Image.open(record["input"]).convert("RGB"), cam))
         assert np.abs(written.astype(int) - expected.astype(int)).max() <= 1, record["method"]
+
+
+def test_cli_sanity_check_files_and_verdicts(lite0: explain.ModelSpec, tmp_path, capsys) -> None:
+    from explain.cli import main
+
+    out = tmp_path / "out"
+    arguments = [str(CAT), str(tmp_path / "missing.png"), "--model", "efficientnet_lite0"]
+    code = main([*arguments, "--method", "gradcam,eigencam", "--sanity-check", "-o", str(out)])
+    assert code == 1  # the missing photo is an error; the other is tested
+    rows = list(csv.DictReader((out / "sanity.csv").open()))
+    blocks = metrics.cascading_blocks(lite0.model)
+    assert [(r["method"], r["block"]) for r in rows] == [(m, b) for m in ("gradcam", "eigencam") for b in blocks]
+    expected = metrics.sanity_check(lite0.model, lite0.preprocess(CAT), "gradcam")
+    gradcam = [float(r["spearman"]) for r in rows if r["method"] == "gradcam"]
+    np.testing.assert_allclose(gradcam, expected.spearman[:, 0].numpy(), atol=1e-5)
+    eigen_first = next(r for r in rows if r["method"] == "eigencam")
+    assert float(eigen_first["spearman"]) == pytest.approx(1.0) and eigen_first["fails"] == "True"
+    assert Image.open(out / "sanity.png").size[0] > 400
+    captured = capsys.readouterr()
+    assert "eigencam: FAILS" in captured.out and "gradcam: " in captured.out
+    assert "missing.png" in captured.err and len(captured.err.strip().splitlines()) == 1

@@ -1,5 +1,6 @@
 """The command line's metrics: each image's value of each named metric, and their summary over images
-(``metrics.json``, ``metrics.csv``, ``metrics.png``)."""
+(``metrics.json``, ``metrics.csv``, ``metrics.png``); the randomization test's (``sanity.json``, ``sanity.csv``,
+``sanity.png``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ..image_io import write_atomically
 from ..targets import TargetLike
 from .confidence import average_drop, average_gain, increase_in_confidence
 from .perturbation import deletion, insertion, road
+from .sanity import SanityResult
 
 CURVES = ("deletion", "insertion")  # the metrics whose curves the summary plots
 
@@ -25,7 +27,10 @@ CURVES = ("deletion", "insertion")  # the metrics whose curves the summary plots
 def image_metrics(
     names: Sequence[str], model: nn.Module, x: Tensor, maps: Tensor, target: TargetLike, batch_size: int
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """Each named metric's value per image (N,), and the deletion and insertion curves (N, steps + 1) among them."""
+    """Each named metric's value per image (N,), and the deletion and insertion curves (N, steps + 1) among them.
+    A guided method's images (N, 3, H, W) are scored as saliency maps: each pixel's largest absolute channel."""
+    if maps.dim() == 4:
+        maps = maps.abs().amax(dim=1)
     values: dict[str, Tensor] = {}
     curves: dict[str, Tensor] = {}
     for name in names:
@@ -121,5 +126,57 @@ def _plot(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
         axis.set(title=name, xlabel=f"fraction of pixels {'deleted' if name == 'deletion' else 'inserted'}")
         axis.set(ylabel="score of the explained class", ylim=(0, None))
         axis.legend()
+    figure.savefig(path, format="png", dpi=100)
+    plt.close(figure)
+
+
+def write_sanity(out_dir: Path, results: dict[str, SanityResult], threshold: float = 0.5) -> list[dict[str, Any]]:
+    """Write ``sanity.json``, ``sanity.csv`` (a row per method and depth) and ``sanity.png`` (each method's mean
+    Spearman correlation per depth) for the randomization test's results by method; returns the csv's rows."""
+    rows = []
+    for method, result in results.items():
+        for depth, block in enumerate(result.blocks):
+            low, high = interval(result.spearman[depth])
+            rows.append(
+                {
+                    "method": method,
+                    "depth": depth + 1,
+                    "block": block,
+                    "spearman": round(float(result.spearman[depth].mean()), 6),
+                    "spearman_ci95": [round(low, 6), round(high, 6)],
+                    "ssim": round(float(result.ssim[depth].mean()), 6),
+                    "images": result.spearman.shape[1],
+                    "fails": result.insensitive(threshold),
+                }
+            )
+    write_atomically(out_dir / "sanity.json", lambda temp: temp.write_text(json.dumps(rows, indent=1)))
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")
+    writer.writerow(["method", "depth", "block", "spearman", "ci95_low", "ci95_high", "ssim", "images", "fails"])
+    for row in rows:
+        method, depth, block, spearman, (low, high) = (
+            row[k] for k in ("method", "depth", "block", "spearman", "spearman_ci95")
+        )
+        writer.writerow([method, depth, block, spearman, low, high, row["ssim"], row["images"], row["fails"]])
+    write_atomically(out_dir / "sanity.csv", lambda temp: temp.write_text(text.getvalue()))
+    write_atomically(out_dir / "sanity.png", lambda temp: _plot_sanity(results, temp))
+    return rows
+
+
+def _plot_sanity(results: dict[str, SanityResult], path: Path) -> None:
+    """Each method's mean Spearman correlation with the trained maps, per block randomized."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    blocks = next(iter(results.values())).blocks
+    figure, axis = plt.subplots(figsize=(max(6, 0.5 * len(blocks) + 3), 4), layout="constrained")
+    for method, result in results.items():
+        axis.plot(range(1, len(blocks) + 1), result.spearman.mean(dim=1).tolist(), marker="o", label=method)
+    axis.set_xticks(range(1, len(blocks) + 1), blocks, rotation=60, ha="right")
+    axis.set(xlabel="randomized down to block", ylabel="Spearman ρ with the trained maps", ylim=(-0.2, 1.05))
+    axis.axhline(0.5, color="grey", linestyle=":")
+    axis.legend()
     figure.savefig(path, format="png", dpi=100)
     plt.close(figure)
