@@ -28,7 +28,8 @@ from .methods import FAST_METHODS, Method, create_method, method_options
 from .models import ModelSpec
 from .targets import ClassTarget, DetectionTarget, SegmentationTarget, Target, TopK
 
-# Version of the manifest records' fields; 2: one list of explained targets per input, whatever the options.
+# Version of the manifest records' fields; 2: one list of explained targets per input, whatever the options;
+# 3: each target's metrics and curves (null unless asked).
 MANIFEST_SCHEMA = 3
 BACKGROUND = "__background__"  # the name of class 0 of torchvision's segmenters and detectors
 
