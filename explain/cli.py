@@ -378,7 +378,7 @@ def _sanity_check(
         own = {key: value for key, value in options.items() if key in method_options(name)}
         parts = [
             sanity_check(
-                spec.model, torch.stack(batch).to(device), name, target, layer=layer, seed=args.seed or 0, **own
+                spec.model, torch.stack(batch).to(device), name, target, layer=layer, init_seed=args.seed or 0, **own
             )
             for group in groups.values()
             for batch in (group[i : i + args.batch_size] for i in range(0, len(group), args.batch_size))

@@ -232,9 +232,12 @@ def test_sanity_check_against_a_randomization_done_here() -> None:
     torch.testing.assert_close(eigen.spearman, torch.ones(1, 2))
     torch.testing.assert_close(eigen.ssim, torch.ones(1, 2))
     assert eigen.insensitive()
+    # So do random channel weights; the method's own seed goes with its options.
+    random = metrics.sanity_check(model, x, "random", layer="layer4", blocks=["fc"], seed=3)
+    torch.testing.assert_close(random.spearman, torch.ones(1, 2))
 
     # Grad-CAM does: its randomized maps are those of the classifier re-drawn here with the same seed.
-    result = metrics.sanity_check(model, x, "gradcam", layer="layer4", blocks=["fc", "layer4.1"], seed=7)
+    result = metrics.sanity_check(model, x, "gradcam", layer="layer4", blocks=["fc", "layer4.1"], init_seed=7)
     classes = model(x).argmax(dim=1).tolist()
     randomized = copy.deepcopy(model)
     trained_maps = reference_gradcam(model, x, "layer4", classes)

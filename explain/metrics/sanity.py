@@ -65,11 +65,14 @@ def average_ranks(values: Tensor) -> Tensor:
 
 
 def spearman(a: Tensor, b: Tensor) -> Tensor:
-    """Spearman's rank correlation of each pair of maps (N, H, W), (N,); 0 where a map is flat."""
+    """Spearman's rank correlation of each pair of maps (N, H, W), (N,); where a map is flat, 1 if the other is
+    flat too (nothing changed) and 0 if not."""
     ra, rb = (average_ranks(t.flatten(1)) for t in (a, b))
     ra, rb = ra - ra.mean(dim=1, keepdim=True), rb - rb.mean(dim=1, keepdim=True)
-    spread = ra.norm(dim=1) * rb.norm(dim=1)
-    return torch.where(spread > 0, (ra * rb).sum(dim=1) / spread.clamp_min(1e-300), 0.0).float()
+    spread_a, spread_b = ra.norm(dim=1), rb.norm(dim=1)
+    flat = torch.where((spread_a == 0) & (spread_b == 0), 1.0, 0.0).to(ra.dtype)
+    spread = spread_a * spread_b
+    return torch.where(spread > 0, (ra * rb).sum(dim=1) / spread.clamp_min(1e-300), flat).float()
 
 
 def ssim(a: Tensor, b: Tensor, window: int = 11, sigma: float = 1.5) -> Tensor:
@@ -140,7 +143,7 @@ def sanity_check(
     *,
     layer: Any = None,
     blocks: Sequence[str] | None = None,
-    seed: int = 0,
+    init_seed: int = 0,
     model_kwargs: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> SanityResult:
@@ -155,7 +158,8 @@ def sanity_check(
             explain the same classes.
         layer: The method's layer(s) as for :func:`explain.cam` (the same names in every copy).
         blocks: The blocks to randomize, in order; default: :func:`cascading_blocks`, from the output down.
-        seed: Seed of the re-initialization (block d uses ``seed + d``).
+        init_seed: Seed of the re-initialization (block d uses ``init_seed + d``); a method's own ``seed`` goes
+            with its options.
         model_kwargs: Further keyword arguments of the model's forward.
         **options: The method's options (see :func:`explain.create_method`).
 
@@ -177,7 +181,7 @@ def sanity_check(
             block = randomized.get_submodule(name)
         except AttributeError:
             raise ExplainError(f"the model has no block {name!r}; blocks from the output down: {order}") from None
-        randomize(block, seed + depth)
+        randomize(block, init_seed + depth)
         result = create_method(method, randomized, layer, **options)(x, trained.target, model_kwargs=model_kwargs)
         maps = _absolute_maps(result.cams)
         correlations.append(spearman(reference, maps))
