@@ -23,6 +23,7 @@ import explain
 from explain import metrics
 from explain.catalog import METHOD_CATALOG
 from explain.inputs import collect_inputs
+from explain.methods import method_options
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SKIPPED = {"attention_rollout", "gradient_rollout"}  # transformers' methods; the bundled model is a CNN
@@ -56,7 +57,7 @@ def main() -> None:
     ]
     chosen = args.methods.split(",") if args.methods else [e.name for e in METHOD_CATALOG if e.name not in SKIPPED]
     for entry in (e for e in METHOD_CATALOG if e.name in chosen):
-        seeded = {"seed": 0} if "seed" in explain.methods.method_options(entry.name) else {}
+        seeded = {"seed": 0} if "seed" in method_options(entry.name) else {}
         result = explain.create_method(entry.name, model, **seeded)(x, classes)
         maps = saliency(result.cams)
         deletion = metrics.deletion(model, x, maps, classes).auc.mean()
