@@ -8,7 +8,7 @@ of ``batch_size``, and the model is left as it was.
 Files: ``scoring.py`` (binding the target and scoring perturbed copies), ``perturbation.py`` (deletion,
 insertion, ROAD), ``imputation.py`` (RISE's blur, ROAD's noisy linear imputer), ``confidence.py`` (Average
 Drop, Increase in Confidence, Average Gain), ``pointing.py`` (the pointing games), ``sanity.py`` (cascading
-randomization).
+randomization), ``report.py`` (the command line's per-image values and summary files).
 
 >>> result = explain.GradCAM(model)(x)
 >>> explain.metrics.deletion(model, x, result.cams, result.target).auc   # (N,), lower is better
