@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import ExplainError
+from ..targets import ragged
 from .scoring import input_maps
 
 Objects = Tensor | Sequence[Tensor]
@@ -40,15 +41,12 @@ def object_masks(objects: Objects, n: int, size: Sequence[int], device: torch.de
     per_image = list(objects if not isinstance(objects, Tensor) or objects.dim() != 2 else objects[:, None])
     if len(per_image) != n:
         raise ExplainError(f"{len(per_image)} sets of boxes given for {n} images")
+    boxes, valid = ragged([torch.as_tensor(b, dtype=torch.float32, device=device).reshape(-1, 4) for b in per_image])
     ys = torch.arange(h, device=device, dtype=torch.float32)[:, None] + 0.5
     xs = torch.arange(w, device=device, dtype=torch.float32)[None, :] + 0.5
-    masks = []
-    for boxes in per_image:
-        boxes = torch.as_tensor(boxes, dtype=torch.float32, device=device).reshape(-1, 4)
-        x1, y1, x2, y2 = (boxes[:, i, None, None] for i in range(4))
-        inside = (xs >= x1) & (xs <= x2) & (ys >= y1) & (ys <= y2)
-        masks.append(inside.any(dim=0))
-    return torch.stack(masks)
+    x1, y1, x2, y2 = (boxes[..., i, None, None] for i in range(4))  # (N, K, 1, 1) each
+    inside = (xs >= x1) & (xs <= x2) & (ys >= y1) & (ys <= y2) & valid[..., None, None]
+    return inside.any(dim=1)
 
 
 def pointing_game(maps: Tensor, objects: Objects, size: Sequence[int], *, tolerance: float = 15) -> Tensor:
