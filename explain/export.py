@@ -1,47 +1,55 @@
-"""Batch export: explain every image of files, folders and globs, and write overlays and a manifest."""
+"""Batch export, the run loop: inputs, batches, model, maps, render, write, record.
+
+Inputs are found (:mod:`explain.inputs`), those a resumed run finished are skipped (:mod:`explain.manifest`),
+a process of a ``torchrun`` launch takes its share (:mod:`explain.distributed`), worker processes load the
+images in batches (:mod:`explain.dataset`), the model explains each batch here, and threads render and write
+each image's files (:mod:`explain.outputs`) while the model works on the next batch; each input's records are
+appended to the manifest as soon as its files are whole.
+"""
 
 from __future__ import annotations
 
-import json
+import hashlib
 import os
 import sys
+import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
+from torch import nn
 from tqdm import tqdm
 
-from . import render
+from .atomic import remove_temporary_files
 from .catalog import ALL_METHODS
+from .dataset import Group, default_workers, load_batches
+from .distributed import process_group, this_process
 from .engine import CAMResult
-from .errors import ImageLoadError, LayerError, NothingToExplain, TargetError, first_line
-from .image_io import load_image, save_array, save_image, write_atomically
-from .inputs import MANIFEST, Input, collect_inputs, mark_output_folder
+from .errors import LayerError, NothingToExplain, TargetError, first_line
+from .inputs import Input, collect_inputs, mark_output_folder
 from .layers import LayerSpec
+from .manifest import (
+    MANIFEST,
+    ManifestWriter,
+    check_fresh,
+    check_settings,
+    finished,
+    header,
+    merge,
+    part_name,
+    previous_run,
+)
 from .methods import FAST_METHODS, Method, create_method, method_options
 from .models import ModelSpec
+from .outputs import Explained, OutputWriter, output_bases
 from .targets import ClassTarget, DetectionTarget, SegmentationTarget, Target, TopK
 
-# Version of the manifest records' fields; 2: one list of explained targets per input, whatever the options;
-# 3: each target's metrics and curves (null unless asked).
-MANIFEST_SCHEMA = 3
 BACKGROUND = "__background__"  # the name of class 0 of torchvision's segmenters and detectors
-
-
-@dataclass(frozen=True)
-class _Loaded:
-    """An image read and preprocessed, with where its outputs go."""
-
-    item: Input
-    image: Image.Image
-    tensor: torch.Tensor
-    base: Path
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,9 @@ class ExportOptions:
     class index or name, ``topk`` a classifier's K top classes, ``score_threshold`` the
     least score of an explained detection. ``keep_aspect`` None resizes as the model does.
     ``metrics`` names faithfulness metrics (``explain.catalog.METRIC_NAMES``) measured for each image's map,
-    one class per image.
+    one class per image. ``workers`` processes load the images (None: :func:`explain.dataset.default_workers`).
+    ``resume`` continues the run whose manifest the output folder holds (its settings must be these);
+    ``overwrite`` starts afresh in a folder that holds one; with neither, such a folder is refused.
     """
 
     method: str = "gradcam"
@@ -68,11 +78,14 @@ class ExportOptions:
     batch_size: int = 16
     alpha: float = 0.5
     colormap: str = "jet"
-    fmt: str = "png"
+    fmt: str = "jpg"
     save_raw: bool = False
     figure: bool = False
     keep_aspect: bool | None = None
     metrics: Sequence[str] = ()
+    workers: int | None = None
+    resume: bool = False
+    overwrite: bool = False
 
 
 def task_target(spec: ModelSpec, options: ExportOptions) -> Target:
@@ -93,61 +106,68 @@ def task_target(spec: ModelSpec, options: ExportOptions) -> Target:
     return TopK(options.topk) if options.topk else ClassTarget(options.target)
 
 
-def _slug(name: str) -> str:
-    """A class name as part of a file name: lower case, runs of other characters than letters and digits as '-'."""
-    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split()) or "class"
+def weights_digest(model: nn.Module) -> str:
+    """A SHA-256 of the model's parameters and buffers, by name, shape, type and value: what the weights are,
+    whatever file they came from."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        values = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{tuple(values.shape)}:{values.dtype};".encode())
+        digest.update(values.view(-1).view(torch.uint8).numpy().tobytes() if values.numel() else b"")
+    return digest.hexdigest()
 
 
-@dataclass(frozen=True)
-class _Explained:
-    """One explained target of one image, ready to render: its map(s) by method and what it explains."""
+def run_settings(spec: ModelSpec, options: ExportOptions) -> dict[str, Any]:
+    """What decides an export's outputs, for its manifest's header: a resumed run must have the same."""
+    chosen = asdict(options)
+    for key in ("batch_size", "workers", "resume", "overwrite"):  # how the run goes, not what it writes
+        del chosen[key]
+    chosen["method_options"] = {k: v for k, v in sorted(dict(options.method_options).items()) if k != "batch_size"}
+    chosen["metrics"] = list(options.metrics)
+    layer = options.layer
+    chosen["layer"] = layer if isinstance(layer, (str, type(None))) else [str(part) for part in layer]
+    preprocessing = {"input_size": spec.input_size, "mean": list(spec.mean), "std": list(spec.std)}
+    preprocessing |= {"resample": int(spec.resample), "keep_aspect": spec.keep_aspect}
+    return {"model": spec.name, "weights_sha256": weights_digest(spec.model), "preprocessing": preprocessing, **chosen}
 
-    k: int
-    cams: dict[str, torch.Tensor]
-    class_index: int
-    class_name: str
-    score: float
-    box: list[float] | None  # x1, y1, x2, y2 in the original image's pixels
-    region: torch.Tensor | None  # the region's weights at the model output's resolution
-    metrics: dict[str, dict[str, float]] | None = None  # by method, each asked metric's value
-    curves: dict[str, dict[str, list[float]]] | None = None  # by method, the deletion and insertion curves
 
+@dataclass
+class ExportSummary:
+    """What an export did.
 
-def output_bases(inputs: Sequence[Input], out_dir: Path, files_for: Callable[[Path], list[Path]]) -> list[Path]:
-    """Choose where each input's outputs go: ``out_dir / input.relative``.
-
-    A ``-2``, ``-3``... suffix keeps bases apart when two inputs would share one
-    (``cats/chelsea.png`` and ``more/chelsea.png`` given as files, or ``a.jpg`` beside
-    ``a.png``) and keeps any output from landing on an input file.
-
-    Args:
-        inputs: The inputs that have a file.
-        out_dir: The output folder.
-        files_for: The files written for a base path.
+    Attributes:
+        records: The manifest's records (this process's, in a distributed run other than on rank 0), in input
+            order: those written now and those a resumed run kept.
+        written: Inputs explained and written now.
+        failed: Inputs that failed now (each record holds its error).
+        skipped: Inputs a resumed run found finished.
+        seconds: The run's time, from the first batch on.
     """
-    taken = {item.path.resolve() for item in inputs}
-    bases = []
-    for item in inputs:
-        base, number = out_dir / item.relative, 1
-        while any(f.resolve() in taken for f in files_for(base)):
-            number += 1
-            base = out_dir / item.relative.parent / f"{item.relative.name}-{number}"
-        taken.update(f.resolve() for f in files_for(base))
-        bases.append(base)
-    return bases
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    written: int = 0
+    failed: int = 0
+    skipped: int = 0
+    seconds: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        """Inputs written or failed per second."""
+        return (self.written + self.failed) / self.seconds if self.seconds > 0 else 0.0
+
+    def line(self) -> str:
+        """The one-line summary the command prints at the end."""
+        return (
+            f"written {self.written}, failed {self.failed}, skipped {self.skipped} in {self.seconds:.1f} s "
+            f"({self.rate:.1f} images/s)"
+        )
 
 
-def _batches(items: Sequence[Input], size: int) -> Iterator[Sequence[Input]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
+class _Explainer:
+    """The model step: explains a group of same-shape images with every asked method."""
 
-
-class _Exporter:
-    """Runs one export: loads, explains and writes, one batch at a time."""
-
-    def __init__(self, spec: ModelSpec, out_dir: Path, options: ExportOptions, device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, options: ExportOptions, device: torch.device) -> None:
         self.spec = spec
-        self.out_dir = out_dir
         self.options = options
         self.device = device
         names = FAST_METHODS if options.method == ALL_METHODS else options.method.split(",")
@@ -157,19 +177,6 @@ class _Exporter:
         }
         self.target = task_target(spec, options)
 
-    @property
-    def outputs(self) -> list[str]:
-        """The methods whose outputs are written apart: each asked one, or ``"all"`` (one grid of them all)."""
-        return [ALL_METHODS] if self.options.method == ALL_METHODS else list(self.methods)
-
-    def tag(self, k: int, class_name: str, method: str) -> str:
-        """What tells an image's outputs apart: the method, and which target (top class, detection, segment)."""
-        if self.spec.task == "detection":
-            return f".{method}.box{k + 1}"
-        if self.spec.task == "segmentation":
-            return f".{method}.{_slug(class_name)}"
-        return f".{method}" + (f".top{k + 1}" if self.options.topk else "")
-
     def _options_for(self, name: str) -> dict[str, Any]:
         """The options a method gets: all given for one method; of several, each gets those it takes."""
         given = dict(self.options.method_options)
@@ -177,58 +184,10 @@ class _Exporter:
             return given
         return {k: v for k, v in given.items() if k in method_options(name)}
 
-    def paths(self, base: Path, tags: Sequence[str], method: str) -> tuple[list[Path], list[Path], Path | None]:
-        """The overlays, figures and raw maps of one method written for an output base path and its targets' tags."""
-        o = self.options
-        overlays = [base.with_name(base.name + tag + f".{o.fmt}") for tag in tags]
-        figures = [base.with_name(base.name + tag + f".figure.{o.fmt}") for tag in tags] if o.figure else []
-        raw = base.with_name(f"{base.name}.{method}.npy") if o.save_raw else None
-        return overlays, figures, raw
-
-    def files_for(self, base: Path) -> list[Path]:
-        """The files written for an output base path (for detections and segments, those of the first target)."""
-        files = []
-        for method in self.outputs:
-            tags = [self.tag(k, "class", method) for k in range(self.options.topk or 1)]
-            overlays, figures, raw = self.paths(base, tags, method)
-            files += [*overlays, *figures, *([raw] if raw else [])]
-        return files
-
-    def record(
-        self,
-        item: Input,
-        error: str | None = None,
-        targets: list[dict[str, Any]] | None = None,
-        layer: str | None = None,
-        raw: str | None = None,
-        note: str | None = None,
-        method: str | None = None,
-    ) -> dict[str, Any]:
-        """A manifest record of an input (and one method of several): the same fields whatever the options
-        (see ``MANIFEST_SCHEMA``)."""
-        return {
-            "schema": MANIFEST_SCHEMA,
-            "input": item.name,
-            "model": self.spec.name,
-            "method": method or self.options.method,
-            "layer": layer,
-            "targets": targets,
-            "raw": raw,
-            "note": note,
-            "error": error,
-        }
-
-    def load(self, item: Input, base: Path) -> _Loaded | dict[str, Any]:
-        """Read and preprocess one image; a file that cannot be read gives its error record."""
-        try:
-            image = load_image(item.path)
-        except ImageLoadError as err:
-            return self.record(item, str(err))
-        return _Loaded(item, image, self.spec.transform(image, self.options.keep_aspect), base)
-
-    def explain(self, group: Sequence[_Loaded]) -> list[Callable[[], list[dict[str, Any]]]]:
-        """Explain images of one input size together; returns a job per image that writes its outputs."""
-        x = torch.stack([member.tensor for member in group]).to(self.device)
+    def explain(self, x: torch.Tensor, sizes: Sequence[tuple[int, int]]) -> list[tuple[list[Explained], dict, str]]:
+        """Explain images of one input size together (``sizes``: each image's own (width, height)); returns,
+        per image, its explained targets, its raw maps by method, and the layer."""
+        x = x.to(self.device, non_blocking=True)
         results = {}
         for name, method in list(self.methods.items()):
             try:
@@ -252,12 +211,11 @@ class _Exporter:
         boxes = None if bound.boxes is None else bound.boxes.cpu()
         regions = None if bound.regions is None else bound.regions.cpu()
         measured = {name: self.measured(x, result) for name, result in results.items()}
-        jobs = []
-        for i, member in enumerate(group):
-            width, height = member.image.size
+        explained = []
+        for i, (width, height) in enumerate(sizes):
             scale = torch.tensor([width / x.shape[-1], height / x.shape[-2]] * 2)
-            explained = [
-                _Explained(
+            targets = [
+                Explained(
                     k=k,
                     cams={name: c[i, k] for name, c in cams.items()},
                     class_index=int(classes[i, k]),
@@ -280,9 +238,9 @@ class _Exporter:
                 )
                 for k in valid[i].nonzero()[:, 0].tolist()
             ]
-            raw = {name: r[i][valid[i]] if bound.keeps_k else r[i, 0] for name, r in raws.items()}
-            jobs.append(partial(self.write, member, explained, raw, first.layer))
-        return jobs
+            raw = {name: (r[i][valid[i]] if bound.keeps_k else r[i, 0]).numpy() for name, r in raws.items()}
+            explained.append((targets, raw, first.layer))
+        return explained
 
     def measured(self, x: torch.Tensor, result: CAMResult) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The asked metrics of a batch's maps, per image, and the deletion and insertion curves among them."""
@@ -295,87 +253,23 @@ class _Exporter:
         )
         return {k: v.cpu() for k, v in values.items()}, {k: c.cpu() for k, c in curves.items()}
 
-    def write(
-        self, member: _Loaded, explained: list[_Explained], raws: dict[str, torch.Tensor], layer: str
-    ) -> list[dict[str, Any]]:
-        """Render and write one image's outputs, a map per target for each method (or their grid); returns its
-        manifest records, one per method written apart."""
-        return [self.write_method(member, explained, method, raws.get(method), layer) for method in self.outputs]
-
-    def write_method(
-        self, member: _Loaded, explained: list[_Explained], method: str, raw: torch.Tensor | None, layer: str
-    ) -> dict[str, Any]:
-        """Render and write one image's outputs of one method (or of ``"all"``: the grid); returns the record."""
-        o = self.options
-        tags = [self.tag(e.k, e.class_name, method) for e in explained]
-        outputs, figures, raw_path = self.paths(member.base, tags, method)
-        targets = []
+    def explain_robustly(
+        self, x: torch.Tensor, sizes: Sequence[tuple[int, int]]
+    ) -> list[tuple[list[Explained], dict, str] | tuple[str, str]]:
+        """Explain a group; if it fails, its images one by one, so one bad image costs only itself. An image
+        that fails gets ``("error", message)``; one with nothing to explain (no detection, no pixel of the
+        class) ``("note", reason)``."""
         try:
-            for j, (e, output) in enumerate(zip(explained, outputs)):
-                mark = partial(self.annotated, e)
-                if method == ALL_METHODS:
-                    title = f"{e.class_name} ({e.score:.1%}), every fast method"
-                    save_image(render.grid(member.image, e.cams, title, o.alpha, o.colormap, mark=mark), output)
-                else:
-                    save_image(mark(render.picture(member.image, e.cams[method], o.alpha, o.colormap)), output)
-                if figures:
-                    title = f"{e.class_name} ({e.score:.1%}), {method} at {layer}"
-                    save_image(
-                        render.figure(member.image, e.cams[method], title, o.alpha, o.colormap, mark), figures[j]
-                    )
-                targets.append(
-                    {
-                        "class_index": e.class_index,
-                        "class_name": e.class_name,
-                        "score": round(e.score, 6),
-                        "box": None if e.box is None else [round(v, 1) for v in e.box],
-                        "region": None if e.region is None else self.region_record(e.region, member.image.size),
-                        "output": str(output),
-                        "figure": str(figures[j]) if figures else None,
-                        "metrics": e.metrics[method] if e.metrics else None,
-                        "curves": (e.curves[method] or None) if e.curves else None,
-                    }
-                )
-            if raw_path:
-                save_array(raw.numpy(), raw_path)
-        except OSError as err:
-            error = f"{member.item.name}: cannot write outputs: {first_line(err)}"
-            return self.record(member.item, error, method=method)
-        raw_name = str(raw_path) if raw_path else None
-        return self.record(member.item, targets=targets, layer=layer, raw=raw_name, method=method)
-
-    @staticmethod
-    def annotated(e: _Explained, picture: Image.Image) -> Image.Image:
-        """A picture with what a detection's or a segment's map explains drawn on it: its box or outline, and label."""
-        if e.box is None and e.region is None:
-            return picture
-        return render.annotate(picture, f"{e.class_name} {e.score:.3g}", e.box, e.region)
-
-    @staticmethod
-    def region_record(region: torch.Tensor, size: tuple[int, int]) -> dict[str, Any]:
-        """A segment in the manifest: its share of the image and its bounding box in the image's pixels."""
-        rows, cols = region.nonzero(as_tuple=True)
-        height, width = region.shape
-        sx, sy = size[0] / width, size[1] / height
-        box = [float(cols.min()) * sx, float(rows.min()) * sy, float(cols.max() + 1) * sx, float(rows.max() + 1) * sy]
-        return {"fraction": round(float((region > 0).float().mean()), 6), "box": [round(v, 1) for v in box]}
-
-    def explain_robustly(self, group: Sequence[_Loaded]) -> list[Callable[[], list[dict[str, Any]]]]:
-        """Explain a group; if it fails, explain its images one by one so one bad image costs only itself.
-        An image with nothing to explain (no detection, no pixel of the class) gets a note and no outputs."""
-        try:
-            return self.explain(group)
+            return self.explain(x, sizes)
         except NothingToExplain as err:
-            if len(group) == 1:
-                note = f"nothing to explain: {err.reason}"
-                return [lambda: [self.record(group[0].item, targets=[], note=note, method=m) for m in self.outputs]]
+            if len(sizes) == 1:
+                return [("note", f"nothing to explain: {err.reason}")]
         except (LayerError, TargetError):
             raise
         except (RuntimeError, AssertionError) as err:  # the model's own refusal of an input (timm asserts sizes)
-            if len(group) == 1:
-                error = f"{group[0].item.name}: {first_line(err)}"
-                return [lambda: [self.record(group[0].item, error)]]
-        return [job for member in group for job in self.explain_robustly([member])]
+            if len(sizes) == 1:
+                return [("error", first_line(err))]
+        return [part for i in range(len(sizes)) for part in self.explain_robustly(x[i : i + 1], sizes[i : i + 1])]
 
 
 def export_heatmaps(
@@ -386,13 +280,15 @@ def export_heatmaps(
     device: str | torch.device = "cpu",
     progress: bool = False,
     report: Callable[[dict[str, Any]], None] | None = None,
-) -> list[dict[str, Any]]:
-    """Explain every image found in ``sources`` and write overlays plus ``out_dir/manifest.jsonl``.
+) -> ExportSummary:
+    """Explain every image found in ``sources``, write overlays, and record each in ``out_dir/manifest.jsonl``.
 
-    Inputs that cannot be read get a manifest entry with their ``error`` and are
-    reported; every other input is still written. Each file is written atomically.
-    The output folder is created and marked as such (see :mod:`explain.inputs`) when the
-    first outputs are ready, so a run that fails on its first batch writes nothing.
+    Inputs that cannot be read get a record with their ``error`` and are reported; every other input is still
+    written. Each file is written atomically and each input's records are appended to the manifest once its
+    files are whole, so a run stopped at any moment and resumed (``options.resume``) loses nothing and redoes
+    nothing finished. The output folder is created and marked as such (see :mod:`explain.inputs`) when the
+    first outputs are ready, so a run that fails on its first batch writes nothing. Launched by ``torchrun``,
+    each process explains its share of the inputs on its own device and the manifest is merged at the end.
 
     Args:
         spec: The model and its preprocessing (see :func:`explain.models.load_model`).
@@ -400,57 +296,127 @@ def export_heatmaps(
             inputs :func:`explain.inputs.collect_inputs` found in them.
         out_dir: Output folder.
         options: What to explain and write.
-        device: Where to run the model.
-        progress: Show a tqdm progress bar on stderr (when stderr is a terminal).
-        report: Called with each input's manifest entry as soon as it is done.
+        device: Where to run the model (a process of a distributed CUDA run takes its own device).
+        progress: Show a progress bar with images/s and the time left on stderr (when it is a terminal).
+        report: Called with each input's manifest record as soon as it is written.
 
-    Returns:
-        The manifest entries, in input order (an input's entries in method order).
+    Raises:
+        ResumeError: The folder holds an earlier run's manifest and neither ``resume`` nor ``overwrite`` is
+            set, or the run to resume had other settings.
     """
-    out_dir = Path(out_dir)
-    exporter = _Exporter(spec, out_dir, options, torch.device(device))
-    inputs = collect_inputs(sources, exclude=out_dir)
-    readable = [item for item in inputs if item.path is not None]
-    bases = dict(zip(readable, output_bases(readable, out_dir, exporter.files_for)))
-    done: dict[Input, list[dict[str, Any]]] = {}
-    writing: deque[tuple[Input, Future[list[dict[str, Any]]]]] = deque()
+    out_dir, process = Path(out_dir), this_process()
+    device = process.device(torch.device(device))
+    explainer = _Explainer(spec, options, device)
+    writer = OutputWriter(
+        out_dir=out_dir,
+        model=spec.name,
+        task=spec.task,
+        methods=[ALL_METHODS] if options.method == ALL_METHODS else list(explainer.methods),
+        topk=options.topk,
+        fmt=options.fmt,
+        alpha=options.alpha,
+        colormap=options.colormap,
+        figure=options.figure,
+        save_raw=options.save_raw,
+    )
+    head = header(run_settings(spec, options))
+    with process_group(process, device):
+        inputs = collect_inputs(sources, exclude=out_dir)  # before --overwrite forgets what the folder's outputs are
+        check_fresh(out_dir, options.resume, options.overwrite, remove=process.rank == 0)
+        if process.rank == 0:
+            remove_temporary_files(out_dir)
+        process.barrier()  # the first process has cleared the folder (killed writers' files, --overwrite's manifest)
+        previous, records = previous_run(out_dir)
+        check_settings(out_dir, previous, head["header"])
+        done = finished(records, writer.methods, out_dir)
+        readable = [item for item in inputs if item.path is not None]
+        bases = dict(zip(readable, output_bases(readable, out_dir, writer.files_for)))
+        mine = process.shard(inputs)
+        log = ManifestWriter(out_dir / (MANIFEST if process.world == 1 else part_name(process.rank)), head)
+        summary = ExportSummary(skipped=sum(item.name in done for item in mine))
+        todo = [item for item in mine if item.name not in done]
+        try:
+            _run(explainer, writer, todo, bases, log, summary, progress, report)
+        finally:
+            log.close()
+        process.barrier()  # every part is complete
+        if process.rank == 0 and (log.opened or previous is not None):
+            summary.records = merge(out_dir, head, [item.name for item in inputs], writer.methods)
+    return summary
 
-    def finish(item: Input, records: list[dict[str, Any]]) -> None:
-        done[item] = records
-        if item.path is not None:  # the bar counts files, not sources that gave none
+
+def _run(
+    explainer: _Explainer,
+    writer: OutputWriter,
+    todo: Sequence[Input],
+    bases: Mapping[Input, Path],
+    log: ManifestWriter,
+    summary: ExportSummary,
+    progress: bool,
+    report: Callable[[dict[str, Any]], None] | None,
+) -> None:
+    """Explain and write this process's inputs, appending each input's records to ``log`` in input order."""
+    options, out_dir = explainer.options, writer.out_dir
+    files = [item for item in todo if item.path is not None]
+    writing: deque[Future[list[dict[str, Any]]]] = deque()
+    start = time.perf_counter()
+
+    def finish(records: list[dict[str, Any]], counted: bool = True) -> None:
+        mark_output_folder(out_dir)
+        log.add(records)
+        summary.records += records
+        failed = any(r["error"] for r in records)
+        summary.failed += failed
+        summary.written += not failed
+        if counted:  # the bar counts files, not sources that gave none
             bar.update()
-        for record in records if report else ():
-            report(record)
+        for r in records if report else ():
+            report(r)
 
     def collect(keep: int) -> None:
         """Finish written inputs in order, waiting while more than ``keep`` are pending."""
-        while writing and (len(writing) > keep or writing[0][1].done()):
-            item, future = writing.popleft()
-            finish(item, future.result())
+        while writing and (len(writing) > keep or writing[0].done()):
+            finish(writing.popleft().result())
 
-    # Threads decode and encode images (Pillow and zlib release the GIL) while the model runs.
+    workers = default_workers(len(files), options.batch_size) if options.workers is None else options.workers
+    transform = partial(explainer.spec.transform, keep_aspect=options.keep_aspect)
+    pin = explainer.device.type == "cuda"
+    # Threads render and encode images (Pillow and zlib release the GIL) while the model runs.
     with (
-        tqdm(total=len(readable), unit="img", disable=None if progress else True, file=sys.stderr) as bar,
+        tqdm(total=len(files), unit="img", disable=None if progress else True, file=sys.stderr) as bar,
         ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool,
     ):
-        for item in inputs:
-            if item.error is not None:
-                finish(item, [exporter.record(item, item.error)])
-        for batch in _batches(readable, options.batch_size):
-            groups: dict[tuple[int, ...], list[_Loaded]] = {}
-            for item, loaded in zip(batch, pool.map(exporter.load, batch, [bases[i] for i in batch])):
-                if isinstance(loaded, _Loaded):
-                    groups.setdefault(tuple(loaded.tensor.shape), []).append(loaded)
-                else:
-                    finish(item, [loaded])
-            for group in groups.values():
-                jobs = exporter.explain_robustly(group)
-                mark_output_folder(out_dir)
-                writing.extend((member.item, pool.submit(job)) for member, job in zip(group, jobs))
+        for batch in load_batches([item.path for item in files], transform, options.batch_size, workers, pin):
+            for position, error in batch.failed:
+                writing.append(pool.submit(writer.failed, files[position], error))
+            for group in batch.groups:
+                writing.extend(_explained_group(explainer, writer, group, files, bases, pool))
             collect(keep=2 * options.batch_size)
+            log.sync()
         collect(keep=0)
-    records = [record for item in inputs for record in done[item]]
-    text = "".join(json.dumps(record) + "\n" for record in records)
-    mark_output_folder(out_dir)
-    write_atomically(out_dir / MANIFEST, lambda temp: temp.write_text(text, encoding="utf-8"))
-    return records
+        for item in todo:  # sources that gave no file: recorded last, so that a failing first batch writes nothing
+            if item.error is not None:
+                finish(writer.failed(item, item.error), counted=False)
+    summary.seconds = time.perf_counter() - start
+
+
+def _explained_group(
+    explainer: _Explainer,
+    writer: OutputWriter,
+    group: Group,
+    files: Sequence[Input],
+    bases: Mapping[Input, Path],
+    pool: ThreadPoolExecutor,
+) -> list[Future[list[dict[str, Any]]]]:
+    """Explain a group and start writing each image's outputs; returns each image's records to come."""
+    parts = explainer.explain_robustly(group.x, [image.size for image in group.images])
+    futures = []
+    for position, image, part in zip(group.positions, group.images, parts):
+        item = files[position]
+        if part[0] == "error":
+            futures.append(pool.submit(writer.failed, item, f"{item.name}: {part[1]}"))
+        elif part[0] == "note":
+            futures.append(pool.submit(writer.noted, item, part[1]))
+        else:
+            futures.append(pool.submit(writer.write, item, image, bases[item], *part))
+    return futures

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +11,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torch import Tensor
 
+from .atomic import write_atomically
 from .errors import ImageLoadError
 
 
@@ -108,25 +107,10 @@ def to_tensor(
     return (pixels - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
 
 
-def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
-    """Call ``write`` on a temporary file beside ``path``, then move it into place.
-
-    A failure leaves no partial file behind.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.part")
-    try:
-        write(temp)
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-
-
 def save_image(image: Image.Image, path: Path) -> None:
-    """Write a PIL image atomically: JPEG (quality 95) for .jpg/.jpeg, else PNG (fast zlib level 1)."""
+    """Write a PIL image atomically: JPEG (quality 90) for .jpg/.jpeg, else PNG (fast zlib level 1)."""
     jpeg = path.suffix.lower() in (".jpg", ".jpeg")
-    options = {"format": "JPEG", "quality": 95} if jpeg else {"format": "PNG", "compress_level": 1}
+    options = {"format": "JPEG", "quality": 90} if jpeg else {"format": "PNG", "compress_level": 1}
     write_atomically(path, lambda temp: image.save(temp, **options))
 
 

@@ -8,17 +8,16 @@ marked folders below it, so the outputs of one run never become the inputs of th
 from __future__ import annotations
 
 import glob
-import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from .errors import ExplainError
+from .manifest import manifest_files, read_manifest, written_files
 
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"})
-MANIFEST = "manifest.jsonl"
 OUTPUT_MARKER = ".explain-output"
-_OUTPUT_FIELDS = ("output", "outputs", "raw", "figure")  # the manifest fields that name written files
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,26 +56,16 @@ def _is_image(path: Path) -> bool:
 
 
 def _written_by_explain(folder: Path) -> set[Path]:
-    """The files that the manifest of an output folder lists as written (paths as that run named them,
-    so relative ones are taken from the current folder), in any of its schemas."""
-    try:
-        lines = (folder / MANIFEST).read_text(encoding="utf-8").splitlines()
-        records = [json.loads(line) for line in lines if line.strip()]
-    except (OSError, ValueError):
-        return set()
+    """The files that the manifests of an output folder name as written: paths below the folder (schema 4 on)
+    or as an older run named them (relative ones taken from the current folder)."""
     named: set[Path] = set()
-
-    def collect(value: Any, written: bool) -> None:  # every path under an output field, at any depth
-        if isinstance(value, dict):
-            for key, item in value.items():
-                collect(item, written or key in _OUTPUT_FIELDS)
-        elif isinstance(value, list):
-            for item in value:
-                collect(item, written)
-        elif written and isinstance(value, str):
-            named.add(Path(value).resolve())
-
-    collect(records, False)
+    try:
+        for path in manifest_files(folder):
+            for record in read_manifest(path)[1]:
+                root = folder if record.get("schema", 0) >= 4 else Path()
+                named |= {(root / name).resolve() for name in written_files(record)}
+    except (OSError, ExplainError):
+        return set()
     return named
 
 
@@ -170,3 +159,31 @@ def collect_inputs(sources: Sequence[str | Path | Input], exclude: Path | None =
         else:
             scanner.found.append(Input(text, error=f"{text}: no such file or directory"))
     return scanner.found
+
+
+def listed_inputs(list_file: Path) -> list[Input]:
+    """The files a list names, one path per line (blank lines and lines starting with ``#`` passed over).
+
+    A relative path is taken from the list's folder; a file's outputs keep its path below that folder (or its
+    name, for a file elsewhere). A line naming no file gives an :class:`Input` carrying the error.
+
+    Raises:
+        ExplainError: The list itself cannot be read.
+    """
+    try:
+        lines = list_file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ExplainError(f"{list_file}: cannot read the list of inputs ({err.strerror or err})") from None
+    root, found = list_file.parent, []
+    for number, line in enumerate(lines, start=1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        path = root / text
+        if not path.is_file():
+            found.append(Input(text, error=f"{list_file}:{number}: {text}: no such file"))
+            continue
+        inside = path.resolve().is_relative_to(root.resolve())
+        relative = path.resolve().relative_to(root.resolve()) if inside else Path(path.name)
+        found.append(Input(str(path), path, relative.with_suffix("")))
+    return found

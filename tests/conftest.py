@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -113,3 +114,10 @@ def lite0():
 def composite() -> np.ndarray:
     """The cat photo beside the coffee photo, each resized to a 224 x 224 square: 224 x 448 x 3."""
     return np.concatenate([square(CAT, 224), square(COFFEE, 224)], axis=1)
+
+
+def manifest(out: Path) -> list[dict]:
+    """The records of an output folder's manifest; its first line must be the run's header."""
+    lines = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert "header" in lines[0] and all("header" not in line for line in lines[1:])
+    return lines[1:]

@@ -3,24 +3,19 @@ weights, checked against the same architecture run here by torchvision alone on 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torchvision
-from conftest import CAT, random_detector, random_segmenter
+from conftest import CAT, manifest, random_detector, random_segmenter
 from PIL import Image
 
 from explain.cli import main
 
 SEGMENTER, DETECTOR = "lraspp_mobilenet_v3_large", "fasterrcnn_mobilenet_v3_large_fpn"
 WHITE = (255, 255, 255)
-
-
-def manifest(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
 
 
 def photo() -> np.ndarray:
@@ -49,6 +44,7 @@ def test_segmenter_one_overlay_per_class_with_its_outline(segmenter_file, tmp_pa
     out = tmp_path / "out"
     code = main(
         [str(CAT), "--model", SEGMENTER, "--weights", str(segmenter_file), "--labels", str(labels), "-o", str(out)]
+        + ["--format", "png"]  # exact pixels
     )
     assert code == 0
 
@@ -90,7 +86,7 @@ def test_segmenter_one_overlay_per_class_with_its_outline(segmenter_file, tmp_pa
         for dx in (-1, 0, 1):
             neighbours_out |= padded[1 + dy : 301 + dy, 1 + dx : 452 + dx] == 0
     boundary = (mask == 1) & neighbours_out
-    overlay = np.asarray(Image.open(largest["output"]))
+    overlay = np.asarray(Image.open(out / largest["output"]))
     assert overlay.shape == (300, 451, 3) and boundary.sum() > 50
     assert (overlay[boundary] == WHITE).all(axis=1).mean() > 0.98
 
@@ -109,6 +105,7 @@ def test_detector_one_overlay_per_detection_with_its_box(detector_file, tmp_path
 
     out = tmp_path / "out"
     args = ["--model", DETECTOR, "--weights", str(detector_file), "--score-threshold", str(threshold), "--figure"]
+    args += ["--format", "png"]  # exact pixels
     code = main([str(CAT), *args, "-o", str(out)])
     assert code == 0
     (record,) = manifest(out)
@@ -121,11 +118,11 @@ def test_detector_one_overlay_per_detection_with_its_box(detector_file, tmp_path
         assert target["box"] == pytest.approx(found["boxes"][k].tolist(), abs=0.051)
         assert target["region"] is None
         assert Path(target["figure"]).name == f"chelsea.gradcam.box{k + 1}.figure.png"
-        figure = Image.open(target["figure"])
+        figure = Image.open(out / target["figure"])
         assert figure.width > 2 * figure.height  # image, heatmap and overlay side by side
         # the box's top edge is drawn in white across its width
         x1, y1, x2, _ = target["box"]
-        overlay = np.asarray(Image.open(target["output"]))
+        overlay = np.asarray(Image.open(out / target["output"]))
         rows = overlay[max(0, int(y1) - 1) : int(y1) + 2, int(x1) + 3 : int(x2) - 3]
         assert any((row == WHITE).all() for row in rows)
     assert record["layer"] == "backbone:0+backbone:1+backbone:pool"
@@ -142,7 +139,7 @@ def test_detector_without_detections_and_its_usage_errors(detector_file, tmp_pat
     assert sorted(p.name for p in out.iterdir()) == [".explain-output", "manifest.jsonl"]
     assert "chelsea.png: nothing to explain" in capsys.readouterr().out
 
-    assert main([*args, "--topk", "2"]) == 2
+    assert main([*args, "--topk", "2", "--overwrite"]) == 2
     assert "--topk explains a classifier's top classes; fasterrcnn_mobilenet_v3_large_fpn is a detection model" in (
         capsys.readouterr().err
     )

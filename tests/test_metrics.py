@@ -16,7 +16,7 @@ import scipy.sparse
 import scipy.sparse.linalg
 import scipy.stats
 import torch
-from conftest import ASSETS, CAT, COFFEE, hook_count, reference_gradcam, seeded
+from conftest import ASSETS, CAT, COFFEE, hook_count, manifest, reference_gradcam, seeded
 from PIL import Image
 from torch import nn
 
@@ -254,7 +254,17 @@ def test_sanity_check_against_a_randomization_done_here() -> None:
             ]
             expected = scipy.stats.spearmanr(up[0].flatten().numpy(), up[1].flatten().numpy()).statistic
             assert abs(float(result.spearman[depth, i]) - expected) < 1e-3
-    assert result.blocks == ["fc", "layer4.1"]
+    assert result.blocks == ["fc", "layer4.1"] and result.depths == [1, 2]
+    # Compared at depth 2 alone, the maps are the same: the blocks are randomized in order all the same.
+    alone = metrics.sanity_check(
+        model, x, "gradcam", layer="layer4", blocks=["fc", "layer4.1", "layer4.0"], init_seed=7, depths=[2]
+    )
+    assert alone.depths == [2] and alone.blocks == ["fc", "layer4.1", "layer4.0"]
+    torch.testing.assert_close(alone.spearman, result.spearman[1:])
+    with pytest.raises(ExplainError, match="depth 1"):
+        alone.insensitive()
+    with pytest.raises(ExplainError, match=r"depths must lie in 1\.\.2"):
+        metrics.sanity_check(model, x, "gradcam", layer="layer4", blocks=["fc", "layer4.1"], depths=[3])
     assert hook_count(model) == 0 and not any(p.grad is not None for p in model.parameters())
 
 
@@ -301,7 +311,7 @@ def test_cli_metrics_in_the_manifest_and_the_summary_files(lite0: explain.ModelS
         [str(CAT), str(COFFEE), "--model", "efficientnet_lite0", "--metrics", "insertion,deletion,drop", "-o", str(out)]
     )
     assert code == 0
-    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    records = manifest(out)
     # Each image's values are the API's on the same images and maps.
     x = lite0.preprocess([CAT, COFFEE])
     result = explain.GradCAM(lite0.model)(x)
@@ -357,9 +367,10 @@ def test_cli_several_methods_each_write_their_outputs_and_records(tmp_path, caps
 
     out = tmp_path / "out"
     methods = "gradcam,layercam,eigencam"
-    code = main([str(CAT), str(COFFEE), "--model", "efficientnet_lite0", "--method", methods, "-o", str(out)])
+    arguments = ["--model", "efficientnet_lite0", "--method", methods, "--format", "png", "-o", str(out)]
+    code = main([str(CAT), str(COFFEE), *arguments])
     assert code == 0
-    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    records = manifest(out)
     assert [(Path(r["input"]).name, r["method"]) for r in records] == [
         (photo, method) for photo in ("chelsea.png", "coffee.png") for method in methods.split(",")
     ]
@@ -367,7 +378,7 @@ def test_cli_several_methods_each_write_their_outputs_and_records(tmp_path, caps
     x = model.preprocess([CAT, COFFEE])
     for record in records:
         (target,) = record["targets"]
-        written = np.asarray(Image.open(target["output"]))
+        written = np.asarray(Image.open(out / target["output"]))
         i = 0 if record["input"].endswith("chelsea.png") else 1
         cam = explain.cam(model.model, x, record["method"])[i]
         expected = np.asarray(explain.overlay(Image.open(record["input"]).convert("RGB"), cam))

@@ -3,7 +3,6 @@ here with plain hooks and autograd and the layout each model is known to have.""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import pytest
 import timm
 import torch
 import torchvision
-from conftest import CAT, capture_score, hook_count
+from conftest import CAT, capture_score, hook_count, manifest
 from PIL import Image
 from timm.models.convnext import ConvNeXt
 from timm.models.swin_transformer import SwinTransformer
@@ -186,7 +185,7 @@ def test_timm_model_by_name_with_a_checkpoint(tmp_path) -> None:
     torch.save(model.state_dict(), weights)
     out = tmp_path / "out"
     assert main([str(CAT), "--model", "timm/vit_tiny_patch16_224", "--weights", str(weights), "-o", str(out)]) == 0
-    (record,) = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    (record,) = manifest(out)
     pixels = np.asarray(Image.open(CAT).convert("RGB").resize((224, 224), Image.Resampling.BICUBIC)) / 255.0
     x = torch.tensor((pixels - 0.5) / 0.5, dtype=torch.float32).permute(2, 0, 1)[None]
     with torch.no_grad():
@@ -195,13 +194,13 @@ def test_timm_model_by_name_with_a_checkpoint(tmp_path) -> None:
     assert record["layer"] == "blocks.11.norm1"
     assert target["class_name"] == f"class {int(probabilities.argmax())}"
     assert target["score"] == pytest.approx(float(probabilities.max()), abs=1e-4)
-    assert Image.open(target["output"]).size == Image.open(CAT).size
+    assert Image.open(out / target["output"]).size == Image.open(CAT).size
 
     # A ViT of fixed input size refuses the aspect-kept 224 x 337 input: a one-line error for that input, exit 1.
     kept = tmp_path / "kept"
     args = [str(CAT), "--model", "timm/vit_tiny_patch16_224", "--weights", str(weights), "--keep-aspect"]
     assert main([*args, "-o", str(kept)]) == 1
-    (failed,) = [json.loads(line) for line in (kept / "manifest.jsonl").read_text().splitlines()]
+    (failed,) = manifest(kept)
     assert "chelsea.png: Input width (337) doesn't match model (224)" in failed["error"]
 
 

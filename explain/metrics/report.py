@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..atomic import write_atomically
 from ..catalog import METRIC_CATALOG
-from ..image_io import write_atomically
 from ..targets import TargetLike
 from .confidence import average_drop, average_gain, increase_in_confidence
 from .perturbation import deletion, insertion, road
@@ -135,16 +135,16 @@ def write_sanity(out_dir: Path, results: dict[str, SanityResult], threshold: flo
     Spearman correlation per depth) for the randomization test's results by method; returns the csv's rows."""
     rows = []
     for method, result in results.items():
-        for depth, block in enumerate(result.blocks):
-            low, high = interval(result.spearman[depth])
+        for row, depth in enumerate(result.depths):
+            low, high = interval(result.spearman[row])
             rows.append(
                 {
                     "method": method,
-                    "depth": depth + 1,
-                    "block": block,
-                    "spearman": round(float(result.spearman[depth].mean()), 6),
+                    "depth": depth,
+                    "block": result.blocks[depth - 1],
+                    "spearman": round(float(result.spearman[row].mean()), 6),
                     "spearman_ci95": [round(low, 6), round(high, 6)],
-                    "ssim": round(float(result.ssim[depth].mean()), 6),
+                    "ssim": round(float(result.ssim[row].mean()), 6),
                     "images": result.spearman.shape[1],
                     "fails": result.insensitive(threshold),
                 }
@@ -173,7 +173,7 @@ def _plot_sanity(results: dict[str, SanityResult], path: Path) -> None:
     blocks = next(iter(results.values())).blocks
     figure, axis = plt.subplots(figsize=(max(6, 0.5 * len(blocks) + 3), 4), layout="constrained")
     for method, result in results.items():
-        axis.plot(range(1, len(blocks) + 1), result.spearman.mean(dim=1).tolist(), marker="o", label=method)
+        axis.plot(result.depths, result.spearman.mean(dim=1).tolist(), marker="o", label=method)
     axis.set_xticks(range(1, len(blocks) + 1), blocks, rotation=60, ha="right")
     axis.set(xlabel="randomized down to block", ylabel="Spearman ρ with the trained maps", ylim=(-0.2, 1.05))
     axis.axhline(0.5, color="grey", linestyle=":")

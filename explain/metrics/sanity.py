@@ -106,19 +106,23 @@ class SanityResult:
     """The randomization test's comparisons, per depth (blocks randomized) and image.
 
     Attributes:
-        blocks: The blocks in the order they were randomized; depth d has ``blocks[: d + 1]`` random.
-        spearman: Rank correlation of the absolute maps with the trained model's, (depths, N).
-        ssim: Their structural similarity, (depths, N).
+        blocks: The blocks in the order they are randomized; depth d has ``blocks[:d]`` random.
+        depths: The depth of each row of ``spearman`` and ``ssim``, increasing.
+        spearman: Rank correlation of the absolute maps with the trained model's, (len(depths), N).
+        ssim: Their structural similarity, (len(depths), N).
     """
 
     blocks: list[str]
+    depths: list[int]
     spearman: Tensor
     ssim: Tensor
 
     def insensitive(self, threshold: float = 0.5) -> bool:
         """Whether the method fails the test: with the output block random, the maps still correlate with the
         trained model's (mean Spearman at depth 1 at least ``threshold``)."""
-        return bool(self.spearman[0].mean() >= threshold)
+        if 1 not in self.depths:
+            raise ExplainError("the verdict needs the maps at depth 1 (the output block random); compare at depth 1")
+        return bool(self.spearman[self.depths.index(1)].mean() >= threshold)
 
 
 def _layer_names(model: nn.Module, layer: Any) -> Any:
@@ -144,6 +148,7 @@ def sanity_check(
     layer: Any = None,
     blocks: Sequence[str] | None = None,
     init_seed: int = 0,
+    depths: Sequence[int] | None = None,
     model_kwargs: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> SanityResult:
@@ -158,8 +163,11 @@ def sanity_check(
             explain the same classes.
         layer: The method's layer(s) as for :func:`explain.cam` (the same names in every copy).
         blocks: The blocks to randomize, in order; default: :func:`cascading_blocks`, from the output down.
-        init_seed: Seed of the re-initialization (block d uses ``init_seed + d``); a method's own ``seed`` goes
-            with its options.
+        init_seed: Seed of the re-initialization (the block at depth d uses ``init_seed + d - 1``); a method's own
+            ``seed`` goes with its options.
+        depths: The depths (numbers of blocks randomized, 1 for the output block) at which the maps are compared;
+            default every depth. The blocks are randomized in order all the same, so a depth's maps do not depend
+            on which others are compared: a slow method can be checked at depths 1 and the last alone.
         model_kwargs: Further keyword arguments of the model's forward.
         **options: The method's options (see :func:`explain.create_method`).
 
@@ -174,16 +182,20 @@ def sanity_check(
     order = list(blocks) if blocks is not None else cascading_blocks(model)
     if not order:
         raise ExplainError("the model has no block with parameters to randomize")
+    wanted = sorted(set(depths)) if depths is not None else list(range(1, len(order) + 1))
+    if not wanted or wanted[0] < 1 or wanted[-1] > len(order):
+        raise ExplainError(f"depths must lie in 1..{len(order)} (the blocks from the output down: {order})")
     randomized = copy.deepcopy(model)
     correlations, similarities = [], []
-    for depth, name in enumerate(order):
+    for depth, name in enumerate(order[: wanted[-1]], start=1):
         try:
             block = randomized.get_submodule(name)
         except AttributeError:
             raise ExplainError(f"the model has no block {name!r}; blocks from the output down: {order}") from None
-        randomize(block, init_seed + depth)
-        result = create_method(method, randomized, layer, **options)(x, trained.target, model_kwargs=model_kwargs)
-        maps = _absolute_maps(result.cams)
-        correlations.append(spearman(reference, maps))
-        similarities.append(ssim(reference, maps))
-    return SanityResult(order, torch.stack(correlations), torch.stack(similarities))
+        randomize(block, init_seed + depth - 1)
+        if depth in wanted:
+            result = create_method(method, randomized, layer, **options)(x, trained.target, model_kwargs=model_kwargs)
+            maps = _absolute_maps(result.cams)
+            correlations.append(spearman(reference, maps))
+            similarities.append(ssim(reference, maps))
+    return SanityResult(order, wanted, torch.stack(correlations), torch.stack(similarities))

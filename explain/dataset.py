@@ -1,0 +1,117 @@
+"""Loading an export's images in ``DataLoader`` worker processes: read, EXIF-oriented, resized and normalized
+while the model works on the batch before, grouped by input shape, in pinned memory for a CUDA device.
+
+A file that cannot be read is not an exception in a worker (which would end the run) but an entry of the
+batch's ``failed``, with the one-line error that names the file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from PIL import Image
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from .errors import ImageLoadError
+from .image_io import load_image
+
+
+def default_workers(images: int, batch_size: int) -> int:
+    """Worker processes for ``images`` inputs: none for at most one batch (starting one costs more than it
+    saves), else half the cores (the other half run the model and the encoding), at least 1 and at most 8."""
+    if images <= batch_size:
+        return 0
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+@dataclass(frozen=True)
+class Group:
+    """Images of one batch that share an input shape.
+
+    Attributes:
+        positions: Each image's place in the list the dataset was made from.
+        x: Their model input, (N, 3, H, W).
+        images: The images as read, at their own size (what the maps are drawn on).
+    """
+
+    positions: list[int]
+    x: Tensor
+    images: list[Image.Image]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One batch as the loader gives it: its groups, and the files that could not be read with their errors."""
+
+    groups: list[Group] = field(default_factory=list)
+    failed: list[tuple[int, str]] = field(default_factory=list)
+
+    def pin_memory(self) -> Batch:
+        """The batch with its inputs in page-locked memory (the loader calls this for a CUDA run)."""
+        groups = [Group(g.positions, g.x.pin_memory(), g.images) for g in self.groups]
+        return Batch(groups, self.failed)
+
+
+class ImageFiles(Dataset):
+    """Image files as (position, image, model input), or (position, error) for a file that cannot be read.
+
+    Args:
+        paths: The files.
+        transform: An RGB image as the model's input (3, H, W).
+    """
+
+    def __init__(self, paths: Sequence[Path], transform: Callable[[Image.Image], Tensor]) -> None:
+        self.paths = paths
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, position: int) -> tuple[int, Image.Image, Tensor] | tuple[int, str]:
+        try:
+            image = load_image(self.paths[position])
+        except ImageLoadError as err:
+            return position, str(err)
+        return position, image, self.transform(image)
+
+
+def collate(items: list[tuple[int, Image.Image, Tensor] | tuple[int, str]]) -> Batch:
+    """A batch of loaded images, grouped by input shape in order of first appearance."""
+    batch = Batch()
+    shapes: dict[tuple[int, ...], list[tuple[int, Image.Image, Tensor]]] = {}
+    for item in items:
+        if len(item) == 2:
+            batch.failed.append(item)
+        else:
+            shapes.setdefault(tuple(item[2].shape), []).append(item)
+    for members in shapes.values():
+        positions, images, tensors = zip(*members)
+        batch.groups.append(Group(list(positions), torch.stack(tensors), list(images)))
+    return batch
+
+
+def load_batches(
+    paths: Sequence[Path], transform: Callable[[Image.Image], Tensor], batch_size: int, workers: int, pin: bool
+) -> Iterable[Batch]:
+    """The files in batches of ``batch_size``, in order, loaded by ``workers`` processes (0: in this one).
+
+    Args:
+        paths: The image files.
+        transform: An RGB image as the model's input.
+        batch_size: Files per batch.
+        workers: Worker processes.
+        pin: Give the inputs in pinned memory (for a non-blocking copy to a CUDA device).
+    """
+    return DataLoader(
+        ImageFiles(paths, transform),
+        batch_size=batch_size,
+        num_workers=workers,
+        collate_fn=collate,
+        pin_memory=pin,
+        prefetch_factor=2 if workers else None,
+    )

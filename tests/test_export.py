@@ -1,0 +1,188 @@
+"""Batch export at data-set scale: the manifest and resuming, a run killed at any moment, worker processes,
+lists of inputs, several processes under torchrun."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ASSETS, manifest
+from PIL import Image
+
+import explain
+from explain.cli import main
+from explain.manifest import chosen_records
+
+ROOT = ASSETS.parent
+LITE0 = ["--model", "efficientnet_lite0"]
+PHOTOS = sorted(p for p in ASSETS.iterdir() if p.suffix in (".png", ".jpg"))
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    """24 JPEGs of 160x120 in two folders: four crops of each of the six photos in assets/."""
+    root = tmp_path_factory.mktemp("dataset")
+    for photo in PHOTOS:
+        image = Image.open(photo).convert("RGB")
+        width, height = image.size
+        for k in range(4):
+            box = (k * width // 10, k * height // 10, width - (3 - k) * width // 10, height - (3 - k) * height // 10)
+            folder = root / ("a" if k < 2 else "b")
+            folder.mkdir(exist_ok=True)
+            image.crop(box).resize((160, 120)).save(folder / f"{photo.stem}-{k}.jpg", quality=90)
+    return root
+
+
+def outputs(out: Path) -> dict[str, int]:
+    """Each output file the manifest names, with its modification time (ns)."""
+    return {t["output"]: (out / t["output"]).stat().st_mtime_ns for r in manifest(out) for t in r["targets"]}
+
+
+def summary_line(text: str) -> str:
+    (line,) = [line for line in text.splitlines() if line.startswith("written ")]
+    return line
+
+
+def run_cli(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "cli.py"), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def test_a_second_run_is_refused_and_resume_redoes_only_what_is_missing(dataset, tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    assert main([str(dataset), "-o", str(out), *LITE0, "--format", "jpg"]) == 0
+    head = json.loads((out / "manifest.jsonl").read_text().splitlines()[0])["header"]
+    assert (head["model"], head["method"], head["fmt"], head["version"]) == (
+        "efficientnet_lite0",
+        "gradcam",
+        "jpg",
+        explain.__version__,
+    )
+    assert len(head["weights_sha256"]) == 64 and head["preprocessing"]["input_size"] == 224
+    records = manifest(out)
+    assert [Path(r["input"]).relative_to(dataset).as_posix() for r in records] == sorted(
+        p.relative_to(dataset).as_posix() for p in dataset.rglob("*.jpg")
+    )
+    assert summary_line(capsys.readouterr().out).startswith("written 24, failed 0, skipped 0 in ")
+    first, before = (out / "manifest.jsonl").read_bytes(), outputs(out)
+
+    # Without --resume the folder is refused, before anything is loaded or written.
+    assert main([str(dataset), "-o", str(out), *LITE0, "--format", "jpg"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds the manifest of an earlier run; add --resume" in err and "--overwrite" in err
+    # Other settings cannot be resumed; the error names what differs.
+    assert main([str(dataset), "-o", str(out), *LITE0, "--format", "jpg", "--alpha", "0.3", "--resume"]) == 2
+    assert "cannot resume a run with other settings (alpha: 0.5 then, 0.3 now)" in capsys.readouterr().err
+    assert (out / "manifest.jsonl").read_bytes() == first and outputs(out) == before
+
+    # Resumed after a finished run: nothing redone, the manifest unchanged.
+    assert main([str(dataset), "-o", str(out), *LITE0, "--format", "jpg", "--resume"]) == 0
+    assert summary_line(capsys.readouterr().out).startswith("written 0, failed 0, skipped 24 in ")
+    assert (out / "manifest.jsonl").read_bytes() == first and outputs(out) == before
+
+    # Two outputs lost, a killed writer's incomplete last line and its temporary file: those two are redone.
+    lost = sorted(before)[3:5]
+    for name in lost:
+        (out / name).unlink()
+    with (out / "manifest.jsonl").open("a") as f:
+        f.write('{"schema": 4, "input": "half a rec')
+    (out / "a" / ".chelsea-0.gradcam.jpg.0123456789ab.part").write_bytes(b"half an image")
+    assert main([str(dataset), "-o", str(out), *LITE0, "--format", "jpg", "--resume", "--quiet"]) == 0
+    after = outputs(out)
+    assert sorted(after) == sorted(before) and all(after[n] == before[n] for n in before if n not in lost)
+    assert (out / "manifest.jsonl").read_bytes() == first  # in input order, as if never interrupted
+    assert not list(out.rglob("*.part"))
+
+    # --overwrite starts afresh.
+    assert main([str(dataset), "-o", str(out), *LITE0, "--format", "jpg", "--overwrite"]) == 0
+    assert summary_line(capsys.readouterr().out).startswith("written 24, failed 0, skipped 0 in ")
+
+
+def test_killed_at_any_moment_then_resumed_loses_nothing(dataset, tmp_path) -> None:
+    """SIGKILL after 2 records, after 9, and once the first file is there; resumed each time."""
+    out = tmp_path / "out"
+    args = [str(dataset), "-o", str(out), *LITE0, "--batch-size", "4", "--workers", "0", "--quiet"]
+    finished: dict[str, int] = {}
+    for kill_after in (2, 9, 0):
+        process = run_cli(*args, *(["--resume"] if out.exists() else []))
+        manifest_file = out / "manifest.jsonl"
+        while process.poll() is None:
+            lines = manifest_file.read_text().count("\n") if manifest_file.exists() else 0
+            if lines > kill_after + 1 or (kill_after == 0 and any(out.rglob("*.gradcam.*"))):
+                break
+            time.sleep(0.002)
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        # What the manifest holds as finished was finished: whole files, never written again.
+        lines = manifest_file.read_text().splitlines(keepends=True) if manifest_file.exists() else []
+        for line in lines[1:]:
+            if line.endswith("\n"):
+                record = json.loads(line)
+                for target in record["targets"]:
+                    path = out / target["output"]
+                    Image.open(path).load()
+                    finished.setdefault(target["output"], path.stat().st_mtime_ns)
+    process = run_cli(*args, "--resume")
+    assert process.wait() == 0, process.stderr.read()
+    records = manifest(out)
+    names = [Path(r["input"]).relative_to(dataset).as_posix() for r in records]
+    assert names == sorted(p.relative_to(dataset).as_posix() for p in dataset.rglob("*.jpg"))  # each exactly once
+    assert all(r["error"] is None and len(r["targets"]) == 1 for r in records)
+    for record in records:
+        assert Image.open(out / record["targets"][0]["output"]).size == (160, 120)
+    now = outputs(out)
+    assert finished and all(now[name] == mtime for name, mtime in finished.items())  # nothing finished redone
+    assert not list(out.rglob("*.part"))
+
+
+def test_worker_processes_write_the_same_files(dataset, tmp_path) -> None:
+    runs = {}
+    for workers in ("0", "2"):
+        out = tmp_path / f"w{workers}"
+        assert (
+            main([str(dataset / "a"), "-o", str(out), *LITE0, "--workers", workers, "--quiet", "--batch-size", "5"])
+            == 0
+        )
+        runs[workers] = {t["output"]: (out / t["output"]).read_bytes() for r in manifest(out) for t in r["targets"]}
+    assert len(runs["0"]) == 12 and runs["0"] == runs["2"]
+
+
+def test_inputs_from_a_list(dataset, tmp_path, capsys) -> None:
+    listing = dataset / "list.txt"
+    absolute = dataset / "b" / "coffee-3.jpg"
+    listing.write_text(f"# two photos and a missing one\na/chelsea-0.jpg\n\n{absolute}\na/nowhere.jpg\n")
+    out = tmp_path / "out"
+    assert main(["--from-list", str(listing), "-o", str(out), *LITE0, "--quiet"]) == 1
+    records = manifest(out)
+    assert [r["input"] for r in records] == [str(dataset / "a" / "chelsea-0.jpg"), str(absolute), "a/nowhere.jpg"]
+    assert [t["output"] for r in records[:2] for t in r["targets"]] == [
+        "a/chelsea-0.gradcam.jpg",
+        "b/coffee-3.gradcam.jpg",
+    ]
+    assert records[2]["error"] == f"{listing}:5: a/nowhere.jpg: no such file"
+    assert capsys.readouterr().err.strip() == f"explain: error: {listing}:5: a/nowhere.jpg: no such file"
+    assert main(["--from-list", str(tmp_path / "none.txt"), "-o", str(tmp_path / "x")]) == 2
+    assert "none.txt: cannot read the list of inputs" in capsys.readouterr().err
+
+
+def test_records_chosen_over_runs() -> None:
+    def rec(name: str, method: str, error: str | None = None) -> dict:
+        return {"input": name, "method": method, "error": error}
+
+    written = [
+        rec("b", "gradcam", "boom"),
+        rec("a", "gradcam"),
+        rec("b", "gradcam"),  # b redone after an error
+        rec("c", "gradcam,layercam", "unreadable"),  # an input that failed as a whole, then partly redone
+        rec("c", "gradcam"),
+        rec("a", "gradcam", "late failure"),  # a success is kept over a later error
+    ]
+    chosen = chosen_records(written, order=["a", "b", "c"], methods=["gradcam"])
+    assert [(r["input"], r["error"]) for r in chosen] == [("a", None), ("b", None), ("c", None)]
+    assert chosen_records([rec("d", "gradcam,layercam", "unreadable")], ["d"], ["gradcam", "layercam"])[0]["error"]
