@@ -33,7 +33,7 @@ def commands(out: Path) -> dict[str, tuple[list[str], float | None]]:
         "explain --method list": ([script, "--method", "list"], 0.5),
         "explain missing.png (exit 2)": ([script, str(out / "missing.png")], 0.5),
         "explain chelsea.png --model efficientnet_lite0": (
-            [script, str(PHOTO), "--model", "efficientnet_lite0", "-o", str(out), "--quiet"],
+            [script, str(PHOTO), "--model", "efficientnet_lite0", "-o", str(out), "--quiet", "--overwrite"],
             3.0,
         ),
     }

@@ -6,7 +6,8 @@ insertion: 50 steps; ROAD: MoRF and LeRF at 20, 50 and 80%, (LeRF - MoRF) / 2; s
 ``explain.metrics.cascading_blocks`` randomized from the output down, Spearman's correlation of the absolute maps
 with the trained model's after the first block (the classifier) and after all of them; a method whose maps keep a
 mean correlation of at least 0.5 with the classifier random fails (``SanityResult.insensitive``); only those
-two depths are explained, which spares the perturbation methods ten runs each. A guided method's images are scored as saliency maps (each pixel's largest absolute channel).
+two depths are explained, which spares the perturbation methods ten runs each. A guided method's images are
+scored as saliency maps (each pixel's largest absolute channel).
 
     python benchmarks/faithfulness.py [--methods gradcam,layercam] [--out benchmarks/results_faithfulness.md]
 """

@@ -412,27 +412,25 @@ def _sanity_check(
     args: argparse.Namespace, spec: ModelSpec, inputs: list[Input], layer: Any, target: Any, device: torch.device
 ) -> int:
     """The randomization test of each asked method on the readable images, in batches; its files and verdicts."""
+    from functools import partial
+
     import torch
 
-    from .errors import ImageLoadError
-    from .image_io import load_image
+    from .dataset import load_batches
     from .inputs import mark_output_folder
     from .methods import FAST_METHODS, method_options
     from .metrics.report import write_sanity
     from .metrics.sanity import SanityResult, sanity_check
 
-    failed = False
-    groups: dict[tuple[int, ...], list[torch.Tensor]] = {}
-    for item in inputs:
-        try:
-            if item.error is not None:
-                raise ImageLoadError(item.error)
-            tensor = spec.transform(load_image(item.path), args.keep_aspect or None)
-        except ImageLoadError as err:
-            print(f"explain: error: {err}", file=sys.stderr)
-            failed = True
-            continue
-        groups.setdefault(tuple(tensor.shape), []).append(tensor)
+    errors = [item.error for item in inputs if item.error is not None]
+    paths = [item.path for item in inputs if item.path is not None]
+    transform = partial(spec.transform, keep_aspect=args.keep_aspect or None)
+    groups = []
+    for batch in load_batches(paths, transform, args.batch_size, workers=0, pin=False):
+        errors += [error for _, error in batch.failed]
+        groups += [group.x for group in batch.groups]
+    for error in errors:
+        print(f"explain: error: {error}", file=sys.stderr)
     if not groups:
         return EXIT_SOME_FAILED
     names = FAST_METHODS if args.method == ALL_METHODS else args.method.split(",")
@@ -441,11 +439,8 @@ def _sanity_check(
     for name in names:
         own = {key: value for key, value in options.items() if key in method_options(name)}
         parts = [
-            sanity_check(
-                spec.model, torch.stack(batch).to(device), name, target, layer=layer, init_seed=args.seed or 0, **own
-            )
-            for group in groups.values()
-            for batch in (group[i : i + args.batch_size] for i in range(0, len(group), args.batch_size))
+            sanity_check(spec.model, x.to(device), name, target, layer=layer, init_seed=args.seed or 0, **own)
+            for x in groups
         ]
         spearman, ssim = (torch.cat([getattr(p, key) for p in parts], dim=1) for key in ("spearman", "ssim"))
         results[name] = SanityResult(parts[0].blocks, parts[0].depths, spearman, ssim)
@@ -459,7 +454,7 @@ def _sanity_check(
                 f"{result.blocks[0]} random, {result.spearman[-1].mean():.2f} with all {len(result.blocks)} blocks)"
             )
         print(f"sanity check: {args.out / 'sanity.csv'}, {args.out / 'sanity.json'}, {args.out / 'sanity.png'}")
-    return EXIT_SOME_FAILED if failed else EXIT_OK
+    return EXIT_SOME_FAILED if errors else EXIT_OK
 
 
 def _report_metrics(out: Path, records: list[dict[str, Any]], quiet: bool) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
@@ -28,11 +29,23 @@ def resize_map(cam: Tensor | np.ndarray, height: int, width: int) -> np.ndarray:
     return resized[0, 0].numpy()
 
 
-def colorize(cam: Tensor | np.ndarray, colormap: str = "jet") -> np.ndarray:
-    """Map values in [0, 1] (clipped) through a matplotlib colormap: HxWx3 uint8 RGB."""
+@functools.lru_cache(maxsize=16)
+def _colours(colormap: str) -> np.ndarray:
+    """A matplotlib colormap's table as (N, 3) uint8 RGB."""
     cmap = matplotlib.colormaps[colormap]
-    values = np.clip(np.asarray(cam, dtype=np.float32), 0.0, 1.0)
-    return (cmap(values)[..., :3] * 255 + 0.5).astype(np.uint8)
+    return (cmap(np.arange(cmap.N))[:, :3] * 255 + 0.5).astype(np.uint8)
+
+
+def colorize(cam: Tensor | np.ndarray, colormap: str = "jet") -> np.ndarray:
+    """Map values in [0, 1] (clipped) through a matplotlib colormap: HxWx3 uint8 RGB.
+
+    The same colours as ``colormap(values)``, which picks entry ``int(value * N)`` of its N-entry table (1
+    picks the last), looked up in the table at once rather than computed as floats per pixel.
+    """
+    colours = _colours(colormap)
+    index = np.asarray(cam, dtype=np.float32) * np.float32(len(colours))
+    np.clip(index, 0, len(colours) - 1, out=index)
+    return colours[index.astype(np.intp)]
 
 
 def overlay(
@@ -56,9 +69,12 @@ def overlay(
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     pixels = rgb_array(image)
-    heat = colorize(resize_map(cam, *pixels.shape[:2]), colormap)
-    blended = (1.0 - alpha) * pixels.astype(np.float32) + alpha * heat.astype(np.float32)
-    return Image.fromarray(np.clip(blended + 0.5, 0, 255).astype(np.uint8), mode="RGB")
+    blended = colorize(resize_map(cam, *pixels.shape[:2]), colormap).astype(np.float32)
+    blended -= pixels  # in place: (1 - alpha) * pixels + alpha * heat, rounded, in four passes over memory
+    blended *= alpha
+    blended += pixels
+    blended += 0.5  # at most 255.5, which the cast truncates to 255
+    return Image.fromarray(blended.astype(np.uint8), mode="RGB")
 
 
 def gradient_image(cam: Tensor | np.ndarray, height: int, width: int) -> Image.Image:

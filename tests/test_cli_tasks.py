@@ -42,10 +42,8 @@ def test_segmenter_one_overlay_per_class_with_its_outline(segmenter_file, tmp_pa
     labels = tmp_path / "labels.txt"
     labels.write_text("__background__\ncat\ndog\nsky\n")
     out = tmp_path / "out"
-    code = main(
-        [str(CAT), "--model", SEGMENTER, "--weights", str(segmenter_file), "--labels", str(labels), "-o", str(out)]
-        + ["--format", "png"]  # exact pixels
-    )
+    arguments = ["--model", SEGMENTER, "--weights", str(segmenter_file), "--labels", str(labels), "--format", "png"]
+    code = main([str(CAT), *arguments, "-o", str(out)])  # png: exact pixels
     assert code == 0
 
     # The expectation: torchvision's model on the documented preprocessing (short side to 520, bilinear, ImageNet

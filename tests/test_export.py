@@ -4,6 +4,7 @@ lists of inputs, several processes under torchrun."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -186,3 +187,64 @@ def test_records_chosen_over_runs() -> None:
     chosen = chosen_records(written, order=["a", "b", "c"], methods=["gradcam"])
     assert [(r["input"], r["error"]) for r in chosen] == [("a", None), ("b", None), ("c", None)]
     assert chosen_records([rec("d", "gradcam,layercam", "unreadable")], ["d"], ["gradcam", "layercam"])[0]["error"]
+
+
+def torchrun(processes: int, *args: str) -> subprocess.Popen:
+    """``torchrun --standalone --nproc_per_node=K cli.py ARGS``, one thread per process."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [*command, str(ROOT / "cli.py"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment,
+    )
+
+
+def rank_process(launcher: subprocess.Popen, rank: int) -> int | None:
+    """The process id of one rank of a torchrun launch, once it runs."""
+    for child in Path("/proc").glob("[0-9]*"):
+        try:
+            status = (child / "status").read_text()
+            environment = (child / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        parent = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
+        if parent == launcher.pid and f"RANK={rank}".encode() in environment:
+            return int(child.name)
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds a rank's process through /proc")
+def test_torchrun_shards_merges_and_resumes_after_a_rank_is_killed(dataset, tmp_path) -> None:
+    """Two processes (gloo) write what one does; a rank killed mid-run, resumed by three, loses nothing."""
+    common = [str(dataset), *LITE0, "--batch-size", "1", "--quiet"]  # batches of one: the same arithmetic in any rank
+    alone = subprocess.run(
+        [sys.executable, str(ROOT / "cli.py"), *common, "-o", str(tmp_path / "alone")],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+    )
+    assert alone.returncode == 0, alone.stderr
+
+    def files(out: Path) -> dict[str, bytes]:
+        return {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    two = torchrun(2, *common, "-o", str(tmp_path / "two"))
+    assert two.wait(timeout=300) == 0, two.stderr.read()
+    assert files(tmp_path / "two") == files(tmp_path / "alone")  # outputs and merged manifest, byte for byte
+
+    out = tmp_path / "killed"
+    killed = torchrun(2, *common, "-o", str(out))
+    part = out / "manifest.rank1.jsonl"
+    while killed.poll() is None and not (part.exists() and part.read_text().count("\n") >= 4):
+        time.sleep(0.005)
+    pid = rank_process(killed, 1)
+    assert pid is not None, "rank 1 finished before it could be killed"
+    os.kill(pid, signal.SIGKILL)
+    assert killed.wait(timeout=120) != 0
+    assert not (out / "manifest.jsonl").exists() and part.exists()  # no merge after a failure: the parts remain
+    three = torchrun(3, *common, "-o", str(out), "--resume")
+    assert three.wait(timeout=300) == 0, three.stderr.read()
+    assert files(out) == files(tmp_path / "alone")

@@ -31,6 +31,27 @@ def test_colours_are_rgb_and_blended() -> None:
     assert tuple(viridis[0, 0]) == (253, 231, 37)
 
 
+@pytest.mark.parametrize("colormap", ["jet", "viridis", "gray"])
+def test_colours_are_matplotlibs_own(colormap) -> None:
+    """The colour table looked up equals matplotlib's colormap called on every value, the ends and beyond."""
+    import matplotlib
+
+    values = np.concatenate([np.random.default_rng(1).random(5000), np.linspace(0, 1, 1001), [-0.5, 1.5]])
+    values = values.astype(np.float32).reshape(-1, 1)
+    expected = (matplotlib.colormaps[colormap](np.clip(values, 0, 1))[..., :3] * 255 + 0.5).astype(np.uint8)
+    assert np.array_equal(explain.render.colorize(values, colormap), expected)
+
+
+def test_blend_is_rounded_per_pixel() -> None:
+    image = np.random.default_rng(2).integers(0, 256, (30, 50, 3), dtype=np.uint8)
+    cam = np.random.default_rng(3).random((30, 50)).astype(np.float32)
+    heat = explain.render.colorize(cam).astype(np.float64)
+    exact = 0.3 * heat + 0.7 * image
+    difference = np.asarray(explain.overlay(image, cam, alpha=0.3)) - np.floor(exact + 0.5)
+    tie = np.abs(exact - np.floor(exact) - 0.5) < 1e-3  # x.5 exactly: float32 may round either way
+    assert np.abs(difference).max() <= 1 and not difference[~tie].any()
+
+
 def test_low_resolution_map_lands_where_it_belongs() -> None:
     cam = torch.zeros(4, 8)
     cam[:, :4] = 1.0  # left half hot
