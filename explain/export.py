@@ -345,6 +345,41 @@ def export_heatmaps(
     return summary
 
 
+@dataclass
+class _Recorder:
+    """Takes each input's records in input order, once its files are written: appends them to the manifest,
+    counts them in the summary, advances the progress bar and reports them."""
+
+    log: ManifestWriter
+    summary: ExportSummary
+    bar: tqdm
+    out_dir: Path
+    report: Callable[[dict[str, Any]], None] | None
+    pending: deque[Future[list[dict[str, Any]]]] = field(default_factory=deque)
+
+    def expect(self, records: Future[list[dict[str, Any]]]) -> None:
+        """An input's records to come, after those expected before."""
+        self.pending.append(records)
+
+    def record(self, records: list[dict[str, Any]], counted: bool = True) -> None:
+        """Record one input's records now (``counted``: the input is a file the progress bar counts)."""
+        mark_output_folder(self.out_dir)
+        self.log.add(records)
+        self.summary.records += records
+        failed = any(r["error"] for r in records)
+        self.summary.failed += failed
+        self.summary.written += not failed
+        if counted:
+            self.bar.update()
+        for r in records if self.report else ():
+            self.report(r)
+
+    def drain(self, keep: int) -> None:
+        """Record the inputs whose files are written, in order, waiting while more than ``keep`` are pending."""
+        while self.pending and (len(self.pending) > keep or self.pending[0].done()):
+            self.record(self.pending.popleft().result())
+
+
 def _run(
     explainer: _Explainer,
     writer: OutputWriter,
@@ -356,67 +391,45 @@ def _run(
     report: Callable[[dict[str, Any]], None] | None,
 ) -> None:
     """Explain and write this process's inputs, appending each input's records to ``log`` in input order."""
-    options, out_dir = explainer.options, writer.out_dir
+    options = explainer.options
     files = [item for item in todo if item.path is not None]
-    writing: deque[Future[list[dict[str, Any]]]] = deque()
-    start = time.perf_counter()
-
-    def finish(records: list[dict[str, Any]], counted: bool = True) -> None:
-        mark_output_folder(out_dir)
-        log.add(records)
-        summary.records += records
-        failed = any(r["error"] for r in records)
-        summary.failed += failed
-        summary.written += not failed
-        if counted:  # the bar counts files, not sources that gave none
-            bar.update()
-        for r in records if report else ():
-            report(r)
-
-    def collect(keep: int) -> None:
-        """Finish written inputs in order, waiting while more than ``keep`` are pending."""
-        while writing and (len(writing) > keep or writing[0].done()):
-            finish(writing.popleft().result())
-
     workers = default_workers(len(files), options.batch_size) if options.workers is None else options.workers
     transform = partial(explainer.spec.transform, keep_aspect=options.keep_aspect)
     pin = explainer.device.type == "cuda"
-    # Threads render and encode images (Pillow and zlib release the GIL) while the model runs.
+    start = time.perf_counter()
+    # Threads render and encode images (numpy, Pillow and zlib release the GIL) while the model runs.
     with (
         tqdm(total=len(files), unit="img", disable=None if progress else True, file=sys.stderr) as bar,
         ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool,
     ):
+        recorder = _Recorder(log, summary, bar, writer.out_dir, report)
         for batch in load_batches([item.path for item in files], transform, options.batch_size, workers, pin):
             for position, error in batch.failed:
-                writing.append(pool.submit(writer.failed, files[position], error))
+                recorder.expect(pool.submit(writer.failed, files[position], error))
             for group in batch.groups:
-                writing.extend(_explained_group(explainer, writer, group, files, bases, pool))
-            collect(keep=2 * options.batch_size)
+                for job in _write_jobs(explainer, writer, group, files, bases):
+                    recorder.expect(pool.submit(job))
+            recorder.drain(keep=2 * options.batch_size)
             log.sync()
-        collect(keep=0)
+        recorder.drain(keep=0)
         for item in todo:  # sources that gave no file: recorded last, so that a failing first batch writes nothing
             if item.error is not None:
-                finish(writer.failed(item, item.error), counted=False)
+                recorder.record(writer.failed(item, item.error), counted=False)
     summary.seconds = time.perf_counter() - start
 
 
-def _explained_group(
-    explainer: _Explainer,
-    writer: OutputWriter,
-    group: Group,
-    files: Sequence[Input],
-    bases: Mapping[Input, Path],
-    pool: ThreadPoolExecutor,
-) -> list[Future[list[dict[str, Any]]]]:
-    """Explain a group and start writing each image's outputs; returns each image's records to come."""
+def _write_jobs(
+    explainer: _Explainer, writer: OutputWriter, group: Group, files: Sequence[Input], bases: Mapping[Input, Path]
+) -> list[Callable[[], list[dict[str, Any]]]]:
+    """Explain a group; returns for each image the job that writes its outputs and returns its records."""
     parts = explainer.explain_robustly(group.x, [image.size for image in group.images])
-    futures = []
+    jobs = []
     for position, image, part in zip(group.positions, group.images, parts):
         item = files[position]
         if part[0] == "error":
-            futures.append(pool.submit(writer.failed, item, f"{item.name}: {part[1]}"))
+            jobs.append(partial(writer.failed, item, f"{item.name}: {part[1]}"))
         elif part[0] == "note":
-            futures.append(pool.submit(writer.noted, item, part[1]))
+            jobs.append(partial(writer.noted, item, part[1]))
         else:
-            futures.append(pool.submit(writer.write, item, image, bases[item], *part))
-    return futures
+            jobs.append(partial(writer.write, item, image, bases[item], *part))
+    return jobs
