@@ -12,11 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ASSETS, manifest
 from PIL import Image
 
 import explain
 from explain.cli import main
+from explain.dataset import load_batches
+from explain.distributed import Process
 from explain.manifest import chosen_records
 
 ROOT = ASSETS.parent
@@ -248,3 +251,21 @@ def test_torchrun_shards_merges_and_resumes_after_a_rank_is_killed(dataset, tmp_
     three = torchrun(3, *common, "-o", str(out), "--resume")
     assert three.wait(timeout=300) == 0, three.stderr.read()
     assert files(out) == files(tmp_path / "alone")
+
+
+def test_each_process_takes_its_share_and_its_own_device() -> None:
+    ranks = [Process(rank, 3, rank) for rank in range(3)]
+    items = list(range(10))
+    assert [p.shard(items) for p in ranks] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    assert ranks[2].device(torch.device("cuda")) == torch.device("cuda", 2)  # a GPU per process
+    assert ranks[2].device(torch.device("cuda", 0)) == torch.device("cuda", 0)  # a device the user named
+    assert ranks[2].device(torch.device("cpu")) == torch.device("cpu")
+    assert Process().device(torch.device("cuda")) == torch.device("cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+def test_batches_for_a_cuda_device_come_in_pinned_memory(dataset) -> None:
+    spec = explain.load_model("efficientnet_lite0")
+    paths = sorted(dataset.rglob("*.jpg"))[:6]
+    for batch in load_batches(paths, spec.transform, batch_size=4, workers=1, pin=True):
+        assert all(group.x.is_pinned() for group in batch.groups)
