@@ -23,6 +23,7 @@ from timing import emit
 
 import explain
 from explain import render
+from explain.dataset import default_workers
 from explain.export import ExportOptions, export_heatmaps
 from explain.image_io import load_image, save_image
 
@@ -59,9 +60,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", help="also write the table to this markdown file")
     args = parser.parse_args()
-    spec = explain.load_model("efficientnet_lite0")
+    device = torch.device(args.device)
+    spec = explain.load_model("efficientnet_lite0", device=device)
     method = explain.create_method("gradcam", spec.model)
     with tempfile.TemporaryDirectory() as temp:
         folder = Path(temp, "data")
@@ -69,22 +72,26 @@ def main() -> None:
         paths = make_dataset(folder, args.images)
         decoded = [load_image(p) for p in paths]
         x = torch.stack([spec.transform(image) for image in decoded])
-        batches = list(x.split(16))
+        batches = [batch.to(device) for batch in x.split(16)]
 
         def model_only() -> float:
             start = time.perf_counter()
             for batch in batches:
                 method(batch)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             return len(x) / (time.perf_counter() - start)
 
         def export(fmt: str, workers: int | None, name: str) -> float:
             options = ExportOptions(batch_size=16, fmt=fmt, workers=workers, overwrite=True)
-            return export_heatmaps(spec, [folder], Path(temp, name), options).rate
+            return export_heatmaps(spec, [folder], Path(temp, name), options, device=device).rate
 
         model_only()  # warm-up
         runs = {
             "model only (pre-decoded tensors)": lambda: model_only(),
-            "export, defaults (jpg, 1 worker process)": lambda: export("jpg", None, "default"),
+            f"export, defaults (jpg, {default_workers(args.images, 16)} worker processes)": lambda: export(
+                "jpg", None, "default"
+            ),
             "export, jpg, loading in the main process": lambda: export("jpg", 0, "w0"),
             "export, png overlays": lambda: export("png", None, "png"),
         }
@@ -96,7 +103,7 @@ def main() -> None:
 
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
-        sample, tensors = paths[:16], x[:16]
+        sample, tensors = paths[:16], batches[0]
         cams = method(tensors).cams
         pictures = [render.picture(image, cam) for image, cam in zip(decoded[:16], cams)]
         steps = {
@@ -111,8 +118,8 @@ def main() -> None:
 
     base = medians["model only (pre-decoded tensors)"]
     lines = [
-        f"EfficientNet-Lite0, Grad-CAM, {args.images} JPEGs of 640x480, batches of 16, torch {torch.__version__}, "
-        f"{threads} threads; median of {args.rounds} interleaved rounds.",
+        f"EfficientNet-Lite0, Grad-CAM on {device.type}, {args.images} JPEGs of 640x480, batches of 16, "
+        f"torch {torch.__version__}, {threads} threads; median of {args.rounds} interleaved rounds.",
         "",
         "| run | images/s | × model only |",
         "|---|---:|---:|",

@@ -28,7 +28,8 @@ class Process:
     local_rank: int = 0
 
     def shard(self, items: Sequence[T]) -> list[T]:
-        """This process's share of the items: every ``world``-th from its rank on, the same whoever asks."""
+        """This process's share of the items: every ``world``-th from its rank on (the same in every process for
+        the same items)."""
         return list(items[self.rank :: self.world])
 
     def device(self, device: torch.device) -> torch.device:

@@ -329,12 +329,13 @@ def export_heatmaps(
         previous, records = previous_run(out_dir)
         check_settings(out_dir, previous, head["header"])
         done = finished(records, writer.methods, out_dir)
+        process.barrier()  # every process has read what earlier runs finished before any writes more
         readable = [item for item in inputs if item.path is not None]
         bases = dict(zip(readable, output_bases(readable, out_dir, writer.files_for)))
-        mine = process.shard(inputs)
+        # Each process takes its share of what is left to do, so that a resumed run keeps them all busy.
+        todo = process.shard([item for item in inputs if item.name not in done])
+        summary = ExportSummary(skipped=len(process.shard([item for item in inputs if item.name in done])))
         log = ManifestWriter(out_dir / (MANIFEST if process.world == 1 else part_name(process.rank)), head)
-        summary = ExportSummary(skipped=sum(item.name in done for item in mine))
-        todo = [item for item in mine if item.name not in done]
         try:
             _run(explainer, writer, todo, bases, log, summary, progress, report)
         finally:
