@@ -89,10 +89,10 @@ def main() -> None:
         model_only()  # warm-up
         runs = {
             "model only (pre-decoded tensors)": lambda: model_only(),
-            f"export, defaults (jpg, {default_workers(args.images, 16)} worker processes)": lambda: export(
+            f"export, defaults (jpg, {default_workers(args.images, 16, device)} worker processes)": lambda: export(
                 "jpg", None, "default"
             ),
-            "export, jpg, loading in the main process": lambda: export("jpg", 0, "w0"),
+            "export, jpg, 1 worker process": lambda: export("jpg", 1, "w1"),
             "export, png overlays": lambda: export("png", None, "png"),
         }
         rates: dict[str, list[float]] = {name: [] for name in runs}

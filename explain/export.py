@@ -394,7 +394,9 @@ def _run(
     """Explain and write this process's inputs, appending each input's records to ``log`` in input order."""
     options = explainer.options
     files = [item for item in todo if item.path is not None]
-    workers = default_workers(len(files), options.batch_size) if options.workers is None else options.workers
+    workers = options.workers
+    if workers is None:
+        workers = default_workers(len(files), options.batch_size, explainer.device)
     transform = partial(explainer.spec.transform, keep_aspect=options.keep_aspect)
     pin = explainer.device.type == "cuda"
     start = time.perf_counter()
@@ -423,9 +425,10 @@ def _write_jobs(
     explainer: _Explainer, writer: OutputWriter, group: Group, files: Sequence[Input], bases: Mapping[Input, Path]
 ) -> list[Callable[[], list[dict[str, Any]]]]:
     """Explain a group; returns for each image the job that writes its outputs and returns its records."""
-    parts = explainer.explain_robustly(group.x, [image.size for image in group.images])
+    images = [pixels.numpy() for pixels in group.images]
+    parts = explainer.explain_robustly(group.x, [(image.shape[1], image.shape[0]) for image in images])
     jobs = []
-    for position, image, part in zip(group.positions, group.images, parts):
+    for position, image, part in zip(group.positions, images, parts):
         item = files[position]
         if part[0] == "error":
             jobs.append(partial(writer.failed, item, f"{item.name}: {part[1]}"))

@@ -117,7 +117,7 @@ class OutputWriter:
         return files
 
     def write(
-        self, item: Input, image: Image.Image, base: Path, explained: list[Explained], raws: dict[str, Any], layer: str
+        self, item: Input, image: np.ndarray, base: Path, explained: list[Explained], raws: dict[str, Any], layer: str
     ) -> list[dict[str, Any]]:
         """Render and write one image's outputs, a map per target for each method (or their grid); returns its
         records, one per method written apart."""
@@ -126,7 +126,7 @@ class OutputWriter:
     def _write_method(
         self,
         item: Input,
-        image: Image.Image,
+        image: np.ndarray,
         base: Path,
         explained: list[Explained],
         method: str,
@@ -154,7 +154,7 @@ class OutputWriter:
                         "class_name": e.class_name,
                         "score": round(e.score, 6),
                         "box": None if e.box is None else [round(v, 1) for v in e.box],
-                        "region": None if e.region is None else self.region_record(e.region, image.size),
+                        "region": None if e.region is None else self.region_record(e.region, image.shape[:2]),
                         "output": self.relative(output),
                         "figure": self.relative(figures[j]) if figures else None,
                         "metrics": e.metrics[method] if e.metrics else None,
@@ -188,10 +188,11 @@ class OutputWriter:
         return render.annotate(picture, f"{e.class_name} {e.score:.3g}", e.box, e.region)
 
     @staticmethod
-    def region_record(region: torch.Tensor, size: tuple[int, int]) -> dict[str, Any]:
-        """A segment in the manifest: its share of the image and its bounding box in the image's pixels."""
+    def region_record(region: torch.Tensor, shape: tuple[int, int]) -> dict[str, Any]:
+        """A segment in the manifest: its share of the image and its bounding box in the pixels of the image,
+        whose (height, width) is ``shape``."""
         rows, cols = region.nonzero(as_tuple=True)
         height, width = region.shape
-        sx, sy = size[0] / width, size[1] / height
+        sx, sy = shape[1] / width, shape[0] / height
         box = [float(cols.min()) * sx, float(rows.min()) * sy, float(cols.max() + 1) * sx, float(rows.max() + 1) * sy]
         return {"fraction": round(float((region > 0).float().mean()), 6), "box": [round(v, 1) for v in box]}

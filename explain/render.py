@@ -45,7 +45,11 @@ def colorize(cam: Tensor | np.ndarray, colormap: str = "jet") -> np.ndarray:
     colours = _colours(colormap)
     index = np.asarray(cam, dtype=np.float32) * np.float32(len(colours))
     np.clip(index, 0, len(colours) - 1, out=index)
-    return colours[index.astype(np.intp)]
+    if len(colours) > 256:
+        return np.take(colours, index.astype(np.intp), axis=0)
+    paletted = Image.fromarray(index.astype(np.uint8), mode="P")  # Pillow looks the table up in C
+    paletted.putpalette(colours.tobytes())
+    return np.asarray(paletted.convert("RGB"))
 
 
 def overlay(
