@@ -14,6 +14,7 @@ import pytest
 from conftest import ASSETS, CAT, COFFEE, manifest
 from PIL import Image
 
+import explain
 from explain.cli import main
 
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -125,5 +126,6 @@ def test_rebuilt_from_the_manifest_alone(gallery, capsys) -> None:
     assert main(["--gallery", "-o", str(gallery)]) == 0  # no inputs, no model
     assert (gallery / "index.html").read_text() == before
     assert capsys.readouterr().out.strip() == f"gallery: {gallery / 'index.html'}"
+    assert explain.write_gallery(gallery) == gallery / "index.html" and (gallery / "index.html").read_text() == before
     assert main(["--gallery", "-o", str(gallery / "nothing-here")]) == 2
     assert "no manifest of an explain run here" in capsys.readouterr().err
