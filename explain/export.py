@@ -113,7 +113,7 @@ def weights_digest(model: nn.Module) -> str:
     for name, tensor in model.state_dict().items():
         values = tensor.detach().cpu().contiguous()
         digest.update(f"{name}:{tuple(values.shape)}:{values.dtype};".encode())
-        digest.update(values.view(-1).view(torch.uint8).numpy().tobytes() if values.numel() else b"")
+        digest.update(values.view(-1).view(torch.uint8).numpy())  # the tensor's own bytes, not a copy of them
     return digest.hexdigest()
 
 
