@@ -31,7 +31,7 @@ from .layers import LayerSpec, auto_layers, resolve_layer
 from .layouts import Geometry, Layout, Reshape, find_layout, grids_recorded
 from .maps import normalize_maps, postprocess, principal_projection, upsample
 from .model_state import untouched
-from .rows import positionwise_rows
+from .rows import reached_rows
 from .targets import BoundAlready, BoundTarget, Target, TargetLike, as_target
 
 
@@ -414,7 +414,7 @@ class CAM:
             canvas_recorded(self.model) as canvases,
             grids_recorded(self.model) as grids,
             sparse_box_heads(self.model),
-            positionwise_rows(self.model, skip=hooked.values()),
+            reached_rows(self.model, skip=recording.modules.values()),
             recording as recorder,
         ):
             output = recorder.forward(partial(self.model, **model_kwargs), x)

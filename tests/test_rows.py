@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import timm
 import torch
+import torchvision
 from torch import nn
 
 import explain
-from explain.rows import positionwise_rows
+from explain.rows import reached_rows
 
 
 class Branching(nn.Module):
@@ -29,7 +30,7 @@ def gradient(model: nn.Module, x: torch.Tensor, read, sparse: bool) -> torch.Ten
     """d read(model(x)) / dx, with the parameters frozen, with or without the position-wise rows context."""
     model.requires_grad_(False)
     x = x.clone().requires_grad_(True)
-    with positionwise_rows(model) if sparse else torch.enable_grad():
+    with reached_rows(model) if sparse else torch.enable_grad():
         score = read(*model(x))
     return torch.autograd.grad(score, x)[0]
 
@@ -77,7 +78,7 @@ def test_only_the_reached_rows_are_recomputed_and_only_position_wise_layers_are_
             return super().forward(x.transpose(1, 2)).transpose(1, 2)
 
     for layer, joined in ((nn.Linear(6, 6), True), (Norm2d(5), False), (nn.ReLU(inplace=True), False)):
-        with positionwise_rows(layer.requires_grad_(False)):
+        with reached_rows(layer.requires_grad_(False)):
             out = layer(torch.randn(2, 5, 6, requires_grad=True) * 1)
         assert joined == any("RowsRecomputed" in type(node).__name__ for node, _ in out.grad_fn.next_functions)
 
@@ -88,7 +89,7 @@ def test_layers_whose_weight_gradient_is_wanted_are_left_alone() -> None:
     grads = []
     for sparse in (False, True):
         model.zero_grad(set_to_none=True)
-        with positionwise_rows(model) if sparse else torch.enable_grad():
+        with reached_rows(model) if sparse else torch.enable_grad():
             main = model(x.clone().requires_grad_(True))[0]
         main[:, 0].sum().backward()
         grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
@@ -97,11 +98,119 @@ def test_layers_whose_weight_gradient_is_wanted_are_left_alone() -> None:
         torch.testing.assert_close(sparse_grad, plain)
 
 
-def test_class_token_vit_differentiates_its_last_mlp_at_the_class_token_alone() -> None:
+@pytest.mark.parametrize("source", ["timm", "torchvision"])
+def test_class_token_vit_differentiates_its_last_block_at_the_class_token_alone(source, monkeypatch) -> None:
     torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_patch16_224", num_classes=10, img_size=64).eval()
+    if source == "timm":
+        model = timm.create_model("vit_tiny_patch16_224", num_classes=10, img_size=64).eval()
+        layer, fc1 = "blocks.11.norm1", model.blocks[-1].mlp.fc1
+    else:
+        model = torchvision.models.VisionTransformer(
+            64, 16, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32
+        ).eval()
+        nn.init.normal_(model.heads.head.weight)  # torchvision starts it at zero
+        layer, fc1 = "encoder.layers.encoder_layer_1.ln_1", model.encoder.layers[-1].mlp[0]
     seen: list[int] = []
-    spy_rows(model.blocks[-1].mlp.fc1, seen)
+    spy_rows(fc1, seen)
+    attended: list[list[int]] = []
+    recompute = explain.rows._attention_rows
+    monkeypatch.setattr(
+        explain.rows, "_attention_rows", lambda m, x, rows: attended.append(rows.tolist()) or recompute(m, x, rows)
+    )
     x = torch.randn(3, 3, 64, 64)
-    explain.GradCAM(model, "blocks.11.norm1")(x)
+    cams = explain.GradCAM(model, layer)(x).cams
     assert seen == [3 * 17, 3]  # 16 patches and the class token per image forward, the class tokens backward
+    assert attended == [[0, 17, 34]]  # the last attention recomputed at the class tokens alone
+    monkeypatch.setattr(explain.engine, "reached_rows", lambda model, skip: torch.enable_grad())
+    torch.testing.assert_close(cams, explain.GradCAM(model, layer)(x).cams, rtol=1e-4, atol=1e-5)
+
+
+class Attending(nn.Module):
+    """A self-attention on a sequence, then a linear layer: the output (and a second copy, for ``gradient``).
+    timm's ``Attention`` with the given options, or with ``torch=True`` an ``nn.MultiheadAttention`` called as
+    torchvision's ViT calls it."""
+
+    def __init__(self, torch: bool = False, **options) -> None:
+        super().__init__()
+        from timm.models.vision_transformer import Attention
+
+        if torch:
+            self.attn = nn.MultiheadAttention(16, 4, batch_first=True, **options)
+        else:
+            self.attn = Attention(16, num_heads=4, **options)
+        self.out = nn.Linear(16, 3)
+
+    def attend(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        if isinstance(self.attn, nn.MultiheadAttention):
+            return self.attn(x, x, x, **{"need_weights": False, **kwargs})[0]
+        return self.attn(x, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.out(self.attend(x))
+        return y, y
+
+
+def joined_to_input(output: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``output`` (under a view) is joined by RowsRecomputed straight to the leaf ``x``."""
+    node = output.grad_fn
+    while "View" in type(node).__name__:
+        node = node.next_functions[0][0]
+    leaves = [getattr(n, "variable", None) for n, _ in node.next_functions if n is not None]
+    return "RowsRecomputed" in type(node).__name__ and any(leaf is x for leaf in leaves)
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda y, _: y[:, 0].pow(2).sum(),  # the first row of each image: recomputed
+        lambda y, _: y[0, 1].sum() + y[0, 4, 2] + y[2, 3].sum(),  # 2, 0 and 1 rows: padded to 2 per image
+        lambda y, _: y.pow(2).sum(),  # every row: through the recorded graph
+    ],
+    ids=["first-rows", "uneven-rows", "all-rows"],
+)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"qkv_bias": True, "gated": True},
+        {"qkv_bias": True, "scale_norm": True, "norm_layer": nn.LayerNorm},
+        {"torch": True},
+        {"torch": True, "bias": False},
+    ],
+    # a gate or a norm after the heads makes the value bias matter
+    ids=["timm", "timm-bias-gated", "timm-bias-normed", "torch", "torch-no-bias"],
+)
+def test_attention_gradients_equal_plain_autograd(read, options) -> None:
+    torch.manual_seed(0)
+    model, x = Attending(**options), torch.randn(3, 7, 16)
+    for name, p in model.named_parameters():  # zero-initialised biases would hide a misplaced one
+        if name.endswith("bias"):
+            nn.init.normal_(p)
+    expected = gradient(model, x, read, sparse=False)
+    assert expected.abs().max() > 0
+    torch.testing.assert_close(gradient(model, x, read, sparse=True), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_attention_is_joined_only_where_its_recomputation_holds() -> None:
+    """Key norms (logits no longer linear in the input), a mask, per-head weights asked for, or a recorder's hook
+    inside: left as it is."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    mask = {"attn_mask": torch.ones(5, 5, dtype=torch.bool)}
+    timm_attention, torch_attention = Attending(), Attending(torch=True)
+    cases = [
+        (timm_attention, {}, (), True),
+        (torch_attention, {}, (), True),
+        (Attending(qk_norm=True, norm_layer=nn.LayerNorm), {}, (), False),
+        (Attending(torch=True, add_bias_kv=True), {}, (), False),
+        (timm_attention, mask, (), False),
+        (torch_attention, mask, (), False),
+        (torch_attention, {"need_weights": True}, (), False),
+        (timm_attention, {}, [timm_attention.attn.qkv], False),
+        (timm_attention, {}, [timm_attention.attn], False),
+    ]
+    for model, kwargs, skip, joined in cases:
+        model.requires_grad_(False)
+        with reached_rows(model, skip=skip):
+            out = model.attend(x, **kwargs)
+        assert joined_to_input(out, x) == joined
