@@ -139,8 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--workers",
         type=int,
-        help="processes that read and resize the images while the model runs (default: none for one batch; "
-        "else a quarter of the cores for a model on the CPU, half for one on a GPU)",
+        help="processes that read and resize the next batch while the model runs (0: threads of this process; "
+        "default: threads for one batch, else a quarter of the cores for a model on the CPU, half for one on a GPU)",
     )
     add(
         "--resume",

@@ -1,10 +1,10 @@
 """Batch export, the run loop: inputs, batches, model, maps, render, write, record.
 
 Inputs are found (:mod:`explain.inputs`), those a resumed run finished are skipped (:mod:`explain.manifest`),
-a process of a ``torchrun`` launch takes its share (:mod:`explain.distributed`), worker processes load the
-images in batches (:mod:`explain.dataset`), the model explains each batch here, and threads render and write
-each image's files (:mod:`explain.outputs`) while the model works on the next batch; each input's records are
-appended to the manifest as soon as its files are whole.
+a process of a ``torchrun`` launch takes its share (:mod:`explain.distributed`), worker processes or threads
+load the images in batches (:mod:`explain.dataset`), the model explains each batch here, and threads render and
+write each image's files (:mod:`explain.outputs`) while the model works on the next batch; each input's records
+are appended to the manifest as soon as its files are whole.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from .atomic import remove_temporary_files
 from .catalog import ALL_METHODS
-from .dataset import Group, default_workers, load_batches
+from .dataset import Group, default_workers, load_batches, lowest_priority
 from .distributed import process_group, this_process
 from .engine import CAMResult
 from .errors import LayerError, NothingToExplain, TargetError, first_line
@@ -64,7 +64,8 @@ class ExportOptions:
     class index or name, ``topk`` a classifier's K top classes, ``score_threshold`` the
     least score of an explained detection. ``keep_aspect`` None resizes as the model does.
     ``metrics`` names faithfulness metrics (``explain.catalog.METRIC_NAMES``) measured for each image's map,
-    one class per image. ``workers`` processes load the images (None: :func:`explain.dataset.default_workers`).
+    one class per image. ``workers`` processes load the images (0: threads; None:
+    :func:`explain.dataset.default_workers`).
     ``resume`` continues the run whose manifest the output folder holds (its settings must be these);
     ``overwrite`` starts afresh in a folder that holds one; with neither, such a folder is refused.
     """
@@ -399,14 +400,17 @@ def _run(
         workers = default_workers(len(files), options.batch_size, explainer.device)
     transform = partial(explainer.spec.transform, keep_aspect=options.keep_aspect)
     pin = explainer.device.type == "cuda"
+    # Threads render and encode images (numpy, Pillow and zlib release the GIL) while the model runs. A model on
+    # the CPU needs every core: there the threads and worker processes yield to it (see lowest_priority).
+    background = explainer.device.type == "cpu"
     start = time.perf_counter()
-    # Threads render and encode images (numpy, Pillow and zlib release the GIL) while the model runs.
     with (
         tqdm(total=len(files), unit="img", disable=None if progress else True, file=sys.stderr) as bar,
-        ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool,
+        ThreadPoolExecutor(min(4, os.cpu_count() or 1), initializer=lowest_priority if background else None) as pool,
     ):
         recorder = _Recorder(log, summary, bar, writer.out_dir, report)
-        for batch in load_batches([item.path for item in files], transform, options.batch_size, workers, pin):
+        paths = [item.path for item in files]
+        for batch in load_batches(paths, transform, options.batch_size, workers, pin, background):
             for position, error in batch.failed:
                 recorder.expect(pool.submit(writer.failed, files[position], error))
             for group in batch.groups:

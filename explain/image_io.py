@@ -45,7 +45,8 @@ def load_image(path: str | Path, max_pixels: int | None = None) -> Image.Image:
                         f"{path}: {width}x{height} image exceeds the {limit}-pixel limit (decompression bomb?)"
                     )
                 image.load()
-                return _to_rgb(ImageOps.exif_transpose(image))
+                ImageOps.exif_transpose(image, in_place=True)  # a copy otherwise, even when nothing turns
+                return _to_rgb(image)
     except ImageLoadError:
         raise
     except FileNotFoundError:
@@ -70,7 +71,7 @@ def _to_rgb(image: Image.Image) -> Image.Image:
         top = values.max(initial=0.0)
         scale = 1.0 if top <= 255 else (257.0 if top <= 65535 else top / 255.0)
         return Image.fromarray(np.clip(values / scale, 0, 255).astype(np.uint8)).convert("RGB")
-    return image.convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def rgb_array(image: Image.Image | np.ndarray) -> np.ndarray:
@@ -79,7 +80,9 @@ def rgb_array(image: Image.Image | np.ndarray) -> np.ndarray:
     Raises:
         ValueError: An array of another shape or dtype.
     """
-    array = np.asarray(image.convert("RGB") if isinstance(image, Image.Image) else image)
+    if isinstance(image, Image.Image) and image.mode != "RGB":
+        image = image.convert("RGB")
+    array = np.asarray(image)
     if array.ndim != 3 or array.shape[2] != 3 or array.dtype != np.uint8:
         raise ValueError(f"image must be a PIL image or an HxWx3 uint8 array, got {array.dtype} {array.shape}")
     return array

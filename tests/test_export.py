@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -264,8 +265,29 @@ def test_each_process_takes_its_share_and_its_own_device() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
-def test_batches_for_a_cuda_device_come_in_pinned_memory(dataset) -> None:
+@pytest.mark.parametrize("workers", [0, 1])
+def test_batches_for_a_cuda_device_come_in_pinned_memory(dataset, workers) -> None:
     spec = explain.load_model("efficientnet_lite0")
     paths = sorted(dataset.rglob("*.jpg"))[:6]
-    for batch in load_batches(paths, spec.transform, batch_size=4, workers=1, pin=True):
+    for batch in load_batches(paths, spec.transform, batch_size=4, workers=workers, pin=True):
         assert all(group.x.is_pinned() for group in batch.groups)
+
+
+def own_priority() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def priority_as_input(image: Image.Image) -> torch.Tensor:
+    """A transform whose 'model input' is the niceness of the thread that loaded the image."""
+    return torch.tensor([float(own_priority())])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="priorities are set per thread on Linux alone")
+@pytest.mark.parametrize("workers", [0, 1])
+def test_loading_for_a_cpu_model_yields_to_it_and_the_model_keeps_its_priority(dataset, workers, tmp_path) -> None:
+    paths, before = sorted(dataset.rglob("*.jpg"))[:6], own_priority()
+    for background, expected in ((True, 19), (False, before)):
+        batches = load_batches(paths, priority_as_input, 4, workers, pin=False, background=background)
+        assert [float(v) for batch in batches for group in batch.groups for v in group.x] == [expected] * 6
+    assert main([str(dataset / "a"), "-o", str(tmp_path / "out"), *LITE0, "--workers", str(workers), "--quiet"]) == 0
+    assert own_priority() == before  # the thread that runs the model
