@@ -2,7 +2,7 @@
 
 The bundled EfficientNet-Lite0, Grad-CAM, batches of 16, in one process. The model-only rate is Grad-CAM on
 the same images decoded and preprocessed beforehand, in batches of 16; the export rate is ``export_heatmaps``
-on the folder with the command's defaults (JPEG overlays, worker processes for reading), from its first batch
+on the folder with the command's defaults (JPEG overlays; threads or processes for reading), from its first batch
 to its last record (model loading excluded). Target (issue "data-set export"): at least 0.75x the model-only
 rate on this project's 2-core CPU machine. The breakdown times each step alone, single-threaded, per image.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-from timing import emit
+from timing import emit, stolen_share
 
 import explain
 from explain import render
@@ -87,19 +87,21 @@ def main() -> None:
             return export_heatmaps(spec, [folder], Path(temp, name), options, device=device).rate
 
         model_only()  # warm-up
+        workers = default_workers(args.images, 16, device)
+        loading = f"{workers} worker processes" if workers else "loading threads"
         runs = {
             "model only (pre-decoded tensors)": lambda: model_only(),
-            f"export, defaults (jpg, {default_workers(args.images, 16, device)} worker processes)": lambda: export(
-                "jpg", None, "default"
-            ),
+            f"export, defaults (jpg, {loading})": lambda: export("jpg", None, "default"),
             "export, jpg, 1 worker process": lambda: export("jpg", 1, "w1"),
             "export, png overlays": lambda: export("png", None, "png"),
         }
+        steal = stolen_share()
         rates: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(args.rounds):
             for name, run in runs.items():
                 rates[name].append(run())
         medians = {name: statistics.median(values) for name, values in rates.items()}
+        stolen = steal()
 
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -119,7 +121,8 @@ def main() -> None:
     base = medians["model only (pre-decoded tensors)"]
     lines = [
         f"EfficientNet-Lite0, Grad-CAM on {device.type}, {args.images} JPEGs of 640x480, batches of 16, "
-        f"torch {torch.__version__}, {threads} threads; median of {args.rounds} interleaved rounds.",
+        f"torch {torch.__version__}, {threads} threads; median of {args.rounds} interleaved rounds; CPU time taken "
+        f"by the virtual machine's host meanwhile: {stolen}.",
         "",
         "| run | images/s | × model only |",
         "|---|---:|---:|",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 def interleaved_medians(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
@@ -28,3 +29,24 @@ def emit(lines: list[str], out: str | None) -> None:
     if out:
         with open(out, "w", encoding="utf-8") as f:
             f.write(table + "\n")
+
+
+def _cpu_ticks() -> list[int] | None:
+    """The machine's CPU time by state (user, nice, system, idle, iowait, irq, softirq, steal, ...), or None."""
+    stat = Path("/proc/stat")
+    return [int(v) for v in stat.read_text().split("\n", 1)[0].split()[1:]] if stat.exists() else None
+
+
+def stolen_share() -> Callable[[], str]:
+    """Start watching the CPU time a virtual machine's host takes from it (steal); the returned function tells
+    the share of the time since, for the table's header ("unknown" without /proc/stat)."""
+    start = _cpu_ticks()
+
+    def share() -> str:
+        end = _cpu_ticks()
+        if start is None or end is None:
+            return "unknown"
+        spent = [b - a for a, b in zip(start, end)]
+        return f"{100 * spent[7] / max(1, sum(spent[:8])):.0f}%"
+
+    return share

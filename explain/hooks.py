@@ -20,7 +20,6 @@ gradient is the gradient with respect to that value, on either path.
 from __future__ import annotations
 
 import copy
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -32,6 +31,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .errors import LayerError
+from .warning_filters import warning_filter
 
 _INPLACE_CLASH = "BackwardHookFunction"  # in PyTorch's error for an in-place change of the output
 
@@ -231,10 +231,9 @@ class ActivationGradientRecorder:
         self.gradients.clear()
         if not score.requires_grad:
             raise LayerError(f"the target score does not depend on layer(s) {', '.join(self.modules)}")
-        with warnings.catch_warnings():
-            # Expected by design: the layer's inputs never require grad, so PyTorch
-            # fires the hook with the output gradient alone, which is all a CAM needs.
-            warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+        # Expected by design: the layer's inputs never require grad, so PyTorch fires the hook with the output
+        # gradient alone, which is all a CAM needs.
+        with warning_filter("ignore", message="Full backward hook is firing when gradients are computed"):
             torch.autograd.grad(score, list(self._leaves.values()), retain_graph=True, allow_unused=True)
         missing = [name for name in self.modules if name not in self.gradients]
         if len(missing) == len(self.modules):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from torch import Tensor
 
 from .atomic import write_atomically
 from .errors import ImageLoadError
+from .warning_filters import warning_filter
 
 
 def load_image(path: str | Path, max_pixels: int | None = None) -> Image.Image:
@@ -36,17 +36,17 @@ def load_image(path: str | Path, max_pixels: int | None = None) -> Image.Image:
     try:
         if path.is_file() and path.stat().st_size == 0:
             raise ImageLoadError(f"{path}: empty file")
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as image:
-                width, height = image.size
-                if limit is not None and width * height > limit:
-                    raise ImageLoadError(
-                        f"{path}: {width}x{height} image exceeds the {limit}-pixel limit (decompression bomb?)"
-                    )
-                image.load()
-                ImageOps.exif_transpose(image, in_place=True)  # a copy otherwise, even when nothing turns
-                return _to_rgb(image)
+        with warning_filter("error", category=Image.DecompressionBombWarning):
+            opened = Image.open(path)  # reads the header alone, and warns of a decompression bomb
+        with opened as image:
+            width, height = image.size
+            if limit is not None and width * height > limit:
+                raise ImageLoadError(
+                    f"{path}: {width}x{height} image exceeds the {limit}-pixel limit (decompression bomb?)"
+                )
+            image.load()
+            ImageOps.exif_transpose(image, in_place=True)  # a copy otherwise, even when nothing turns
+            return _to_rgb(image)
     except ImageLoadError:
         raise
     except FileNotFoundError:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
+import warnings
 
 import numpy as np
 import pytest
@@ -10,6 +13,7 @@ from PIL import Image
 
 import explain
 from explain.image_io import input_size, load_image, save_image, to_tensor
+from explain.warning_filters import warning_filter
 
 
 def test_exif_orientation_is_applied(tmp_path) -> None:
@@ -105,6 +109,33 @@ def test_decompression_bomb_is_refused(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
     with pytest.raises(explain.ImageLoadError, match="decompression bomb"):
         load_image(path)
+
+
+def test_warning_filters_of_threads_at_once_are_kept_apart(tmp_path) -> None:
+    """Threads that read images (each turning Pillow's bomb warning into an error) while another sets its own
+    filters: each sees its own filter throughout, and the process's filters end as they began. Unguarded
+    ``warnings.catch_warnings`` blocks that overlap restore each other's lists and leave filters behind."""
+    path = tmp_path / "big.png"
+    Image.new("L", (30, 30)).save(path)
+    before, seen = list(warnings.filters), []
+
+    def read(i: int) -> None:
+        for _ in range(20):
+            with pytest.raises(explain.ImageLoadError, match="decompression bomb"):
+                load_image(path)
+            with warning_filter("ignore", message=f"thread {i}"):
+                seen.append(any(f[1] is not None and f[1].pattern == f"thread {i}" for f in warnings.filters))
+                time.sleep(0.001)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Image, "MAX_IMAGE_PIXELS", 500)  # 900 pixels: Pillow warns, the filter makes it an error
+        threads = [threading.Thread(target=read, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert len(seen) == 80 and all(seen)
+    assert warnings.filters == before
 
 
 def test_to_tensor_normalizes_whole_image() -> None:
