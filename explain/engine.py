@@ -121,7 +121,8 @@ class Capture:
         activations: The layer's output (N, C, h, w), float32.
         gradients: The target score's gradient with respect to it, or None for a
             method that needs none.
-        module: The layer (None for the input).
+        name: The layer's name: a dotted module name, with ``:entry`` for an entry of a dict or list output.
+        module: The layer's module (None for the input).
         scores: The explained score of each image (N,).
         target: The call's bound target.
         k: Which of its K targets per image this capture explains.
@@ -138,6 +139,7 @@ class Capture:
     x: Tensor
     activations: Tensor
     gradients: Tensor | None
+    name: str
     module: nn.Module | None
     scores: Tensor
     target: BoundTarget
@@ -443,6 +445,7 @@ class CAM:
                     x=x.detach(),
                     activations=activations[name],
                     gradients=None if gradient is None else gradient.float(),
+                    name=name,
                     module=module,
                     scores=scores[:, k].detach(),
                     target=bound,

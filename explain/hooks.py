@@ -244,9 +244,15 @@ class ActivationGradientRecorder:
 
 
 @contextmanager
-def output_replaced(module: nn.Module, value: Tensor) -> Iterator[None]:
-    """For the block, make ``module`` return ``value`` instead of its own output (for ablations)."""
-    handle = module.register_forward_hook(lambda module, inputs, output: value)
+def output_replaced(module: nn.Module, value: Tensor, name: str) -> Iterator[None]:
+    """For the block, make ``module`` (the layer ``name``) return ``value`` instead of its output, or, where
+    ``name`` is an entry of a dict, list or tuple output (``backbone:0``), instead of that entry (for ablations)."""
+    entry = layer_entry(name)[1]
+
+    def replace(module: nn.Module, inputs: Any, output: Any) -> Any:
+        return value if entry is None else with_entry(output, output_entry(output, entry, name)[0], value)
+
+    handle = module.register_forward_hook(replace)
     try:
         yield
     finally:

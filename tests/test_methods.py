@@ -186,6 +186,46 @@ def test_score_cam_and_ablation_cam_match_reference(name: str, layer: str, side:
     assert_close_maps(got, expected)
 
 
+class TwoLevels(nn.Module):
+    """A backbone returning a dict of two levels (as torchvision's feature pyramids do), read by a linear head."""
+
+    class Backbone(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, 2, 1)
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            fine = self.a(x)
+            return {"0": fine, "1": self.b(fine)}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone, self.fc = self.Backbone(), nn.Linear(8, 5)
+
+    def head(self, levels: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.fc(torch.cat([levels["0"].mean((2, 3)), levels["1"].mean((2, 3))], dim=1)) + 3.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+
+def test_ablation_cam_at_an_entry_of_a_dict_output_ablates_that_entry_alone() -> None:
+    torch.manual_seed(0)
+    model, x, targets = TwoLevels().eval(), torch.randn(2, 3, 12, 12), [1, 3]
+    with torch.no_grad():
+        levels = model.backbone(x)
+        a = levels["0"]
+        y = model.head(levels)[range(2), targets]
+        ablated = torch.zeros(2, 4)
+        for c in range(4):
+            values = a.clone()
+            values[:, c] = 0
+            ablated[:, c] = model.head({"0": values, "1": levels["1"]})[range(2), targets]
+    expected = weighted_map((y[:, None] - ablated) / y[:, None], a)
+    got = explain.cam(model, x, "ablationcam", "backbone:0", targets, resize=False, normalize=False)
+    assert_close_maps(got, expected)
+
+
 def test_ss_cam_and_is_cam_match_reference() -> None:
     model = seeded("resnet18", num_classes=10)
     x = inputs(32)

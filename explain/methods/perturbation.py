@@ -198,4 +198,4 @@ class AblationCAM(PerturbationCAM):
     ) -> Iterator[tuple[Tensor, AbstractContextManager[None]]]:
         ablated = capture.activations[images].to(capture.x.dtype)
         ablated[torch.arange(len(images), device=ablated.device), channels] = 0
-        yield capture.x[images], output_replaced(capture.module, ablated)
+        yield capture.x[images], output_replaced(capture.module, ablated, capture.name)
