@@ -37,6 +37,12 @@ def lowest_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
+def helper_threads(background: bool) -> ThreadPoolExecutor:
+    """Threads that read or write images beside the model: up to 4, at the lowest priority when ``background``
+    (a model on the CPU)."""
+    return ThreadPoolExecutor(min(4, os.cpu_count() or 1), initializer=lowest_priority if background else None)
+
+
 def _background_worker(worker: int) -> None:
     """A ``DataLoader`` worker's start: the lowest priority (see :func:`lowest_priority`)."""
     lowest_priority()
@@ -160,7 +166,7 @@ def _threaded_batches(files: ImageFiles, batch_size: int, pin: bool, background:
     chunks = [range(start, min(start + batch_size, len(files))) for start in range(0, len(files), batch_size)]
     if not chunks:
         return
-    with ThreadPoolExecutor(min(4, os.cpu_count() or 1), initializer=lowest_priority if background else None) as pool:
+    with helper_threads(background) as pool:
 
         def load(positions: range) -> list[Future]:
             return [pool.submit(files.__getitem__, position) for position in positions]

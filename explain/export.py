@@ -10,12 +10,11 @@ are appended to the manifest as soon as its files are whole.
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -27,7 +26,7 @@ from tqdm import tqdm
 
 from .atomic import remove_temporary_files
 from .catalog import ALL_METHODS
-from .dataset import Group, default_workers, load_batches, lowest_priority
+from .dataset import Group, default_workers, helper_threads, load_batches
 from .distributed import process_group, this_process
 from .engine import CAMResult
 from .errors import LayerError, NothingToExplain, TargetError, first_line
@@ -406,7 +405,7 @@ def _run(
     start = time.perf_counter()
     with (
         tqdm(total=len(files), unit="img", disable=None if progress else True, file=sys.stderr) as bar,
-        ThreadPoolExecutor(min(4, os.cpu_count() or 1), initializer=lowest_priority if background else None) as pool,
+        helper_threads(background) as pool,
     ):
         recorder = _Recorder(log, summary, bar, writer.out_dir, report)
         paths = [item.path for item in files]

@@ -96,7 +96,7 @@ def _positionwise(module: nn.Module) -> bool:
 Chains = dict[Any, tuple[Tensor, list[nn.Module]]]
 
 
-def _sequence_input(module: nn.Module, x: Any, output: Any) -> bool:
+def _joinable(module: nn.Module, x: Any, output: Any) -> bool:
     """Whether a module's output can be joined to its input ``x``: a sequence (N, T, C) that requires grad, a
     tensor output, and no weight gradient wanted of the module."""
     if not isinstance(output, Tensor) or not isinstance(x, Tensor) or not torch.is_grad_enabled():
@@ -107,7 +107,7 @@ def _sequence_input(module: nn.Module, x: Any, output: Any) -> bool:
 def _rows_joined(chains: Chains, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> Tensor | None:
     """Forward hook: a sequence layer's output joined by :class:`RowsRecomputed` to the input of its chain (the
     layer, and the position-wise layers before it whose output it takes as it is)."""
-    if len(inputs) != 1 or not _sequence_input(module, inputs[0], output):
+    if len(inputs) != 1 or not _joinable(module, inputs[0], output):
         return None
     x = inputs[0]
     source, earlier = chains.get(x.grad_fn, (x, []))
@@ -242,7 +242,7 @@ def _attention_joined(
     """Forward hook: a self-attention's output joined by :class:`RowsRecomputed` to its input."""
     x = _plain_call(module, args, kwargs)
     out = output[0] if isinstance(module, nn.MultiheadAttention) else output
-    if not _sequence_input(module, x, out):
+    if not _joinable(module, x, out):
         return None
     n, tokens, width = x.shape
 
