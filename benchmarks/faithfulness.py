@@ -9,7 +9,7 @@ mean correlation of at least 0.5 with the classifier random fails (``SanityResul
 two depths are explained, which spares the perturbation methods ten runs each. A guided method's images are
 scored as saliency maps (each pixel's largest absolute channel).
 
-    python benchmarks/faithfulness.py [--methods gradcam,layercam] [--out benchmarks/results_faithfulness.md]
+    python benchmarks/faithfulness.py [--methods gradcam,layercam] [--samples 10] [--out benchmarks/results_faithfulness.md]
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the table to this markdown file")
     parser.add_argument("--methods", help="comma-separated methods (default: every method but the rollouts)")
+    parser.add_argument(
+        "--samples", type=int, help="SS-CAM's noisy masks or IS-CAM's steps per channel (default: the method's own)"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     spec = explain.load_model("efficientnet_lite0")
@@ -59,7 +62,11 @@ def main() -> None:
     depth = len(metrics.cascading_blocks(model))  # the sanity check compares the maps at depth 1 and the last
     chosen = args.methods.split(",") if args.methods else [e.name for e in METHOD_CATALOG if e.name not in SKIPPED]
     for entry in (e for e in METHOD_CATALOG if e.name in chosen):
-        seeded = {"seed": 0} if "seed" in method_options(entry.name) else {}
+        options = method_options(entry.name)
+        seeded = {"seed": 0} if "seed" in options else {}
+        label = entry.name
+        if args.samples and "samples" in options:
+            seeded["samples"], label = args.samples, f"{entry.name} (samples={args.samples})"
         result = explain.create_method(entry.name, model, **seeded)(x, classes)
         maps = saliency(result.cams)
         deletion = metrics.deletion(model, x, maps, classes).auc.mean()
@@ -70,7 +77,7 @@ def main() -> None:
         first, last = sanity.spearman[0].mean(), sanity.spearman[-1].mean()
         verdict = "**fails**" if sanity.insensitive() else "passes"
         lines.append(
-            f"| {entry.name} | {deletion:.3f} | {insertion:.3f} | {drop:.1f} | {road:.3f} | {first:.2f} | "
+            f"| {label} | {deletion:.3f} | {insertion:.3f} | {drop:.1f} | {road:.3f} | {first:.2f} | "
             f"{last:.2f} | {verdict} |"
         )
         print(lines[-1], flush=True)

@@ -148,7 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue the run whose manifest the output folder holds: skip the inputs it finished, redo the "
         "failed and missing ones (the settings must be the same)",
     )
-    add("--overwrite", action="store_true", help="start afresh in an output folder that holds an earlier run")
+    add(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in an output folder that holds an earlier run: its manifest, outputs and gallery are "
+        "removed (other files stay)",
+    )
     add(
         "--gallery",
         action="store_true",
@@ -322,7 +327,7 @@ def _run(args: argparse.Namespace) -> int:
         return _write_gallery(args.out, args.quiet)  # rebuilt from the manifest alone: no model
     inputs = None if args.layers is not None else _check_inputs(args)
     if inputs is not None and not args.sanity_check:
-        check_fresh(args.out, args.resume, args.overwrite, remove=False)  # refused before the model is loaded
+        check_fresh(args.out, args.resume, args.overwrite)  # refused before the model is loaded
     import matplotlib
 
     if args.colormap not in matplotlib.colormaps:

@@ -30,6 +30,7 @@ from .dataset import Group, default_workers, helper_threads, load_batches
 from .distributed import process_group, this_process
 from .engine import CAMResult
 from .errors import LayerError, NothingToExplain, TargetError, first_line
+from .gallery import remove_gallery
 from .inputs import Input, collect_inputs, mark_output_folder
 from .layers import LayerSpec
 from .manifest import (
@@ -42,6 +43,8 @@ from .manifest import (
     merge,
     part_name,
     previous_run,
+    remove_run,
+    rename_inputs,
 )
 from .methods import FAST_METHODS, Method, create_method, method_options
 from .models import ModelSpec
@@ -66,7 +69,8 @@ class ExportOptions:
     one class per image. ``workers`` processes load the images (0: threads; None:
     :func:`explain.dataset.default_workers`).
     ``resume`` continues the run whose manifest the output folder holds (its settings must be these);
-    ``overwrite`` starts afresh in a folder that holds one; with neither, such a folder is refused.
+    ``overwrite`` starts afresh in a folder that holds one (removing the files its manifest names and its gallery);
+    with neither, such a folder is refused.
     """
 
     method: str = "gradcam"
@@ -322,12 +326,21 @@ def export_heatmaps(
     head = header(run_settings(spec, options))
     with process_group(process, device):
         inputs = collect_inputs(sources, exclude=out_dir)  # before --overwrite forgets what the folder's outputs are
-        check_fresh(out_dir, options.resume, options.overwrite, remove=process.rank == 0)
+        check_fresh(out_dir, options.resume, options.overwrite)
         if process.rank == 0:
+            if options.overwrite:
+                remove_run(out_dir)
+                remove_gallery(out_dir)
             remove_temporary_files(out_dir)
-        process.barrier()  # the first process has cleared the folder (killed writers' files, --overwrite's manifest)
+        process.barrier()  # the first process has cleared the folder (killed writers' files, --overwrite's run)
         previous, records = previous_run(out_dir)
         check_settings(out_dir, previous, head["header"])
+        if previous is not None:
+            if process.rank == 0:
+                files = {item.path.resolve(): item.name for item in inputs if item.path is not None}
+                rename_inputs(out_dir, head["cwd"], files)
+            process.barrier()  # the earlier records name their inputs as this run does
+            records = previous_run(out_dir)[1]
         done = finished(records, writer.methods, out_dir)
         process.barrier()  # every process has read what earlier runs finished before any writes more
         readable = [item for item in inputs if item.path is not None]

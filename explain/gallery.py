@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
@@ -101,3 +102,9 @@ def write_gallery(out_dir: str | Path) -> Path:
     page = out_dir / PAGE
     write_atomically(page, lambda temp: temp.write_text(template.replace("/*DATA*/", data), encoding="utf-8"))
     return page
+
+
+def remove_gallery(out_dir: Path) -> None:
+    """Remove an output folder's gallery page and thumbnails (a run that starts afresh makes them stale)."""
+    (out_dir / PAGE).unlink(missing_ok=True)
+    shutil.rmtree(out_dir / THUMBS, ignore_errors=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ExplainError
-from .manifest import manifest_files, read_manifest, written_files
+from .manifest import named_outputs
 
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"})
 OUTPUT_MARKER = ".explain-output"
@@ -55,20 +55,6 @@ def _is_image(path: Path) -> bool:
     return path.suffix.lower() in IMAGE_SUFFIXES
 
 
-def _written_by_explain(folder: Path) -> set[Path]:
-    """The files that the manifests of an output folder name as written: paths below the folder (schema 4 on)
-    or as an older run named them (relative ones taken from the current folder)."""
-    named: set[Path] = set()
-    try:
-        for path in manifest_files(folder):
-            for record in read_manifest(path)[1]:
-                root = folder if record.get("schema", 0) >= 4 else Path()
-                named |= {(root / name).resolve() for name in written_files(record)}
-    except (OSError, ExplainError):
-        return set()
-    return named
-
-
 class _Scanner:
     """Collects inputs in order, once each, skipping output folders."""
 
@@ -91,7 +77,7 @@ class _Scanner:
         ``folder`` itself is scanned even when it is an output folder (the user named
         it), but then the files its manifest lists as outputs are passed over.
         """
-        written = _written_by_explain(folder) if self.is_output_folder(folder) else set()
+        written = named_outputs(folder) if self.is_output_folder(folder) else set()
         files = []
         for root, dirs, names in os.walk(folder):
             dirs[:] = [d for d in dirs if not self.is_output_folder(Path(root, d))]

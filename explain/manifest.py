@@ -117,6 +117,34 @@ def previous_run(out_dir: Path) -> tuple[dict[str, Any] | None, list[dict[str, A
     return head, records
 
 
+def rename_inputs(out_dir: Path, cwd: str, names: Mapping[Path, str]) -> None:
+    """Name the inputs of an earlier run's records as the run that resumes it does, so that records match by
+    file, not by spelling: a file the new run names otherwise (absolute, or relative to another starting folder)
+    takes the new run's name, and a relative name from another starting folder that names none of the new
+    run's files becomes absolute, so that no name stands for two files. A manifest file is rewritten
+    (atomically) only where a name or the starting folder changes.
+
+    Args:
+        out_dir: The output folder.
+        cwd: The new run's starting folder.
+        names: The new run's name of each of its files (resolved).
+    """
+    for path in manifest_files(out_dir):
+        objects, _ = _complete_lines(path)
+        if not objects or "header" not in objects[0]:
+            continue
+        root = Path(objects[0].get("cwd", "."))
+        renamed = []
+        for record in objects[1:]:
+            file = (root / record["input"]).resolve()
+            name = names.get(file) or (record["input"] if root == Path(cwd) else str(file))
+            renamed.append({**record, "input": name})
+        if renamed == objects[1:] and root == Path(cwd):
+            continue
+        text = "".join(json.dumps(o) + "\n" for o in [{**objects[0], "cwd": cwd}, *renamed])
+        write_atomically(path, lambda temp, text=text: temp.write_text(text, encoding="utf-8"))
+
+
 def check_settings(out_dir: Path, previous: Mapping[str, Any] | None, settings: Mapping[str, Any]) -> None:
     """Refuse to resume a run whose settings differ from this one's, naming what differs."""
     if previous is None:
@@ -189,19 +217,43 @@ class ManifestWriter:
             self.file.close()
 
 
-def check_fresh(out_dir: Path, resume: bool, overwrite: bool, remove: bool = True) -> None:
-    """Refuse a folder that holds an earlier run's manifest unless the run resumes it or starts afresh; to
-    start afresh, remove the manifest and its parts (where ``remove``: the first of several processes)."""
-    files = manifest_files(out_dir)
-    if not files or resume:
-        return
-    if not overwrite:
+def check_fresh(out_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse a folder that holds an earlier run's manifest unless the run resumes it or starts afresh."""
+    if manifest_files(out_dir) and not resume and not overwrite:
         raise ResumeError(
             f"{out_dir}: holds the manifest of an earlier run; add --resume to continue it, "
             "or --overwrite to start afresh"
         )
-    for path in files if remove else ():
-        path.unlink(missing_ok=True)
+
+
+def named_outputs(out_dir: Path) -> set[Path]:
+    """The files (resolved) that the manifests of an output folder name as written: paths below the folder
+    (schema 4 on) or as an older run named them (relative ones taken from the current folder); none where a
+    manifest cannot be read."""
+    named: set[Path] = set()
+    try:
+        for path in manifest_files(out_dir):
+            for record in read_manifest(path)[1]:
+                root = out_dir if record.get("schema", 0) >= 4 else Path()
+                named |= {(root / name).resolve() for name in written_files(record)}
+    except (OSError, ExplainError):
+        return set()
+    return named
+
+
+def remove_run(out_dir: Path) -> None:
+    """Start afresh in an output folder: remove the files that its manifests name (those inside the folder, and
+    the folders they leave empty), then the manifests. Every other file stays."""
+    root = out_dir.resolve()
+    for path in sorted(named_outputs(out_dir)):
+        if path.is_relative_to(root):
+            path.unlink(missing_ok=True)
+            for folder in path.parents:
+                if folder == root or any(folder.iterdir()):
+                    break
+                folder.rmdir()
+    for path in manifest_files(out_dir):
+        path.unlink()
 
 
 def chosen_records(

@@ -104,9 +104,46 @@ def test_a_second_run_is_refused_and_resume_redoes_only_what_is_missing(dataset,
     assert (out / "manifest.jsonl").read_bytes() == first  # in input order, as if never interrupted
     assert not list(out.rglob("*.part"))
 
-    # --overwrite starts afresh.
-    assert main([str(dataset), "-o", str(out), *LITE0, "--format", "jpg", "--overwrite"]) == 0
-    assert summary_line(capsys.readouterr().out).startswith("written 24, failed 0, skipped 0 in ")
+    # --overwrite starts afresh: the earlier run's outputs, manifest and gallery go, and nothing else. Here the
+    # new run explains one folder of the data set alone, with another method.
+    assert main(["--gallery", "-o", str(out), "--quiet"]) == 0 and (out / "thumbs").is_dir()
+    (out / "notes.txt").write_text("the user's own file")
+    kept = sorted(dataset.glob("a/*.jpg"))
+    assert main([str(dataset / "a"), "-o", str(out), *LITE0, "--method", "layercam", "--overwrite"]) == 0
+    assert summary_line(capsys.readouterr().out).startswith(f"written {len(kept)}, failed 0, skipped 0 in ")
+    assert [r["input"] for r in manifest(out)] == [str(path) for path in kept]
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert files == sorted([".explain-output", "manifest.jsonl", "notes.txt", *outputs(out)])
+    assert all(name.endswith(".layercam.jpg") for name in outputs(out))
+
+
+def test_resume_matches_inputs_by_file_not_by_spelling(dataset, tmp_path, monkeypatch, capsys) -> None:
+    """A resumed run that names the same files otherwise skips them; one whose relative names, from another
+    starting folder, are other files explains those."""
+    out = tmp_path / "out"
+    monkeypatch.chdir(dataset)
+    assert main(["a", "-o", str(out), *LITE0, "--quiet"]) == 0
+    before = outputs(out)
+    assert [r["input"] for r in manifest(out)][:1] == ["a/astronaut-0.jpg"]
+    monkeypatch.chdir(tmp_path)
+    assert main([str(dataset / "a"), "-o", str(out), *LITE0, "--resume"]) == 0
+    assert summary_line(capsys.readouterr().out).startswith(f"written 0, failed 0, skipped {len(before)} in ")
+    assert outputs(out) == before
+    assert [r["input"] for r in manifest(out)] == [str(p) for p in sorted(dataset.glob("a/*.jpg"))]
+
+    # "a/" from another folder: two other images under the names of the first run's first two.
+    other = tmp_path / "other"
+    monkeypatch.chdir(dataset)
+    assert main(["a", "-o", str(other), *LITE0, "--quiet"]) == 0
+    (tmp_path / "a").mkdir()
+    for k, name in enumerate(["astronaut-0.jpg", "astronaut-1.jpg"]):
+        (tmp_path / "a" / name).write_bytes((dataset / "b" / f"coffee-{k + 2}.jpg").read_bytes())
+    monkeypatch.chdir(tmp_path)
+    assert main(["a", "-o", str(other), *LITE0, "--resume"]) == 0
+    assert summary_line(capsys.readouterr().out).startswith("written 2, failed 0, skipped 0 in ")
+    records = manifest(other)
+    assert [r["input"] for r in records] == ["a/astronaut-0.jpg", "a/astronaut-1.jpg"]
+    assert [r["targets"][0]["class_name"] for r in records] == ["espresso", "espresso"]
 
 
 def test_killed_at_any_moment_then_resumed_loses_nothing(dataset, tmp_path) -> None:
