@@ -6,15 +6,16 @@ Two kinds of attention module are read, each through the hook APIs, for one call
   per-head weights (``need_weights=True, average_attn_weights=False``), which makes PyTorch
   form the probabilities A = softmax(q kᵀ / √d) explicitly and return them; their gradient is
   taken at the tensor the attention multiplies with v.
-- timm's ``Attention`` (ViT, DeiT, register ViTs): its fused kernel never forms the
-  probabilities, so they are computed from q and k as the module's q/k norms give them, with
-  the module's own scale: A = softmax(scale · q kᵀ), as timm's unfused path does. The gradient
-  follows from the attention's output O = A v: ∂s/∂A = (∂s/∂O) vᵀ, with ∂s/∂O taken where the
-  heads' outputs enter the module's ``norm``.
+- timm's ``Attention`` (ViT, DeiT, register ViTs) and HuggingFace's plain attention (ViT, DeiT, DINOv2, CLIP's
+  vision tower, as ``transformers`` 5 writes them, with ``q_proj``, ``k_proj`` and ``v_proj``): their fused
+  kernels never form the probabilities, so they are computed from q and k as the module's projections (and
+  timm's q/k norms) give them, with the module's own scale: A = softmax(scale · q kᵀ), as their unfused paths
+  do. The gradient follows from the attention's output O = A v: ∂s/∂A = (∂s/∂O) vᵀ, with ∂s/∂O taken where
+  the heads' merged outputs enter the module's next layer (timm's ``norm``, HuggingFace's output projection).
 
-Other attention modules (EVA's rotary embedding, BEiT's relative position bias, HuggingFace's) are not read:
-named, they are an error that names their type; by default the rollout takes the readable ones and refuses a
-model with none. A timm attention called with a mask is refused too.
+Other attention modules (EVA's rotary embedding, BEiT's relative position bias, ``transformers`` 4's split
+self-attention) are not read: named, they are an error that names their type; by default the rollout takes the
+readable ones and refuses a model with none. An attention called with a mask is refused too.
 """
 
 from __future__ import annotations
@@ -32,13 +33,36 @@ from .errors import LayerError
 # timm's plain attention (ViT, DeiT, register ViTs), where timm 1.x and 0.9 define it. Not its relatives with the
 # same parts (EVA's rotary embedding, BEiT's relative position bias): their probabilities are not softmax(q k^T).
 TIMM_ATTENTION = {("timm.layers.attention", "Attention"), ("timm.models.vision_transformer", "Attention")}
+# HuggingFace's plain attention, by model; read where it has transformers 5's q_proj, k_proj and v_proj.
+HF_ATTENTION = {
+    ("transformers.models.vit.modeling_vit", "ViTAttention"),
+    ("transformers.models.deit.modeling_deit", "DeiTAttention"),
+    ("transformers.models.dinov2.modeling_dinov2", "Dinov2Attention"),
+    ("transformers.models.dinov2_with_registers.modeling_dinov2_with_registers", "Dinov2WithRegistersAttention"),
+    ("transformers.models.clip.modeling_clip", "CLIPAttention"),
+}
 
 
 def attention_kind(module: nn.Module) -> str | None:
-    """``"torch"`` for ``nn.MultiheadAttention``, ``"timm"`` for timm's plain ``Attention``, else None."""
+    """``"torch"`` for ``nn.MultiheadAttention``, ``"timm"`` for timm's plain ``Attention``, ``"hf"`` for
+    HuggingFace's plain attention, else None."""
     if isinstance(module, nn.MultiheadAttention):
         return "torch"
-    return "timm" if (type(module).__module__, type(module).__name__) in TIMM_ATTENTION else None
+    kind = (type(module).__module__, type(module).__name__)
+    if kind in TIMM_ATTENTION:
+        return "timm"
+    return "hf" if kind in HF_ATTENTION and all(hasattr(module, p) for p in ("q_proj", "k_proj", "v_proj")) else None
+
+
+def _parts(module: nn.Module) -> tuple[dict[str, nn.Module], nn.Module, float, int]:
+    """For a timm or HuggingFace attention: the modules whose outputs are its q, k and v (timm's fused ``qkv``
+    stands for v), the module its heads' merged outputs enter, its scale, and its number of heads."""
+    if attention_kind(module) == "timm":
+        return {"q": module.q_norm, "k": module.k_norm, "qkv": module.qkv}, module.norm, module.scale, module.num_heads
+    merged = module.o_proj if hasattr(module, "o_proj") else module.out_proj
+    scale = module.scaling if hasattr(module, "scaling") else module.scale
+    heads = module.num_attention_heads if hasattr(module, "num_attention_heads") else module.num_heads
+    return {"q": module.q_proj, "k": module.k_proj, "v": module.v_proj}, merged, scale, heads
 
 
 def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -65,7 +89,8 @@ class AttentionRecorder:
             if attention_kind(module) is None:
                 raise LayerError(
                     f"{module_name!r} is a {type(module).__name__}, not an attention module whose probabilities "
-                    "can be read (nn.MultiheadAttention, timm's Attention)"
+                    "can be read (nn.MultiheadAttention, timm's Attention, HuggingFace's ViT, DeiT, DINOv2 or CLIP "
+                    "attention)"
                 )
         self.name = name
         self.record_gradients = gradients
@@ -82,11 +107,11 @@ class AttentionRecorder:
                 self._handles.append(module.register_forward_hook(partial(self._torch_weights, name)))
             else:
                 self._handles.append(module.register_forward_pre_hook(partial(_unmasked, name), with_kwargs=True))
-                keep = partial(self._keep, name)
-                self._handles.append(module.qkv.register_forward_hook(lambda m, i, o, keep=keep: keep("qkv", o)))
-                self._handles.append(module.q_norm.register_forward_hook(lambda m, i, o, keep=keep: keep("q", o)))
-                self._handles.append(module.k_norm.register_forward_hook(partial(self._timm_probabilities, name)))
-                self._handles.append(module.norm.register_forward_pre_hook(partial(self._timm_output, name)))
+                sources, merged, _, _ = _parts(module)
+                for part, source in sources.items():
+                    keep = partial(self._keep, name, part)
+                    self._handles.append(source.register_forward_hook(lambda m, i, o, keep=keep: keep(o)))
+                self._handles.append(merged.register_forward_pre_hook(partial(self._from_parts, name)))
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -109,23 +134,29 @@ class AttentionRecorder:
                 raise LayerError(f"attention {name!r}: PyTorch returned weights outside the graph")
             self._gradient_of[name] = (weights._base, lambda grad, shape=weights.shape: grad.reshape(shape))
 
-    def _timm_probabilities(self, name: str, module: nn.Module, inputs: Any, k: Tensor) -> None:
-        q = self._parts[name]["q"]
-        logits = (q.detach() * self.modules[name].scale) @ k.detach().transpose(-2, -1)
-        self._probabilities[name] = logits.float().softmax(dim=-1).to(q.dtype)
-
-    def _timm_output(self, name: str, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if not self.record_gradients:
-            return
-        merged = args[0]  # the heads' outputs O = A v, merged: (N, T, heads * head dim)
+    def _from_parts(self, name: str, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """Where the heads' merged outputs O (N, T, heads * head dim) enter the next layer: the probabilities
+        from the kept q and k, and the way from the gradient at O to the gradient at A."""
+        merged, parts = args[0], self._parts.pop(name)
         n, tokens, _ = merged.shape
-        heads = self.modules[name].num_heads
-        v = self._parts[name]["qkv"].detach().reshape(n, tokens, 3, heads, -1)[:, :, 2].transpose(1, 2)
+        _, _, scale, heads = _parts(self.modules[name])
 
-        def to_probabilities(grad: Tensor) -> Tensor:  # dS/dA = dS/dO v^T, head by head
-            return grad.reshape(n, tokens, heads, -1).transpose(1, 2) @ v.transpose(-2, -1)
+        def per_head(t: Tensor) -> Tensor:  # (N, T, heads * head dim) -> (N, heads, T, head dim)
+            return t.detach().reshape(n, tokens, heads, -1).transpose(1, 2)
 
-        self._gradient_of[name] = (merged, to_probabilities)
+        if "qkv" in parts:  # timm: q and k already per head (after its norms), v a third of qkv
+            q, k = parts["q"].detach(), parts["k"].detach()
+            v = parts["qkv"].detach().reshape(n, tokens, 3, heads, -1)[:, :, 2].transpose(1, 2)
+        else:
+            q, k, v = (per_head(parts[p]) for p in ("q", "k", "v"))
+        logits = (q * scale) @ k.transpose(-2, -1)
+        self._probabilities[name] = logits.float().softmax(dim=-1).to(q.dtype)
+        if self.record_gradients:
+
+            def to_probabilities(grad: Tensor) -> Tensor:  # dS/dA = dS/dO v^T, head by head
+                return grad.reshape(n, tokens, heads, -1).transpose(1, 2) @ v.transpose(-2, -1)
+
+            self._gradient_of[name] = (merged, to_probabilities)
 
     def forward(self, model: Callable[[Tensor], Any], x: Tensor) -> Any:
         """Run the model on ``x``, recording every module's probabilities (and the graph, for gradients)."""
@@ -150,9 +181,9 @@ class AttentionRecorder:
 
 
 def _unmasked(name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Refuse a timm attention call with a mask: its probabilities would not be softmax(scale q k^T)."""
-    mask = kwargs.get("attn_mask", args[1] if len(args) > 1 else None)
-    if mask is not None or kwargs.get("is_causal", False):
+    """Refuse an attention call with a mask: its probabilities would not be softmax(scale q k^T)."""
+    masks = [kwargs.get(key) for key in ("attn_mask", "attention_mask", "causal_attention_mask", "head_mask")]
+    if any(mask is not None for mask in [*masks, *args[1:]]) or kwargs.get("is_causal", False):
         raise LayerError(f"attention {name!r} is called with a mask, which the rollout does not read")
 
 

@@ -13,6 +13,15 @@ from PIL import Image
 from torch import nn
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
+# A HuggingFace vision transformer small enough for the suite: 32 x 32 inputs, 8-pixel patches, two layers.
+TINY_HF = {
+    "image_size": 32,
+    "patch_size": 8,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+}
 CAT, COFFEE = ASSETS / "chelsea.png", ASSETS / "coffee.png"
 
 

@@ -1,5 +1,6 @@
 """Attention Rollout and gradient-weighted rollout against references that run the model with explicit
-attention: timm's unfused path, and torchvision's attention written out here from its projection weights."""
+attention: timm's unfused path, torchvision's attention written out here from its projection weights, and
+HuggingFace's eager attention, which returns its probabilities."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
-from conftest import hook_count, seeded
+from conftest import TINY_HF, hook_count, seeded
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -63,7 +64,7 @@ def torchvision_attention(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tens
     return explicit(x), kept
 
 
-def rollout_reference(attentions: list[torch.Tensor]) -> torch.Tensor:
+def rollout_reference(attentions: list[torch.Tensor], prefix: int = 1) -> torch.Tensor:
     """Abnar & Zuidema: head mean plus identity, rows normalized, multiplied through the layers; class row."""
     rolled = None
     for a in attentions:
@@ -71,15 +72,17 @@ def rollout_reference(attentions: list[torch.Tensor]) -> torch.Tensor:
         augmented = mean + torch.eye(mean.shape[-1], dtype=torch.float64)
         augmented = augmented / augmented.sum(dim=-1, keepdim=True)
         rolled = augmented if rolled is None else augmented @ rolled
-    return rolled[:, 0, 1:]
+    return rolled[:, 0, prefix:]
 
 
-def gradient_rollout_reference(attentions: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor:
+def gradient_rollout_reference(
+    attentions: list[torch.Tensor], grads: list[torch.Tensor], prefix: int = 1
+) -> torch.Tensor:
     """Chefer et al.: R = I, R += mean_heads((grad * A)+) @ R through the layers; class row."""
     rolled = torch.eye(attentions[0].shape[-1], dtype=torch.float64).expand(len(attentions[0]), -1, -1)
     for a, g in zip(attentions, grads):
         rolled = rolled + (g.double() * a.double()).clamp(min=0).mean(dim=1) @ rolled
-    return rolled[:, 0, 1:]
+    return rolled[:, 0, prefix:]
 
 
 @pytest.mark.parametrize("build", [timm_vit, torchvision_vit], ids=["timm", "torchvision"])
@@ -105,6 +108,55 @@ def test_rollouts_match_explicit_attention(build) -> None:
     assert explain.GradientRollout(model)(x, classes).cams.shape == (2, 64, 64)  # upsampled, as every method's
     assert hook_count(model) == 0 and not any(p.grad is not None for p in model.parameters())
     assert [getattr(m, "fused_attn", None) for m in model.modules()] == fused
+
+
+def huggingface_model(kind: str) -> tuple[nn.Module, object, object, int]:
+    """A HuggingFace vision transformer with random weights: the model, a target, the score it stands for (from
+    the model's output), and the number of prefix tokens."""
+    import transformers as hf
+
+    torch.manual_seed(0)
+    if kind == "vit":  # q_proj ... o_proj, `scaling`, `num_attention_heads`
+        model = hf.ViTForImageClassification(hf.ViTConfig(**TINY_HF, num_labels=10))
+        return model.eval(), [3, 7], lambda out: out.logits[range(2), [3, 7]].sum(), 1
+    if kind == "deit_distilled":  # a class token and a distillation token
+        model = hf.DeiTForImageClassificationWithTeacher(hf.DeiTConfig(**TINY_HF, num_labels=10))
+        return model.eval(), [3, 7], lambda out: out.logits[range(2), [3, 7]].sum(), 2
+    if kind == "dinov2_registers":  # a class token and four registers
+        config = hf.Dinov2WithRegistersConfig(**TINY_HF, num_register_tokens=4, num_labels=10)
+        model = hf.Dinov2WithRegistersForImageClassification(config)
+        return model.eval(), [3, 7], lambda out: out.logits[range(2), [3, 7]].sum(), 5
+    # CLIP's vision tower: out_proj, `scale`, `num_heads`; the similarity of its embedding to a text's
+    from explain.targets import SimilarityTarget
+
+    model = hf.CLIPVisionModelWithProjection(hf.CLIPVisionConfig(**TINY_HF, projection_dim=16))
+    text = torch.randn(16)
+    score = lambda out: torch.cosine_similarity(out.image_embeds, text[None], dim=1).sum()  # noqa: E731
+    return model.eval(), SimilarityTarget(text, output="image_embeds"), score, 1
+
+
+@pytest.mark.parametrize("kind", ["vit", "deit_distilled", "dinov2_registers", "clip"])
+def test_rollouts_of_huggingface_attention_match_its_eager_probabilities(kind) -> None:
+    """The rollouts read HuggingFace's attention from its projections under its default (SDPA) kernel; the
+    reference is its eager attention, which returns the probabilities in the graph."""
+    model, target, score, prefix = huggingface_model(kind)
+    x = torch.randn(2, 3, 32, 32)
+    explicit = copy.deepcopy(model)
+    explicit.config._attn_implementation = "eager"
+    output = explicit(x, output_attentions=True)
+    attentions = output.attentions
+    grads = torch.autograd.grad(score(output), attentions)
+    assert model.config._attn_implementation != "eager"
+
+    plain = explain.AttentionRollout(model)(x, target, resize=False, normalize=False)
+    weighted = explain.GradientRollout(model)(x, target, resize=False, normalize=False)
+
+    expected = rollout_reference(attentions, prefix).reshape(2, 4, 4)
+    assert (plain.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    expected = gradient_rollout_reference(attentions, grads, prefix).reshape(2, 4, 4)
+    assert expected.abs().max() > 0
+    assert (weighted.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert hook_count(model) == 0 and not any(p.grad is not None for p in model.parameters())
 
 
 def test_rollouts_refuse_what_they_cannot_read() -> None:

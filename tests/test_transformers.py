@@ -12,7 +12,7 @@ import pytest
 import timm
 import torch
 import torchvision
-from conftest import CAT, capture_score, hook_count, manifest
+from conftest import CAT, TINY_HF, capture_score, hook_count, manifest
 from PIL import Image
 from timm.models.convnext import ConvNeXt
 from timm.models.swin_transformer import SwinTransformer
@@ -218,17 +218,6 @@ def test_timm_model_without_weights_offline_names_the_way_out(tmp_path) -> None:
     offline, unknown = found.stdout.splitlines()
     assert "cannot get the pretrained weights of timm/vit_tiny_patch16_224" in offline and "--weights FILE" in offline
     assert unknown.startswith("unknown timm model 'vit_tiny_patch16_22'; did you mean: timm/vit_tiny_patch16_224")
-
-
-# A HuggingFace vision transformer small enough for the suite: 32 x 32 inputs, 8-pixel patches, two layers.
-TINY_HF = {
-    "image_size": 32,
-    "patch_size": 8,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-}
 
 
 def token_reference(model: nn.Module, x: torch.Tensor, layer: str, score) -> torch.Tensor:

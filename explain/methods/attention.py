@@ -21,8 +21,8 @@ class Rollout(CAM):
     maps the class token's row of the rolled-out attention, over the patch tokens, onto the patch grid.
 
     Args:
-        model: A vision transformer whose attention modules are ``nn.MultiheadAttention``
-            (torchvision) or timm's ``Attention``, with a class token; left as it was.
+        model: A vision transformer with a class token whose attention modules can be read
+            (:func:`explain.attention.attention_kind`: torchvision's, timm's, HuggingFace's); left as it was.
         layer: The attention modules to roll out, by name or module, in the order the model
             runs them; None: all of them.
         labels: Class names, to accept a class name as target.
@@ -58,7 +58,8 @@ class Rollout(CAM):
                 chosen[name] = readable[name]
         if not chosen:
             raise LayerError(
-                f"{type(self).__name__} reads the attention of nn.MultiheadAttention or timm's Attention; "
+                f"{type(self).__name__} reads the attention of nn.MultiheadAttention, timm's Attention or "
+                "HuggingFace's ViT, DeiT, DINOv2 and CLIP attention; "
                 "this model has none"
             )
         self._attention = chosen
