@@ -417,7 +417,6 @@ def _sanity_check(
     args: argparse.Namespace, spec: ModelSpec, inputs: list[Input], layer: Any, target: Any, device: torch.device
 ) -> int:
     """The randomization test of each asked method on the readable images, in batches; its files and verdicts."""
-    from functools import partial
 
     import torch
 
@@ -429,7 +428,7 @@ def _sanity_check(
 
     errors = [item.error for item in inputs if item.error is not None]
     paths = [item.path for item in inputs if item.path is not None]
-    transform = partial(spec.transform, keep_aspect=args.keep_aspect or None)
+    transform = spec.preprocessing(keep_aspect=args.keep_aspect or None)
     groups = []
     for batch in load_batches(paths, transform, args.batch_size, workers=0, pin=False):
         errors += [error for _, error in batch.failed]

@@ -410,7 +410,7 @@ def _run(
     workers = options.workers
     if workers is None:
         workers = default_workers(len(files), options.batch_size, explainer.device)
-    transform = partial(explainer.spec.transform, keep_aspect=options.keep_aspect)
+    transform = explainer.spec.preprocessing(options.keep_aspect)
     pin = explainer.device.type == "cuda"
     # Threads render and encode images (numpy, Pillow and zlib release the GIL) while the model runs. A model on
     # the CPU needs every core: there the threads and worker processes yield to it (see lowest_priority).

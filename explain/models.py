@@ -29,6 +29,30 @@ ImageLike = Image.Image | np.ndarray | str | Path
 Task = Literal["classification", "segmentation", "detection"]
 
 
+@dataclass(frozen=True)
+class Preprocessing:
+    """How an image becomes a model's input, without the model: what ``DataLoader`` workers get a copy of (on
+    platforms that spawn them, a pickled one). Called on an RGB image, it gives the (3, H, W) float32 input.
+
+    Attributes:
+        input_size: Side of the square input (the short side with ``keep_aspect``); None: the image's size.
+        mean: Per-channel normalization mean.
+        std: Per-channel normalization standard deviation.
+        resample: PIL resampling filter.
+        keep_aspect: Resize the short side to ``input_size`` rather than the whole image to a square.
+    """
+
+    input_size: int | None
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    resample: Image.Resampling
+    keep_aspect: bool
+
+    def __call__(self, image: Image.Image) -> Tensor:
+        size = image.size if self.input_size is None else input_size(image, self.input_size, self.keep_aspect)
+        return to_tensor(image, size, self.mean, self.std, self.resample)
+
+
 @dataclass
 class ModelSpec:
     """A model together with what is needed to feed it and to name its classes.
@@ -64,17 +88,17 @@ class ModelSpec:
         """Where the model's parameters are."""
         return next(self.model.parameters()).device
 
-    def transform(self, image: Image.Image, keep_aspect: bool | None = None) -> Tensor:
-        """One RGB image as the model sees it: (3, H, W) float32 on the CPU.
-
-        The whole image is resized to ``input_size`` square (or, with ``keep_aspect``,
-        its short side to ``input_size``; None: as the model does it) with the model's
-        resampling filter, scaled to [0, 1] and normalized with the model's mean and std.
-        Without an ``input_size`` the image keeps its size.
-        """
+    def preprocessing(self, keep_aspect: bool | None = None) -> Preprocessing:
+        """The model's preprocessing: the whole image resized to ``input_size`` square (or, with ``keep_aspect``,
+        its short side to ``input_size``; None: as the model does it) with the model's resampling filter, scaled
+        to [0, 1] and normalized with the model's mean and std. Without an ``input_size`` the image keeps its
+        size."""
         aspect = self.keep_aspect if keep_aspect is None else keep_aspect
-        size = image.size if self.input_size is None else input_size(image, self.input_size, aspect)
-        return to_tensor(image, size, self.mean, self.std, self.resample)
+        return Preprocessing(self.input_size, tuple(self.mean), tuple(self.std), self.resample, aspect)
+
+    def transform(self, image: Image.Image, keep_aspect: bool | None = None) -> Tensor:
+        """One RGB image as the model sees it: (3, H, W) float32 on the CPU (see :meth:`preprocessing`)."""
+        return self.preprocessing(keep_aspect)(image)
 
     def preprocess(self, images: ImageLike | Sequence[ImageLike], keep_aspect: bool | None = None) -> Tensor:
         """Images as a batch for the model, on its device: (N, 3, H, W).

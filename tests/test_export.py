@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -18,8 +19,9 @@ from conftest import ASSETS, manifest
 from PIL import Image
 
 import explain
+from explain import export
 from explain.cli import main
-from explain.dataset import load_batches
+from explain.dataset import ImageFiles, load_batches
 from explain.distributed import Process
 from explain.manifest import chosen_records
 
@@ -301,12 +303,35 @@ def test_each_process_takes_its_share_and_its_own_device() -> None:
     assert Process().device(torch.device("cuda")) == torch.device("cuda")
 
 
+def test_spawned_worker_processes_get_the_preprocessing_not_the_model(dataset, tmp_path, monkeypatch) -> None:
+    """macOS and Windows spawn ``DataLoader`` workers, which get a pickled copy of the dataset: the model's
+    preprocessing, never the model. An export with spawned workers (forced here) writes what one with threads
+    writes."""
+    given = []
+
+    def loading(paths, transform, *args, **kwargs):
+        given.append(ImageFiles(paths, transform))
+        return load_batches(paths, transform, *args, **kwargs)
+
+    monkeypatch.setattr(export, "load_batches", loading)
+    spawned, threads = tmp_path / "spawned", tmp_path / "threads"
+    args = [str(dataset / "a"), *LITE0, "--batch-size", "4", "--quiet"]
+    spawning = "import multiprocessing, sys; multiprocessing.set_start_method('spawn'); from explain.cli import main; "
+    command = [sys.executable, "-c", spawning + "sys.exit(main(sys.argv[1:]))", *args, "-o", str(spawned)]
+    run = subprocess.run([*command, "--workers", "2"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert main([*args, "-o", str(threads), "--workers", "0"]) == 0
+    assert len(given) == 1 and len(pickle.dumps(given[0])) < 4096  # what a spawned worker would get
+    assert manifest(spawned) == manifest(threads)
+    assert all((spawned / f).read_bytes() == (threads / f).read_bytes() for f in outputs(threads))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
 @pytest.mark.parametrize("workers", [0, 1])
 def test_batches_for_a_cuda_device_come_in_pinned_memory(dataset, workers) -> None:
     spec = explain.load_model("efficientnet_lite0")
     paths = sorted(dataset.rglob("*.jpg"))[:6]
-    for batch in load_batches(paths, spec.transform, batch_size=4, workers=workers, pin=True):
+    for batch in load_batches(paths, spec.preprocessing(), batch_size=4, workers=workers, pin=True):
         assert all(group.x.is_pinned() for group in batch.groups)
 
 
