@@ -1,5 +1,5 @@
-"""Detection: torchvision's Faster R-CNN with random weights, its canvas geometry, and DetectionTarget
-against references written here with plain hooks, torchvision's box IoU and autograd."""
+"""Detection: torchvision's Faster R-CNN, RetinaNet, FCOS and SSDlite with random weights, the canvas geometry,
+and DetectionTarget against references written here with plain hooks, torchvision's box IoU and autograd."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from conftest import hook_count, random_detector
 from test_methods import first_component
 from torch import nn
+from torchvision.models import detection
 from torchvision.ops import box_iou
 
 import explain
@@ -34,7 +35,12 @@ def images() -> torch.Tensor:
 
 
 def reference_maps(
-    detector: nn.Module, x: torch.Tensor, boxes: list[torch.Tensor], labels: list[int], level: str = LEVEL
+    detector: nn.Module,
+    x: torch.Tensor,
+    boxes: list[torch.Tensor],
+    labels: list[int],
+    level: str = LEVEL,
+    module: str = MODULE,
 ) -> torch.Tensor:
     """Grad-CAM of each image's reference box at an FPN level, on the image: (N, h, w) at the resized size.
 
@@ -48,7 +54,7 @@ def reference_maps(
         kept["a"] = output[level].clone().requires_grad_(True)
         return OrderedDict((k, kept["a"] if k == level else v) for k, v in output.items())
 
-    handle = detector.get_submodule(MODULE).register_forward_hook(keep)
+    handle = detector.get_submodule(module).register_forward_hook(keep)
     detections = detector(x)
     handle.remove()
     scores = []
@@ -209,3 +215,48 @@ def test_only_the_explained_rows_of_the_box_head_are_differentiated(detector, mo
     assert_maps(dense.raw[:, 0], expected)
     torch.testing.assert_close(sparse.probabilities, dense.probabilities)
     assert hook_count(detector) == 0
+
+
+def dense_detector(kind: str) -> tuple[nn.Module, str]:
+    """RetinaNet, FCOS or SSDlite with seeded random weights, keeping their best 8 detections whatever the score,
+    and the module whose dict of maps feeds their heads (SSDlite's BatchNorm calibrated on random images, so that
+    its scores are not uniform)."""
+    torch.manual_seed(0)
+    common = {"weights": None, "weights_backbone": None, "num_classes": 5, "detections_per_img": 8, "score_thresh": 0}
+    if kind == "retinanet":
+        return detection.retinanet_resnet50_fpn(**common, min_size=128, max_size=192).eval(), "backbone.fpn"
+    if kind == "fcos":
+        return detection.fcos_resnet50_fpn(**common, min_size=128, max_size=192).eval(), "backbone.fpn"
+    model = detection.ssdlite320_mobilenet_v3_large(**common)
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.momentum = None
+    torch.manual_seed(3)
+    with torch.no_grad():
+        model.backbone.train()(torch.rand(8, 3, 320, 320))
+    return model.eval(), "backbone"
+
+
+@pytest.mark.parametrize("kind", ["retinanet", "fcos", "ssdlite"])
+def test_dense_detectors_match_the_reference_at_their_level(kind) -> None:
+    """A detection of RetinaNet, FCOS or SSDlite (whose heads score every anchor or point densely) reaches one
+    level of the maps that feed the heads: its map there, and the automatic layers' fused map, match the
+    reference."""
+    detector, module = dense_detector(kind)
+    x = images()[:1]
+    with torch.no_grad():
+        (found,) = detector(x)
+        levels = list(detector.backbone(detector.transform(list(x))[0].tensors))
+    sides = found["boxes"][:, 2:] - found["boxes"][:, :2]
+    best = int(sides.prod(dim=1).argmax())  # the largest: random weights also give boxes of no area
+    boxes, labels = [found["boxes"][best]], [int(found["labels"][best])]
+    references = {level: reference_maps(detector, x, boxes, labels, level, module) for level in levels}
+    (reached,) = [level for level, maps in references.items() if maps.abs().max() > 0]
+    target = DetectionTarget(boxes[0][None], [labels[0]])
+    at_level = explain.GradCAM(detector, f"{module}:{reached}")(x, target, normalize=False)
+    assert_maps(at_level.raw[:, 0], references[reached])
+    fused = explain.GradCAM(detector)(x, target)
+    assert f"backbone:{reached}" in fused.layer.split("+")
+    expected = normalize_maps(upsample(references[reached], (100, 130)))
+    assert (fused.cams[:, 0].double() - expected).abs().max() < 1e-4
+    assert hook_count(detector) == 0 and not detector.training
