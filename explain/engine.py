@@ -26,8 +26,8 @@ from torch import Tensor, nn
 
 from .detectors import canvas_recorded, sparse_box_heads
 from .errors import ExplainError, LayerError, TargetError
-from .hooks import ActivationGradientRecorder
-from .layers import LayerSpec, auto_layers, resolve_layer
+from .hooks import ActivationGradientRecorder, layer_entry
+from .layers import BACKBONE, LayerSpec, auto_layers, resolve_layer
 from .layouts import Geometry, Layout, Reshape, find_layout, grids_recorded
 from .maps import normalize_maps, postprocess, principal_projection, upsample
 from .model_state import untouched
@@ -428,7 +428,7 @@ class CAM:
             targets = range(scores.shape[1])
             gradients = [self._gradients(recorder, scores[:, k].sum(), x, layouts) for k in targets]
             if self.needs_gradients and not isinstance(goal, BoundAlready):  # the pass that binds the target
-                self._check_reached(gradients, bound)
+                self._check_reached(gradients, bound, automatic=self._requested is None)
             activations = {name: layouts[name](a).float() for name, a in recorder.activations.items()}
             if self.map_of_input:
                 activations[INPUT] = x.detach().float()
@@ -463,8 +463,9 @@ class CAM:
         return output, bound, scores, maps
 
     @staticmethod
-    def _check_reached(gradients: list[dict[str, Tensor]], bound: BoundTarget) -> None:
+    def _check_reached(gradients: list[dict[str, Tensor]], bound: BoundTarget, automatic: bool) -> None:
         """Refuse maps of a gradient that is zero everywhere: they would be flat, a confident picture of nothing.
+        The message's way out depends on whether the layers are the automatic ones.
 
         Raises:
             LayerError: For some image and target, the gradient is zero at every position of every layer.
@@ -474,11 +475,20 @@ class CAM:
             if bound.valid is not None:
                 zero &= bound.valid[:, k]
             if zero.any():
+                if automatic and all(layer_entry(name)[0] == BACKBONE for name in by_layer):
+                    why = (
+                        "The automatic layers leave out a detector's pyramid levels one cell wide, too coarse to map, "
+                        "and a detection there reaches none of the others: choose a layer inside the backbone, "
+                        "whose maps feed every level (explain --layers)"
+                    )
+                else:
+                    why = (
+                        "At the last block of a class-token transformer, say, the head never reads the patch tokens: "
+                        "choose an earlier layer (explain --layers)" + ("" if automatic else ", or the automatic one")
+                    )
                 raise LayerError(
                     f"the target score's gradient is zero at every position of layer(s) {', '.join(by_layer)} "
-                    f"(image {int(zero.nonzero()[0])}): the score does not depend on the map there, as at the last "
-                    "block of a class-token transformer, whose patch tokens the head never reads; choose an "
-                    "earlier layer (explain --layers), or the automatic one"
+                    f"(image {int(zero.nonzero()[0])}): the score does not depend on the map there. {why}"
                 )
 
     def _layout(self, name: str, activation: Tensor, geometry: Geometry) -> Layout:

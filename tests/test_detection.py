@@ -260,3 +260,26 @@ def test_dense_detectors_match_the_reference_at_their_level(kind) -> None:
     expected = normalize_maps(upsample(references[reached], (100, 130)))
     assert (fused.cams[:, 0].double() - expected).abs().max() < 1e-4
     assert hook_count(detector) == 0 and not detector.training
+
+
+def test_a_detection_from_a_level_too_coarse_to_map_is_refused_with_the_way_out() -> None:
+    """SSDlite's last level is 1 x 1, left out of the automatic layers: a detection there (made so here by raising
+    one class's bias at that level alone) reaches none of them. The error says so, and the layer inside the
+    backbone that feeds every level explains it."""
+    detector, module = dense_detector("ssdlite")
+    last = [m for m in detector.head.classification_head.module_list[5].modules() if isinstance(m, nn.Conv2d)][-1]
+    with torch.no_grad():
+        last.bias.view(-1, 5)[:, 2] += 8.0  # class 2 at every anchor of the last level
+    x = images()[:1]
+    with torch.no_grad():
+        (found,) = detector(x)
+    box, label = found["boxes"][0], int(found["labels"][0])
+    levels = list(detector.backbone(detector.transform(list(x))[0].tensors))
+    reached = [level for level in levels if reference_maps(detector, x, [box], [label], level, module).any()]
+    assert label == 2 and reached == ["5"]
+    target = DetectionTarget(box[None], [label])
+    with pytest.raises(explain.LayerError, match="one cell wide, too coarse to map.*inside the backbone"):
+        explain.GradCAM(detector)(x, target)
+    inside = explain.GradCAM(detector, "backbone.features.1")(x, target)  # level 1, before the levels after it
+    assert inside.cams.shape == (1, 1, 100, 130) and inside.cams.amax() > 0
+    assert hook_count(detector) == 0
