@@ -398,7 +398,9 @@ def _run(args: argparse.Namespace) -> int:
     records = summary.records
     if args.metrics and any(record["targets"] for record in records):
         _report_metrics(args.out, records, args.quiet)
-    if args.gallery:
+    from .gallery import PAGE
+
+    if args.gallery or (args.out / PAGE).is_file():  # a gallery already there is kept current (a resumed run)
         _write_gallery(args.out, args.quiet)
     return EXIT_SOME_FAILED if any(record["error"] for record in records) else EXIT_OK
 

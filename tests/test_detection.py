@@ -278,7 +278,7 @@ def test_a_detection_from_a_level_too_coarse_to_map_is_refused_with_the_way_out(
     reached = [level for level in levels if reference_maps(detector, x, [box], [label], level, module).any()]
     assert label == 2 and reached == ["5"]
     target = DetectionTarget(box[None], [label])
-    with pytest.raises(explain.LayerError, match="one cell wide, too coarse to map.*inside the backbone"):
+    with pytest.raises(explain.LayerError, match=r"one cell wide, too coarse to map.*inside the backbone"):
         explain.GradCAM(detector)(x, target)
     inside = explain.GradCAM(detector, "backbone.features.1")(x, target)  # level 1, before the levels after it
     assert inside.cams.shape == (1, 1, 100, 130) and inside.cams.amax() > 0

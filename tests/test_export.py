@@ -148,6 +148,16 @@ def test_resume_matches_inputs_by_file_not_by_spelling(dataset, tmp_path, monkey
     assert [r["targets"][0]["class_name"] for r in records] == ["espresso", "espresso"]
 
 
+def test_a_resumed_run_keeps_its_gallery_current(dataset, tmp_path) -> None:
+    out, photos = tmp_path / "out", [str(p) for p in sorted(dataset.glob("a/*.jpg"))[:3]]
+    assert main([*photos[:2], "-o", str(out), *LITE0, "--gallery", "--quiet"]) == 0
+    assert photos[1] in (out / "index.html").read_text() and photos[2] not in (out / "index.html").read_text()
+    assert main([*photos, "-o", str(out), *LITE0, "--resume", "--quiet"]) == 0  # without --gallery
+    assert all(photo in (out / "index.html").read_text() for photo in photos)
+    assert main([*photos, "-o", str(tmp_path / "plain"), *LITE0, "--quiet"]) == 0
+    assert not (tmp_path / "plain" / "index.html").exists()  # none where none was asked for
+
+
 def test_killed_at_any_moment_then_resumed_loses_nothing(dataset, tmp_path) -> None:
     """SIGKILL after 2 records, after 9, and once the first file is there; resumed each time."""
     out = tmp_path / "out"
