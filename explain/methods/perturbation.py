@@ -10,9 +10,10 @@ the unablated score, so its weight is 0 without a forward.
 On the CPU the inputs are passed in channels-last layout, which oneDNN
 convolutions run faster; a model that cannot take that layout gets contiguous
 inputs instead. Score-CAM's family also scores with a copy of the model whose
-BatchNorms are folded into the convolutions before them (``torch.fx``), when the
-model is in eval mode and can be traced: the same function in fewer passes over
-memory (scores agree to float32 rounding); the user's model is never changed.
+BatchNorms are folded into the convolutions before them (:mod:`explain.folding`),
+when the model is in eval mode and can be traced: the same function in fewer
+passes over memory (scores agree to float32 rounding); the user's model is never
+changed.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.fx.experimental.optimization import fuse
 
 from ..engine import CAM, Capture
 from ..errors import LayerError
+from ..folding import folded
 from ..hooks import output_replaced
 from ..maps import normalize_maps
 
@@ -91,7 +92,7 @@ class ScoreCAM(PerturbationCAM):
         if device.type != "cpu" or any(m.training for m in self.model.modules()):
             return self.model
         try:
-            return fuse(self.model)  # a traced copy; the model itself is untouched
+            return folded(self.model)  # a traced copy; the model itself is untouched
         except Exception:  # whatever torch.fx cannot trace is scored as it is
             return self.model
 
