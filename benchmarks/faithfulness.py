@@ -6,10 +6,12 @@ insertion: 50 steps; ROAD: MoRF and LeRF at 20, 50 and 80%, (LeRF - MoRF) / 2; s
 ``explain.metrics.cascading_blocks`` randomized from the output down, Spearman's correlation of the absolute maps
 with the trained model's after the first block (the classifier) and after all of them; a method whose maps keep a
 mean correlation of at least 0.5 with the classifier random fails (``SanityResult.insensitive``); only those
-two depths are explained, which spares the perturbation methods ten runs each. A guided method's images are
+two depths are explained, which spares the perturbation methods ten runs each, and the other metrics score the
+trained model's maps that the sanity check computed. A guided method's images are
 scored as saliency maps (each pixel's largest absolute channel).
 
-    python benchmarks/faithfulness.py [--methods gradcam,layercam] [--samples 10] [--out benchmarks/results_faithfulness.md]
+    python benchmarks/faithfulness.py [--methods gradcam,layercam] [--samples 10]
+        [--out benchmarks/results_faithfulness.md]
 """
 
 from __future__ import annotations
@@ -67,13 +69,12 @@ def main() -> None:
         label = entry.name
         if args.samples and "samples" in options:
             seeded["samples"], label = args.samples, f"{entry.name} (samples={args.samples})"
-        result = explain.create_method(entry.name, model, **seeded)(x, classes)
-        maps = saliency(result.cams)
+        sanity = metrics.sanity_check(model, x, entry.name, classes, init_seed=0, depths=(1, depth), **seeded)
+        maps = saliency(sanity.trained.cams)  # the trained model's maps, which the sanity check computed
         deletion = metrics.deletion(model, x, maps, classes).auc.mean()
         insertion = metrics.insertion(model, x, maps, classes).auc.mean()
         drop = metrics.average_drop(model, x, maps, classes).value.mean()
         road = metrics.road(model, x, maps, classes, percentiles=(20, 50, 80)).combined.mean()
-        sanity = metrics.sanity_check(model, x, entry.name, classes, init_seed=0, depths=(1, depth), **seeded)
         first, last = sanity.spearman[0].mean(), sanity.spearman[-1].mean()
         verdict = "**fails**" if sanity.insensitive() else "passes"
         lines.append(

@@ -420,7 +420,6 @@ def _sanity_check(
 ) -> int:
     """The randomization test of each asked method on the readable images, in batches; its files and verdicts."""
 
-    import torch
 
     from .dataset import load_batches
     from .inputs import mark_output_folder
@@ -448,8 +447,7 @@ def _sanity_check(
             sanity_check(spec.model, x.to(device), name, target, layer=layer, init_seed=args.seed or 0, **own)
             for x in groups
         ]
-        spearman, ssim = (torch.cat([getattr(p, key) for p in parts], dim=1) for key in ("spearman", "ssim"))
-        results[name] = SanityResult(parts[0].blocks, parts[0].depths, spearman, ssim)
+        results[name] = SanityResult.merged(parts)
     mark_output_folder(args.out)
     write_sanity(args.out, results)
     if not args.quiet:

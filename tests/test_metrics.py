@@ -255,6 +255,10 @@ def test_sanity_check_against_a_randomization_done_here() -> None:
             expected = scipy.stats.spearmanr(up[0].flatten().numpy(), up[1].flatten().numpy()).statistic
             assert abs(float(result.spearman[depth, i]) - expected) < 1e-3
     assert result.blocks == ["fc", "layer4.1"] and result.depths == [1, 2]
+    # The trained model's result is Grad-CAM's own on the model: the same classes, the reference's maps.
+    trained = result.trained
+    assert trained.class_indices.tolist() == classes and trained.layer == "layer4"
+    torch.testing.assert_close(trained.raw.double(), trained_maps, rtol=1e-4, atol=1e-6 * trained_maps.max())
     # Compared at depth 2 alone, the maps are the same: the blocks are randomized in order all the same.
     alone = metrics.sanity_check(
         model, x, "gradcam", layer="layer4", blocks=["fc", "layer4.1", "layer4.0"], init_seed=7, depths=[2]

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..engine import CAMResult
 from ..errors import ExplainError
 from ..maps import normalize_maps
 from ..targets import TargetLike
@@ -110,12 +111,26 @@ class SanityResult:
         depths: The depth of each row of ``spearman`` and ``ssim``, increasing.
         spearman: Rank correlation of the absolute maps with the trained model's, (len(depths), N).
         ssim: Their structural similarity, (len(depths), N).
+        trained: The method's result on the trained model, whose maps the others are compared with (its maps
+            serve other metrics without computing them again); None where the comparisons of several calls are
+            merged (:meth:`merged`).
     """
 
     blocks: list[str]
     depths: list[int]
     spearman: Tensor
     ssim: Tensor
+    trained: CAMResult | None = None
+
+    @staticmethod
+    def merged(parts: Sequence[SanityResult]) -> SanityResult:
+        """The comparisons of calls on different images (the same blocks and depths), their images in order."""
+        return SanityResult(
+            parts[0].blocks,
+            parts[0].depths,
+            torch.cat([part.spearman for part in parts], dim=1),
+            torch.cat([part.ssim for part in parts], dim=1),
+        )
 
     def insensitive(self, threshold: float = 0.5) -> bool:
         """Whether the method fails the test: with the output block random, the maps still correlate with the
@@ -198,4 +213,4 @@ def sanity_check(
             maps = _absolute_maps(result.cams)
             correlations.append(spearman(reference, maps))
             similarities.append(ssim(reference, maps))
-    return SanityResult(order, wanted, torch.stack(correlations), torch.stack(similarities))
+    return SanityResult(order, wanted, torch.stack(correlations), torch.stack(similarities), trained)
