@@ -420,7 +420,6 @@ def _sanity_check(
 ) -> int:
     """The randomization test of each asked method on the readable images, in batches; its files and verdicts."""
 
-
     from .dataset import load_batches
     from .inputs import mark_output_folder
     from .methods import FAST_METHODS, method_options

@@ -7,27 +7,23 @@ channel whose map is constant gives Score-CAM an all-zero mask, whose score is
 computed once per image, and a channel that is zero everywhere gives Ablation-CAM
 the unablated score, so its weight is 0 without a forward.
 
-On the CPU the inputs are passed in channels-last layout, which oneDNN
-convolutions run faster; a model that cannot take that layout gets contiguous
-inputs instead. Score-CAM's family also scores with a copy of the model whose
-BatchNorms are folded into the convolutions before them (:mod:`explain.folding`),
-when the model is in eval mode and can be traced: the same function in fewer
-passes over memory (scores agree to float32 rounding); the user's model is never
-changed.
+On the CPU the inputs are passed in channels-last layout, and Score-CAM's
+family, which perturbs only the input, scores with a copy of the model whose
+batch norms are folded into its convolutions (:class:`explain.folding.ScoringForwards`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..engine import CAM, Capture
 from ..errors import LayerError
-from ..folding import folded
+from ..folding import ScoringForwards
 from ..hooks import output_replaced
 from ..maps import normalize_maps
 
@@ -36,40 +32,28 @@ class PerturbationCAM(CAM):
     """Base of the methods that score perturbed copies of the input, one per (image, channel) row."""
 
     needs_gradients = False
-    _channels_last = True  # switched off, per instance, for a model that cannot take that layout
+    folds = False  # whether the perturbed inputs may be scored by a copy of the model (see ScoringForwards)
 
     def perturbed(self, capture: Capture, images: Tensor, channels: Tensor) -> Iterator[tuple[Tensor, Any]]:
         """Inputs for one chunk of rows (image ``images[r]``, channel ``channels[r]``), each with the
         context its forward runs in; the scores of the inputs yielded are averaged."""
         raise NotImplementedError
 
-    def scoring_model(self, device: torch.device) -> nn.Module:
-        """The model that scores the perturbed inputs on ``device``: the user's own."""
-        return self.model
-
     def row_scores(self, capture: Capture, images: Tensor, channels: Tensor) -> Tensor:
         """The averaged target score of each row's perturbed inputs, (rows,), chunk by chunk."""
         chunks = []
-        model = capture.once("scoring model", lambda: self.scoring_model(capture.x.device))
+        forwards = capture.once("scoring", lambda: ScoringForwards(self.model, capture.x.device, self.folds))
         with torch.inference_mode():
             for start in range(0, len(images), self.batch_size):
                 rows = slice(start, start + self.batch_size)
                 total, count = 0.0, 0
                 for inputs, context in self.perturbed(capture, images[rows], channels[rows]):
                     with context:
-                        output = self._forward(model, inputs, capture.model_kwargs)
+                        output = forwards(inputs, **capture.model_kwargs)
                         total = total + capture.score_rows(output, images[rows]).float()
                     count += 1
                 chunks.append(total / count)
         return torch.cat(chunks).clone() if chunks else capture.scores.new_zeros(0)
-
-    def _forward(self, model: nn.Module, inputs: Tensor, model_kwargs: Mapping[str, Any]) -> Any:
-        if self._channels_last and inputs.device.type == "cpu":
-            try:
-                return model(inputs.contiguous(memory_format=torch.channels_last), **model_kwargs)
-            except RuntimeError:  # e.g. a .view() of a feature map; contiguous inputs serve every model
-                self._channels_last = False
-        return model(inputs.contiguous(), **model_kwargs)
 
 
 class ScoreCAM(PerturbationCAM):
@@ -85,16 +69,7 @@ class ScoreCAM(PerturbationCAM):
 
     name = "scorecam"
     skips_flat_channels = True  # a constant map's mask is known (zero): one forward per image serves them all
-
-    def scoring_model(self, device: torch.device) -> nn.Module:
-        """On the CPU, a copy of the model with BatchNorm folded into convolutions, where the model is in
-        eval mode and traceable; else the model itself (on a GPU the gain was not measured)."""
-        if device.type != "cpu" or any(m.training for m in self.model.modules()):
-            return self.model
-        try:
-            return folded(self.model)  # a traced copy; the model itself is untouched
-        except Exception:  # whatever torch.fx cannot trace is scored as it is
-            return self.model
+    folds = True  # only the input is perturbed
 
     def masks(self, mask: Tensor, generator: torch.Generator | None) -> Iterator[Tensor]:
         """The masks whose scores are averaged for one chunk's (rows, 1, H, W) normalized masks."""

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from ..engine import check_images
 from ..errors import ExplainError, TargetError
+from ..folding import ScoringForwards
 from ..maps import upsample
 from ..model_state import untouched
 from ..targets import BoundAlready, BoundTarget, ClassTarget, TargetLike, TopK, as_target
@@ -59,6 +60,7 @@ class Scorer:
 
     Attributes:
         model: The model, run as it is (its mode kept) without autograd.
+        forwards: Its forwards of the perturbed copies (:class:`explain.folding.ScoringForwards`).
         bound: The target bound on the plain images.
         original: The score of each plain image, (N,).
         batch_size: Most copies per forward.
@@ -66,6 +68,7 @@ class Scorer:
     """
 
     model: nn.Module
+    forwards: ScoringForwards
     bound: BoundTarget
     original: Tensor
     batch_size: int
@@ -77,7 +80,7 @@ class Scorer:
         scores = []
         with plain_forwards(self.model):
             for rows in torch.arange(len(images), device=images.device).split(self.batch_size):
-                output = self.model(make(rows), **self.model_kwargs)
+                output = self.forwards(make(rows), **self.model_kwargs)
                 scores.append(self.bound.score(output, images[rows])[:, 0].float())
         return torch.cat(scores) if scores else torch.zeros(0, device=images.device)
 
@@ -116,7 +119,8 @@ def scorer(
     original = bound.score(output, torch.arange(len(x), device=x.device))
     if original.shape[1] != 1:
         raise TargetError(f"{metric} takes one target per image; the target has {original.shape[1]}")
-    return Scorer(model, bound, original[:, 0].float(), batch_size, model_kwargs)
+    forwards = ScoringForwards(model, x.device)
+    return Scorer(model, forwards, bound, original[:, 0].float(), batch_size, model_kwargs)
 
 
 def input_maps(maps: Tensor, n: int, size: Sequence[int], metric: str) -> Tensor:
