@@ -87,14 +87,18 @@ def _curve(
     after = x if end is None else _substrate(x, end, metric)
     pixels = order.shape[1]
     counts = torch.round(torch.arange(steps + 1, device=x.device) * pixels / steps).long()
-    images = torch.arange(len(x), device=x.device).repeat_interleave(steps + 1)
-    step = torch.arange(steps + 1, device=x.device).repeat(len(x))
+    # The step whose copy is the image itself (deletion's first, insertion's last) takes its plain score.
+    own = 0 if start is None else steps if end is None else None
+    columns = torch.tensor([k for k in range(steps + 1) if k != own], device=x.device)
+    images = torch.arange(len(x), device=x.device).repeat_interleave(len(columns))
+    step = columns.repeat(len(x))
 
     def make(rows: Tensor) -> Tensor:
         changed = (order[images[rows]] < counts[step[rows], None]).view(len(rows), 1, *x.shape[-2:])
         return torch.where(changed, after[images[rows]], before[images[rows]])
 
-    curve = scoring.copies(images, make).view(len(x), steps + 1)
+    curve = scoring.original[:, None].repeat(1, steps + 1)
+    curve[:, columns] = scoring.copies(images, make).view(len(x), len(columns))
     fractions = counts.float() / pixels
     return CurveResult(torch.trapezoid(curve, fractions, dim=1), curve, fractions)
 

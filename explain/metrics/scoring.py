@@ -110,8 +110,9 @@ def scorer(
     if batch_size < 1:
         raise ExplainError(f"batch_size must be >= 1, got {batch_size}")
     model_kwargs = dict(model_kwargs or {})
+    forwards = ScoringForwards(model, x.device)
     with plain_forwards(model):
-        output = model(x, **model_kwargs)
+        output = forwards(x, **model_kwargs)
     goal = as_target(target)
     if score != "target":
         goal = _class_target(goal, output, metric, score)
@@ -119,7 +120,6 @@ def scorer(
     original = bound.score(output, torch.arange(len(x), device=x.device))
     if original.shape[1] != 1:
         raise TargetError(f"{metric} takes one target per image; the target has {original.shape[1]}")
-    forwards = ScoringForwards(model, x.device)
     return Scorer(model, forwards, bound, original[:, 0].float(), batch_size, model_kwargs)
 
 
