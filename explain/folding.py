@@ -78,11 +78,17 @@ def _replace(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, attribute, module)
 
 
+def _blocks_folding(module: nn.Module) -> bool:
+    """Whether a module keeps its model from being folded: it is in training mode, or carries forward hooks."""
+    return module.training or bool(module._forward_hooks or module._forward_pre_hooks)
+
+
 class ScoringForwards:
     """A model's forwards without gradient, as fast as the device allows. On the CPU: channels-last inputs (a
     model that cannot take them gets contiguous ones from the first refusal on) and, with ``fold``, the copy of
-    :func:`folded` where the model is in eval mode and traces (anything else runs as it is). Elsewhere the model
-    itself, as it is (on a GPU the gain was not measured).
+    :func:`folded` where the model is in eval mode, carries no forward hook (the user's hooks run on the user's
+    model, as they would without explain) and traces; anything else runs as it is. Elsewhere the model itself, as
+    it is (on a GPU the gain was not measured).
 
     Args:
         model: The model; never changed.
@@ -93,7 +99,7 @@ class ScoringForwards:
     def __init__(self, model: nn.Module, device: torch.device, fold: bool = True) -> None:
         self.model = model
         self.channels_last = device.type == "cpu"
-        if self.channels_last and fold and not any(m.training for m in model.modules()):
+        if self.channels_last and fold and not any(_blocks_folding(m) for m in model.modules()):
             try:
                 self.model = folded(model)
             except Exception:  # whatever torch.fx cannot trace runs as it is

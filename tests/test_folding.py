@@ -111,3 +111,18 @@ def test_metrics_and_score_cam_score_with_the_folded_copy_as_with_the_model(monk
     assert len(made) == 2
     assert (fast.curve - plain.curve).abs().max() < 1e-5
     assert (explain.ScoreCAM(model, "layer4")(x).cams - cams).abs().max() < 1e-4
+
+
+def test_a_model_with_forward_hooks_is_scored_as_it_is() -> None:
+    """The user's hooks run on the user's model: a hook that changes the output keeps the model from being folded
+    (a folded copy would drop it), and the scores are the hooked model's."""
+    model = with_statistics(seeded("resnet18", num_classes=10))
+    x = torch.randn(2, 3, 64, 64)
+    handle = model.layer1.register_forward_hook(lambda m, i, o: o * 0.5)
+    try:
+        forwards = folding.ScoringForwards(model, x.device)
+        assert forwards.model is model
+        assert_same_function(model, lambda inputs: forwards(inputs), x)
+    finally:
+        handle.remove()
+    assert isinstance(folding.ScoringForwards(model, x.device).model, torch.fx.GraphModule)
