@@ -130,8 +130,12 @@ def run_settings(spec: ModelSpec, options: ExportOptions) -> dict[str, Any]:
     chosen["metrics"] = list(options.metrics)
     layer = options.layer
     chosen["layer"] = layer if isinstance(layer, (str, type(None))) else [str(part) for part in layer]
-    preprocessing = {"input_size": spec.input_size, "mean": list(spec.mean), "std": list(spec.std)}
-    preprocessing |= {"resample": int(spec.resample), "keep_aspect": spec.keep_aspect}
+    model_input = spec.preprocessing()
+    preprocessing = asdict(model_input) | {
+        "mean": list(model_input.mean),
+        "std": list(model_input.std),
+        "resample": int(model_input.resample),
+    }
     return {"model": spec.name, "weights_sha256": weights_digest(spec.model), "preprocessing": preprocessing, **chosen}
 
 

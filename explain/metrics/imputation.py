@@ -47,16 +47,17 @@ Operator = Callable[[Tensor], Tensor]
 @dataclass(frozen=True)
 class _Level:
     """The imputation's matrix at one resolution: its product with u (N, C, h, w, zero at the known pixels), its
-    diagonal (N, 1, h, w) and the removed pixels (N, 1, h, w) float."""
+    diagonal's inverse at the removed pixels, zero elsewhere (N, 1, h, w: Jacobi's step), and the removed pixels
+    (N, 1, h, w) float."""
 
     apply: Operator
-    diagonal: Tensor
+    inverse_diagonal: Tensor
     mask: Tensor
 
-    @property
-    def inverse_diagonal(self) -> Tensor:
-        """The diagonal's inverse at the removed pixels, zero elsewhere (Jacobi's step)."""
-        return self.mask / self.diagonal.clamp_min(torch.finfo(self.diagonal.dtype).tiny)
+    @staticmethod
+    def of(apply: Operator, diagonal: Tensor, mask: Tensor) -> _Level:
+        """The level of a matrix given by its product and its diagonal, over the removed pixels ``mask``."""
+        return _Level(apply, mask / diagonal.clamp_min(torch.finfo(diagonal.dtype).tiny), mask)
 
 
 def _stencil_product(stencil: Tensor, u: Tensor) -> Tensor:
@@ -83,7 +84,7 @@ def _prolong(e: Tensor, mask: Tensor) -> Tensor:
 def _finest(mask: Tensor) -> _Level:
     """The matrix over the removed pixels: (S u - sum_j w_ij u_j) at each removed pixel i, a convolution."""
     degree = _neighbour_sum(torch.ones_like(mask[:1]))
-    return _Level(lambda u: _neighbour_sum(u).neg_().addcmul_(degree, u).mul_(mask), degree * mask, mask)
+    return _Level.of(lambda u: _neighbour_sum(u).neg_().addcmul_(degree, u).mul_(mask), degree, mask)
 
 
 def _coarser(level: _Level) -> _Level:
@@ -101,7 +102,7 @@ def _coarser(level: _Level) -> _Level:
             probed = _restrict(level.apply(_prolong(cells, level.mask))) * mask
             for k, (dy, dx) in enumerate(OFFSETS):
                 stencil[:, k] += probed[:, 0] * (((ys + dy) % 3 == cy) & ((xs + dx) % 3 == cx)).to(mask.dtype)
-    return _Level(partial(_stencil_product, stencil), stencil[:, 4, None], mask)
+    return _Level.of(partial(_stencil_product, stencil), stencil[:, 4, None], mask)
 
 
 def _v_cycle(levels: list[_Level], r: Tensor, depth: int = 0, omega: float = 0.7, boost: float = 1.5) -> Tensor:
