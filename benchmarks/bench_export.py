@@ -22,10 +22,10 @@ from PIL import Image
 from timing import emit, stolen_share
 
 import explain
-from explain import render
-from explain.dataset import default_workers
-from explain.export import ExportOptions, export_heatmaps
-from explain.image_io import load_image, save_image
+from explain.export.loading import default_workers
+from explain.export.run import ExportOptions, export_heatmaps
+from explain.io import render
+from explain.io.images import load_image, save_image
 
 ROOT = Path(__file__).resolve().parents[1]
 PHOTOS = sorted(p for p in (ROOT / "assets").iterdir() if p.suffix in (".png", ".jpg"))

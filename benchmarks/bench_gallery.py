@@ -22,8 +22,8 @@ from pathlib import Path
 from PIL import Image
 from timing import emit
 
-from explain.gallery import write_gallery
-from explain.manifest import header, record
+from explain.export.gallery import write_gallery
+from explain.export.manifest import header, record
 
 CLASSES = ["Egyptian cat", "espresso", "tripod", "military uniform", "drilling platform", "bobsled"]
 

@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 
 import explain
-from explain.image_io import to_tensor
+from explain.io.images import to_tensor
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 CLASSES = ("Egyptian cat", "espresso")
@@ -54,7 +54,8 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(explain.METHODS))
     args = parser.parse_args()
     spec = explain.load_model("efficientnet_lite0", device=args.device)
-    x = to_tensor(composite(), (224, 224), spec.mean, spec.std, spec.resample)[None].repeat(2, 1, 1, 1).to(args.device)
+    p = spec.preprocessing
+    x = to_tensor(composite(), (224, 224), p.mean, p.std, p.resample)[None].repeat(2, 1, 1, 1).to(args.device)
     rows = []
     for method in args.methods:
         cells, seconds = [], 0.0

@@ -25,7 +25,7 @@ from timing import emit
 import explain
 from explain import metrics
 from explain.catalog import METHOD_CATALOG
-from explain.inputs import collect_inputs
+from explain.export.inputs import collect_inputs
 from explain.methods import method_options
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"

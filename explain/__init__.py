@@ -20,25 +20,28 @@ __version__ = "0.2.0"
 
 # Each public name and the module that defines it.
 _EXPORTS = {
-    "CAM": "engine",
-    "CAMResult": "engine",
+    "CAM": "core.engine",
+    "CAMResult": "core.engine",
     "ExplainError": "errors",
     "ImageLoadError": "errors",
     "LayerError": "errors",
     "ModelLoadError": "errors",
     "TargetError": "errors",
     "NothingToExplain": "errors",
-    "ExportOptions": "export",
-    "ExportSummary": "export",
-    "export_heatmaps": "export",
-    "write_gallery": "gallery",
-    "load_image": "image_io",
-    "LayerInfo": "layers",
-    "candidate_layers": "layers",
-    "ModelSpec": "models",
-    "load_model": "models",
-    "figure": "render",
-    "overlay": "render",
+    "ExportOptions": "export.settings",
+    "MethodSelection": "export.settings",
+    "RenderOptions": "export.settings",
+    "ExportSummary": "export.run",
+    "export_heatmaps": "export.run",
+    "write_gallery": "export.gallery",
+    "load_image": "io.images",
+    "LayerInfo": "core.layers",
+    "candidate_layers": "core.layers",
+    "find_auto_layers": "core.layers",
+    "ModelSpec": "models.spec",
+    "load_model": "models.loaders",
+    "figure": "io.render",
+    "overlay": "io.render",
     **dict.fromkeys([entry.cls for entry in METHOD_CATALOG], "methods"),  # the method classes
     **dict.fromkeys(["FAST_METHODS", "METHODS", "cam", "create_method", "gradcam"], "methods"),
 }
@@ -46,7 +49,8 @@ _EXPORTS = {
 __all__ = ["__version__", "metrics", *sorted(_EXPORTS)]
 
 
-_SUBPACKAGES = {"metrics"}  # reached as explain.metrics after a plain ``import explain``
+# Reached as explain.metrics (and so on) after a plain ``import explain``.
+_SUBPACKAGES = {"metrics", "methods", "targets", "models"}
 
 
 def __getattr__(name: str) -> Any:

@@ -54,6 +54,7 @@ METHOD_CATALOG: tuple[MethodEntry, ...] = (
 )
 
 METHOD_NAMES = [entry.name for entry in METHOD_CATALOG]
+FAST_METHOD_NAMES = [entry.name for entry in METHOD_CATALOG if entry.fast]  # what ``--method all`` compares
 ALL_METHODS = "all"  # the CLI's name for one comparison grid of every fast method per image
 
 

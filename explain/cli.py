@@ -8,17 +8,18 @@ names its missing inputs before it loads a model. Every user error is one line o
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
-from .catalog import ALL_METHODS, BUNDLED_MODEL, DEFAULT_MODEL, METRIC_NAMES, check_method, check_metrics, method_table
+from .catalog import BUNDLED_MODEL, DEFAULT_MODEL, METRIC_NAMES, method_table
 from .errors import ExplainError
-from .inputs import Input, collect_inputs, listed_inputs
-from .manifest import check_fresh
+from .export.inputs import Input, collect_inputs, listed_inputs
+from .export.manifest import check_fresh
+from .export.settings import ExportOptions, RenderOptions
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
         "a segmenter's classes, a detector's boxes (the task follows from --model).",
         epilog="Exit status: 0 all inputs written, 1 some inputs failed (each named on stderr), 2 usage error.",
     )
-    add = parser.add_argument
+    _what_to_read(parser.add_argument)
+    _how_to_explain(parser.add_argument)
+    _what_to_write(parser.add_argument)
+    return parser
+
+
+def _what_to_read(add: Callable[..., Any]) -> None:
+    """The inputs, the model and its layers."""
     add("inputs", nargs="*", help="image files, folders (searched recursively) and glob patterns")
     add(
         "--from-list",
@@ -83,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the model's layers with spatial outputs and their shapes at input SIZE (H or HxW; "
         "default the model's input size), mark the automatic choice, and exit",
     )
+
+
+def _how_to_explain(add: Callable[..., Any]) -> None:
+    """The method's options and what is explained."""
     add("--fuse", choices=("mean", "max"), help="how several layers' maps are fused (default mean)")
     add("--aug-smooth", action="store_true", help="average over flips and scales 0.9/1.0/1.1 (6 passes)")
     add("--eigen-smooth", action="store_true", help="first principal component of the weighted activations")
@@ -114,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
         "go into its manifest record, their means with 95%% intervals into metrics.json, metrics.csv and "
         "metrics.png (deletion and insertion curves); a classifier's class only",
     )
+
+
+def _what_to_write(add: Callable[..., Any]) -> None:
+    """The device, the outputs and how the run goes."""
     add("--device", help="torch device (cpu, cuda, cuda:1, mps, ...); default: cuda if available, else cpu")
     add(
         "--batch-size",
@@ -161,40 +177,47 @@ def build_parser() -> argparse.ArgumentParser:
         "with no inputs, rebuild it for a finished output folder)",
     )
     add("--quiet", action="store_true", help="print nothing but errors")
-    return parser
 
 
 def _check_options(args: argparse.Namespace) -> None:
-    """The checks that need neither torch nor the model."""
-    if args.method != ALL_METHODS:
-        for name in args.method.split(","):
-            check_method(name)
-    if args.method == ALL_METHODS and (args.topk or args.figure or args.save_raw):
-        raise UsageError("--method all writes one comparison grid per image; drop --topk, --figure and --save-raw")
-    if args.metrics is not None:
-        args.metrics = check_metrics(args.metrics)
-        if args.method == ALL_METHODS or args.topk is not None:
-            raise UsageError("--metrics measures one map per image; drop --method all and --topk")
+    """The command's own rules, beyond those of the export's settings."""
     if args.sanity_check and (args.topk is not None or args.metrics or args.figure or args.save_raw):
         raise UsageError("--sanity-check writes only its own files; drop --topk, --metrics, --figure and --save-raw")
     if args.smooth_samples is not None and args.smooth_samples < 1:
         raise UsageError("--smooth-samples must be at least 1")
-    if args.topk is not None and args.target is not None:
-        raise UsageError("--topk and --target exclude each other")
-    if args.topk is not None and args.topk < 1:
-        raise UsageError("--topk must be at least 1")
-    if args.batch_size < 1:
-        raise UsageError("--batch-size must be at least 1")
-    if not 0.0 <= args.alpha <= 1.0:
-        raise UsageError("--alpha must be between 0 and 1")
-    if not 0.0 <= args.score_threshold <= 1.0:
-        raise UsageError("--score-threshold must be between 0 and 1")
-    if args.workers is not None and args.workers < 0:
-        raise UsageError("--workers must be 0 or more")
-    if args.resume and args.overwrite:
-        raise UsageError("--resume and --overwrite exclude each other")
     if args.layers is None and not args.inputs and args.from_list is None and not args.gallery:
         raise UsageError("no inputs given: name image files, folders or glob patterns (explain --help)")
+
+
+def export_options(args: argparse.Namespace) -> ExportOptions:
+    """The export's settings from the arguments, parsed and checked once (see
+    :class:`explain.export.settings.ExportOptions`)."""
+    flags = {
+        "fuse": args.fuse,
+        "aug_smooth": args.aug_smooth or None,
+        "eigen_smooth": args.eigen_smooth or None,
+        "smooth_samples": args.smooth_samples,
+        "smooth_sigma": args.smooth_sigma,
+        "seed": args.seed,
+    }
+    target = args.target
+    if target is not None and target.lstrip("-").isdigit():
+        target = int(target)
+    return ExportOptions(
+        method=args.method,
+        method_options={name: value for name, value in flags.items() if value is not None},
+        layer=args.layer.split(",") if args.layer and "," in args.layer else args.layer,
+        target=target,
+        topk=args.topk,
+        score_threshold=args.score_threshold,
+        batch_size=args.batch_size,
+        render=RenderOptions(args.fmt, args.alpha, args.colormap, args.figure, args.save_raw),
+        keep_aspect=args.keep_aspect or None,
+        metrics=args.metrics or (),
+        workers=args.workers,
+        resume=args.resume,
+        overwrite=args.overwrite,
+    )
 
 
 def _check_inputs(args: argparse.Namespace) -> list[Input]:
@@ -245,7 +268,8 @@ def _probe(spec: ModelSpec, size: str) -> torch.Tensor:
     import torch
 
     try:
-        sides = [int(side) for side in size.lower().split("x")] if size else [spec.input_size or PROBE_SIZE]
+        default = spec.preprocessing.input_size or PROBE_SIZE
+        sides = [int(side) for side in size.lower().split("x")] if size else [default]
     except ValueError:
         sides = []
     if len(sides) not in (1, 2) or min(sides) < 1:
@@ -256,7 +280,7 @@ def _probe(spec: ModelSpec, size: str) -> torch.Tensor:
 
 def layer_table(spec: ModelSpec, x: torch.Tensor) -> str:
     """The model's layers with spatial outputs at x's size, the automatic choice marked."""
-    from .layers import choose_auto_layers, trace_layers
+    from .core.layers import choose_auto_layers, trace_layers
 
     infos = trace_layers(spec.model, x)  # one forward serves the list and the automatic choice
     candidates = [info for info in infos if info.candidate]
@@ -276,7 +300,7 @@ def layer_table(spec: ModelSpec, x: torch.Tensor) -> str:
 
 def _check_layers(spec: ModelSpec, names: list[str], x: torch.Tensor) -> None:
     """Each named layer exists and outputs a spatial map at the model's input size."""
-    from .layers import resolve_layer, trace_layers
+    from .core.layers import resolve_layer, trace_layers
 
     for name in names:
         resolve_layer(spec.model, name, x)
@@ -303,24 +327,6 @@ def _print_record(record: dict[str, Any], out: Path, quiet: bool) -> None:
         tqdm.write(f"{line} -> {out / target['output']}", file=sys.stdout)
 
 
-def _method_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The method options the user set; the batch size goes to every method that takes one."""
-    from .methods import method_options
-
-    flags = {
-        "fuse": args.fuse,
-        "aug_smooth": args.aug_smooth or None,
-        "eigen_smooth": args.eigen_smooth or None,
-        "smooth_samples": args.smooth_samples,
-        "smooth_sigma": args.smooth_sigma,
-        "seed": args.seed,
-    }
-    options = {name: value for name, value in flags.items() if value is not None}
-    if args.method == ALL_METHODS or any("batch_size" in method_options(m) for m in args.method.split(",")):
-        options["batch_size"] = args.batch_size
-    return options
-
-
 def _run(args: argparse.Namespace) -> int:
     """Everything after the arguments are known to be well-formed: inputs, device, model, export."""
     if args.gallery and not args.inputs and args.from_list is None and args.layers is None:
@@ -328,78 +334,53 @@ def _run(args: argparse.Namespace) -> int:
     inputs = None if args.layers is not None else _check_inputs(args)
     if inputs is not None and not args.sanity_check:
         check_fresh(args.out, args.resume, args.overwrite)  # refused before the model is loaded
-    import matplotlib
-
-    if args.colormap not in matplotlib.colormaps:
-        close = difflib.get_close_matches(args.colormap, list(matplotlib.colormaps), n=3)
-        raise UsageError(
-            f"unknown colormap {args.colormap!r}" + (f"; did you mean: {', '.join(close)}" if close else "")
-        )
+    options = export_options(args)  # the inputs are named first: this imports matplotlib
     device = _device(args.device)
 
-    from .distributed import this_process
-    from .export import ExportOptions, export_heatmaps
     from .models import load_model
-    from .targets import class_index
 
     spec = load_model(args.model, args.weights, args.labels, device)
     if args.layers is not None:
         print(layer_table(spec, _probe(spec, args.layers)))
         return EXIT_OK
-    layer = args.layer.split(",") if args.layer and "," in args.layer else args.layer
-    if layer:
-        _check_layers(spec, [layer] if isinstance(layer, str) else layer, _probe(spec, ""))
-    target = None
-    if args.target is not None:
-        target = int(args.target) if args.target.lstrip("-").isdigit() else args.target
-        class_index(target, spec.labels, len(spec.labels))
-    if args.topk is not None and spec.task != "classification":
-        raise UsageError(f"--topk explains a classifier's top classes; {spec.name} is a {spec.task} model")
-    if (args.metrics or args.sanity_check) and spec.task != "classification":
-        option = "--metrics" if args.metrics else "--sanity-check"
-        raise UsageError(f"{option} explains a classifier's class; {spec.name} is a {spec.task} model")
+    _check_model(spec, options)
     if args.sanity_check:
-        return _sanity_check(args, spec, inputs, layer, target, device)
-    if args.topk is not None and args.topk > len(spec.labels):
-        raise UsageError(f"--topk {args.topk} exceeds the model's {len(spec.labels)} classes")
-    options = ExportOptions(
-        method=args.method,
-        method_options=_method_options(args),
-        layer=layer,
-        target=target,
-        topk=args.topk,
-        score_threshold=args.score_threshold,
-        batch_size=args.batch_size,
-        alpha=args.alpha,
-        colormap=args.colormap,
-        fmt=args.fmt,
-        save_raw=args.save_raw,
-        figure=args.figure,
-        keep_aspect=args.keep_aspect or None,
-        metrics=tuple(args.metrics or ()),
-        workers=args.workers,
-        resume=args.resume,
-        overwrite=args.overwrite,
-    )
-    summary = export_heatmaps(
-        spec,
-        inputs,
-        args.out,
-        options,
-        device=device,
-        progress=not args.quiet,
-        report=lambda record: _print_record(record, args.out, args.quiet),
-    )
+        if spec.task != "classification":
+            raise UsageError(f"--sanity-check explains a classifier's class; {spec.name} is a {spec.task} model")
+        return _sanity_check(args, spec, inputs, options, device)
+    return _export(args, spec, inputs, options, device)
+
+
+def _check_model(spec: ModelSpec, options: ExportOptions) -> None:
+    """The settings' rules that need the model: its task, its layers at its input size, its class names."""
+    from .targets import class_index
+
+    if options.layer:
+        names = [options.layer] if isinstance(options.layer, str) else list(options.layer)
+        _check_layers(spec, names, _probe(spec, ""))
+    if options.target is not None:
+        class_index(options.target, spec.labels, len(spec.labels))
+    options.check_task(spec.name, spec.task, len(spec.labels))
+
+
+def _export(
+    args: argparse.Namespace, spec: ModelSpec, inputs: list[Input], options: ExportOptions, device: torch.device
+) -> int:
+    """Export the inputs' heatmaps; then the metrics' summary and the gallery, on the first process."""
+    from .export.distributed import this_process
+    from .export.gallery import PAGE
+    from .export.run import export_heatmaps
+
+    report = partial(_print_record, out=args.out, quiet=args.quiet)
+    summary = export_heatmaps(spec, inputs, args.out, options, device=device, progress=not args.quiet, report=report)
     process = this_process()
     if not args.quiet:
         print(("" if process.world == 1 else f"rank {process.rank}: ") + summary.line())
     if process.rank != 0:
         return EXIT_SOME_FAILED if summary.failed else EXIT_OK
     records = summary.records
-    if args.metrics and any(record["targets"] for record in records):
+    if options.metrics and any(record["targets"] for record in records):
         _report_metrics(args.out, records, args.quiet)
-    from .gallery import PAGE
-
     if args.gallery or (args.out / PAGE).is_file():  # a gallery already there is kept current (a resumed run)
         _write_gallery(args.out, args.quiet)
     return EXIT_SOME_FAILED if any(record["error"] for record in records) else EXIT_OK
@@ -407,7 +388,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _write_gallery(out: Path, quiet: bool) -> int:
     """Write the output folder's gallery from its manifest."""
-    from .gallery import write_gallery
+    from .export.gallery import write_gallery
 
     page = write_gallery(out)
     if not quiet:
@@ -416,34 +397,23 @@ def _write_gallery(out: Path, quiet: bool) -> int:
 
 
 def _sanity_check(
-    args: argparse.Namespace, spec: ModelSpec, inputs: list[Input], layer: Any, target: Any, device: torch.device
+    args: argparse.Namespace, spec: ModelSpec, inputs: list[Input], options: ExportOptions, device: torch.device
 ) -> int:
     """The randomization test of each asked method on the readable images, in batches; its files and verdicts."""
-
-    from .dataset import load_batches
-    from .inputs import mark_output_folder
-    from .methods import FAST_METHODS, method_options
-    from .metrics.report import write_sanity
+    from .export.inputs import mark_output_folder
+    from .export.reports import write_sanity
     from .metrics.sanity import SanityResult, sanity_check
 
-    errors = [item.error for item in inputs if item.error is not None]
-    paths = [item.path for item in inputs if item.path is not None]
-    transform = spec.preprocessing(keep_aspect=args.keep_aspect or None)
-    groups = []
-    for batch in load_batches(paths, transform, args.batch_size, workers=0, pin=False):
-        errors += [error for _, error in batch.failed]
-        groups += [group.x for group in batch.groups]
+    groups, errors = _readable_batches(spec, inputs, options)
     for error in errors:
         print(f"explain: error: {error}", file=sys.stderr)
     if not groups:
         return EXIT_SOME_FAILED
-    names = FAST_METHODS if args.method == ALL_METHODS else args.method.split(",")
-    options = _method_options(args)
-    results = {}
-    for name in names:
-        own = {key: value for key, value in options.items() if key in method_options(name)}
+    results, seed = {}, args.seed or 0
+    for name in options.methods.names:
+        own = options.methods.options_for(name, options.batch_size)
         parts = [
-            sanity_check(spec.model, x.to(device), name, target, layer=layer, init_seed=args.seed or 0, **own)
+            sanity_check(spec.model, x.to(device), name, options.target, layer=options.layer, init_seed=seed, **own)
             for x in groups
         ]
         results[name] = SanityResult.merged(parts)
@@ -460,9 +430,26 @@ def _sanity_check(
     return EXIT_SOME_FAILED if errors else EXIT_OK
 
 
+def _readable_batches(
+    spec: ModelSpec, inputs: list[Input], options: ExportOptions
+) -> tuple[list[torch.Tensor], list[str]]:
+    """The inputs' images as the model's batches (one per input shape and batch), and the errors of those that
+    could not be read."""
+    from .export.loading import load_batches
+
+    errors = [item.error for item in inputs if item.error is not None]
+    paths = [item.path for item in inputs if item.path is not None]
+    transform = spec.preprocessing.with_aspect(options.keep_aspect)
+    groups = []
+    for batch in load_batches(paths, transform, options.batch_size, workers=0, pin=False):
+        errors += [error for _, error in batch.failed]
+        groups += [group.x for group in batch.groups]
+    return groups, errors
+
+
 def _report_metrics(out: Path, records: list[dict[str, Any]], quiet: bool) -> None:
     """Write the metrics' summary files, and print their means with 95% intervals."""
-    from .metrics.report import write_summary
+    from .export.reports import write_summary
 
     rows = write_summary(out, records)
     if not quiet:

@@ -16,7 +16,7 @@ from PIL import Image
 
 import explain
 from explain.cli import main
-from explain.export import _Explainer
+from explain.export.run import _Explainer
 from explain.models import load_model
 
 ROOT = ASSETS.parent

@@ -10,7 +10,7 @@ from test_methods import first_component
 from torch import nn
 
 import explain
-from explain.maps import normalize_maps
+from explain.core.maps import normalize_maps
 from explain.methods import perturbation
 
 

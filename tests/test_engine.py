@@ -11,7 +11,7 @@ from conftest import reference_gradcam, seeded
 from torch import nn
 
 import explain
-from explain.maps import normalize_maps, postprocess
+from explain.core.maps import normalize_maps, postprocess
 from explain.targets import ClassTarget
 
 CASES = [

@@ -19,11 +19,11 @@ from conftest import ASSETS, manifest
 from PIL import Image
 
 import explain
-from explain import export
 from explain.cli import main
-from explain.dataset import ImageFiles, load_batches
-from explain.distributed import Process
-from explain.manifest import chosen_records
+from explain.export import run as export
+from explain.export.distributed import Process
+from explain.export.loading import ImageFiles, load_batches
+from explain.export.manifest import chosen_records
 
 ROOT = ASSETS.parent
 LITE0 = ["--model", "efficientnet_lite0"]
@@ -341,7 +341,7 @@ def test_spawned_worker_processes_get_the_preprocessing_not_the_model(dataset, t
 def test_batches_for_a_cuda_device_come_in_pinned_memory(dataset, workers) -> None:
     spec = explain.load_model("efficientnet_lite0")
     paths = sorted(dataset.rglob("*.jpg"))[:6]
-    for batch in load_batches(paths, spec.preprocessing(), batch_size=4, workers=workers, pin=True):
+    for batch in load_batches(paths, spec.preprocessing, batch_size=4, workers=workers, pin=True):
         assert all(group.x.is_pinned() for group in batch.groups)
 
 

@@ -11,7 +11,7 @@ from conftest import hook_count, reference_gradcam, seeded
 from torch import nn
 
 import explain
-from explain.hooks import ActivationGradientRecorder, uses_tensor_hook
+from explain.core.hooks import ActivationGradientRecorder, uses_tensor_hook
 
 # (model, layer, whether PyTorch's full-backward hook can serve it)
 PATHS = [
@@ -38,7 +38,7 @@ def test_both_paths_record_the_same_activation_and_gradient() -> None:
     x = torch.randn(2, 3, 64, 64)
     recorded = []
     for tensor_hook in (False, True):
-        with torch.enable_grad(), explain.model_state.frozen_parameters(model):
+        with torch.enable_grad(), explain.core.model_state.frozen_parameters(model):
             with ActivationGradientRecorder({"layer4": model.layer4}, tensor_hook) as recorder:
                 logits = recorder.forward(model, x)
                 grads = recorder.backward(logits[:, 3].sum())
@@ -62,7 +62,7 @@ def test_activation_is_the_output_before_a_later_inplace_change() -> None:
     handle.remove()
     with (
         torch.enable_grad(),
-        explain.model_state.frozen_parameters(model),
+        explain.core.model_state.frozen_parameters(model),
         ActivationGradientRecorder({"bn2": model.layer4[1].bn2}) as recorder,
     ):
         recorder.forward(model, x)

@@ -338,11 +338,11 @@ def test_catalogue_names_every_method_class_once() -> None:
     import inspect
 
     from explain.catalog import METHOD_CATALOG
-    from explain.methods import activation, attention, gradient, guided, perturbation
+    from explain.methods import activation, gradient, guided, perturbation, rollout
 
     classes = {
         cls
-        for module in (activation, attention, gradient, guided, perturbation)
+        for module in (activation, rollout, gradient, guided, perturbation)
         for _, cls in inspect.getmembers(module, inspect.isclass)
         if cls.__module__ == module.__name__ and "name" in cls.__dict__
     }

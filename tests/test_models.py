@@ -14,12 +14,13 @@ from conftest import CAT, COFFEE, seeded
 from PIL import Image
 
 import explain
-from explain.image_io import load_image, to_tensor
+from explain.io.images import load_image, to_tensor
 from explain.models import load_model
 
 
 def predict(spec: explain.ModelSpec, image: Image.Image) -> torch.Tensor:
-    x = to_tensor(image, (spec.input_size, spec.input_size), spec.mean, spec.std, spec.resample)
+    p = spec.preprocessing
+    x = to_tensor(image, (p.input_size, p.input_size), p.mean, p.std, p.resample)
     with torch.inference_mode():
         return spec.model(x[None])[0].softmax(0)
 
@@ -43,7 +44,8 @@ def test_bundled_model_knows_the_espresso(lite0: explain.ModelSpec) -> None:
 def test_map_discriminates_cat_from_coffee(lite0: explain.ModelSpec, composite: np.ndarray, class_name, half, method):
     """On cat|coffee side by side, each class's map lies on its own half (layer chosen automatically)."""
     image = Image.fromarray(composite)
-    x = to_tensor(image, (224, 224), lite0.mean, lite0.std, lite0.resample)[None]
+    p = lite0.preprocessing
+    x = to_tensor(image, (224, 224), p.mean, p.std, p.resample)[None]
     cam = explain.cam(lite0.model, x, method, target=class_name, labels=lite0.labels)[0]
     halves = cam[:, :112], cam[:, 112:]
     assert (halves[half].sum() / cam.sum()).item() > 0.65
@@ -155,10 +157,12 @@ def test_segmenter_and_detector_checkpoints(tmp_path, name: str, options: dict, 
     known = torchvision.models.get_model_weights(name).DEFAULT.meta["categories"]
     assert spec.labels == (known if len(known) == count else [f"class {i}" for i in range(count)])
     if task == "detection":  # the detector normalizes and resizes itself
-        assert (spec.input_size, spec.mean, spec.std) == (None, (0.0,) * 3, (1.0,) * 3)
+        p = spec.preprocessing
+        assert (p.input_size, p.mean, p.std) == (None, (0.0,) * 3, (1.0,) * 3)
         assert spec.transform(Image.new("RGB", (50, 40))).shape == (3, 40, 50)
     else:  # torchvision's segmentation transform: short side to 520, ImageNet statistics
-        assert (spec.input_size, spec.keep_aspect, spec.mean) == (520, True, (0.485, 0.456, 0.406))
+        p = spec.preprocessing
+        assert (p.input_size, p.keep_aspect, p.mean) == (520, True, (0.485, 0.456, 0.406))
         assert spec.transform(Image.new("RGB", (100, 50))).shape == (3, 520, 1040)
         x = torch.randn(1, 3, 64, 64)
         with torch.no_grad():

@@ -33,3 +33,16 @@ def test_api_round_trip_from_the_readme(tmp_path, monkeypatch) -> None:
     assert written.shape == photo.shape
     residual = (written - 0.5 * photo) / 0.5  # the blended-in colours lie within [0, 255]
     assert residual.min() > -3 and residual.max() < 258 and np.abs(written - photo).mean() > 5
+
+
+def test_readme_links_and_the_site_cover_every_guide() -> None:
+    """Each page the README links exists, and the site's navigation lists every page of docs/."""
+    import re
+
+    root = ASSETS.parent
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    linked = re.findall(r"\]\((docs/[^)#]+)", readme)
+    assert linked and all((root / path).is_file() for path in linked)
+    nav = (root / "mkdocs.yml").read_text(encoding="utf-8")
+    pages = {path.relative_to(root / "docs").as_posix() for path in (root / "docs").rglob("*.md")}
+    assert pages and all(f": {page}" in nav for page in pages)

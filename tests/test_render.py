@@ -39,13 +39,13 @@ def test_colours_are_matplotlibs_own(colormap) -> None:
     values = np.concatenate([np.random.default_rng(1).random(5000), np.linspace(0, 1, 1001), [-0.5, 1.5]])
     values = values.astype(np.float32).reshape(-1, 1)
     expected = (matplotlib.colormaps[colormap](np.clip(values, 0, 1))[..., :3] * 255 + 0.5).astype(np.uint8)
-    assert np.array_equal(explain.render.colorize(values, colormap), expected)
+    assert np.array_equal(explain.io.render.colorize(values, colormap), expected)
 
 
 def test_blend_is_rounded_per_pixel() -> None:
     image = np.random.default_rng(2).integers(0, 256, (30, 50, 3), dtype=np.uint8)
     cam = np.random.default_rng(3).random((30, 50)).astype(np.float32)
-    heat = explain.render.colorize(cam).astype(np.float64)
+    heat = explain.io.render.colorize(cam).astype(np.float64)
     exact = 0.3 * heat + 0.7 * image
     difference = np.asarray(explain.overlay(image, cam, alpha=0.3)) - np.floor(exact + 0.5)
     tie = np.abs(exact - np.floor(exact) - 0.5) < 1e-3  # x.5 exactly: float32 may round either way
@@ -95,7 +95,7 @@ def overlaps(fig) -> list[str]:
 
 @pytest.mark.parametrize(("width", "height", "panels"), [(451, 300, 5), (300, 451, 5), (300, 451, 12), (640, 200, 3)])
 def test_titles_never_overlap_images_or_each_other(width, height, panels) -> None:
-    from explain.render import panel_figure
+    from explain.io.render import panel_figure
 
     pictures = {f"method {i} with a long name": np.zeros((height, width, 3), np.uint8) for i in range(panels)}
     fig = panel_figure(pictures, "Egyptian cat (77.3%), every fast method", columns=min(4, panels))
@@ -103,7 +103,7 @@ def test_titles_never_overlap_images_or_each_other(width, height, panels) -> Non
 
 
 def test_figure_heatmap_has_a_colour_bar(monkeypatch) -> None:
-    from explain import render
+    from explain.io import render
 
     original, made = render.panel_figure, []
 

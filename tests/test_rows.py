@@ -1,4 +1,4 @@
-"""Backward passes at the rows a score reaches (explain.rows): the gradients plain autograd gives, with the
+"""Backward passes at the rows a score reaches (explain.core.rows): the gradients plain autograd gives, with the
 rows a score does not reach left out of the recomputation."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torchvision
 from torch import nn
 
 import explain
-from explain.rows import reached_rows
+from explain.core.rows import reached_rows
 
 
 class Branching(nn.Module):
@@ -113,15 +113,15 @@ def test_class_token_vit_differentiates_its_last_block_at_the_class_token_alone(
     seen: list[int] = []
     spy_rows(fc1, seen)
     attended: list[list[int]] = []
-    recompute = explain.rows._attention_rows
+    recompute = explain.core.rows._attention_rows
     monkeypatch.setattr(
-        explain.rows, "_attention_rows", lambda m, x, rows: attended.append(rows.tolist()) or recompute(m, x, rows)
+        explain.core.rows, "_attention_rows", lambda m, x, rows: attended.append(rows.tolist()) or recompute(m, x, rows)
     )
     x = torch.randn(3, 3, 64, 64)
     cams = explain.GradCAM(model, layer)(x).cams
     assert seen == [3 * 17, 3]  # 16 patches and the class token per image forward, the class tokens backward
     assert attended == [[0, 17, 34]]  # the last attention recomputed at the class tokens alone
-    monkeypatch.setattr(explain.engine, "reached_rows", lambda model, skip: torch.enable_grad())
+    monkeypatch.setattr(explain.core.engine, "reached_rows", lambda model, skip: torch.enable_grad())
     torch.testing.assert_close(cams, explain.GradCAM(model, layer)(x).cams, rtol=1e-4, atol=1e-5)
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 import explain
 from explain.cli import main
-from explain.layers import find_auto_layers
+from explain.core.layers import find_auto_layers
 
 
 def randomized_head(model: nn.Module) -> nn.Module:

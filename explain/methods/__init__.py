@@ -1,4 +1,4 @@
-"""The CAM methods, by name: each supplies only its formula; :class:`explain.engine.CAM` does the rest.
+"""The CAM methods, by name: each supplies only its formula; :class:`explain.core.engine.CAM` does the rest.
 
 Files: ``gradient.py`` (maps from activations and gradients), ``activation.py``
 (activations alone), ``perturbation.py`` (scores of masked or ablated inputs),
@@ -14,16 +14,16 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..catalog import METHOD_CATALOG, check_method
-from ..engine import CAM
+from ..catalog import FAST_METHOD_NAMES, METHOD_CATALOG, check_method
+from ..core.engine import CAM
+from ..core.layers import LayerSpec
 from ..errors import ExplainError
-from ..layers import LayerSpec
 from ..targets import TargetLike
 from .activation import EigenCAM, OriginalCAM, RandomCAM
-from .attention import AttentionRollout, GradientRollout
 from .gradient import EigenGradCAM, GradCAM, GradCAMElementWise, GradCAMPlusPlus, HiResCAM, LayerCAM, XGradCAM
 from .guided import GuidedBackprop, GuidedGradCAM
 from .perturbation import ISCAM, SSCAM, AblationCAM, ScoreCAM
+from .rollout import AttentionRollout, GradientRollout
 
 Method = CAM  # every method, the guided ones included, is a CAM subclass called the same way
 
@@ -31,7 +31,7 @@ Method = CAM  # every method, the guided ones included, is a CAM subclass called
 METHODS: dict[str, type[CAM]] = {entry.name: globals()[entry.cls] for entry in METHOD_CATALOG}
 
 # One forward and at most one backward per target: what ``--method all`` compares.
-FAST_METHODS = [entry.name for entry in METHOD_CATALOG if entry.fast]
+FAST_METHODS = list(FAST_METHOD_NAMES)
 
 
 def method_options(method: str) -> set[str]:
@@ -96,10 +96,10 @@ def cam(
         normalize: Min-max normalize each map to [0, 1]; False keeps the raw map.
         labels: Class names, needed for a class-name target.
         model_kwargs: Further keyword arguments of the model's forward, passed to every
-            forward the method runs (see :meth:`explain.engine.CAM.__call__`).
+            forward the method runs (see :meth:`explain.core.engine.CAM.__call__`).
         **options: The method's options: ``fuse``, ``aug_smooth``, ``eigen_smooth``,
             ``smooth_samples``, ``smooth_sigma``, ``batch_size``, ``seed`` (see
-            :class:`explain.engine.CAM`), and ``samples``/``sigma`` for SS-CAM and IS-CAM.
+            :class:`explain.core.engine.CAM`), and ``samples``/``sigma`` for SS-CAM and IS-CAM.
 
     Returns:
         float32 heatmaps (N, H, W) on x's device; (N, 3, H, W) images for the guided methods.

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..engine import CAM, Capture
+from ..core.engine import CAM, Capture
+from ..core.layers import classifier
+from ..core.maps import principal_projection
 from ..errors import LayerError, TargetError
-from ..layers import classifier
-from ..maps import principal_projection
 
 
 class OriginalCAM(CAM):
@@ -47,7 +47,7 @@ class EigenCAM(CAM):
     Components", IJCNN 2020 (arXiv:2008.00299).
 
     The projection of the centred activations on their first principal component
-    (class-agnostic), its sign fixed as :func:`explain.maps.principal_projection` says.
+    (class-agnostic), its sign fixed as :func:`explain.core.maps.principal_projection` says.
     """
 
     name = "eigencam"

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..engine import CAM, Capture
-from ..maps import principal_projection
+from ..core.engine import CAM, Capture
+from ..core.maps import principal_projection
 
 
 class GradCAM(CAM):
@@ -107,7 +107,7 @@ class LayerCAM(CAM):
 
 class EigenGradCAM(CAM):
     r"""Eigen-Grad-CAM (as in pytorch-grad-cam): the first principal component of
-    :math:`g \odot A`, with the sign fixed as :func:`explain.maps.principal_projection` says.
+    :math:`g \odot A`, with the sign fixed as :func:`explain.core.maps.principal_projection` says.
     """
 
     name = "eigengradcam"

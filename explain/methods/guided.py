@@ -16,10 +16,10 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from ..engine import CAM, Capture
+from ..core.engine import CAM, Capture
+from ..core.hooks import guided_relus
+from ..core.layers import LayerSpec
 from ..errors import LayerError
-from ..hooks import guided_relus
-from ..layers import LayerSpec
 from .gradient import GradCAM
 
 
@@ -39,7 +39,7 @@ class GuidedBackprop(CAM):
     passes back only positive gradients (at positions where its input was
     positive): :math:`R_{l} = \mathrm{ReLU}(R_{l+1}) \cdot [x_l > 0]`. The rule is
     full-backward hooks on the ``nn.ReLU`` and ``nn.ReLU6`` modules around the engine's
-    forward and backward (see :func:`explain.hooks.guided_relus`); ReLUs applied as
+    forward and backward (see :func:`explain.core.hooks.guided_relus`); ReLUs applied as
     functions are not guided. Fails the model-randomization sanity check (Adebayo et
     al. 2018): see this module's notes. Maps are (N, 3, H, W) images; ``normalize``
     shows them as :func:`visible` does.

@@ -9,7 +9,7 @@ the unablated score, so its weight is 0 without a forward.
 
 On the CPU the inputs are passed in channels-last layout, and Score-CAM's
 family, which perturbs only the input, scores with a copy of the model whose
-batch norms are folded into its convolutions (:class:`explain.folding.ScoringForwards`).
+batch norms are folded into its convolutions (:class:`explain.core.folding.ScoringForwards`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..engine import CAM, Capture
+from ..core.engine import CAM, Capture
+from ..core.folding import ScoringForwards
+from ..core.hooks import output_replaced
+from ..core.maps import normalize_maps
 from ..errors import LayerError
-from ..folding import ScoringForwards
-from ..hooks import output_replaced
-from ..maps import normalize_maps
 
 
 class PerturbationCAM(CAM):

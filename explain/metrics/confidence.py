@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..core.maps import normalize_maps
 from ..errors import ExplainError
-from ..maps import normalize_maps
 from ..targets import TargetLike
-from .scoring import MetricScore, input_maps, scorer
+from .scoring import MetricScore, Scorer, input_maps, scorer
 
 
 @dataclass(frozen=True)
@@ -41,18 +41,9 @@ class ConfidenceChange:
     explained: Tensor
 
 
-def _scores(
-    metric: str,
-    model: nn.Module,
-    x: Tensor,
-    maps: Tensor,
-    target: TargetLike,
-    score: MetricScore,
-    batch_size: int,
-    model_kwargs: Mapping[str, Any] | None,
-) -> tuple[Tensor, Tensor]:
+def _scores(metric: str, scoring: Scorer, maps: Tensor) -> tuple[Tensor, Tensor]:
     """The explained score of each image and of the image multiplied by its normalized map."""
-    scoring = scorer(model, x, target, score, metric, batch_size, model_kwargs)
+    x = scoring.x
     weights = normalize_maps(input_maps(maps.to(x.device), len(x), x.shape[-2:], metric))[:, None]
     images = torch.arange(len(x), device=x.device)
     return scoring.original, scoring.copies(images, lambda rows: x[rows] * weights[rows])
@@ -79,7 +70,12 @@ def average_drop(
         batch_size: Most images per forward.
         model_kwargs: Further keyword arguments of the model's forward.
     """
-    original, explained = _scores("average_drop", model, x, maps, target, score, batch_size, model_kwargs)
+    return average_drop_of(scorer(model, x, target, score, "average_drop", batch_size, model_kwargs), maps)
+
+
+def average_drop_of(scoring: Scorer, maps: Tensor) -> ConfidenceChange:
+    """:func:`average_drop` with a scorer built for the images and their target (see :func:`scorer`)."""
+    original, explained = _scores("average_drop", scoring, maps)
     drop = (original - explained).clamp_min(0) / original.abs().clamp_min(torch.finfo(original.dtype).tiny)
     return ConfidenceChange(100 * drop, original, explained)
 
@@ -96,7 +92,13 @@ def increase_in_confidence(
 ) -> ConfidenceChange:
     """Increase in Confidence: 100 where the explanation image scores higher than the image, else 0; its mean is
     the percentage of images; higher is better. Arguments as for :func:`average_drop`."""
-    original, explained = _scores("increase_in_confidence", model, x, maps, target, score, batch_size, model_kwargs)
+    scoring = scorer(model, x, target, score, "increase_in_confidence", batch_size, model_kwargs)
+    return increase_in_confidence_of(scoring, maps)
+
+
+def increase_in_confidence_of(scoring: Scorer, maps: Tensor) -> ConfidenceChange:
+    """:func:`increase_in_confidence` with a scorer built for the images and their target (see :func:`scorer`)."""
+    original, explained = _scores("increase_in_confidence", scoring, maps)
     return ConfidenceChange(100 * (explained > original).float(), original, explained)
 
 
@@ -115,7 +117,19 @@ def average_gain(
     Raises:
         ExplainError: An image's probability is 1, where the gain is not defined.
     """
-    original, explained = _scores("average_gain", model, x, maps, target, "probability", batch_size, model_kwargs)
+    return average_gain_of(scorer(model, x, target, "probability", "average_gain", batch_size, model_kwargs), maps)
+
+
+def average_gain_of(scoring: Scorer, maps: Tensor) -> ConfidenceChange:
+    """:func:`average_gain` with a scorer of softmax probabilities built for the images and their target (see
+    :func:`scorer`).
+
+    Raises:
+        ExplainError: The scorer's scores are not probabilities, or an image's probability is 1.
+    """
+    if scoring.score != "probability":
+        raise ExplainError(f"average_gain is a gain of probability; the scorer scores by {scoring.score!r}")
+    original, explained = _scores("average_gain", scoring, maps)
     room = 1 - original
     if bool((room <= 0).any()):
         raise ExplainError(f"average_gain: image {int((room <= 0).nonzero()[0])} scores probability 1; no gain")

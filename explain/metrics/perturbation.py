@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from ..errors import ExplainError
 from ..targets import TargetLike
 from .imputation import gaussian_blur, noisy_linear_imputation
-from .scoring import MetricScore, input_maps, scorer
+from .scoring import MetricScore, Scorer, input_maps, scorer
 
 Baseline = float | Tensor | str
 
@@ -37,6 +37,15 @@ class CurveResult:
     auc: Tensor
     curve: Tensor
     fractions: Tensor
+
+
+# The metrics' defaults (RISE's and ROAD's), for the functions here and the export's reports.
+STEPS = 50
+DELETION_BASELINE = 0.0
+INSERTION_BASELINE = "blur"
+ROAD_PERCENTILES = (10, 20, 30, 40, 50, 60, 70, 80, 90)
+ROAD_NOISE = 0.01
+ROAD_SEED = 0
 
 
 def ranks(maps: Tensor) -> Tensor:
@@ -65,21 +74,11 @@ def _substrate(x: Tensor, baseline: Baseline, metric: str) -> Tensor:
 
 
 def _curve(
-    metric: str,
-    model: nn.Module,
-    x: Tensor,
-    maps: Tensor,
-    target: TargetLike,
-    start: Baseline | None,
-    end: Baseline | None,
-    steps: int,
-    score: MetricScore,
-    batch_size: int,
-    model_kwargs: Mapping[str, Any] | None,
+    metric: str, scoring: Scorer, maps: Tensor, start: Baseline | None, end: Baseline | None, steps: int
 ) -> CurveResult:
     """Pixels turned, in the map's order, from ``start`` to ``end`` (None: the image itself) in ``steps`` equal
     steps, the explained score after each."""
-    scoring = scorer(model, x, target, score, metric, batch_size, model_kwargs)
+    x = scoring.x
     if steps < 1:
         raise ExplainError(f"{metric}: steps must be >= 1, got {steps}")
     order = ranks(input_maps(maps.to(x.device), len(x), x.shape[-2:], metric))
@@ -109,8 +108,8 @@ def deletion(
     maps: Tensor,
     target: TargetLike = None,
     *,
-    steps: int = 50,
-    baseline: Baseline = 0.0,
+    steps: int = STEPS,
+    baseline: Baseline = DELETION_BASELINE,
     score: MetricScore = "probability",
     batch_size: int = 16,
     model_kwargs: Mapping[str, Any] | None = None,
@@ -136,7 +135,12 @@ def deletion(
     Returns:
         The AUC, the curve and the fraction deleted at each step.
     """
-    return _curve("deletion", model, x, maps, target, None, baseline, steps, score, batch_size, model_kwargs)
+    return deletion_of(scorer(model, x, target, score, "deletion", batch_size, model_kwargs), maps, steps, baseline)
+
+
+def deletion_of(scoring: Scorer, maps: Tensor, steps: int, baseline: Baseline) -> CurveResult:
+    """:func:`deletion` with a scorer built for the images and their target (see :func:`scorer`)."""
+    return _curve("deletion", scoring, maps, None, baseline, steps)
 
 
 def insertion(
@@ -145,24 +149,29 @@ def insertion(
     maps: Tensor,
     target: TargetLike = None,
     *,
-    steps: int = 50,
-    baseline: Baseline = "blur",
+    steps: int = STEPS,
+    baseline: Baseline = INSERTION_BASELINE,
     score: MetricScore = "probability",
     batch_size: int = 16,
     model_kwargs: Mapping[str, Any] | None = None,
 ) -> CurveResult:
     """Insertion (Petsiuk et al., BMVC 2018, RISE): starting from the baseline, the map's pixels, highest first,
-    revealed in ``steps`` equal steps; a faithful map makes the score rise fast (a high AUC is better).
+    revealed in ``steps`` equal steps; a faithful map makes the score rise fast (a high AUC is better). The
+    arguments not named here are those of :func:`deletion`.
 
     Args:
         baseline: The start: ``"blur"`` (RISE's: an 11x11 Gaussian of sigma 5 over the normalized input, zero
             padded), a number or a tensor broadcast to x.
-        Others: as for :func:`deletion`.
 
     Returns:
         The AUC, the curve and the fraction revealed at each step.
     """
-    return _curve("insertion", model, x, maps, target, baseline, None, steps, score, batch_size, model_kwargs)
+    return insertion_of(scorer(model, x, target, score, "insertion", batch_size, model_kwargs), maps, steps, baseline)
+
+
+def insertion_of(scoring: Scorer, maps: Tensor, steps: int, baseline: Baseline) -> CurveResult:
+    """:func:`insertion` with a scorer built for the images and their target (see :func:`scorer`)."""
+    return _curve("insertion", scoring, maps, baseline, None, steps)
 
 
 @dataclass(frozen=True)
@@ -191,28 +200,33 @@ def road(
     maps: Tensor,
     target: TargetLike = None,
     *,
-    percentiles: Sequence[float] = (10, 20, 30, 40, 50, 60, 70, 80, 90),
-    noise: float = 0.01,
+    percentiles: Sequence[float] = ROAD_PERCENTILES,
+    noise: float = ROAD_NOISE,
     score: MetricScore = "probability",
     batch_size: int = 16,
-    seed: int | None = 0,
+    seed: int | None = ROAD_SEED,
     model_kwargs: Mapping[str, Any] | None = None,
 ) -> RoadResult:
     """ROAD, RemOve And Debias (Rong et al., ICML 2022): at each percentile p, the map's p% most relevant pixels
     (MoRF) or its p% least relevant (LeRF) are removed and filled by the noisy linear imputer (see
     :func:`explain.metrics.imputation.noisy_linear_imputation`), which leaves little trace of the removed
-    shape for the model to read.
+    shape for the model to read. The arguments not named here are those of :func:`deletion`.
 
     Args:
         percentiles: Percentages of pixels removed, each in (0, 100).
         noise: The imputer's noise, standard deviation in the normalized input's units (ROAD's 0.01).
         seed: Seed of the noise, drawn on the input's device; None uses PyTorch's global generator.
-        Others: as for :func:`deletion`.
 
     Returns:
         The scores per image and percentile, MoRF and LeRF.
     """
     scoring = scorer(model, x, target, score, "road", batch_size, model_kwargs)
+    return road_of(scoring, maps, percentiles, noise, seed)
+
+
+def road_of(scoring: Scorer, maps: Tensor, percentiles: Sequence[float], noise: float, seed: int | None) -> RoadResult:
+    """:func:`road` with a scorer built for the images and their target (see :func:`scorer`)."""
+    x = scoring.x
     shares = torch.tensor([float(p) for p in percentiles], device=x.device)
     if shares.dim() != 1 or len(shares) == 0 or not bool(((shares > 0) & (shares < 100)).all()):
         raise ExplainError(f"road: percentiles must lie strictly between 0 and 100, got {list(percentiles)}")

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..engine import CAMResult
+from ..core.engine import CAMResult
+from ..core.maps import normalize_maps
 from ..errors import ExplainError
-from ..maps import normalize_maps
 from ..targets import TargetLike
 
 

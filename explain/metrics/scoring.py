@@ -11,12 +11,12 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from ..engine import check_images
+from ..core.engine import check_images
+from ..core.folding import ScoringForwards
+from ..core.maps import upsample
+from ..core.model_state import untouched
 from ..errors import ExplainError, TargetError
-from ..folding import ScoringForwards
-from ..maps import upsample
-from ..model_state import untouched
-from ..targets import BoundAlready, BoundTarget, ClassTarget, TargetLike, TopK, as_target
+from ..targets import BoundTarget, ClassTarget, Target, TargetLike, TopK, as_target, bound_on
 
 MetricScore = Literal["probability", "logit", "target"]
 
@@ -28,39 +28,45 @@ def plain_forwards(model: nn.Module) -> Any:
         yield
 
 
-def _class_target(goal: Any, output: Any, metric: str, score: str) -> ClassTarget:
-    """The class target that scores each image's explained class by ``score``, from a target or a bound target."""
-    if isinstance(goal, BoundAlready):
-        bound = goal.bound
-        if not bound.classifier_rows:
+def _bound_metric_target(goal: Target | BoundTarget, output: Any, metric: str, score: MetricScore) -> BoundTarget:
+    """The target bound on the plain output, scoring each image's explained class by ``score`` (or, for
+    ``"target"``, by the target's own score)."""
+    if score == "target":
+        return bound_on(goal, output, None)
+    if isinstance(goal, BoundTarget):
+        if not goal.classifier_rows:
             raise TargetError(
                 f"{metric} scores a classifier's class by its {score}; this target is not a class: "
                 "pass score='target' to use the target's own score"
             )
-        classes = bound.classes
+        bound = goal
     elif isinstance(goal, ClassTarget) and not isinstance(goal, TopK):
-        classes = goal.bind(output, None).classes
+        bound = goal.bind(output, None)
     else:
         kind = "TopK" if isinstance(goal, TopK) else type(goal).__name__
         raise TargetError(
             f"{metric} scores one class per image by its {score}; a {kind} is not that: pass one class per image, "
             "or score='target' to use a target's own score"
         )
-    if classes.shape[1] != 1:
+    if bound.classes.shape[1] != 1:
         raise TargetError(
-            f"{metric} takes one map and one class per image; the target has {classes.shape[1]}: "
+            f"{metric} takes one map and one class per image; the target has {bound.classes.shape[1]}: "
             "pass maps[:, k] with target=result.target.classes[:, k]"
         )
-    return ClassTarget(classes[:, 0], score=score, output=getattr(goal, "output", None))
+    return bound.rescored(score)
 
 
 @dataclass(frozen=True)
 class Scorer:
     """The explained score of a call's N images, and of perturbed copies of them.
 
+    Built once for a batch (:func:`scorer`), one scorer serves every metric of the batch's maps.
+
     Attributes:
         model: The model, run as it is (its mode kept) without autograd.
-        forwards: Its forwards of the perturbed copies (:class:`explain.folding.ScoringForwards`).
+        x: The plain images, (N, C, H, W).
+        score: What the scores are: ``"probability"``, ``"logit"`` or ``"target"`` (see :func:`scorer`).
+        forwards: Its forwards of the perturbed copies (:class:`explain.core.folding.ScoringForwards`).
         bound: The target bound on the plain images.
         original: The score of each plain image, (N,).
         batch_size: Most copies per forward.
@@ -68,6 +74,8 @@ class Scorer:
     """
 
     model: nn.Module
+    x: Tensor
+    score: MetricScore
     forwards: ScoringForwards
     bound: BoundTarget
     original: Tensor
@@ -98,7 +106,8 @@ def scorer(
 
     ``score="probability"`` or ``"logit"``: the explained class's softmax probability or logit; the target must
     be one class per image (None for the top class, an index or name, one per image, a ``ClassTarget``, or a
-    result's bound class target). ``score="target"``: the target's own score, whatever the target.
+    result's bound class target, rescored as it is). ``score="target"``: the target's own score, whatever the
+    target. ``metric`` names the metric (or metrics) in error messages.
 
     Raises:
         ExplainError: ``x`` is not a float batch of images, or ``batch_size`` < 1.
@@ -113,14 +122,11 @@ def scorer(
     forwards = ScoringForwards(model, x.device)
     with plain_forwards(model):
         output = forwards(x, **model_kwargs)
-    goal = as_target(target)
-    if score != "target":
-        goal = _class_target(goal, output, metric, score)
-    bound = goal.bind(output, None)
+    bound = _bound_metric_target(as_target(target), output, metric, score)
     original = bound.score(output, torch.arange(len(x), device=x.device))
     if original.shape[1] != 1:
         raise TargetError(f"{metric} takes one target per image; the target has {original.shape[1]}")
-    return Scorer(model, forwards, bound, original[:, 0].float(), batch_size, model_kwargs)
+    return Scorer(model, x, score, forwards, bound, original[:, 0].float(), batch_size, model_kwargs)
 
 
 def input_maps(maps: Tensor, n: int, size: Sequence[int], metric: str) -> Tensor:

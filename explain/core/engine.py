@@ -1,0 +1,547 @@
+"""The CAM engine: one base class that owns hooks, model state, targets, smoothing and post-processing.
+
+A method subclasses :class:`CAM` and supplies only its formula: its channel
+weights (:meth:`CAM.weights`), its element-wise weighted activations
+(:meth:`CAM.weighted_activations`), or how they become a map (:meth:`CAM.combine`).
+
+One call costs one forward pass plus a backward pass through the part of the
+network after the target layer: parameters' gradients are switched off for the
+call, so autograd records nothing before the layer and computes no weight
+gradient (see :mod:`explain.core.hooks`); there, a sequence model's position-wise layers are differentiated only
+at the rows the score reaches (see :mod:`explain.core.rows`). All map arithmetic is batched torch on the input's
+device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import ExplainError, LayerError, TargetError
+from ..targets import BoundTarget, Target, TargetLike, as_target, bound_on
+from .detectors import canvas_recorded, sparse_box_heads
+from .hooks import ActivationGradientRecorder, layer_entry
+from .layers import BACKBONE, LayerSpec, auto_layers, resolve_layer
+from .layouts import Geometry, Layout, Reshape, find_layout, grids_recorded
+from .maps import Canvas, normalize_maps, postprocess, principal_projection, upsample
+from .model_state import untouched
+from .rows import reached_rows
+
+
+@dataclass(frozen=True)
+class CAMResult:
+    """What one CAM call found.
+
+    With ``topk=K`` every per-target field gains a K axis after the batch axis.
+
+    Attributes:
+        cams: Heatmaps, (N, H, W) float32, post-processed as asked (resized to the
+            input and/or min-max normalized to [0, 1]). Guided Backpropagation
+            gives images instead, (N, 3, H, W).
+        raw: The maps before resizing and normalization: at feature resolution,
+            (N, h, w); at input resolution when several layers are fused or
+            ``aug_smooth`` is on (each part is then normalized before combining).
+        class_indices: The explained class per image, (N,), or None for a callable target.
+        scores: The explained score (model output) per image, (N,).
+        probabilities: Softmax probability of the explained class, (N,), or None for a
+            callable target.
+        logits: The model output, (N, classes), or None when it is not a tensor (a
+            callable target read it).
+        layer: Dotted name of the target layer (names joined by ``+`` when fused).
+        method: Name of the CAM method.
+        target: The target as bound on the call's plain pass (it scores any output of the call's images).
+    """
+
+    cams: Tensor
+    raw: Tensor
+    class_indices: Tensor | None
+    scores: Tensor
+    probabilities: Tensor | None
+    logits: Tensor | None
+    layer: str
+    method: str
+    target: BoundTarget
+
+
+def check_images(x: Any) -> None:
+    """Refuse anything but a float batch of images (N, C, H, W), with an error that names the problem."""
+    if not isinstance(x, Tensor):
+        raise ExplainError(f"x must be a tensor of images (N, C, H, W), got a {type(x).__name__}")
+    if x.dim() != 4:
+        raise ExplainError(f"x must be a batch of images (N, C, H, W), got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ExplainError(
+            f"x must be a floating-point tensor of normalized images, got dtype {x.dtype}; "
+            "convert and normalize it as the model expects (ModelSpec.preprocess does it for explain's models)"
+        )
+
+
+def make_result(
+    cams: Tensor, raw: Tensor, output: Any, scores: Tensor, bound: BoundTarget, layer: str | None, method: str
+) -> CAMResult:
+    """A :class:`CAMResult` from per-target (N, K, ...) tensors; the K axis is dropped unless the target keeps it."""
+
+    def per_target(t: Tensor | None) -> Tensor | None:
+        return t if t is None or bound.keeps_k else t[:, 0]
+
+    return CAMResult(
+        cams=per_target(cams),
+        raw=per_target(raw),
+        class_indices=per_target(bound.classes),
+        scores=per_target(scores.detach()),
+        probabilities=per_target(bound.probabilities),
+        logits=output.detach() if isinstance(output, Tensor) else None,
+        layer=layer or "",
+        method=method,
+        target=bound,
+    )
+
+
+def target_scores(bound: BoundTarget, output: Any, x: Tensor) -> Tensor:
+    """The (N, K) scores of a bound target in the output of a pass over the call's N images ``x``."""
+    scores = bound.score(output, torch.arange(x.shape[0], device=x.device))
+    if scores.shape[0] != x.shape[0]:
+        raise TargetError(f"{scores.shape[0]} target scores for a batch of {x.shape[0]} images")
+    return scores
+
+
+@dataclass(frozen=True)
+class Capture:
+    """What one pass recorded at one target layer for one target: a method's input.
+
+    Attributes:
+        x: The images the pass ran on (N, 3, H, W).
+        activations: The layer's output (N, C, h, w), float32.
+        gradients: The target score's gradient with respect to it, or None for a
+            method that needs none.
+        name: The layer's name: a dotted module name, with ``:entry`` for an entry of a dict or list output.
+        module: The layer's module (None for the input).
+        scores: The explained score of each image (N,).
+        target: The call's bound target.
+        k: Which of its K targets per image this capture explains.
+        to_input: Brings maps (..., h, w) at the layer's resolution onto the input's
+            (H, W): upsampled, and for a detector, its canvas's padding cut off first.
+        generator: The call's random number generator (from ``seed``), or None for
+            PyTorch's global one.
+        model_kwargs: The call's further keyword arguments of the model's forward.
+        shared: What a method computes once per pass for all its targets and layers (see :meth:`once`).
+        layout: How the layer's output became ``activations`` (None for the input).
+        geometry: The picture the pass's layers saw, and the patch grid.
+    """
+
+    x: Tensor
+    activations: Tensor
+    gradients: Tensor | None
+    name: str
+    module: nn.Module | None
+    scores: Tensor
+    target: BoundTarget
+    k: int
+    to_input: Callable[[Tensor], Tensor]
+    generator: torch.Generator | None
+    model_kwargs: Mapping[str, Any]
+    shared: dict[str, Any]
+    layout: Layout | None
+    geometry: Geometry
+
+    def once(self, key: str, compute: Callable[[], Any]) -> Any:
+        """``compute()``, run at the pass's first capture that asks for ``key`` and shared by the others."""
+        if key not in self.shared:
+            self.shared[key] = compute()
+        return self.shared[key]
+
+    @property
+    def classes(self) -> Tensor | None:
+        """The explained class of each image (N,), a row of the classifier; None for a target that is not a
+        classifier's class."""
+        return self.target.classes[:, self.k] if self.target.classifier_rows else None
+
+    def score_rows(self, output: Any, images: Tensor) -> Tensor:
+        """The explained score in another forward's output, (rows,); ``images`` is the index (into x) of the
+        image each output row stands for."""
+        return self.target.score(output, images)[:, self.k]
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What one pass recorded at every target layer, before any method's formula.
+
+    Attributes:
+        x: The images the pass ran on, detached.
+        output: The model's output.
+        bound: The call's bound target.
+        scores: Its (N, K) scores in this pass's output.
+        activations: Each layer's output as a map (N, C, h, w), float32 (and the input's, for a method whose map
+            is the input's).
+        gradients: For each of the K targets, each layer's gradient as a map like its activation (empty maps for
+            a method without gradients).
+        layouts: How each layer's output became its map.
+        canvas: A detector's canvas (its maps are brought onto the image), or None.
+        geometry: The picture the pass's layers saw, and the patch grid.
+    """
+
+    x: Tensor
+    output: Any
+    bound: BoundTarget
+    scores: Tensor
+    activations: dict[str, Tensor]
+    gradients: list[dict[str, Tensor]]
+    layouts: dict[str, Layout]
+    canvas: Canvas | None
+    geometry: Geometry
+
+
+AUG_SCALES = (0.9, 1.0, 1.1)
+PLAIN_VIEW = (False, 1.0)  # (flip, scale): the input as given
+INPUT = "input"  # the layer name of the input, for methods whose map is the input's
+
+
+def _augment(x: Tensor, flip: bool, scale: float) -> Tensor:
+    if scale != 1.0:
+        size = [round(side * scale) for side in x.shape[-2:]]
+        x = F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+    return x.flip(-1) if flip else x
+
+
+def _deaugment(maps: Tensor, flip: bool, size: Sequence[int]) -> Tensor:
+    """Bring maps of an augmented pass back to the original geometry, normalized."""
+    maps = upsample(maps, size)
+    return normalize_maps(maps.flip(-1) if flip else maps)
+
+
+class CAM:
+    """Base class of the class activation map methods.
+
+    Holds the model and the target layer(s), resolved once; each call hooks the
+    layers for its own duration only, so the model carries no hook between calls.
+    After every call, successful or not, the model has the same ``training`` flags,
+    ``requires_grad`` flags, ``.grad`` tensors and buffers as before. In train mode
+    the forward runs as in training (BatchNorm uses batch statistics, Dropout
+    drops), but running statistics are restored afterwards.
+
+    A subclass supplies its formula by overriding one of :meth:`weights` (channel
+    weights), :meth:`weighted_activations` (element-wise weights) or
+    :meth:`combine`; the map is ``ReLU(combine(weighted_activations))`` (without
+    the ReLU when ``relu`` is False).
+
+    Args:
+        model: A classifier returning (N, classes) scores.
+        layer: The target layer: dotted name, module, a list of them (their maps
+            are fused), or None for the automatic choice (see
+            :func:`explain.core.layers.find_auto_layers`: the last layer that outputs a
+            spatial map, or a detector's or segmenter's backbone levels, fused),
+            found with one extra forward of one image the first time a model
+            sees an input shape. Names are resolved at the first call; an unknown
+            name is an error that lists the layers with spatial outputs.
+        labels: Class names, to accept a class name as target.
+        fuse: How the maps of several layers become one, each upsampled to the
+            input and normalized first: ``"mean"`` or ``"max"``.
+        aug_smooth: Average the maps of the horizontally flipped and unflipped
+            input at scales 0.9, 1.0 and 1.1, each mapped back to the input's
+            geometry and normalized (six passes).
+        eigen_smooth: Replace the weighted sum of channels by the first principal
+            component of the weighted activations (see :func:`principal_projection`).
+        smooth_samples: SmoothGrad-style noise smoothing: average the maps of this
+            many noisy copies of the input (0: off). The targets are the plain input's.
+        smooth_sigma: The noise's standard deviation, as a fraction of each image's
+            value range (max - min).
+        batch_size: Most inputs per forward pass for methods that run extra forwards
+            (Score-CAM, Ablation-CAM): the bound on their memory.
+        seed: Seed of the random numbers (noise, random weights), drawn on the
+            input's device; None uses PyTorch's global generator.
+        reshape: How the target layers' outputs (and their gradients) become maps
+            (N, C, h, w); default: found from the output's shape (channels first or
+            last, or transformer tokens on the patch grid: see :mod:`explain.core.layouts`).
+    """
+
+    name = "cam"
+    needs_gradients = True  # a method that needs no gradient skips the backward pass
+    relu = True
+    map_of_input = False  # the map comes from the input and its gradient, not from a layer (guided methods)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layer: LayerSpec | Sequence[str | nn.Module] = None,
+        *,
+        labels: Sequence[str] | None = None,
+        fuse: Literal["mean", "max"] = "mean",
+        aug_smooth: bool = False,
+        eigen_smooth: bool = False,
+        smooth_samples: int = 0,
+        smooth_sigma: float = 0.15,
+        batch_size: int = 16,
+        seed: int | None = None,
+        reshape: Reshape | None = None,
+    ) -> None:
+        if fuse not in ("mean", "max"):
+            raise ExplainError(f"fuse must be 'mean' or 'max', got {fuse!r}")
+        if smooth_samples < 0 or smooth_sigma < 0 or batch_size < 1:
+            raise ExplainError("smooth_samples and smooth_sigma must be >= 0 and batch_size >= 1")
+        self.model = model
+        self.labels = list(labels) if labels is not None else None
+        self.fused = isinstance(layer, (list, tuple))
+        if self.fused and not layer:
+            raise LayerError("an empty list of layers was given")
+        self._requested = None if layer is None else list(layer) if self.fused else [layer]
+        self._layers: list[tuple[str, nn.Module]] | None = None  # resolved at the first call, which knows x
+        self.fuse = fuse
+        self.aug_smooth = aug_smooth
+        self.eigen_smooth = eigen_smooth
+        self.smooth_samples = smooth_samples
+        self.smooth_sigma = smooth_sigma
+        self.batch_size = batch_size
+        self.seed = seed
+        self.reshape = reshape
+
+    @property
+    def layer(self) -> str | None:
+        """Dotted name of the target layer, names joined by ``+`` when fused (None until found)."""
+        return "+".join(name for name, _ in self._layers) if self._layers else None
+
+    def _resolve_layers(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> list[tuple[str, nn.Module | None]]:
+        """The target layers by name and module: those asked for, or the automatic one for x (the input, for a
+        method whose map is the input's)."""
+        if self.map_of_input:
+            return [(INPUT, None)]
+        if self._requested is None:
+            return auto_layers(self.model, x, model_kwargs)
+        return [resolve_layer(self.model, spec, x, model_kwargs) for spec in self._requested]
+
+    def recorder(self, modules: Mapping[str, nn.Module]) -> ActivationGradientRecorder:
+        """What records the target layers' outputs and gradients in a pass (see :mod:`explain.core.hooks`)."""
+        return ActivationGradientRecorder(modules, gradients=self.needs_gradients)
+
+    def weights(self, capture: Capture) -> Tensor:
+        """Channel weights (N, C)."""
+        raise NotImplementedError(f"{type(self).__name__} defines neither weights() nor weighted_activations()")
+
+    def weighted_activations(self, capture: Capture) -> Tensor:
+        """The activations weighted by the method, (N, C, h, w); by default by channel: w_c A_c."""
+        return self.weights(capture)[:, :, None, None] * capture.activations
+
+    def combine(self, weighted: Tensor) -> Tensor:
+        """The map (N, h, w) from weighted activations: their channel sum, or with
+        ``eigen_smooth`` their first principal component."""
+        return principal_projection(weighted) if self.eigen_smooth else weighted.sum(dim=1)
+
+    def compute(self, capture: Capture) -> Tensor:
+        """The raw map (N, h, w) of one layer and one target."""
+        cam = self.combine(self.weighted_activations(capture))
+        return torch.relu(cam) if self.relu else cam
+
+    def backward_rule(self) -> AbstractContextManager[Any]:
+        """A context around each pass's forward and backward that changes how gradients flow; default none."""
+        return nullcontext()
+
+    def finish(self, raw: Tensor, size: Sequence[int] | None, normalize: bool) -> Tensor:
+        """The result's maps from the raw ones: upsampled to ``size`` (if given) and normalized (if asked)."""
+        return postprocess(raw, size, normalize)
+
+    def __call__(
+        self,
+        x: Tensor,
+        target: TargetLike = None,
+        *,
+        topk: int | None = None,
+        resize: bool = True,
+        normalize: bool = True,
+        model_kwargs: Mapping[str, Any] | None = None,
+    ) -> CAMResult:
+        """Explain a batch.
+
+        The plain pass (the input as given) binds the target and, for a method with gradients, refuses a layer the
+        score does not reach; every other pass (flipped and rescaled views, noisy copies) scores the bound target.
+
+        Args:
+            x: Normalized images (N, 3, H, W); a caller's ``no_grad`` or
+                ``inference_mode`` does not matter.
+            target: What to explain: a target object of :mod:`explain.targets`, its
+                shorthand (see :func:`explain.targets.as_target`), or a result's bound ``target``.
+            topk: Explain each image's K top classes (``TopK(k)``) instead of one target.
+            resize: Upsample the maps to (H, W); else keep the feature resolution.
+            normalize: Min-max normalize each map to [0, 1]; else keep raw values.
+            model_kwargs: Further keyword arguments of the model's forward (a CLIP
+                model's text, say), passed unchanged to every forward the call runs,
+                the perturbed batches of Score-CAM and Ablation-CAM included; so
+                they must not have a per-image batch axis.
+
+        Returns:
+            A :class:`CAMResult` whose tensors are on ``x``'s device.
+        """
+        check_images(x)
+        model_kwargs = dict(model_kwargs or {})
+        goal = as_target(target, topk)
+        if self.aug_smooth and isinstance(goal, Target) and goal.geometric:
+            raise TargetError(f"aug_smooth flips and rescales the input, which would misplace a {type(goal).__name__}")
+        if self._layers is None:
+            self._layers = self._resolve_layers(x, model_kwargs)
+            self.fused = self.fused or len(self._layers) > 1  # the automatic layers of a detector are fused
+        generator = None if self.seed is None else torch.Generator(device=x.device).manual_seed(self.seed)
+        with untouched(self.model), torch.inference_mode(False), torch.enable_grad():
+            images = x.clone() if x.is_inference() else x.detach()
+            plain = self._record(images, goal, model_kwargs, plain=True)
+            maps = self._averaged(images, plain, generator, model_kwargs)
+        size = x.shape[-2:]
+        raw = self._fused(maps, size) if self.fused or self.aug_smooth else maps[0]
+        cams = self.finish(raw, size if resize else None, normalize)
+        return make_result(cams, raw, plain.output, plain.scores, plain.bound, self.layer, self.name)
+
+    def _views(self) -> list[tuple[bool, float]]:
+        """The (flip, scale) of each view of the input the call averages over: the plain one first."""
+        if not self.aug_smooth:
+            return [PLAIN_VIEW]
+        return [PLAIN_VIEW] + [(flip, s) for s in AUG_SCALES for flip in (False, True) if (flip, s) != PLAIN_VIEW]
+
+    def _averaged(
+        self, images: Tensor, plain: Recorded, generator: torch.Generator | None, model_kwargs: Mapping[str, Any]
+    ) -> list[Tensor]:
+        """Each layer's (N, K, h, w) maps averaged over the call's passes: the plain pass, its flipped and rescaled
+        views (``aug_smooth``), each as ``smooth_samples`` noisy copies (the plain pass then only binds)."""
+        total: list[Tensor] = []
+        passes = 0
+        for flip, scale in self._views():
+            for _ in range(max(1, self.smooth_samples)):
+                if (flip, scale) == PLAIN_VIEW and not self.smooth_samples:
+                    recorded = plain
+                else:
+                    seen = _augment(images, flip, scale)
+                    if self.smooth_samples:
+                        seen = self._noisy(seen, generator)
+                    recorded = self._record(seen, plain.bound, model_kwargs)
+                maps = self._maps(recorded, generator, model_kwargs)
+                if self.aug_smooth:
+                    maps = [_deaugment(m, flip, images.shape[-2:]) for m in maps]
+                total = maps if not total else [t + m for t, m in zip(total, maps)]
+                passes += 1
+        return [t / passes for t in total]
+
+    def _noisy(self, x: Tensor, generator: torch.Generator | None) -> Tensor:
+        """x plus Gaussian noise of ``smooth_sigma`` times each image's value range."""
+        spread = x.amax(dim=(1, 2, 3), keepdim=True) - x.amin(dim=(1, 2, 3), keepdim=True)
+        return x + self.smooth_sigma * spread * torch.randn(x.shape, device=x.device, generator=generator)
+
+    def _fused(self, maps: list[Tensor], size: Sequence[int]) -> Tensor:
+        """One map from each layer's: each upsampled to ``size`` and normalized, then their mean or maximum."""
+        stacked = torch.stack([normalize_maps(upsample(m, size)) for m in maps])
+        return stacked.mean(dim=0) if self.fuse == "mean" else stacked.amax(dim=0)
+
+    def _record(
+        self, x: Tensor, goal: Target | BoundTarget, model_kwargs: Mapping[str, Any], plain: bool = False
+    ) -> Recorded:
+        """One forward (and backward) pass over ``x``: the layers' activations and, for each of the K targets, their
+        gradients. ``goal`` is bound on the output unless it is bound already. The ``plain`` pass (the input as
+        given) refuses, for a method with gradients, layers the score does not reach."""
+        hooked = {name: module for name, module in self._layers if module is not None}
+        recording = self.recorder(hooked)
+        if self.map_of_input:  # the whole network is recorded, for the gradient at the input
+            x = x.detach().requires_grad_(True)
+        with (
+            torch.enable_grad() if self.needs_gradients or self.map_of_input else torch.no_grad(),
+            self.backward_rule(),
+            canvas_recorded(self.model) as canvases,
+            grids_recorded(self.model) as grids,
+            sparse_box_heads(self.model),
+            reached_rows(self.model, skip=recording.modules.values()),
+            recording as recorder,
+        ):
+            output = recorder.forward(partial(self.model, **model_kwargs), x)
+            canvas = canvases[-1] if canvases else None  # a detector's: its maps are brought onto the image
+            geometry = Geometry(canvas.size if canvas else tuple(x.shape[-2:]), grids[-1] if grids else None)
+            layouts = {name: self._layout(name, a, geometry) for name, a in recorder.activations.items()}
+            bound = bound_on(goal, output, self.labels)
+            scores = target_scores(bound, output, x)
+            gradients = [self._gradients(recorder, scores[:, k].sum(), x, layouts) for k in range(scores.shape[1])]
+            if plain and self.needs_gradients:
+                self._check_reached(gradients, bound, automatic=self._requested is None)
+            activations = {name: layouts[name](a).float() for name, a in recorder.activations.items()}
+        if self.map_of_input:
+            activations[INPUT] = x.detach().float()
+        return Recorded(x.detach(), output, bound, scores, activations, gradients, layouts, canvas, geometry)
+
+    def _maps(
+        self, recorded: Recorded, generator: torch.Generator | None, model_kwargs: Mapping[str, Any]
+    ) -> list[Tensor]:
+        """Each layer's (N, K, h, w) maps of one recorded pass: the method's formula per layer and target."""
+        canvas, x = recorded.canvas, recorded.x
+
+        def to_input(maps: Tensor) -> Tensor:
+            return upsample(canvas.crop(maps) if canvas else maps, x.shape[-2:])
+
+        maps, shared = [], {}
+        for name, module in self._layers:
+            per_target = []
+            for k, gradients in enumerate(recorded.gradients):
+                gradient = gradients.get(name)
+                capture = Capture(
+                    x=x,
+                    activations=recorded.activations[name],
+                    gradients=None if gradient is None else gradient.float(),
+                    name=name,
+                    module=module,
+                    scores=recorded.scores[:, k].detach(),
+                    target=recorded.bound,
+                    k=k,
+                    to_input=to_input,
+                    generator=generator,
+                    model_kwargs=model_kwargs,
+                    shared=shared,
+                    layout=recorded.layouts.get(name),
+                    geometry=recorded.geometry,
+                )
+                per_target.append(self.compute(capture))
+            stacked = torch.stack(per_target, dim=1)
+            maps.append(canvas.crop(stacked) if canvas and module is not None else stacked)
+        return maps
+
+    @staticmethod
+    def _check_reached(gradients: list[dict[str, Tensor]], bound: BoundTarget, automatic: bool) -> None:
+        """Refuse maps of a gradient that is zero everywhere: they would be flat, a confident picture of nothing.
+        The message's way out depends on whether the layers are the automatic ones.
+
+        Raises:
+            LayerError: For some image and target, the gradient is zero at every position of every layer.
+        """
+        for k, by_layer in enumerate(gradients):
+            zero = torch.stack([~g.flatten(1).ne(0).any(dim=1) for g in by_layer.values()]).all(dim=0)
+            if bound.valid is not None:
+                zero &= bound.valid[:, k]
+            if zero.any():
+                if automatic and all(layer_entry(name)[0] == BACKBONE for name in by_layer):
+                    why = (
+                        "The automatic layers leave out a detector's pyramid levels one cell wide, too coarse to map, "
+                        "and a detection there reaches none of the others: choose a layer inside the backbone, "
+                        "whose maps feed every level (explain --layers)"
+                    )
+                else:
+                    why = (
+                        "At the last block of a class-token transformer, say, the head never reads the patch tokens: "
+                        "choose an earlier layer (explain --layers)" + ("" if automatic else ", or the automatic one")
+                    )
+                raise LayerError(
+                    f"the target score's gradient is zero at every position of layer(s) {', '.join(by_layer)} "
+                    f"(image {int(zero.nonzero()[0])}): the score does not depend on the map there. {why}"
+                )
+
+    def _layout(self, name: str, activation: Tensor, geometry: Geometry) -> Layout:
+        """How a layer's output becomes a map: the caller's ``reshape``, else found from its shape."""
+        if self.reshape is not None:
+            return Layout("reshape", reshape=self.reshape)
+        return find_layout(self.model, name, activation.shape[1:], geometry)
+
+    def _gradients(
+        self, recorder: ActivationGradientRecorder, score: Tensor, x: Tensor, layouts: Mapping[str, Layout]
+    ) -> dict[str, Tensor]:
+        """The gradient of one summed score at each layer, as a map like the layer's activation, and at the input
+        for a method whose map is the input's."""
+        found = {name: layouts[name](g) for name, g in recorder.backward(score).items()} if self.needs_gradients else {}
+        if self.map_of_input:
+            found[INPUT] = torch.autograd.grad(score, x, retain_graph=True)[0]
+        return found

@@ -1,0 +1,218 @@
+"""An export's outputs: what each image's files are called, and rendering and writing them with their record."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ..catalog import ALL_METHODS
+from ..errors import first_line
+from ..io.images import save_array, save_image
+from ..io.render import annotate, figure, grid, picture
+from .inputs import Input
+from .manifest import record
+from .settings import RenderOptions
+
+
+def _slug(name: str) -> str:
+    """A class name as part of a file name: lower case, runs of other characters than letters and digits as '-'."""
+    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split()) or "class"
+
+
+@dataclass(frozen=True)
+class Explained:
+    """One explained target of one image, ready to render: its map(s) by method and what it explains."""
+
+    k: int
+    cams: dict[str, torch.Tensor]
+    class_index: int
+    class_name: str
+    score: float
+    box: list[float] | None  # x1, y1, x2, y2 in the original image's pixels
+    region: torch.Tensor | None  # the region's weights at the model output's resolution
+    metrics: dict[str, dict[str, float]] | None = None  # by method, each asked metric's value
+    curves: dict[str, dict[str, list[float]]] | None = None  # by method, the deletion and insertion curves
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What the model step gives an image that it explained: its targets, its raw maps by method, and the layer."""
+
+    targets: list[Explained]
+    raws: dict[str, np.ndarray]
+    layer: str
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An image the model refused (its own error, in one line)."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class NothingFound:
+    """An image that holds nothing to explain: no detection, no pixel of the class."""
+
+    note: str
+
+
+Outcome = Explanation | Failure | NothingFound
+
+
+def output_bases(inputs: Sequence[Input], out_dir: Path, files_for: Callable[[Path], list[Path]]) -> list[Path]:
+    """Choose where each input's outputs go: ``out_dir / input.relative``.
+
+    A ``-2``, ``-3``... suffix keeps bases apart when two inputs would share one
+    (``cats/chelsea.png`` and ``more/chelsea.png`` given as files, or ``a.jpg`` beside
+    ``a.png``) and keeps any output from landing on an input file.
+
+    Args:
+        inputs: The inputs that have a file.
+        out_dir: The output folder.
+        files_for: The files written for a base path.
+    """
+    taken = {item.path.resolve() for item in inputs}
+    bases = []
+    for item in inputs:
+        base, number = out_dir / item.relative, 1
+        while any(f.resolve() in taken for f in files_for(base)):
+            number += 1
+            base = out_dir / item.relative.parent / f"{item.relative.name}-{number}"
+        taken.update(f.resolve() for f in files_for(base))
+        bases.append(base)
+    return bases
+
+
+@dataclass(frozen=True)
+class OutputWriter:
+    """Names, renders and writes an image's outputs, one method (or the grid of ``"all"``) at a time.
+
+    Attributes:
+        out_dir: The output folder; records name files relative to it.
+        model: The model's name, for the records.
+        task: The model's task (detections and segments tag their files by box and class).
+        methods: The methods whose outputs are written apart: each asked one, or ``"all"`` (one grid).
+        topk: The K top classes explained of each image, or None.
+        render: How the maps are drawn and which files are written.
+    """
+
+    out_dir: Path
+    model: str
+    task: str
+    methods: list[str]
+    topk: int | None
+    render: RenderOptions
+
+    def tag(self, k: int, class_name: str, method: str) -> str:
+        """What tells an image's outputs apart: the method, and which target (top class, detection, segment)."""
+        if self.task == "detection":
+            return f".{method}.box{k + 1}"
+        if self.task == "segmentation":
+            return f".{method}.{_slug(class_name)}"
+        return f".{method}" + (f".top{k + 1}" if self.topk else "")
+
+    def paths(self, base: Path, tags: Sequence[str], method: str) -> tuple[list[Path], list[Path], Path | None]:
+        """The overlays, figures and raw maps of one method written for an output base path and its targets' tags."""
+        fmt = self.render.fmt
+        overlays = [base.with_name(base.name + tag + f".{fmt}") for tag in tags]
+        figures = [base.with_name(base.name + tag + f".figure.{fmt}") for tag in tags] if self.render.figure else []
+        raw = base.with_name(f"{base.name}.{method}.npy") if self.render.save_raw else None
+        return overlays, figures, raw
+
+    def files_for(self, base: Path) -> list[Path]:
+        """The files written for an output base path (for detections and segments, those of the first target)."""
+        files = []
+        for method in self.methods:
+            tags = [self.tag(k, "class", method) for k in range(self.topk or 1)]
+            overlays, figures, raw = self.paths(base, tags, method)
+            files += [*overlays, *figures, *([raw] if raw else [])]
+        return files
+
+    def write(self, item: Input, image: np.ndarray, base: Path, explanation: Explanation) -> list[dict[str, Any]]:
+        """Render and write one image's outputs, a map per target for each method (or their grid); returns its
+        records, one per method written apart."""
+        return [
+            self._write_method(item, image, base, explanation.targets, m, explanation.raws.get(m), explanation.layer)
+            for m in self.methods
+        ]
+
+    def _write_method(
+        self,
+        item: Input,
+        image: np.ndarray,
+        base: Path,
+        explained: list[Explained],
+        method: str,
+        raw: torch.Tensor | None,
+        layer: str,
+    ) -> dict[str, Any]:
+        tags = [self.tag(e.k, e.class_name, method) for e in explained]
+        outputs, figures, raw_path = self.paths(base, tags, method)
+        targets, style = [], self.render
+        try:
+            for j, (e, output) in enumerate(zip(explained, outputs)):
+                mark = partial(self.annotated, e)
+                if method == ALL_METHODS:
+                    title = f"{e.class_name} ({e.score:.1%}), every fast method"
+                    save_image(grid(image, e.cams, title, style.alpha, style.colormap, mark=mark), output)
+                else:
+                    save_image(mark(picture(image, e.cams[method], style.alpha, style.colormap)), output)
+                if figures:
+                    title = f"{e.class_name} ({e.score:.1%}), {method} at {layer}"
+                    save_image(figure(image, e.cams[method], title, style.alpha, style.colormap, mark), figures[j])
+                targets.append(
+                    {
+                        "class_index": e.class_index,
+                        "class_name": e.class_name,
+                        "score": round(e.score, 6),
+                        "box": None if e.box is None else [round(v, 1) for v in e.box],
+                        "region": None if e.region is None else self.region_record(e.region, image.shape[:2]),
+                        "output": self.relative(output),
+                        "figure": self.relative(figures[j]) if figures else None,
+                        "metrics": e.metrics[method] if e.metrics else None,
+                        "curves": (e.curves[method] or None) if e.curves else None,
+                    }
+                )
+            if raw_path:
+                save_array(np.asarray(raw), raw_path)
+        except OSError as err:
+            return record(item.name, self.model, method, error=f"{item.name}: cannot write outputs: {first_line(err)}")
+        raw_name = self.relative(raw_path) if raw_path else None
+        return record(item.name, self.model, method, targets=targets, layer=layer, raw=raw_name)
+
+    def failed(self, item: Input, error: str) -> list[dict[str, Any]]:
+        """The record of an input that failed as a whole (its file unreadable, the model's refusal)."""
+        return [record(item.name, self.model, ",".join(self.methods), error=error)]
+
+    def noted(self, item: Input, note: str) -> list[dict[str, Any]]:
+        """The records of an input with nothing to explain (no detection, no pixel of the class): no files."""
+        return [record(item.name, self.model, method, targets=[], note=note) for method in self.methods]
+
+    def relative(self, path: Path) -> str:
+        """A written file as the records name it: its path below the output folder."""
+        return path.relative_to(self.out_dir).as_posix()
+
+    @staticmethod
+    def annotated(e: Explained, picture: Image.Image) -> Image.Image:
+        """A picture with what a detection's or a segment's map explains drawn on it: its box or outline, and label."""
+        if e.box is None and e.region is None:
+            return picture
+        return annotate(picture, f"{e.class_name} {e.score:.3g}", e.box, e.region)
+
+    @staticmethod
+    def region_record(region: torch.Tensor, shape: tuple[int, int]) -> dict[str, Any]:
+        """A segment in the manifest: its share of the image and its bounding box in the pixels of the image,
+        whose (height, width) is ``shape``."""
+        rows, cols = region.nonzero(as_tuple=True)
+        height, width = region.shape
+        sx, sy = shape[1] / width, shape[0] / height
+        box = [float(cols.min()) * sx, float(rows.min()) * sy, float(cols.max() + 1) * sx, float(rows.max() + 1) * sy]
+        return {"fraction": round(float((region > 0).float().mean()), 6), "box": [round(v, 1) for v in box]}

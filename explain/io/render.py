@@ -1,0 +1,226 @@
+"""Renderers: a heatmap in colour, blended onto the original image; guided maps as images; figures and grids."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+import matplotlib
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageDraw, ImageFont
+from torch import Tensor
+
+from .images import rgb_array
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+
+def resize_map(cam: Tensor | np.ndarray, height: int, width: int) -> np.ndarray:
+    """Upsample a 2-D map bilinearly (align_corners=False, as the engine does) to (height, width)."""
+    values = cam.detach().cpu().float() if isinstance(cam, Tensor) else torch.as_tensor(cam, dtype=torch.float32)
+    if values.dim() != 2:
+        raise ValueError(f"cam must be a 2-D map, got shape {tuple(values.shape)}")
+    resized = F.interpolate(values[None, None], size=(height, width), mode="bilinear", align_corners=False)
+    return resized[0, 0].numpy()
+
+
+@functools.lru_cache(maxsize=16)
+def _colours(colormap: str) -> np.ndarray:
+    """A matplotlib colormap's table as (N, 3) uint8 RGB."""
+    cmap = matplotlib.colormaps[colormap]
+    return (cmap(np.arange(cmap.N))[:, :3] * 255 + 0.5).astype(np.uint8)
+
+
+def colorize(cam: Tensor | np.ndarray, colormap: str = "jet") -> np.ndarray:
+    """Map values in [0, 1] (clipped) through a matplotlib colormap: HxWx3 uint8 RGB.
+
+    The same colours as ``colormap(values)``, which picks entry ``int(value * N)`` of its N-entry table (1
+    picks the last), looked up in the table at once rather than computed as floats per pixel.
+    """
+    colours = _colours(colormap)
+    index = np.asarray(cam, dtype=np.float32) * np.float32(len(colours))
+    np.clip(index, 0, len(colours) - 1, out=index)
+    if len(colours) > 256:
+        return np.take(colours, index.astype(np.intp), axis=0)
+    paletted = Image.fromarray(index.astype(np.uint8), mode="P")  # Pillow looks the table up in C
+    paletted.putpalette(colours.tobytes())
+    return np.asarray(paletted.convert("RGB"))
+
+
+def overlay(
+    image: Image.Image | np.ndarray,
+    cam: Tensor | np.ndarray,
+    alpha: float = 0.5,
+    colormap: str = "jet",
+) -> Image.Image:
+    """Blend a coloured heatmap onto an image at the image's own resolution.
+
+    Args:
+        image: A PIL image or an HxWx3 uint8 RGB array.
+        cam: A 2-D map of any resolution, values in [0, 1] (as :func:`explain.gradcam`
+            returns them); it is upsampled bilinearly to the image.
+        alpha: Weight of the heatmap, 0 (image only) to 1 (heatmap only).
+        colormap: A matplotlib colormap name.
+
+    Returns:
+        The RGB overlay, same size as ``image``.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    pixels = rgb_array(image)
+    blended = colorize(resize_map(cam, *pixels.shape[:2]), colormap).astype(np.float32)
+    blended -= pixels  # in place: (1 - alpha) * pixels + alpha * heat, rounded, in four passes over memory
+    blended *= alpha
+    blended += pixels
+    blended += 0.5  # at most 255.5, which the cast truncates to 255
+    return Image.fromarray(blended.astype(np.uint8), mode="RGB")
+
+
+def gradient_image(cam: Tensor | np.ndarray, height: int, width: int) -> Image.Image:
+    """A guided map (3, h, w) with values in [0, 1] (as the guided methods return them) as an RGB image."""
+    values = torch.as_tensor(cam).detach().cpu().float()
+    if values.dim() != 3 or values.shape[0] != 3:
+        raise ValueError(f"a guided map must be (3, H, W), got shape {tuple(values.shape)}")
+    resized = F.interpolate(values[None], size=(height, width), mode="bilinear", align_corners=False)[0]
+    pixels = (resized.clamp(0, 1) * 255 + 0.5).to(torch.uint8).permute(1, 2, 0).numpy()
+    return Image.fromarray(pixels, mode="RGB")
+
+
+def picture(
+    image: Image.Image | np.ndarray, cam: Tensor | np.ndarray, alpha: float = 0.5, colormap: str = "jet"
+) -> Image.Image:
+    """What a method's map looks like on an image: a heatmap overlay, or the guided image (3-D maps)."""
+    pixels = rgb_array(image)
+    if np.ndim(cam) == 3:
+        return gradient_image(cam, *pixels.shape[:2])
+    return overlay(pixels, cam, alpha, colormap)
+
+
+BOX_COLOUR = (255, 255, 255)  # white: distinct from every colour of the jet map that it is drawn over
+OUTLINE_COLOUR = (255, 255, 255)
+
+
+def outline(mask: Tensor | np.ndarray, height: int, width: int, thickness: int = 1) -> np.ndarray:
+    """The boundary pixels of a region, at (height, width): the region resized (nearest) minus its
+    3x3 erosion, thickened to ``thickness`` pixels. Returns a boolean (height, width) array."""
+    region = torch.as_tensor(mask).detach().cpu().float()[None, None] > 0
+    region = F.interpolate(region.float(), size=(height, width), mode="nearest-exact")
+    eroded = -F.max_pool2d(-region, 3, stride=1, padding=1)  # a 3x3 minimum; the image's border does not count
+    edge = region - eroded
+    if thickness > 1:
+        edge = F.max_pool2d(edge, 2 * (thickness // 2) + 1, stride=1, padding=thickness // 2)
+    return (edge[0, 0] > 0).numpy() & (region[0, 0] > 0).numpy()
+
+
+def annotate(
+    picture: Image.Image,
+    label: str,
+    box: tuple[float, float, float, float] | None = None,
+    region: Tensor | np.ndarray | None = None,
+) -> Image.Image:
+    """Draw what a map explains on its picture: a detection's box (image pixels), or a segment's outline
+    (a mask of any resolution, resized to the picture), and a label at its top left corner."""
+    annotated, corner = picture.copy(), (0.0, 0.0)
+    width, height = annotated.size
+    thickness = max(2, round(min(width, height) / 200))
+    if region is not None:
+        pixels = np.asarray(annotated).copy()
+        edge = outline(region, height, width, thickness)
+        pixels[edge] = OUTLINE_COLOUR
+        annotated = Image.fromarray(pixels)
+        rows, cols = np.nonzero(edge)
+        if len(rows):
+            corner = (float(cols.min()), float(rows.min()))
+    draw = ImageDraw.Draw(annotated)
+    if box is not None:
+        draw.rectangle(box, outline=BOX_COLOUR, width=thickness)
+        corner = (box[0], box[1])
+    font = ImageFont.load_default(size=max(10, round(min(width, height) / 30)))
+    _, _, right, bottom = draw.textbbox((0, 0), label, font=font)
+    x = min(max(0.0, corner[0]), max(0.0, width - right))
+    y = max(0.0, corner[1] - bottom) if corner[1] >= bottom else corner[1]
+    draw.rectangle((x, y, x + right, y + bottom), fill=BOX_COLOUR)
+    draw.text((x, y), label, fill=(0, 0, 0), font=font)
+    return annotated
+
+
+def panel_figure(
+    panels: Mapping[str, np.ndarray | Image.Image], title: str, columns: int, colormap: str = "jet"
+) -> Figure:
+    """A matplotlib figure of images in a grid of ``columns``, each under its name, the whole under ``title``.
+
+    A panel is an RGB image, or a 2-D map in [0, 1], drawn with ``colormap`` and a colour
+    bar. Matplotlib's constrained layout places the titles, so none overlaps an image or
+    another title, whatever the images' aspect.
+    """
+    from matplotlib.figure import Figure
+
+    first = np.asarray(next(iter(panels.values())))
+    height, width = first.shape[:2]
+    rows = math.ceil(len(panels) / columns)
+    fig = Figure(figsize=(4 * columns, rows * 4 * height / width + 0.8), dpi=100, layout="constrained")
+    for position, (name, panel) in enumerate(panels.items(), start=1):
+        axes = fig.add_subplot(rows, columns, position)
+        shown = axes.imshow(panel, cmap=colormap, vmin=0.0, vmax=1.0)
+        if np.ndim(panel) == 2:
+            fig.colorbar(shown, ax=axes, shrink=0.8)
+        axes.set_title(name)
+        axes.axis("off")
+    fig.suptitle(title)
+    return fig
+
+
+def _rendered(fig: Figure) -> Image.Image:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return Image.fromarray(np.asarray(canvas.buffer_rgba())[..., :3].copy())
+
+
+Marker = Callable[[Image.Image], Image.Image]  # draws what a map explains (a box, an outline) on a picture
+
+
+def _unmarked(picture: Image.Image) -> Image.Image:
+    return picture
+
+
+def figure(
+    image: Image.Image | np.ndarray,
+    cam: Tensor | np.ndarray,
+    title: str,
+    alpha: float = 0.5,
+    colormap: str = "jet",
+    mark: Marker = _unmarked,
+) -> Image.Image:
+    """A side-by-side figure under ``title``: the image, the heatmap with a colour bar, and the
+    overlay (or, for a guided map, the image and the guided image); ``mark`` draws on the pictures."""
+    pixels = rgb_array(image)
+    plain = mark(Image.fromarray(pixels))
+    if np.ndim(cam) == 3:
+        return _rendered(panel_figure({"image": plain, "guided": mark(picture(pixels, cam))}, title, columns=2))
+    heat = np.clip(resize_map(cam, *pixels.shape[:2]), 0.0, 1.0)
+    panels = {"image": plain, "heatmap": heat, "overlay": mark(overlay(pixels, heat, alpha, colormap))}
+    return _rendered(panel_figure(panels, title, columns=3, colormap=colormap))
+
+
+def grid(
+    image: Image.Image | np.ndarray,
+    cams: Mapping[str, Tensor | np.ndarray],
+    title: str,
+    alpha: float = 0.5,
+    colormap: str = "jet",
+    columns: int = 4,
+    mark: Marker = _unmarked,
+) -> Image.Image:
+    """One figure comparing methods: the image, then each method's map on it, under its name; ``mark``
+    draws on every picture."""
+    pixels = rgb_array(image)
+    pictures = {name: picture(pixels, cam, alpha, colormap) for name, cam in cams.items()}
+    panels = {"image": mark(Image.fromarray(pixels)), **{name: mark(p) for name, p in pictures.items()}}
+    return _rendered(panel_figure(panels, title, columns=min(columns, len(panels))))

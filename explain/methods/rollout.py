@@ -1,0 +1,140 @@
+"""Methods of vision transformers' attention: the class token's row of the attention rolled out through
+the layers, on the patch grid. The probabilities are captured by
+:class:`explain.core.attention_capture.AttentionRecorder`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..core.attention_capture import AttentionRecorder, attention_modules
+from ..core.engine import CAM, Capture
+from ..core.layers import LayerSpec
+from ..core.layouts import Geometry, Layout
+from ..errors import LayerError
+
+
+class Rollout(CAM):
+    """Base of the rollout methods: records every attention layer's probabilities (N, layers, heads, T, T) and
+    maps the class token's row of the rolled-out attention, over the patch tokens, onto the patch grid.
+
+    Args:
+        model: A vision transformer with a class token whose attention modules can be read
+            (:func:`explain.core.attention_capture.attention_kind`: torchvision's, timm's, HuggingFace's); left as
+            it was.
+        layer: The attention modules to roll out, by name or module, in the order the model
+            runs them; None: all of them.
+        labels: Class names, to accept a class name as target.
+    """
+
+    relu = False  # the rolled-out attention is not negative
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layer: LayerSpec | Sequence[str | nn.Module] = None,
+        *,
+        labels: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__(model, layer, labels=labels)
+        self.fused = False  # the layers are rolled out together, not fused map by map
+        self._attention: dict[str, nn.Module] = {}
+
+    def _resolve_layers(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> list[tuple[str, nn.Module | None]]:
+        readable = attention_modules(self.model)
+        if self._requested is None:
+            chosen = readable
+        else:
+            named = dict(self.model.named_modules())
+            chosen = {}
+            for spec in self._requested:
+                name = next((n for n, m in named.items() if m is spec), None) if isinstance(spec, nn.Module) else spec
+                if name not in readable:
+                    raise LayerError(
+                        f"{name!r} is not an attention module that can be read; the model's are "
+                        f"{', '.join(readable) or 'none'}"
+                    )
+                chosen[name] = readable[name]
+        if not chosen:
+            raise LayerError(
+                f"{type(self).__name__} reads the attention of nn.MultiheadAttention, timm's Attention or "
+                "HuggingFace's ViT, DeiT, DINOv2 and CLIP attention; "
+                "this model has none"
+            )
+        self._attention = chosen
+        names = list(chosen)
+        label = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]} ({len(names)} attention layers)"
+        return [(label, None)]
+
+    def recorder(self, modules: Mapping[str, nn.Module]) -> AttentionRecorder:
+        return AttentionRecorder(self._attention, self.layer, gradients=self.needs_gradients)
+
+    def _layout(self, name: str, activation: Tensor, geometry: Geometry) -> Layout:
+        return Layout("attention")
+
+    def rolled_out(self, capture: Capture) -> Tensor:
+        """The attention rolled out through the layers, (N, T, T)."""
+        raise NotImplementedError
+
+    def compute(self, capture: Capture) -> Tensor:
+        """The class token's row of the rolled-out attention over the patch tokens, on the patch grid: (N, h, w)."""
+        tokens, grid = capture.activations.shape[-1], capture.geometry.grid
+        prefix = tokens - grid[0] * grid[1] if grid else -1
+        if grid is None or prefix < 1:
+            found = "no patch embedding" if grid is None else f"{tokens} tokens on a {grid[0]}x{grid[1]} grid"
+            raise LayerError(f"{type(self).__name__} reads the class token's row; the model has {found}")
+        return self.rolled_out(capture)[:, 0, prefix:].reshape(-1, *grid)
+
+
+def _identity_like(attention: Tensor) -> Tensor:
+    """The identity (N, T, T) for per-layer matrices (N, layers, T, T)."""
+    n, _, tokens, _ = attention.shape
+    return torch.eye(tokens, dtype=attention.dtype, device=attention.device).expand(n, tokens, tokens)
+
+
+class AttentionRollout(Rollout):
+    r"""Attention Rollout: Abnar & Zuidema, "Quantifying Attention Flow in Transformers", ACL 2020
+    (arXiv:2005.00928).
+
+    Each layer's attention averaged over heads, plus the identity (the residual
+    connection), rows normalized: :math:`\hat A_l = \mathrm{rows}(\bar A_l + I)`; rolled
+    out by :math:`R = \hat A_L \cdots \hat A_1`. The map is the class token's row of R over
+    the patch tokens. It does not depend on the target (the class is still bound and
+    reported); no gradient is computed.
+    """
+
+    name = "attention_rollout"
+    needs_gradients = False
+
+    def rolled_out(self, capture: Capture) -> Tensor:
+        layers = capture.activations.double().mean(dim=2)  # (N, layers, T, T)
+        augmented = layers + _identity_like(layers)[:, None]
+        augmented = augmented / augmented.sum(dim=-1, keepdim=True)
+        rolled = augmented[:, 0]
+        for layer in augmented.unbind(dim=1)[1:]:
+            rolled = layer @ rolled
+        return rolled.float()
+
+
+class GradientRollout(Rollout):
+    r"""Gradient-weighted attention rollout: Chefer, Gur & Wolf, "Generic Attention-model
+    Explainability for Interpreting Bi-Modal and Encoder-Decoder Transformers", ICCV 2021
+    (arXiv:2103.15679).
+
+    Each layer's attention weighted by the target score's gradient, positive part,
+    averaged over heads: :math:`\bar A_l = E_h[(\nabla A_l \odot A_l)^+]`; rolled out from
+    :math:`R = I` by :math:`R \leftarrow R + \bar A_l R`. The map is the class token's row of
+    R over the patch tokens: class-specific, through any target.
+    """
+
+    name = "gradient_rollout"
+
+    def rolled_out(self, capture: Capture) -> Tensor:
+        weighted = (capture.gradients.double() * capture.activations.double()).clamp(min=0).mean(dim=2)
+        rolled = _identity_like(weighted)
+        for layer in weighted.unbind(dim=1):
+            rolled = rolled + layer @ rolled
+        return rolled.float()

