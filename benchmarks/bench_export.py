@@ -23,7 +23,8 @@ from timing import emit, stolen_share
 
 import explain
 from explain.export.loading import default_workers
-from explain.export.run import ExportOptions, export_heatmaps
+from explain.export.run import export_heatmaps
+from explain.export.settings import ExportOptions, RenderOptions
 from explain.io import render
 from explain.io.images import load_image, save_image
 
@@ -83,7 +84,7 @@ def main() -> None:
             return len(x) / (time.perf_counter() - start)
 
         def export(fmt: str, workers: int | None, name: str) -> float:
-            options = ExportOptions(batch_size=16, fmt=fmt, workers=workers, overwrite=True)
+            options = ExportOptions(batch_size=16, render=RenderOptions(fmt=fmt), workers=workers, overwrite=True)
             return export_heatmaps(spec, [folder], Path(temp, name), options, device=device).rate
 
         model_only()  # warm-up

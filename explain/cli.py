@@ -360,7 +360,7 @@ def _check_model(spec: ModelSpec, options: ExportOptions) -> None:
         _check_layers(spec, names, _probe(spec, ""))
     if options.target is not None:
         class_index(options.target, spec.labels, len(spec.labels))
-    options.check_task(spec.name, spec.task, len(spec.labels))
+    options.check_task(spec)
 
 
 def _export(

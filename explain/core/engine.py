@@ -170,7 +170,7 @@ class Capture:
 
 
 @dataclass(frozen=True)
-class Recorded:
+class PassRecord:
     """What one pass recorded at every target layer, before any method's formula.
 
     Attributes:
@@ -230,6 +230,8 @@ class CAM:
     weights), :meth:`weighted_activations` (element-wise weights) or
     :meth:`combine`; the map is ``ReLU(combine(weighted_activations))`` (without
     the ReLU when ``relu`` is False).
+    A method that records something else than a layer's output (attention probabilities) also
+    overrides :meth:`recorder`, :meth:`target_layers` and :meth:`layout`.
 
     Args:
         model: A classifier returning (N, classes) scores.
@@ -306,7 +308,7 @@ class CAM:
         """Dotted name of the target layer, names joined by ``+`` when fused (None until found)."""
         return "+".join(name for name, _ in self._layers) if self._layers else None
 
-    def _resolve_layers(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> list[tuple[str, nn.Module | None]]:
+    def target_layers(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> list[tuple[str, nn.Module | None]]:
         """The target layers by name and module: those asked for, or the automatic one for x (the input, for a
         method whose map is the input's)."""
         if self.map_of_input:
@@ -382,7 +384,7 @@ class CAM:
         if self.aug_smooth and isinstance(goal, Target) and goal.geometric:
             raise TargetError(f"aug_smooth flips and rescales the input, which would misplace a {type(goal).__name__}")
         if self._layers is None:
-            self._layers = self._resolve_layers(x, model_kwargs)
+            self._layers = self.target_layers(x, model_kwargs)
             self.fused = self.fused or len(self._layers) > 1  # the automatic layers of a detector are fused
         generator = None if self.seed is None else torch.Generator(device=x.device).manual_seed(self.seed)
         with untouched(self.model), torch.inference_mode(False), torch.enable_grad():
@@ -401,7 +403,7 @@ class CAM:
         return [PLAIN_VIEW] + [(flip, s) for s in AUG_SCALES for flip in (False, True) if (flip, s) != PLAIN_VIEW]
 
     def _averaged(
-        self, images: Tensor, plain: Recorded, generator: torch.Generator | None, model_kwargs: Mapping[str, Any]
+        self, images: Tensor, plain: PassRecord, generator: torch.Generator | None, model_kwargs: Mapping[str, Any]
     ) -> list[Tensor]:
         """Each layer's (N, K, h, w) maps averaged over the call's passes: the plain pass, its flipped and rescaled
         views (``aug_smooth``), each as ``smooth_samples`` noisy copies (the plain pass then only binds)."""
@@ -435,7 +437,7 @@ class CAM:
 
     def _record(
         self, x: Tensor, goal: Target | BoundTarget, model_kwargs: Mapping[str, Any], plain: bool = False
-    ) -> Recorded:
+    ) -> PassRecord:
         """One forward (and backward) pass over ``x``: the layers' activations and, for each of the K targets, their
         gradients. ``goal`` is bound on the output unless it is bound already. The ``plain`` pass (the input as
         given) refuses, for a method with gradients, layers the score does not reach."""
@@ -455,7 +457,7 @@ class CAM:
             output = recorder.forward(partial(self.model, **model_kwargs), x)
             canvas = canvases[-1] if canvases else None  # a detector's: its maps are brought onto the image
             geometry = Geometry(canvas.size if canvas else tuple(x.shape[-2:]), grids[-1] if grids else None)
-            layouts = {name: self._layout(name, a, geometry) for name, a in recorder.activations.items()}
+            layouts = {name: self.layout(name, a, geometry) for name, a in recorder.activations.items()}
             bound = bound_on(goal, output, self.labels)
             scores = target_scores(bound, output, x)
             gradients = [self._gradients(recorder, scores[:, k].sum(), x, layouts) for k in range(scores.shape[1])]
@@ -464,10 +466,10 @@ class CAM:
             activations = {name: layouts[name](a).float() for name, a in recorder.activations.items()}
         if self.map_of_input:
             activations[INPUT] = x.detach().float()
-        return Recorded(x.detach(), output, bound, scores, activations, gradients, layouts, canvas, geometry)
+        return PassRecord(x.detach(), output, bound, scores, activations, gradients, layouts, canvas, geometry)
 
     def _maps(
-        self, recorded: Recorded, generator: torch.Generator | None, model_kwargs: Mapping[str, Any]
+        self, recorded: PassRecord, generator: torch.Generator | None, model_kwargs: Mapping[str, Any]
     ) -> list[Tensor]:
         """Each layer's (N, K, h, w) maps of one recorded pass: the method's formula per layer and target."""
         canvas, x = recorded.canvas, recorded.x
@@ -530,7 +532,7 @@ class CAM:
                     f"(image {int(zero.nonzero()[0])}): the score does not depend on the map there. {why}"
                 )
 
-    def _layout(self, name: str, activation: Tensor, geometry: Geometry) -> Layout:
+    def layout(self, name: str, activation: Tensor, geometry: Geometry) -> Layout:
         """How a layer's output becomes a map: the caller's ``reshape``, else found from its shape."""
         if self.reshape is not None:
             return Layout("reshape", reshape=self.reshape)

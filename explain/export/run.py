@@ -282,7 +282,7 @@ def export_heatmaps(
             set, or the run to resume had other settings.
     """
     out_dir, process, options = Path(out_dir), this_process(), options or ExportOptions()
-    options.check_task(spec.name, spec.task, len(spec.labels))
+    options.check_task(spec)
     device = process.device(torch.device(device))
     explainer = _Explainer(spec, options, device)
     writer = OutputWriter(out_dir, spec.name, spec.task, options.methods.written, options.topk, options.render)

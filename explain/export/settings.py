@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..catalog import ALL_METHODS, FAST_METHOD_NAMES, check_method, check_metrics
 from ..errors import ExplainError
+
+if TYPE_CHECKING:
+    from ..models import ModelSpec
 
 LayerChoice = str | Sequence[str] | None  # a dotted name, several (fused), or None: the automatic layer
 FORMATS = ("jpg", "png")
@@ -177,13 +180,14 @@ class ExportOptions:
         if self.resume and self.overwrite:
             raise ExplainError("--resume and --overwrite exclude each other")
 
-    def check_task(self, name: str, task: str, classes: int) -> None:
-        """The rules that tie the settings to the model: its name, its task and its number of classes.
+    def check_task(self, spec: ModelSpec) -> None:
+        """The rules that tie the settings to the model's task and classes.
 
         Raises:
             ExplainError: ``topk`` or ``metrics`` for a model that is not a classifier, or ``topk`` above its
                 number of classes.
         """
+        name, task, classes = spec.name, spec.task, len(spec.labels)
         if self.topk is not None and task != "classification":
             raise ExplainError(f"--topk explains a classifier's top classes; {name} is a {task} model")
         if self.metrics and task != "classification":

@@ -43,7 +43,7 @@ class Rollout(CAM):
         self.fused = False  # the layers are rolled out together, not fused map by map
         self._attention: dict[str, nn.Module] = {}
 
-    def _resolve_layers(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> list[tuple[str, nn.Module | None]]:
+    def target_layers(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> list[tuple[str, nn.Module | None]]:
         readable = attention_modules(self.model)
         if self._requested is None:
             chosen = readable
@@ -72,7 +72,7 @@ class Rollout(CAM):
     def recorder(self, modules: Mapping[str, nn.Module]) -> AttentionRecorder:
         return AttentionRecorder(self._attention, self.layer, gradients=self.needs_gradients)
 
-    def _layout(self, name: str, activation: Tensor, geometry: Geometry) -> Layout:
+    def layout(self, name: str, activation: Tensor, geometry: Geometry) -> Layout:
         return Layout("attention")
 
     def rolled_out(self, capture: Capture) -> Tensor:
