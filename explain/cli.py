@@ -19,6 +19,7 @@ from .catalog import BUNDLED_MODEL, DEFAULT_MODEL, METRIC_NAMES, method_table
 from .errors import ExplainError
 from .export.inputs import Input, collect_inputs, listed_inputs
 from .export.manifest import check_fresh
+from .export.ownership import check_free
 from .export.settings import ExportOptions, RenderOptions
 
 if TYPE_CHECKING:
@@ -333,7 +334,8 @@ def _run(args: argparse.Namespace) -> int:
         return _write_gallery(args.out, args.quiet)  # rebuilt from the manifest alone: no model
     inputs = None if args.layers is not None else _check_inputs(args)
     if inputs is not None and not args.sanity_check:
-        check_fresh(args.out, args.resume, args.overwrite)  # refused before the model is loaded
+        check_free(args.out)  # another run's folder, and
+        check_fresh(args.out, args.resume, args.overwrite)  # an earlier run's, are refused before the model loads
     options = export_options(args)  # the inputs are named first: this imports matplotlib
     device = _device(args.device)
 
@@ -462,6 +464,19 @@ def _report_metrics(out: Path, records: list[dict[str, Any]], quiet: bool) -> No
         print(f"metrics: {out / 'metrics.csv'}, {out / 'metrics.json'}, {out / 'metrics.png'}")
 
 
+def _os_error(err: OSError, out: Path) -> str:
+    """An OS error that no step turned into its own message, as one line: what failed (a write into the output
+    folder, or a read elsewhere) and on which path."""
+    if err.filename is None:
+        return f"{err.strerror or err}"
+    path = Path(err.filename)
+    try:
+        writing = path.resolve().is_relative_to(out.resolve())
+    except (OSError, RuntimeError):
+        writing = False
+    return f"cannot {'write' if writing else 'read'} {path}: {err.strerror or err}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status (0 all written, 1 some inputs failed, 2 usage error)."""
     try:
@@ -475,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"explain: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as err:
-        print(f"explain: error: cannot write to {args.out}: {err.strerror or err}", file=sys.stderr)
+        print(f"explain: error: {_os_error(err, args.out)}", file=sys.stderr)
         return EXIT_SOME_FAILED
     except KeyboardInterrupt:
         print("explain: interrupted; what was written is complete and recorded: --resume continues", file=sys.stderr)

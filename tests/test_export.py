@@ -142,10 +142,12 @@ def test_resume_matches_inputs_by_file_not_by_spelling(dataset, tmp_path, monkey
         (tmp_path / "a" / name).write_bytes((dataset / "b" / f"coffee-{k + 2}.jpg").read_bytes())
     monkeypatch.chdir(tmp_path)
     assert main(["a", "-o", str(other), *LITE0, "--resume"]) == 0
-    assert summary_line(capsys.readouterr().out).startswith("written 2, failed 0, skipped 0 in ")
+    earlier = sorted(dataset.glob("a/*.jpg"))  # not given again: their records and files are kept, named absolutely
+    line = summary_line(capsys.readouterr().out)
+    assert line.startswith(f"written 2, failed 0, skipped 0, kept {len(earlier)} of the earlier run's inputs untouched")
     records = manifest(other)
-    assert [r["input"] for r in records] == ["a/astronaut-0.jpg", "a/astronaut-1.jpg"]
-    assert [r["targets"][0]["class_name"] for r in records] == ["espresso", "espresso"]
+    assert [r["input"] for r in records] == ["a/astronaut-0.jpg", "a/astronaut-1.jpg", *map(str, earlier)]
+    assert [r["targets"][0]["class_name"] for r in records[:2]] == ["espresso", "espresso"]
 
 
 def test_a_resumed_run_keeps_its_gallery_current(dataset, tmp_path) -> None:

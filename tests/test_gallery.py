@@ -129,3 +129,28 @@ def test_rebuilt_from_the_manifest_alone(gallery, capsys) -> None:
     assert explain.write_gallery(gallery) == gallery / "index.html" and (gallery / "index.html").read_text() == before
     assert main(["--gallery", "-o", str(gallery / "nothing-here")]) == 2
     assert "no manifest of an explain run here" in capsys.readouterr().err
+
+
+HOSTILE = "<!--<script>alert(1)</script>-->&amp;"
+HOSTILE_FILE = "<!--<script>alert(1)&amp;"  # a file name holds no slash
+
+
+def test_hostile_names_and_labels_leave_the_page_whole(tmp_path) -> None:
+    """A file and class name that open a comment and a script in the page's data: every card still shows, and the
+    names are shown as text, no script of theirs run."""
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    shutil.copy(CAT, photos / f"{HOSTILE_FILE}.png")
+    shutil.copy(COFFEE, photos / "coffee.png")
+    labels = tmp_path / "labels.txt"
+    labels.write_text("\n".join(f"{HOSTILE} {i}" for i in range(1000)))
+    out = tmp_path / "out"
+    assert (
+        main([str(photos), "-o", str(out), "--model", "efficientnet_lite0", "--labels", str(labels), "--gallery"]) == 0
+    )
+    data = (out / "index.html").read_text().split('<script id="data" type="application/json">', 1)[1]
+    assert "<" not in data.split("</script>", 1)[0]  # the data holds no '<' that could change how the page parses
+    page, console = render(out / "index.html")
+    assert console == [] and len(page.cards) == 2
+    text = " ".join(page.text)
+    assert f"{HOSTILE} 285" in text and f"{HOSTILE_FILE}.png" in text

@@ -31,7 +31,7 @@ from .hooks import ActivationGradientRecorder, layer_entry
 from .layers import BACKBONE, LayerSpec, auto_layers, resolve_layer
 from .layouts import Geometry, Layout, Reshape, find_layout, grids_recorded
 from .maps import Canvas, normalize_maps, postprocess, principal_projection, upsample
-from .model_state import untouched
+from .model_state import exclusive, running, untouched
 from .rows import reached_rows
 
 
@@ -81,6 +81,12 @@ def check_images(x: Any) -> None:
             f"x must be a floating-point tensor of normalized images, got dtype {x.dtype}; "
             "convert and normalize it as the model expects (ModelSpec.preprocess does it for explain's models)"
         )
+    if x.shape[0] == 0:
+        raise ExplainError(f"x is an empty batch, shape {tuple(x.shape)}: give at least one image")
+    broken = ~torch.isfinite(x.detach()).flatten(1).all(dim=1)
+    if bool(broken.any()):
+        images = ", ".join(str(i) for i in broken.nonzero()[:, 0].tolist()[:10])
+        raise ExplainError(f"x holds NaN or infinite values in image(s) {images}: their maps would be meaningless")
 
 
 def make_result(
@@ -378,6 +384,19 @@ class CAM:
         Returns:
             A :class:`CAMResult` whose tensors are on ``x``'s device.
         """
+        with exclusive(self.model):  # the layer search and the passes of one call, other threads' calls waiting
+            return self._explained(x, target, topk, resize, normalize, model_kwargs)
+
+    def _explained(
+        self,
+        x: Tensor,
+        target: TargetLike,
+        topk: int | None,
+        resize: bool,
+        normalize: bool,
+        model_kwargs: Mapping[str, Any] | None,
+    ) -> CAMResult:
+        """The call's work, under the model's lock: the layers found, the plain pass, the averaged maps."""
         check_images(x)
         model_kwargs = dict(model_kwargs or {})
         goal = as_target(target, topk)
@@ -446,6 +465,7 @@ class CAM:
         if self.map_of_input:  # the whole network is recorded, for the gradient at the input
             x = x.detach().requires_grad_(True)
         with (
+            running(self.model),
             torch.enable_grad() if self.needs_gradients or self.map_of_input else torch.no_grad(),
             self.backward_rule(),
             canvas_recorded(self.model) as canvases,

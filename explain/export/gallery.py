@@ -90,6 +90,13 @@ def gallery_data(out_dir: Path) -> dict[str, Any]:
     return {"cards": cards, "problems": problems, "page_size": PAGE_SIZE}
 
 
+def embedded(data: Any) -> str:
+    """``data`` as JSON that a page's ``<script>`` element holds as it is: every ``<``, ``>`` and ``&`` escaped, so
+    that no name, label or note in it can close the element or open a comment or a script state there."""
+    text = json.dumps(data)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
 def write_gallery(out_dir: str | Path) -> Path:
     """Write ``index.html`` and the thumbnails for an output folder from its manifest; returns the page.
 
@@ -97,7 +104,7 @@ def write_gallery(out_dir: str | Path) -> Path:
         ExplainError: The folder holds no manifest.
     """
     out_dir = Path(out_dir)
-    data = json.dumps(gallery_data(out_dir)).replace("</", "<\\/")  # nothing in the data can end the script
+    data = embedded(gallery_data(out_dir))
     template = resources.files("explain").joinpath("data", "gallery.html").read_text(encoding="utf-8")
     page = out_dir / PAGE
     write_atomically(page, lambda temp: temp.write_text(template.replace("/*DATA*/", data), encoding="utf-8"))

@@ -7,6 +7,7 @@ marked folders below it, so the outputs of one run never become the inputs of th
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 from collections.abc import Iterator, Sequence
@@ -47,6 +48,23 @@ def mark_output_folder(folder: Path) -> None:
         marker.write_text("explain writes its outputs here; a scan of input folders passes over this one.\n")
 
 
+def _resolved(path: Path) -> Path | None:
+    """The file a path leads to, or None where it leads to none (a loop of links, an unreadable folder)."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):  # RuntimeError: Python before 3.13, for a loop of symbolic links
+        return None
+
+
+def _unreadable(err: OSError) -> str:
+    """What an OS error says of a path that was to be read."""
+    if err.errno == errno.ELOOP:
+        return "a loop of symbolic links"
+    if err.errno == errno.ENOENT:  # a name the scan found, that leads nowhere
+        return "a symbolic link to nothing"
+    return f"cannot read ({err.strerror or err})"
+
+
 def _is_pattern(source: str) -> bool:
     return any(char in source for char in "*?[")
 
@@ -64,11 +82,29 @@ class _Scanner:
         self.seen: set[Path] = set()
 
     def is_output_folder(self, folder: Path) -> bool:
-        return (folder / OUTPUT_MARKER).is_file() or folder.resolve() == self.exclude
+        try:
+            return (folder / OUTPUT_MARKER).is_file() or folder.resolve() == self.exclude
+        except (OSError, RuntimeError):  # unreadable, or a link loop: the walk reports it
+            return False
+
+    def failed(self, path: Path | str, problem: str) -> None:
+        """An input that cannot be read: its error, the other inputs unharmed."""
+        self.found.append(Input(str(path), error=f"{path}: {problem}"))
 
     def add(self, path: Path, relative: Path) -> None:
-        if path.resolve() not in self.seen:
-            self.seen.add(path.resolve())
+        """Add a file whose outputs go to ``relative`` below the output folder; a place that would leave it (a
+        glob's ``..``) is the file's own name there instead."""
+        relative = Path(os.path.normpath(relative))
+        if relative.is_absolute() or relative.parts[:1] == ("..",):
+            relative = Path(path.name)
+        try:
+            resolved = path.resolve(strict=True)
+        except RuntimeError:  # Python before 3.13 for a loop of symbolic links
+            return self.failed(path, "a loop of symbolic links")
+        except OSError as err:
+            return self.failed(path, _unreadable(err))
+        if resolved not in self.seen:
+            self.seen.add(resolved)
             self.found.append(Input(str(path), path, relative.with_suffix("")))
 
     def images_below(self, folder: Path) -> Iterator[Path]:
@@ -79,10 +115,14 @@ class _Scanner:
         """
         written = named_outputs(folder) if self.is_output_folder(folder) else set()
         files = []
-        for root, dirs, names in os.walk(folder):
+
+        def unreadable(err: OSError) -> None:
+            self.failed(err.filename, f"cannot read this folder ({err.strerror or err})")
+
+        for root, dirs, names in os.walk(folder, onerror=unreadable):
             dirs[:] = [d for d in dirs if not self.is_output_folder(Path(root, d))]
             files += [Path(root, name) for name in names if _is_image(Path(name))]
-        return (path for path in sorted(files) if path.resolve() not in written)
+        return (path for path in sorted(files) if not written or _resolved(path) not in written)
 
     def inside(self, path: Path, base: Path) -> bool:
         """Whether ``path`` lies in an output folder below ``base`` (``base`` itself not counted)."""

@@ -88,11 +88,75 @@ def _complete_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
     return objects, end
 
 
+# Each field of a record and the types its value may have; each target's paths.
+_FIELDS: dict[str, tuple[type, ...]] = {
+    "schema": (int,),
+    "input": (str,),
+    "model": (str,),
+    "method": (str,),
+    "layer": (str, type(None)),
+    "targets": (list, type(None)),
+    "raw": (str, type(None)),
+    "note": (str, type(None)),
+    "error": (str, type(None)),
+}
+_TARGET_PATHS = ("output", "figure")
+
+
+def _record_problem(record: Any, out_dir: Path) -> str | None:
+    """What is wrong with one line of a manifest of this schema, or None: a field missing or of another type, or a
+    file named outside the output folder."""
+    if not isinstance(record, dict):
+        return f"a {type(record).__name__}, not a record"
+    for field, types in _FIELDS.items():
+        if field not in record:
+            return f"a record without {field!r}"
+        if not isinstance(record[field], types) or isinstance(record[field], bool):
+            return f"a record whose {field!r} is a {type(record[field]).__name__}"
+    if record["schema"] != SCHEMA:
+        return f"a record of schema {record['schema']}, not {SCHEMA}"
+    targets = record["targets"] or []
+    if not all(isinstance(t, dict) and isinstance(t.get("output"), str) for t in targets):
+        return "a record whose targets are not objects naming their output"
+    if any(t.get("figure") is not None and not isinstance(t["figure"], str) for t in targets):
+        return "a record whose figure is not a path"
+    root = out_dir.resolve()
+    for name in written_files(record):
+        try:
+            inside = not Path(name).is_absolute() and (root / name).resolve().is_relative_to(root)
+        except RuntimeError:  # Python before 3.13, for a loop of symbolic links
+            inside = False
+        if not inside:
+            return f"a record that names {name!r}, outside the output folder"
+    return None
+
+
 def read_manifest(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-    """A manifest file's header (None for a manifest of schema 3 or before, which had none) and its records."""
+    """A manifest file's header (None for a manifest of schema 3 or before, which had none) and its records, each
+    checked: the documented fields and types, and every file it names inside the output folder.
+
+    Raises:
+        ResumeError: A line that is no record of the documented shape, a header of another schema, or records
+            of this schema without a header; the message names the line and the problem.
+    """
     objects, _ = _complete_lines(path)
-    head = objects[0] if objects and "header" in objects[0] else None
-    return head, [o for o in objects if "header" not in o]
+    if not objects:
+        return None, []
+    first = objects[0]
+    if not (isinstance(first, dict) and "header" in first):  # an older version's: records only
+        if any(isinstance(o, dict) and o.get("schema", 0) >= SCHEMA for o in objects):
+            raise ResumeError(f"{path}: line 1 is not the header of the run's settings; use --overwrite")
+        return None, objects
+    if not isinstance(first["header"], dict) or first.get("schema") != SCHEMA:
+        found = first.get("schema")
+        newer = isinstance(found, int) and found > SCHEMA
+        why = f"written by a newer version of explain (schema {found})" if newer else "its header is not one"
+        raise ResumeError(f"{path}: line 1: {why}; use --overwrite, or another -o folder")
+    for number, record in enumerate(objects[1:], start=2):
+        problem = _record_problem(record, path.parent)
+        if problem is not None:
+            raise ResumeError(f"{path}: line {number} is {problem}; use --overwrite to start afresh")
+    return first, objects[1:]
 
 
 def manifest_files(out_dir: Path) -> list[Path]:

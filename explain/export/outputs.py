@@ -185,6 +185,8 @@ class OutputWriter:
                 save_array(np.asarray(raw), raw_path)
         except OSError as err:
             return record(item.name, self.model, method, error=f"{item.name}: cannot write outputs: {first_line(err)}")
+        except Exception as err:  # a picture that cannot be drawn costs its input, never the run
+            return record(item.name, self.model, method, error=f"{item.name}: cannot render outputs: {first_line(err)}")
         raw_name = self.relative(raw_path) if raw_path else None
         return record(item.name, self.model, method, targets=targets, layer=layer, raw=raw_name)
 

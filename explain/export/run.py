@@ -49,6 +49,7 @@ from .manifest import (
     rename_inputs,
 )
 from .outputs import Explained, Explanation, Failure, NothingFound, Outcome, OutputWriter, output_bases
+from .ownership import FolderLock, check_free
 from .settings import ExportOptions
 
 BACKGROUND = "__background__"  # the name of class 0 of torchvision's segmenters and detectors
@@ -117,6 +118,8 @@ class ExportSummary:
         written: Inputs explained and written now.
         failed: Inputs that failed now (each record holds its error).
         skipped: Inputs a resumed run found finished.
+        kept: Inputs of the earlier run that a resumed run was not given: their records and files stay as they
+            were (the manifest is the union of both runs).
         seconds: The run's time, from the first batch on.
     """
 
@@ -124,6 +127,7 @@ class ExportSummary:
     written: int = 0
     failed: int = 0
     skipped: int = 0
+    kept: int = 0
     seconds: float = 0.0
 
     @property
@@ -133,8 +137,9 @@ class ExportSummary:
 
     def line(self) -> str:
         """The one-line summary the command prints at the end."""
+        kept = f", kept {self.kept} of the earlier run's inputs untouched" if self.kept else ""
         return (
-            f"written {self.written}, failed {self.failed}, skipped {self.skipped} in {self.seconds:.1f} s "
+            f"written {self.written}, failed {self.failed}, skipped {self.skipped}{kept} in {self.seconds:.1f} s "
             f"({self.rate:.1f} images/s)"
         )
 
@@ -287,34 +292,59 @@ def export_heatmaps(
     explainer = _Explainer(spec, options, device)
     writer = OutputWriter(out_dir, spec.name, spec.task, options.methods.written, options.topk, options.render)
     head = header(run_settings(spec, options))
-    with process_group(process, device):
-        inputs = collect_inputs(sources, exclude=out_dir)  # before --overwrite forgets what the folder's outputs are
-        previous, records = _folder_prepared(process, out_dir, options, head, inputs)
-        done = finished(records, writer.methods, out_dir)
-        process.barrier()  # every process has read what earlier runs finished before any writes more
-        readable = [item for item in inputs if item.path is not None]
-        bases = dict(zip(readable, output_bases(readable, out_dir, writer.files_for)))
-        # Each process takes its share of what is left to do, so that a resumed run keeps them all busy.
-        todo = process.shard([item for item in inputs if item.name not in done])
-        summary = ExportSummary(skipped=len(process.shard([item for item in inputs if item.name in done])))
-        log = ManifestWriter(out_dir / (MANIFEST if process.world == 1 else part_name(process.rank)), head)
-        try:
-            _run(explainer, writer, todo, bases, log, summary, progress, report)
-        finally:
-            log.close()
-        process.barrier()  # every part is complete
-        if process.rank == 0 and (log.opened or previous is not None):
-            summary.records = merge(out_dir, head, [item.name for item in inputs], writer.methods)
+    check_free(out_dir)  # another run's folder is refused before anything is read or written
+    lock = FolderLock(out_dir, last=process.rank == 0)
+    try:
+        with process_group(process, device):
+            inputs = collect_inputs(sources, exclude=out_dir)  # before --overwrite forgets the folder's outputs
+            previous, records = _folder_prepared(process, out_dir, options, head, inputs, lock)
+            todo, bases, summary, order = _plan(process, out_dir, writer, inputs, records)
+            log = ManifestWriter(out_dir / (MANIFEST if process.world == 1 else part_name(process.rank)), head)
+            try:
+                _run(explainer, writer, todo, bases, log, summary, progress, report, lock)
+            finally:
+                log.close()
+            process.barrier()  # every part is complete
+            if process.rank == 0 and (log.opened or previous is not None):
+                summary.records = merge(out_dir, head, order, writer.methods)
+    finally:
+        lock.release()
     return summary
 
 
+def _plan(
+    process: Process, out_dir: Path, writer: OutputWriter, inputs: Sequence[Input], records: list[dict[str, Any]]
+) -> tuple[list[Input], dict[Input, Path], ExportSummary, list[str]]:
+    """What this process does: its share of the inputs an earlier run did not finish, where each input's outputs
+    go, the summary it starts from, and the merged manifest's order of inputs (this run's, then the earlier run's
+    that this one was not given: their records and files are kept)."""
+    done = finished(records, writer.methods, out_dir)
+    process.barrier()  # every process has read what earlier runs finished before any writes more
+    readable = [item for item in inputs if item.path is not None]
+    bases = dict(zip(readable, output_bases(readable, out_dir, writer.files_for)))
+    # Each process takes its share of what is left to do, so that a resumed run keeps them all busy.
+    todo = process.shard([item for item in inputs if item.name not in done])
+    names = [item.name for item in inputs]
+    given = set(names)
+    earlier = [name for name in dict.fromkeys(r["input"] for r in records) if name not in given]
+    skipped = len(process.shard([item for item in inputs if item.name in done]))
+    return todo, bases, ExportSummary(skipped=skipped, kept=len(earlier)), names + earlier
+
+
 def _folder_prepared(
-    process: Process, out_dir: Path, options: ExportOptions, head: dict[str, Any], inputs: Sequence[Input]
+    process: Process,
+    out_dir: Path,
+    options: ExportOptions,
+    head: dict[str, Any],
+    inputs: Sequence[Input],
+    lock: FolderLock,
 ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """The output folder made ready for this run: an earlier run refused, cleared (``overwrite``) or checked and
-    renamed to this run's input names (``resume``); killed writers' files removed. Returns the earlier run's
-    header (or None) and its records."""
+    renamed to this run's input names (``resume``); killed writers' files removed; the folder, if it exists,
+    held by this run. Returns the earlier run's header (or None) and its records."""
     check_fresh(out_dir, options.resume, options.overwrite)
+    if out_dir.is_dir():
+        lock.take()
     if process.rank == 0:
         if options.overwrite:
             remove_run(out_dir)
@@ -342,6 +372,7 @@ class _Recorder:
     bar: tqdm
     out_dir: Path
     report: Callable[[dict[str, Any]], None] | None
+    lock: FolderLock
     pending: deque[Future[list[dict[str, Any]]]] = field(default_factory=deque)
 
     def expect(self, records: Future[list[dict[str, Any]]]) -> None:
@@ -350,6 +381,7 @@ class _Recorder:
 
     def record(self, records: list[dict[str, Any]], counted: bool = True) -> None:
         """Record one input's records now (``counted``: the input is a file the progress bar counts)."""
+        self.lock.take()
         mark_output_folder(self.out_dir)
         self.log.add(records)
         self.summary.records += records
@@ -376,6 +408,7 @@ def _run(
     summary: ExportSummary,
     progress: bool,
     report: Callable[[dict[str, Any]], None] | None,
+    lock: FolderLock,
 ) -> None:
     """Explain and write this process's inputs, appending each input's records to ``log`` in input order."""
     options = explainer.options
@@ -393,7 +426,7 @@ def _run(
         tqdm(total=len(files), unit="img", disable=None if progress else True, file=sys.stderr) as bar,
         helper_threads(background) as pool,
     ):
-        recorder = _Recorder(log, summary, bar, writer.out_dir, report)
+        recorder = _Recorder(log, summary, bar, writer.out_dir, report, lock)
         paths = [item.path for item in files]
         for batch in load_batches(paths, transform, options.batch_size, workers, pin, background):
             for position, error in batch.failed:

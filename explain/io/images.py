@@ -53,11 +53,17 @@ def load_image(path: str | Path, max_pixels: int | None = None) -> Image.Image:
         raise ImageLoadError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise ImageLoadError(f"{path}: is a directory") from None
+    except PermissionError as err:  # the file is there, but not ours to read: not a corrupt image
+        raise ImageLoadError(f"{path}: cannot read ({err.strerror})") from None
     except UnidentifiedImageError:
         raise ImageLoadError(f"{path}: not an image, or a format Pillow cannot read") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
         raise ImageLoadError(f"{path}: refused as a possible decompression bomb ({err})") from None
-    except (OSError, ValueError, SyntaxError, EOFError) as err:
+    except OSError as err:
+        if err.errno is not None:  # the system's refusal to read (a decoder's OSError has no errno)
+            raise ImageLoadError(f"{path}: cannot read ({err.strerror or err})") from None
+        raise ImageLoadError(f"{path}: truncated or corrupt image ({' '.join(str(err).split())})") from None
+    except (ValueError, SyntaxError, EOFError) as err:
         raise ImageLoadError(f"{path}: truncated or corrupt image ({' '.join(str(err).split())})") from None
 
 

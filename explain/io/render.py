@@ -149,6 +149,9 @@ def annotate(
     return annotated
 
 
+MAX_ASPECT = 4.0  # the tallest (or widest) panel box a figure draws, as height over width
+
+
 def panel_figure(
     panels: Mapping[str, np.ndarray | Image.Image], title: str, columns: int, colormap: str = "jet"
 ) -> Figure:
@@ -156,14 +159,17 @@ def panel_figure(
 
     A panel is an RGB image, or a 2-D map in [0, 1], drawn with ``colormap`` and a colour
     bar. Matplotlib's constrained layout places the titles, so none overlaps an image or
-    another title, whatever the images' aspect.
+    another title, whatever the images' aspect. A panel's box follows the images' aspect up to
+    ``MAX_ASPECT`` either way, so the canvas stays bounded for a strip one pixel wide; the image keeps
+    its own aspect inside the box.
     """
     from matplotlib.figure import Figure
 
     first = np.asarray(next(iter(panels.values())))
     height, width = first.shape[:2]
+    aspect = min(max(height / width, 1 / MAX_ASPECT), MAX_ASPECT)
     rows = math.ceil(len(panels) / columns)
-    fig = Figure(figsize=(4 * columns, rows * 4 * height / width + 0.8), dpi=100, layout="constrained")
+    fig = Figure(figsize=(4 * columns, rows * 4 * aspect + 0.8), dpi=100, layout="constrained")
     for position, (name, panel) in enumerate(panels.items(), start=1):
         axes = fig.add_subplot(rows, columns, position)
         shown = axes.imshow(panel, cmap=colormap, vmin=0.0, vmax=1.0)

@@ -25,6 +25,7 @@ from ..core.engine import CAM, Capture
 from ..core.folding import ScoringForwards
 from ..core.hooks import output_replaced
 from ..core.maps import normalize_maps
+from ..core.model_state import running
 from ..errors import LayerError
 
 
@@ -43,7 +44,7 @@ class PerturbationCAM(CAM):
         """The averaged target score of each row's perturbed inputs, (rows,), chunk by chunk."""
         chunks = []
         forwards = capture.once("scoring", lambda: ScoringForwards(self.model, capture.x.device, self.folds))
-        with torch.inference_mode():
+        with torch.inference_mode(), running(self.model):
             for start in range(0, len(images), self.batch_size):
                 rows = slice(start, start + self.batch_size)
                 total, count = 0.0, 0

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from ..core.engine import check_images
 from ..core.folding import ScoringForwards
 from ..core.maps import upsample
-from ..core.model_state import untouched
+from ..core.model_state import running, untouched
 from ..errors import ExplainError, TargetError
 from ..targets import BoundTarget, ClassTarget, Target, TargetLike, TopK, as_target, bound_on
 
@@ -24,7 +24,7 @@ MetricScore = Literal["probability", "logit", "target"]
 @contextmanager
 def plain_forwards(model: nn.Module) -> Any:
     """For the block, forwards without autograd that leave the model as they found it (flags and buffers)."""
-    with untouched(model), torch.no_grad():
+    with untouched(model), torch.no_grad(), running(model):
         yield
 
 

@@ -11,9 +11,29 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..core.warning_filters import warning_filter
 from ..errors import ModelLoadError, first_line
 
 STATE_DICT_EXPECTED = "expected a state_dict: a file written by torch.save(model.state_dict(), path), or .safetensors"
+
+
+def _unloadable(err: Exception) -> str:
+    """Why a weights file could not be loaded, in the file's terms: never torch's advice to load it unsafely."""
+    text = str(err)
+    if isinstance(err, pickle.UnpicklingError):
+        # weights_only refuses Python objects, naming the first: the class of a whole pickled model
+        found = re.search(r"GLOBAL ([\w.]+)", text)
+        if found:
+            return f"holds a pickled {found[1]} object; {STATE_DICT_EXPECTED}"
+        reason = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\n|$)", text)
+        detail = f" ({reason[1].strip()})" if reason else ""
+        return f"cannot load weights: not a file that loads without running its code{detail}; {STATE_DICT_EXPECTED}"
+    if isinstance(err, EOFError):
+        return f"cannot load weights: the file is empty or cut short; {STATE_DICT_EXPECTED}"
+    if isinstance(err, PermissionError):
+        return f"cannot read ({err.strerror})"
+    detail = re.sub(r"^\[enforce fail at [^]]*\]\s*\.?\s*", "", first_line(err))  # torch's C++ source location
+    return f"cannot load weights: {detail}"
 
 
 def read_state_dict(path: str | Path) -> dict[str, Tensor]:
@@ -34,13 +54,10 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
 
             state = load_file(str(path))
         else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            with warning_filter("ignore", message="Detected pickle protocol"):  # torch's advice, not the user's
+                state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # every loader failure is a problem of the file
-        # weights_only refuses Python objects, naming the first: the class of a whole pickled model
-        found = re.search(r"GLOBAL ([\w.]+)", str(err)) if isinstance(err, pickle.UnpicklingError) else None
-        if found:
-            raise ModelLoadError(f"{path}: holds a pickled {found[1]} object; {STATE_DICT_EXPECTED}") from None
-        raise ModelLoadError(f"{path}: cannot load weights: {first_line(err)}") from None
+        raise ModelLoadError(f"{path}: {_unloadable(err)}") from None
     for key in ("state_dict", "model"):
         if isinstance(state, Mapping) and isinstance(state.get(key), Mapping):
             state = state[key]
