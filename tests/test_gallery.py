@@ -32,6 +32,7 @@ class Page(HTMLParser):
         self.sources: list[str] = []
         self.viewer_open = False
         self.text: list[str] = []
+        self.scripts = 0
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         attributes = dict(attrs)
@@ -41,6 +42,8 @@ class Page(HTMLParser):
             self.sources.append(attributes["src"])
         if tag == "dialog" and "open" in attributes:
             self.viewer_open = True
+        if tag == "script":
+            self.scripts += 1
 
     def handle_data(self, data: str) -> None:
         self.text.append(data)
@@ -151,6 +154,6 @@ def test_hostile_names_and_labels_leave_the_page_whole(tmp_path) -> None:
     data = (out / "index.html").read_text().split('<script id="data" type="application/json">', 1)[1]
     assert "<" not in data.split("</script>", 1)[0]  # the data holds no '<' that could change how the page parses
     page, console = render(out / "index.html")
-    assert console == [] and len(page.cards) == 2
+    assert console == [] and len(page.cards) == 2 and page.scripts == 2  # the page's data and its script, no other
     text = " ".join(page.text)
     assert f"{HOSTILE} 285" in text and f"{HOSTILE_FILE}.png" in text

@@ -416,12 +416,21 @@ def test_killed_at_random_moments_then_resumed_loses_no_record(tmp_path, capsys)
 
 
 def test_a_strip_image_with_a_figure_is_written_at_a_bounded_size(tmp_path) -> None:
-    from explain.cli import main
+    """A 1 x 4000 image with --figure, in a process whose address space is capped at 6 GiB (the run with the
+    model loaded peaks near 3.5): written, at a bounded size."""
+    import resource
+    import subprocess
+    import sys
+
+    def capped() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30))
 
     strip = tmp_path / "strip.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (4000, 1, 3), dtype=np.uint8)).save(strip)
     out = tmp_path / "out"
-    assert main([str(strip), "-o", str(out), "--figure", *LITE0]) == 0
+    command = [sys.executable, "-m", "explain", str(strip), "-o", str(out), "--figure", *LITE0]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, preexec_fn=capped)
+    assert run.returncode == 0, run.stderr
     with Image.open(out / "strip.gradcam.figure.jpg") as drawn:
         assert max(drawn.size) <= 100 * (4 * render.MAX_ASPECT + 12)
 
