@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import ast
 import gc
-import json
 import weakref
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import CAT, seeded
+from conftest import CAT, manifest, seeded
 from torch import nn
 
 import explain
@@ -278,5 +277,5 @@ def test_an_export_of_six_metrics_builds_one_scorer_per_batch(tmp_path, monkeypa
     options = ExportOptions(metrics="deletion,insertion,drop,increase,gain,road", batch_size=2, workers=0)
     summary = explain.export_heatmaps(spec, [photos], tmp_path / "out", options)
     assert summary.written == 4 and len(scorers) == 2 and len(folds) == 1
-    record = json.loads((tmp_path / "out" / "manifest.jsonl").read_text().splitlines()[1])
+    record = manifest(tmp_path / "out")[0]
     assert set(record["targets"][0]["metrics"]) == {"deletion", "insertion", "drop", "increase", "gain", "road"}

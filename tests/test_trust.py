@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import seeded
+from conftest import manifest, seeded
 from PIL import Image
 
 import explain
@@ -130,7 +130,7 @@ def test_a_picture_that_cannot_be_drawn_fails_its_input_alone(tmp_path, monkeypa
     monkeypatch.setattr(outputs, "figure", failing)
     out = tmp_path / "out"
     assert main([str(CAT), str(COFFEE), "-o", str(out), "--model", "efficientnet_lite0", "--figure", "--quiet"]) == 1
-    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()[1:]]
+    records = manifest(out)
     errors = {Path(r["input"]).name: r["error"] for r in records}
     assert "cannot render outputs: the canvas is too large" in errors["chelsea.png"] and errors["coffee.png"] is None
 
@@ -236,7 +236,7 @@ def test_resuming_with_fewer_inputs_keeps_the_others(tmp_path, capsys) -> None:
     capsys.readouterr()
     assert main([str(COFFEE), "-o", str(out), "--model", "efficientnet_lite0", "--resume", "--gallery"]) == 0
     assert "skipped 1, kept 1 of the earlier run's inputs untouched in" in capsys.readouterr().out
-    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()[1:]]
+    records = manifest(out)
     assert [Path(r["input"]).name for r in records] == ["coffee.png", "chelsea.png"]
     assert {p.name: p.read_bytes() for p in out.glob("*.jpg")} == before
     assert "chelsea.png" in (out / "index.html").read_text()
@@ -295,7 +295,7 @@ def test_two_runs_into_one_folder_the_second_refused(tmp_path) -> None:
         assert second.returncode == 2 and "in use by another explain run" in second.stderr
     finally:
         assert first.wait(timeout=300) == 0, first.stderr.read()
-    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()[1:]]
+    records = manifest(out)
     assert len(records) == 24 and all(r["error"] is None for r in records) and not (out / LOCK).exists()
 
 
@@ -346,7 +346,7 @@ def test_loops_and_unreadable_paths_are_errors_of_their_own(tmp_path) -> None:
         f"{photos / 'loop.png'}: a loop of symbolic links",
         f"{photos / 'secret.png'}: cannot read (Permission denied)",
     ]
-    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()[1:]]
+    records = manifest(out)
     assert sorted(Path(r["input"]).name for r in records if r["error"] is None) == ["cat.png"]
 
 
@@ -406,7 +406,7 @@ def test_killed_at_random_moments_then_resumed_loses_no_record(tmp_path, capsys)
                     finished.setdefault(target["output"], (out / target["output"]).stat().st_mtime_ns)
     final = subprocess.run([*command, *LITE0, "--resume"], capture_output=True, text=True, timeout=300)
     assert final.returncode == 0, final.stderr
-    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()[1:]]
+    records = manifest(out)
     assert sorted(Path(r["input"]).name for r in records) == sorted(p.name for p in photos.iterdir())
     assert all(r["error"] is None for r in records) and not list(out.rglob("*.part"))
     now = {t["output"]: (out / t["output"]).stat().st_mtime_ns for r in records for t in r["targets"]}
