@@ -254,3 +254,18 @@ def test_model_kwargs_reach_every_forward() -> None:
     assert guided.shape == (2, 3, 64, 64)
     with pytest.raises(TypeError, match="text"):
         explain.gradcam(model, x, "visual.layer4", 2)
+
+
+def test_the_default_target_of_a_detector_or_a_segmenter_names_their_targets() -> None:
+    import torchvision
+    from conftest import random_segmenter
+
+    torch.manual_seed(0)
+    detector = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_fpn(
+        weights=None, weights_backbone=None, num_classes=3
+    ).eval()
+    x = torch.rand(1, 3, 96, 96)
+    with pytest.raises(explain.TargetError, match=r"detections .* target=explain\.targets\.DetectionTarget\(\)"):
+        explain.gradcam(detector, x)
+    with pytest.raises(explain.TargetError, match=r"\(1, 4, 96, 96\), not a .* dense map .*\.SegmentationTarget\(\)"):
+        explain.gradcam(random_segmenter(), x)

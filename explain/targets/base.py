@@ -61,6 +61,12 @@ def read_output(output: Any, pick: OutputPicker = None) -> Tensor:
         raise TargetError(f"the model returns a dict with keys {keys}; pick the scores with output=KEY or a callable")
     if isinstance(output, Sequence) and any(isinstance(value, Tensor) for value in output):
         return next(value for value in output if isinstance(value, Tensor))
+    if isinstance(output, Sequence) and output and all(isinstance(d, Mapping) and "boxes" in d for d in output):
+        raise TargetError(
+            "the model returns detections (a dict of boxes, labels and scores per image), not scores of classes; "
+            "explain its boxes with target=explain.targets.DetectionTarget() (every detection above its "
+            "score_threshold) or DetectionTarget(boxes=..., labels=...)"
+        )
     fields = ", ".join(name for name in vars(output) if not name.startswith("_")) if hasattr(output, "__dict__") else ""
     detail = f" with fields {fields}" if fields else ""
     raise TargetError(

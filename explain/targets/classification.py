@@ -15,6 +15,13 @@ from .base import BoundTarget, ClassScore, OutputPicker, Target, class_index, cl
 
 
 def _checked_2d(scores: Tensor, kind: str) -> Tensor:
+    if scores.dim() == 4:
+        raise TargetError(
+            f"the model output is {tuple(scores.shape)}, not a classifier's (N, classes) scores that {kind} needs "
+            "but a dense map of class scores (a segmenter's); explain its classes with "
+            "target=explain.targets.SegmentationTarget() (every class that wins a pixel) or "
+            "SegmentationTarget(classes=..., mask=...)"
+        )
     if scores.dim() != 2:
         raise TargetError(
             f"the model output is {tuple(scores.shape)}, not a classifier's (N, classes) scores; "
