@@ -283,17 +283,19 @@ def layer_table(spec: ModelSpec, x: torch.Tensor) -> str:
     """The model's layers with spatial outputs at x's size, the automatic choice marked."""
     from .core.layers import choose_auto_layers, trace_layers
 
-    infos = trace_layers(spec.model, x)  # one forward serves the list and the automatic choice
+    infos = trace_layers(spec.model, x)  # one trace serves the list and the automatic choice
     candidates = [info for info in infos if info.candidate]
     if not candidates:
         return f"{spec.name} at {x.shape[-2]}x{x.shape[-1]}: no layer outputs a spatial map"
-    automatic = choose_auto_layers(spec.model, infos)
+    automatic = choose_auto_layers(spec.model, infos, x, labels=spec.labels)
     mark = "  <- automatic choice" + (" (fused)" if len(automatic) > 1 else "")
     width = max(len(info.name) for info in candidates)
     lines = [f"{spec.name} at {x.shape[-2]}x{x.shape[-1]}: layers whose output is a map (C x H x W), in order"]
     for info in candidates:
         shape = "x".join(map(str, info.map_shape))
-        layout = "" if info.layout.kind == "channels_first" else f" ({info.layout.describe()})"
+        notes = [info.layout.describe()] if info.layout.kind != "channels_first" else []
+        notes += ["constant: no map of the image"] * (not info.varies) + ["the model's head"] * info.head
+        layout = f" ({'; '.join(notes)})" if notes else ""
         chosen = mark if info.name in automatic else ""
         lines.append(f"  {info.name:{width}}  {info.kind:24} {shape}{layout}{chosen}")
     return "\n".join(lines)

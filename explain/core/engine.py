@@ -28,7 +28,7 @@ from ..errors import ExplainError, LayerError, TargetError
 from ..targets import BoundTarget, Target, TargetLike, as_target, bound_on
 from .detectors import canvas_recorded, sparse_box_heads
 from .hooks import ActivationGradientRecorder, layer_entry
-from .layers import BACKBONE, LayerSpec, auto_layers, resolve_layer
+from .layers import BACKBONE, LayerInfo, LayerSpec, auto_layers, resolve_layer, traced_layers
 from .layouts import Geometry, Layout, Reshape, find_layout, grids_recorded
 from .maps import Canvas, normalize_maps, postprocess, principal_projection, upsample
 from .model_state import exclusive, running, untouched
@@ -314,13 +314,15 @@ class CAM:
         """Dotted name of the target layer, names joined by ``+`` when fused (None until found)."""
         return "+".join(name for name, _ in self._layers) if self._layers else None
 
-    def target_layers(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> list[tuple[str, nn.Module | None]]:
-        """The target layers by name and module: those asked for, or the automatic one for x (the input, for a
-        method whose map is the input's)."""
+    def target_layers(
+        self, x: Tensor, model_kwargs: Mapping[str, Any], target: TargetLike = None
+    ) -> list[tuple[str, nn.Module | None]]:
+        """The target layers by name and module: those asked for, or the automatic one for x and the call's
+        target (the input, for a method whose map is the input's)."""
         if self.map_of_input:
             return [(INPUT, None)]
         if self._requested is None:
-            return auto_layers(self.model, x, model_kwargs)
+            return auto_layers(self.model, x, model_kwargs, target, self.labels)
         return [resolve_layer(self.model, spec, x, model_kwargs) for spec in self._requested]
 
     def recorder(self, modules: Mapping[str, nn.Module]) -> ActivationGradientRecorder:
@@ -403,7 +405,7 @@ class CAM:
         if self.aug_smooth and isinstance(goal, Target) and goal.geometric:
             raise TargetError(f"aug_smooth flips and rescales the input, which would misplace a {type(goal).__name__}")
         if self._layers is None:
-            self._layers = self.target_layers(x, model_kwargs)
+            self._layers = self.target_layers(x, model_kwargs, goal)
             self.fused = self.fused or len(self._layers) > 1  # the automatic layers of a detector are fused
         generator = None if self.seed is None else torch.Generator(device=x.device).manual_seed(self.seed)
         with untouched(self.model), torch.inference_mode(False), torch.enable_grad():
@@ -461,6 +463,7 @@ class CAM:
         gradients. ``goal`` is bound on the output unless it is bound already. The ``plain`` pass (the input as
         given) refuses, for a method with gradients, layers the score does not reach."""
         hooked = {name: module for name, module in self._layers if module is not None}
+        traced = traced_layers(self.model, x, model_kwargs) if hooked and self.reshape is None else {}
         recording = self.recorder(hooked)
         if self.map_of_input:  # the whole network is recorded, for the gradient at the input
             x = x.detach().requires_grad_(True)
@@ -477,7 +480,7 @@ class CAM:
             output = recorder.forward(partial(self.model, **model_kwargs), x)
             canvas = canvases[-1] if canvases else None  # a detector's: its maps are brought onto the image
             geometry = Geometry(canvas.size if canvas else tuple(x.shape[-2:]), grids[-1] if grids else None)
-            layouts = {name: self.layout(name, a, geometry) for name, a in recorder.activations.items()}
+            layouts = {name: self.layout(name, a, geometry, traced) for name, a in recorder.activations.items()}
             bound = bound_on(goal, output, self.labels)
             scores = target_scores(bound, output, x)
             gradients = [self._gradients(recorder, scores[:, k].sum(), x, layouts) for k in range(scores.shape[1])]
@@ -552,11 +555,21 @@ class CAM:
                     f"(image {int(zero.nonzero()[0])}): the score does not depend on the map there. {why}"
                 )
 
-    def layout(self, name: str, activation: Tensor, geometry: Geometry) -> Layout:
-        """How a layer's output becomes a map: the caller's ``reshape``, else found from its shape."""
+    def layout(self, name: str, activation: Tensor, geometry: Geometry, traced: Mapping[str, LayerInfo]) -> Layout:
+        """How a layer's output becomes a map: the caller's ``reshape``, else as the traced pass at this input
+        shape read it (see :mod:`explain.core.layouts`).
+
+        Raises:
+            LayerError: The traced pass found the output no map of the image.
+        """
         if self.reshape is not None:
             return Layout("reshape", reshape=self.reshape)
-        return find_layout(self.model, name, activation.shape[1:], geometry)
+        info = traced.get(name)
+        if info is None or info.shape != tuple(activation.shape[1:]):  # not run alike in the traced pass
+            return find_layout(self.model, name, activation.shape[1:], geometry)
+        if info.layout is None:
+            raise LayerError(info.refusal or f"layer {name!r} outputs {info.shape}, not a map of the image")
+        return info.layout
 
     def _gradients(
         self, recorder: ActivationGradientRecorder, score: Tensor, x: Tensor, layouts: Mapping[str, Layout]

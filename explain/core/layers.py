@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import itertools
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -13,11 +13,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import LayerError
+from ..errors import LayerError, TargetError
+from ..targets import BoundTarget, Target, TargetLike, as_target, bound_on
+from ..targets.base import read_output
 from .detectors import canvas_recorded
-from .hooks import Hooks, layer_entry
-from .layouts import Geometry, Layout, find_layout, grids_recorded, is_attention
-from .model_state import eval_mode
+from .hooks import Hooks, layer_entry, output_entry, with_entry
+from .layouts import Geometry, Layout, find_layout, grid_fits, grids_recorded
+from .model_state import eval_mode, frozen_parameters
+from .op_trace import Observed, OpTrace
 
 LayerSpec = str | nn.Module | None
 
@@ -70,23 +73,6 @@ def classifier(model: nn.Module) -> tuple[str, nn.Linear]:
     return linears[-1]
 
 
-# The automatic layers of each model, by input shape (C, H, W), so repeated calls skip the search.
-_AUTO_LAYERS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, ...], list[str]]] = weakref.WeakKeyDictionary()
-
-
-def auto_layers(
-    model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None
-) -> list[tuple[str, nn.Module]]:
-    """The automatic target layers (see :func:`find_auto_layers`), searched once per model and input shape."""
-    known = _AUTO_LAYERS.setdefault(model, {})
-    shape = tuple(x.shape[1:])
-    modules = dict(model.named_modules())
-    names = known.get(shape)
-    if names is None or any(layer_entry(name)[0] not in modules for name in names):  # the model changed since
-        known[shape] = find_auto_layers(model, x, model_kwargs)
-    return [(name, modules[layer_entry(name)[0]]) for name in known[shape]]
-
-
 @dataclass(frozen=True)
 class LayerInfo:
     """A module of the model and what it gave in one forward pass.
@@ -102,6 +88,11 @@ class LayerInfo:
         layout: How the output becomes that map, or None.
         start: When the module started, and
         finish: when it finished, on one clock that ticks at every module's start and finish.
+        varies: Whether the output changes with the image's content (a position embedding, a mask or a
+            constant does not).
+        head: Whether the output is the model's own output, or the module lies in the head that makes it.
+        refusal: Why the output is no map of the image, for an output with a shape that is none.
+        alias: For an entry of a dict, list or tuple output, the earlier layer whose output it is, if any.
     """
 
     name: str
@@ -112,6 +103,10 @@ class LayerInfo:
     layout: Layout | None = None
     start: int = 0
     finish: int = 0
+    varies: bool = True
+    head: bool = False
+    refusal: str | None = None
+    alias: str | None = None
 
     @property
     def spatial(self) -> bool:
@@ -124,40 +119,99 @@ class LayerInfo:
         return self.spatial and self.calls == 1
 
 
+def _tensors(output: Any, depth: int = 3) -> Iterator[Tensor]:
+    """The tensors of a model output: itself, or inside its dicts, lists and tuples (a few levels deep)."""
+    if isinstance(output, Tensor):
+        yield output
+    elif depth and isinstance(output, Mapping):
+        for value in output.values():
+            yield from _tensors(value, depth - 1)
+    elif depth and isinstance(output, (list, tuple)):
+        for value in output:
+            yield from _tensors(value, depth - 1)
+
+
+def _is_probabilities(value: Tensor) -> bool:
+    """Whether a per-image output of two or more axes is non-negative and sums to one over its last axis."""
+    return (
+        value.dim() >= 3
+        and value.is_floating_point()
+        and bool((value >= 0).all())
+        and bool(torch.allclose(value.sum(-1), torch.ones((), dtype=value.dtype), atol=1e-3))
+    )
+
+
+def _fingerprint(value: Tensor) -> tuple[float, float]:
+    """Two numbers that change when the tensor's values do."""
+    values = value.detach().double()
+    return float(values.sum()), float(values.square().sum())
+
+
+OTHER_IMAGE_SEED = 20240229  # the other image the content check runs on: noise, the same every time
+
+
 def trace_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> list[LayerInfo]:
     """Every named module that runs when the model sees x's first image, in the order they finish, each
     tensor entry of a dict, list or tuple output after it as ``"name:key"``, with how its output reads as
-    a map of the image (see :func:`explain.core.layouts.find_layout`); modules inside an attention module
-    give none.
+    a map of the image (see :func:`explain.core.layouts.find_layout`), whether it varies with the image,
+    and whether it lies in the model's head.
 
-    One forward pass, in eval and inference mode, with ``model_kwargs`` passed to the
-    model's forward; the model is left as it was.
+    Two forward passes, in eval and inference mode, with ``model_kwargs`` passed to the model's forward:
+    x's first image, whose operations are watched (see :mod:`explain.core.op_trace`), then an image of
+    noise, to tell which outputs depend on the image. The model is left as it was.
     """
     infos: dict[str, LayerInfo] = {}
     modules = {name: module for name, module in model.named_modules() if name}
     starts: dict[str, int] = {}
     clock = itertools.count()
+    ops = OpTrace(partial(grid_fits, size=tuple(x.shape[-2:])))
+    prints: list[dict[str, tuple[float, float]]] = [{}, {}]
+    kept: dict[str, weakref.ref[Tensor]] = {}
+    probabilities: set[str] = set()
+    reads_image: set[str] = set()
+    image = x[:1]
 
     def per_image_shape(value: Any) -> tuple[int, ...] | None:  # an output with one row per image, or None
         return tuple(value.shape[1:]) if isinstance(value, Tensor) and value.dim() and len(value) == 1 else None
 
-    def started(name: str, module: nn.Module, inputs: Any) -> None:  # a forward pre-hook
+    def started(name: str, module: nn.Module, args: Any, kwargs: Any) -> None:  # a forward pre-hook
+        ops.stack.append(name)
         starts.setdefault(name, next(clock))
+        if any(value is image for value in (*args, *kwargs.values())):
+            reads_image.add(name)
 
-    def record(name: str, module: nn.Module, inputs: Any, output: Any) -> None:  # a forward hook
+    def record(name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:  # a forward hook
+        ops.stack.pop()
+        if not passes:
+            ops.module_output(name, args, kwargs, output)
         entries: Any = []
         if isinstance(output, Mapping):
             entries = output.items()
         elif isinstance(output, (list, tuple)):
             entries = enumerate(output)
-        for key, value in [(None, output), *entries]:
-            label = name if key is None else f"{name}:{key}"
-            if label in infos:
-                infos[label] = replace(infos[label], calls=infos[label].calls + 1)
-            elif key is None or isinstance(value, Tensor):
-                shape = per_image_shape(value)
-                infos[label] = LayerInfo(label, type(module).__name__, shape, 1, start=starts[name], finish=next(clock))
+        with ops.quiet():
+            for key, value in [(None, output), *entries]:
+                label = name if key is None else f"{name}:{key}"
+                if isinstance(value, Tensor) and value.is_floating_point():
+                    prints[passes].setdefault(label, _fingerprint(value))
+                if passes:
+                    continue
+                if label in infos:
+                    infos[label] = replace(infos[label], calls=infos[label].calls + 1)
+                elif key is None or isinstance(value, Tensor):
+                    shape = per_image_shape(value)
+                    alias = next((seen for seen, ref in kept.items() if key is not None and ref() is value), None)
+                    infos[label] = LayerInfo(
+                        label, type(module).__name__, shape, 1, start=starts[name], finish=next(clock), alias=alias
+                    )
+                    if shape is not None:
+                        ops.watch(label, value)
+                        ops.produced(label, value)
+                        kept[label] = weakref.ref(value)
+                        if _is_probabilities(value):
+                            probabilities.add(label)
 
+    other = torch.randn(image.shape, generator=torch.Generator().manual_seed(OTHER_IMAGE_SEED)).to(image)
     with (
         Hooks() as hooks,
         eval_mode(model),
@@ -166,79 +220,279 @@ def trace_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | 
         grids_recorded(model) as grids,
     ):
         for name, module in modules.items():
-            hooks.forward_pre(module, partial(started, name))
-            hooks.forward(module, partial(record, name))
-        model(x[:1], **(model_kwargs or {}))
-    geometry = Geometry(canvases[-1].size if canvases else tuple(x.shape[-2:]), grids[-1] if grids else None)
-    return [_as_map(model, info, geometry) for info in infos.values()]
+            hooks.forward_pre(module, partial(started, name), with_kwargs=True)
+            hooks.forward(module, partial(record, name), with_kwargs=True)
+        passes = 0
+        with ops:
+            output = model(image, **(model_kwargs or {}))
+        returned = [t for t in _tensors(output)]
+        outputs = {label for label, ref in kept.items() if label not in ops.read and any(ref() is t for t in returned)}
+        del output, returned
+        passes = 1
+        ops.stack.clear()
+        with ops.quiet():
+            model(other, **(model_kwargs or {}))
+    geometry = Geometry(canvases[0].size if canvases else tuple(x.shape[-2:]), grids[0] if grids else None)
+    heads = _heads(outputs, reads_image)
+    return [
+        _as_map(
+            model,
+            replace(
+                info,
+                varies=prints[0].get(info.name) != prints[1].get(info.name),
+                head=info.name in outputs or any(_within(layer_entry(info.name)[0], head) for head in heads),
+            ),
+            geometry,
+            ops.observed,
+            info.name in probabilities,
+        )
+        for info in infos.values()
+    ]
 
 
-def _as_map(model: nn.Module, info: LayerInfo, geometry: Geometry) -> LayerInfo:
-    """The info with its map shape and layout, where its output is a map of the image."""
+def _within(name: str, outer: str) -> bool:
+    """Whether module ``name`` is ``outer`` or lies inside it."""
+    return name == outer or name.startswith(outer + ".")
+
+
+def _heads(outputs: set[str], reads_image: set[str]) -> set[str]:
+    """The modules that make the model's output from features: from each module whose output is a model
+    output, up through the enclosing modules that return that same output, as far as one that reads the image
+    itself (which holds the whole network, not a head)."""
+    producers = {name for name in outputs if layer_entry(name)[1] is None}
+    heads = set()
+    for name in producers:
+        if name in reads_image:
+            continue
+        head = name
+        while "." in head and head.rsplit(".", 1)[0] in producers and head.rsplit(".", 1)[0] not in reads_image:
+            head = head.rsplit(".", 1)[0]
+        heads.add(head)
+    return heads
+
+
+def _as_map(
+    model: nn.Module, info: LayerInfo, geometry: Geometry, observed: Observed, probabilities: bool
+) -> LayerInfo:
+    """The info with its map shape and layout, where its output is a map of the image, else why it is none."""
     if info.shape is None:
         return info
     try:
-        layout = find_layout(model, info.name, info.shape, geometry)
-    except LayerError:
-        return info
+        layout = find_layout(model, info.name, info.shape, geometry, observed, probabilities)
+    except LayerError as err:
+        return replace(info, refusal=str(err))
     probe = layout(torch.empty(1, *info.shape, device="meta"))
     return replace(info, map_shape=tuple(probe.shape[1:]), layout=layout)
+
+
+# Each model's traced layers, by input shape (C, H, W) and the identity of its modules: the layouts of every
+# pass at that shape and the automatic layers' search read them.
+_TRACES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], dict[str, LayerInfo]]] = weakref.WeakKeyDictionary()
+
+
+def traced_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> dict[str, LayerInfo]:
+    """:func:`trace_layers` by name, traced once per model, input shape and set of modules."""
+    known = _TRACES.setdefault(model, {})
+    key = (tuple(x.shape[1:]), x.device, tuple(map(id, model.modules())))
+    if key not in known:
+        known[key] = {info.name: info for info in trace_layers(model, x, model_kwargs)}
+    return known[key]
 
 
 def candidate_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> list[LayerInfo]:
     """The layers a CAM can explain at x's input size: modules that run once per forward and
     whose output is a map of the image (see :mod:`explain.core.layouts`) with h, w > 1, in the order
-    they finish (one forward pass)."""
+    they finish (two forward passes)."""
     return [info for info in trace_layers(model, x, model_kwargs) if info.candidate]
 
 
 BACKBONE = "backbone"  # torchvision's detectors and segmenters: the module whose dict of maps feeds the heads
 _NOT_AUTOMATIC = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Identity)  # a resampling or an alias of a map
 
+# The automatic layers of each model, by input shape (C, H, W), so repeated calls skip the search.
+_AUTO_LAYERS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, ...], list[str]]] = weakref.WeakKeyDictionary()
 
-def find_auto_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> list[str]:
-    """Name the automatic target layers (one forward pass):
+
+def auto_layers(
+    model: nn.Module,
+    x: Tensor,
+    model_kwargs: Mapping[str, Any] | None = None,
+    target: TargetLike = None,
+    labels: Sequence[str] | None = None,
+) -> list[tuple[str, nn.Module]]:
+    """The automatic target layers (see :func:`find_auto_layers`), searched once per model and input shape."""
+    known = _AUTO_LAYERS.setdefault(model, {})
+    shape = tuple(x.shape[1:])
+    modules = dict(model.named_modules())
+    names = known.get(shape)
+    if names is None or any(layer_entry(name)[0] not in modules for name in names):  # the model changed since
+        known[shape] = find_auto_layers(model, x, model_kwargs, target, labels)
+    return [(name, modules[layer_entry(name)[0]]) for name in known[shape]]
+
+
+def find_auto_layers(
+    model: nn.Module,
+    x: Tensor,
+    model_kwargs: Mapping[str, Any] | None = None,
+    target: TargetLike = None,
+    labels: Sequence[str] | None = None,
+) -> list[str]:
+    """Name the automatic target layers, right by construction:
 
     - a model with a ``backbone`` submodule whose output is a dict of maps (torchvision's
       detectors and segmenters: the feature pyramid's levels, or a segmenter's ``out``,
       ``aux``, ``low`` and ``high`` maps): every level, to be fused. A detection's score
       reaches only the level its box or anchor was assigned to, so the other levels'
       maps are zero and the fused map is that level's;
-    - a transformer whose layers output tokens: the input of its last attention, the
-      last normalization with token output to finish after the previous attention and
-      before the last one starts (``blocks.11.norm1``). The last block's own output gets
-      no gradient at the patch tokens when the head reads only the class token;
-    - any other model: the last layer to finish whose output is a map of the image,
-      adaptive pools (which resample the map to a fixed size) and identities left out.
+    - any other model: the last layer, in the order of the forward pass, whose output
+      (1) is a map of the image (see :mod:`explain.core.layouts`: never attention),
+      (2) changes when the image's content does (position embeddings, masks and constants never do),
+      (3) is neither the model's output nor inside the head that makes it, and
+      (4) gets a non-zero gradient of the target's score at some position of its map, as the engine
+      hands it on (one probe backward pass on x's first image): in a class-token transformer, the input
+      of the last attention, since the head never reads the last block's patch tokens; in a
+      HuggingFace model, never an output entry that only copies a tensor for ``output_hidden_states``.
+      Adaptive pools and identities are passed over while another layer qualifies. Token towers that run
+      side by side to the end on grids of their own (CrossViT's branches) give one layer each, fused.
+
+    Args:
+        model: The model.
+        x: Its input batch: the search runs on the first image.
+        model_kwargs: Further keyword arguments of the model's forward.
+        target: The call's target (or its shorthand); a target that cannot be scored on one image is
+            replaced by the sum of the model's scores.
+        labels: Class names, to resolve a class name as target.
 
     Raises:
-        LayerError: No module of the model produces a spatial map.
+        LayerError: No layer qualifies; the message says which rule ruled the last maps out.
     """
-    return choose_auto_layers(model, trace_layers(model, x, model_kwargs))
+    infos = list(traced_layers(model, x, model_kwargs).values())
+    return choose_auto_layers(model, infos, x, model_kwargs, target, labels)
 
 
-def choose_auto_layers(model: nn.Module, infos: list[LayerInfo]) -> list[str]:
+def choose_auto_layers(
+    model: nn.Module,
+    infos: list[LayerInfo],
+    x: Tensor,
+    model_kwargs: Mapping[str, Any] | None = None,
+    target: TargetLike = None,
+    labels: Sequence[str] | None = None,
+) -> list[str]:
     """The automatic target layers (see :func:`find_auto_layers`) among a forward pass's traced layers.
 
     Raises:
-        LayerError: No module of the model produces a spatial map.
+        LayerError: No layer qualifies.
     """
-    candidates = [info for info in infos if info.candidate]
-    if not candidates:
+    maps = [info for info in infos if info.candidate]
+    if not maps:
         raise LayerError("no layer of the model outputs a map of the image (N, C, H, W); pass layer=")
-    entries = [(info.name, *layer_entry(info.name)) for info in candidates]
-    levels = [name for name, module, key in entries if module == BACKBONE and key is not None]
+    levels = [
+        info.name for info in maps if layer_entry(info.name)[0] == BACKBONE and layer_entry(info.name)[1] is not None
+    ]
     if levels:
         return levels
+    candidates = [info for info in maps if info.varies and not info.head]
+    if not candidates:
+        raise LayerError(
+            "every layer whose output is a map of the image is constant (a position embedding, a mask) or part of "
+            "the model's head; pass layer= (explain --layers lists the maps)"
+        )
+    reached = reached_layers(model, x, candidates, model_kwargs, target, labels)
+    usable = [info for info in candidates if info.name in reached]
+    usable = [info for info in usable if info.alias not in {other.name for other in usable}]  # the module's name
+    if not usable:
+        raise LayerError(
+            f"the target's score reaches none of the {len(candidates)} maps of the image before the model's head "
+            f"(the last: {candidates[-1].name}); pass layer= (explain --layers lists the maps)"
+        )
     modules = dict(model.named_modules())
-    calls = [(info.start, info.finish) for info in infos if is_attention(modules[layer_entry(info.name)[0]])]
-    if calls and any(info.layout.kind == "tokens" for info in candidates):
-        last = max(start for start, _ in calls)
-        previous = max((finish for _, finish in calls if finish < last), default=-1)  # the block before's attention
-        inputs = [
-            c for c in candidates if c.layout.kind == "tokens" and "Norm" in c.kind and previous < c.finish < last
-        ]
-        if inputs:
-            return [inputs[-1].name]
-    usable = [info for info in candidates if not isinstance(modules[layer_entry(info.name)[0]], _NOT_AUTOMATIC)]
-    return [(usable or candidates)[-1].name]
+    chosen = [info for info in usable if not isinstance(modules[layer_entry(info.name)[0]], _NOT_AUTOMATIC)]
+    return [info.name for info in _towers(chosen or usable)]
+
+
+def _towers(usable: list[LayerInfo]) -> list[LayerInfo]:
+    """The last usable layer, and, where token towers on other grids run beside its own to the end (CrossViT's
+    branches), the last usable layer of each of them, in forward order, to be fused. A hierarchy's earlier
+    stages end before the last one starts, so they are not towers."""
+    last = usable[-1]
+    if last.layout.kind != "tokens":
+        return [last]
+    by_grid: dict[tuple[int, int], list[LayerInfo]] = {}
+    for info in usable:
+        if info.layout.kind == "tokens":
+            by_grid.setdefault(info.layout.grid, []).append(info)
+    start = by_grid[last.layout.grid][0].finish
+    ends = [layers[-1] for layers in by_grid.values() if layers[-1].finish > start]
+    return sorted(ends, key=lambda info: info.finish)
+
+
+def _probe_score(goal: Target | BoundTarget, output: Any, labels: Sequence[str] | None) -> Tensor:
+    """The target's score of the first image in an output, or, where the target cannot score one image
+    (one class per image of a larger batch, an output it does not fit), the sum of the model's scores."""
+    try:
+        bound = bound_on(goal, output, labels)
+        return bound.score(output, torch.zeros(1, dtype=torch.long, device=_device(output)))[0].sum()
+    except (TargetError, IndexError):
+        pass
+    try:
+        return read_output(output).sum()
+    except TargetError:
+        return sum((t.sum() for t in _tensors(output) if t.is_floating_point() and t.requires_grad), torch.zeros(()))
+
+
+def _device(output: Any) -> torch.device:
+    return next(_tensors(output), torch.zeros(())).device
+
+
+def reached_layers(
+    model: nn.Module,
+    x: Tensor,
+    layers: Sequence[LayerInfo],
+    model_kwargs: Mapping[str, Any] | None = None,
+    target: TargetLike = None,
+    labels: Sequence[str] | None = None,
+) -> set[str]:
+    """The layers, of those given (maps with a layout), at some position of whose map the target's score
+    has a non-zero gradient: one forward and one backward pass of x's first image, in eval mode.
+
+    Each layer's output is handed on as a copy, as the engine hands it on, so an output entry the model
+    does not read on (a copy kept for ``output_hidden_states``) gets no gradient.
+    """
+    by_module: dict[str, list[LayerInfo]] = {}
+    for info in layers:
+        by_module.setdefault(layer_entry(info.name)[0], []).append(info)
+    modules = dict(model.named_modules())
+    kept: dict[str, Tensor] = {}
+
+    def keep(name: str, module: nn.Module, inputs: Any, output: Any) -> Any:
+        for info in by_module[name]:
+            key = layer_entry(info.name)[1]
+            value = output if key is None else output_entry(output, key, info.name)[1]
+            if not isinstance(value, Tensor) or not value.requires_grad:
+                continue
+            copy = kept[info.name] = value.clone()
+            output = copy if key is None else with_entry(output, output_entry(output, key, info.name)[0], copy)
+        return output
+
+    goal = as_target(target)
+    image = x[:1].detach().clone().requires_grad_(True)
+    with (
+        eval_mode(model),
+        frozen_parameters(model),
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        Hooks() as hooks,
+    ):
+        for name in by_module:
+            hooks.forward(modules[name], partial(keep, name))
+        output = model(image, **(model_kwargs or {}))
+        score = _probe_score(goal, output, labels)
+        if not kept or not score.requires_grad:
+            return set()
+        gradients = torch.autograd.grad(score, list(kept.values()), allow_unused=True)
+    layouts = {info.name: info.layout for info in layers}
+    return {
+        name
+        for name, gradient in zip(kept, gradients)
+        if gradient is not None and bool(layouts[name](gradient).ne(0).any())
+    }

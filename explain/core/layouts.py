@@ -3,20 +3,22 @@
 A CAM needs a layer's output as channels over a grid of the image. Three layouts are read:
 
 - channels first, (N, C, h, w): convolutional networks;
-- channels last, (N, h, w, C): Swin, ConvNeXt's inner layers, anything after a ``LayerNorm`` or
-  ``Linear`` over the last axis; permuted;
+- channels last, (N, h, w, C): Swin, ConvNeXt's inner layers; permuted;
 - tokens, (N, T, C): vision transformers (ViT, DeiT, BEiT, EVA, CLIP's vision tower,
   register-token ViTs); the prefix tokens (class, distillation, registers) are dropped and the
   patch tokens laid out on the grid of the model's patch embedding, recorded in the same
   forward pass: the grid comes from the model and the input, never from T alone.
 
-Which one a 4-D output is follows from its shape against the image the layers see: the
-grid's aspect must be the image's (a grid fits when its width is the image's aspect times
-its height, within a cell and 10%, and neither side exceeds the image's). When both readings
-fit (C close to w), the module decides: a last convolution or batch norm means channels
-first, a last ``Linear`` or ``LayerNorm`` channels last. Outputs of modules inside an
-attention module (attention weights, q/k/v heads) are never maps. Anything else is an error
-that names ``reshape=``, a callable the caller passes to lay the output out itself.
+Which one a 4-D output is follows from the model, not from its sizes: the first operation that
+consumes the output tells its feature axis (a convolution or batch norm reads axis 1, a linear layer or
+layer norm the last axis; see :mod:`explain.core.op_trace`). The reading must then fit the image the
+layers see (the grid's aspect is the image's, within a cell and 10%, and no side exceeds the image's).
+Without such an operation (the model's last output, say), the sizes decide only when one reading alone
+fits. Attention is never a map: neither an output of a module inside an attention module (one whose
+forward computes a softmax over tokens or a scaled dot-product attention), nor a tensor of attention's
+shape ((heads, T, T') or (T, T', heads) of an attention computed in the pass), nor probabilities (a
+non-negative tensor whose last axis sums to one). Anything else is an error that names ``reshape=``, a
+callable the caller passes to lay the output out itself.
 """
 
 from __future__ import annotations
@@ -30,12 +32,10 @@ from torch import Tensor, nn
 
 from ..errors import LayerError
 from .hooks import Hooks, layer_entry
+from .op_trace import Observed, TokenMark
 
 Reshape = Callable[[Tensor], Tensor]
 MAX_PREFIX_TOKENS = 16  # class + distillation + registers: 10 in the largest models known here
-
-_CHANNELS_FIRST = (nn.Conv1d, nn.Conv2d, nn.ConvTranspose2d, nn.BatchNorm2d, nn.GroupNorm, nn.InstanceNorm2d)
-_CHANNELS_LAST = (nn.Linear, nn.LayerNorm)
 
 
 @dataclass(frozen=True)
@@ -90,22 +90,10 @@ class Layout:
         return self.kind.replace("_", " ")
 
 
-def is_attention(module: nn.Module) -> bool:
-    """Whether a module is an attention module: ``nn.MultiheadAttention``, or a class named ``...Attention...``."""
-    return isinstance(module, nn.MultiheadAttention) or "Attention" in type(module).__name__
-
-
-def _fits(height: int, width: int, size: Sequence[int]) -> bool:
+def grid_fits(height: int, width: int, size: Sequence[int]) -> bool:
     """Whether an (h, w) grid can cover a picture of ``size``: same aspect within a cell and 10%, not larger."""
     expected = height * size[1] / size[0]
     return 1 <= height <= size[0] and 1 <= width <= size[1] and abs(width - expected) <= 1 + 0.1 * expected
-
-
-def _channels_last_module(module: nn.Module) -> bool | None:
-    """Whether the module's last layer of a telling kind works over the last axis (True), over channels
-    first (False), or the module has none (None)."""
-    kinds = [m for m in module.modules() if isinstance(m, _CHANNELS_FIRST + _CHANNELS_LAST)]
-    return None if not kinds else isinstance(kinds[-1], _CHANNELS_LAST)
 
 
 WAY_OUT = (
@@ -113,31 +101,48 @@ WAY_OUT = (
 )
 
 
-def find_layout(model: nn.Module, name: str, shape: Sequence[int], geometry: Geometry) -> Layout:
+def find_layout(
+    model: nn.Module,
+    name: str,
+    shape: Sequence[int],
+    geometry: Geometry,
+    observed: Observed | None = None,
+    probabilities: bool = False,
+) -> Layout:
     """How the output of layer ``name`` of ``model`` (per-image ``shape``, batch axis left out) becomes a map.
 
+    Args:
+        model: The model.
+        name: The layer's name.
+        shape: Its output's shape without the batch axis.
+        geometry: What the pass's layers saw.
+        observed: What the operations of a traced pass told (feature axes, attention); without it, only
+            the sizes speak, and an output that reads both ways is refused.
+        probabilities: Whether the output is non-negative and sums to one over its last axis.
+
     Raises:
-        LayerError: The layer lies inside an attention module, its output is no map of the
-            image, or its layout cannot be told; the message names ``reshape=``.
+        LayerError: The output is attention, no map of the image, or its layout cannot be told; the message
+            names ``reshape=``.
     """
+    traced = observed is not None
+    observed = observed or Observed()
     module_name = layer_entry(name)[0]
     for outer in (module_name.rsplit(".", depth)[0] for depth in range(1, module_name.count(".") + 1)):
-        if is_attention(model.get_submodule(outer)):
+        if outer in observed.attention_modules:
             raise LayerError(
                 f"layer {name!r} lies inside the attention module {outer!r}: its outputs are attention weights "
                 f"or heads, not a map of the image; {WAY_OUT}"
             )
     shape = tuple(shape)
+    if probabilities or observed.is_attention_shape(shape):
+        raise LayerError(f"layer {name!r} outputs attention {shape}, not a map of the image; {WAY_OUT}")
     if len(shape) == 3:
-        first, last = _fits(shape[1], shape[2], geometry.size), _fits(shape[0], shape[1], geometry.size)
-        if first and last:
-            telling = _channels_last_module(model.get_submodule(module_name))
-            if telling is None:
-                raise LayerError(f"layer {name!r} outputs {shape}, which reads as channels first or last; {WAY_OUT}")
-            first = not telling
-        if first or last:
-            return Layout("channels_first" if first else "channels_last")
-    if len(shape) == 2 and geometry.grid is not None:
+        return _grid_layout(name, shape, geometry, observed.feature_axes.get(name))
+    if len(shape) != 2:
+        raise LayerError(f"layer {name!r} outputs {shape}, not a map of the image (N, C, h, w); {WAY_OUT}")
+    if traced:
+        return _token_layout(name, shape, geometry, observed.tokens.get(name))
+    if geometry.grid is not None:
         cells = geometry.grid[0] * geometry.grid[1]
         if 0 <= shape[0] - cells <= MAX_PREFIX_TOKENS:
             return Layout("tokens", prefix=shape[0] - cells, grid=geometry.grid)
@@ -145,8 +150,53 @@ def find_layout(model: nn.Module, name: str, shape: Sequence[int], geometry: Geo
             f"layer {name!r} outputs {shape[0]} tokens, which do not fit the model's "
             f"{geometry.grid[0]}x{geometry.grid[1]} patch grid; {WAY_OUT}"
         )
-    if len(shape) == 2:
-        raise LayerError(f"layer {name!r} outputs {shape}: tokens without a patch embedding to lay them out; {WAY_OUT}")
+    raise LayerError(f"layer {name!r} outputs {shape}: tokens without a patch embedding to lay them out; {WAY_OUT}")
+
+
+def _token_layout(name: str, shape: tuple[int, int], geometry: Geometry, mark: TokenMark | None) -> Layout:
+    """Tokens laid out on the grid they were flattened from, after their prefix.
+
+    Raises:
+        LayerError: The tokens carry no grid of the image (object queries, unrolled tokens), or more tokens
+            follow the grid's.
+    """
+    if mark is None:
+        raise LayerError(
+            f"layer {name!r} outputs {shape[0]} tokens that the model did not flatten from a grid of the image "
+            f"(object queries, say); {WAY_OUT}"
+        )
+    (height, width), prefix = mark.grid, mark.prefix
+    if shape[0] != prefix + height * width or not grid_fits(height, width, geometry.size):
+        raise LayerError(
+            f"layer {name!r} outputs {shape[0]} tokens, not {prefix} + the {height}x{width} grid they were "
+            f"flattened from; {WAY_OUT}"
+        )
+    return Layout("tokens", prefix=prefix, grid=mark.grid)
+
+
+def _grid_layout(name: str, shape: tuple[int, int, int], geometry: Geometry, feature_axis: int | None) -> Layout:
+    """Channels first or last for a per-image (a, b, c) output, from the model's own feature axis when
+    an operation told it, else from the one reading that fits the image.
+
+    Raises:
+        LayerError: The reading the model implies does not fit the image, none fits, or, untold, both do.
+    """
+    first, last = grid_fits(shape[1], shape[2], geometry.size), grid_fits(shape[0], shape[1], geometry.size)
+    if feature_axis in (1, 3):
+        told = "first" if feature_axis == 1 else "last"
+        if (first, last)[feature_axis == 3]:
+            return Layout(f"channels_{told}")
+        raise LayerError(
+            f"layer {name!r} outputs {shape}, channels {told} as the model reads it, which is no grid of the "
+            f"{geometry.size[0]}x{geometry.size[1]} image; {WAY_OUT}"
+        )
+    if first and last:
+        raise LayerError(
+            f"layer {name!r} outputs {shape}, which reads as channels first or last, and no operation of the "
+            f"model tells which; {WAY_OUT}"
+        )
+    if first or last:
+        return Layout("channels_first" if first else "channels_last")
     raise LayerError(f"layer {name!r} outputs {shape}, not a map of the image (N, C, h, w); {WAY_OUT}")
 
 

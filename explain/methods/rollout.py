@@ -12,9 +12,10 @@ from torch import Tensor, nn
 
 from ..core.attention_capture import AttentionRecorder, attention_modules
 from ..core.engine import CAM, Capture
-from ..core.layers import LayerSpec
+from ..core.layers import LayerInfo, LayerSpec
 from ..core.layouts import Geometry, Layout
 from ..errors import LayerError
+from ..targets import TargetLike
 
 
 class Rollout(CAM):
@@ -43,7 +44,9 @@ class Rollout(CAM):
         self.fused = False  # the layers are rolled out together, not fused map by map
         self._attention: dict[str, nn.Module] = {}
 
-    def target_layers(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> list[tuple[str, nn.Module | None]]:
+    def target_layers(
+        self, x: Tensor, model_kwargs: Mapping[str, Any], target: TargetLike = None
+    ) -> list[tuple[str, nn.Module | None]]:
         readable = attention_modules(self.model)
         if self._requested is None:
             chosen = readable
@@ -72,7 +75,7 @@ class Rollout(CAM):
     def recorder(self, modules: Mapping[str, nn.Module]) -> AttentionRecorder:
         return AttentionRecorder(self._attention, self.layer, gradients=self.needs_gradients)
 
-    def layout(self, name: str, activation: Tensor, geometry: Geometry) -> Layout:
+    def layout(self, name: str, activation: Tensor, geometry: Geometry, traced: Mapping[str, LayerInfo]) -> Layout:
         return Layout("attention")
 
     def rolled_out(self, capture: Capture) -> Tensor:

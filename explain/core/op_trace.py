@@ -1,0 +1,361 @@
+"""What a model does with its layers' outputs, read from the operations of one forward pass.
+
+A module's class name says neither how its output is laid out nor whether it computes attention; the
+operations the model runs say both. During a traced pass, :class:`OpTrace` (a
+:class:`torch.overrides.TorchFunctionMode`) watches every torch function the model calls:
+
+- **The feature axis of a 4-D output.** The first operation that consumes the output (after any
+  element-wise operations and permutes) tells which axis holds the features: axis 1 of a convolution,
+  a batch, group or instance norm, a 2-D pooling or resampling, or a flatten of the two spatial axes;
+  the last axis of a linear layer or a layer norm; the one axis a mean or variance is taken over; the
+  axis kept when two are pooled.
+- **Tokens of a grid.** A 4-D map flattened into tokens (a patch embedding's convolution, a stage's
+  output) marks the tokens with their (h, w) grid; the mark follows them through permutes, element-wise
+  operations, operations over the last axis (linear layers, layer norms), a concatenation of tokens in
+  front (a class token: the prefix), and through any module whose first input carries the mark and whose
+  output keeps its token count (an attention block, an MLP). Tokens without the mark (a detector's object
+  queries, unrolled tokens) are never laid out on a grid, whatever their count.
+- **Attention.** A module is an attention module when a softmax over the last axis of a tensor of three or
+  more axes, or a scaled dot-product attention, runs in its own forward. The softmax's last two sizes are
+  an attention shape: an output laid out as (T, T', heads) or (heads, T, T') is attention, never a map.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+# Operations whose input's feature axis is axis 1 (channels first).
+_AXIS_ONE = {
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "batch_norm", "group_norm", "instance_norm",
+    "adaptive_avg_pool2d", "adaptive_max_pool2d", "avg_pool2d", "max_pool2d", "lp_pool2d", "interpolate",
+}  # fmt: skip
+_LAST_AXIS = {"linear", "layer_norm", "rms_norm"}  # operations over the input's last axis
+_REDUCTIONS = {"mean", "sum", "var", "std", "amax", "amin", "var_mean", "std_mean", "logsumexp"}
+_PERMUTES = {"permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis"}
+_ATTENTION = {"scaled_dot_product_attention", "multi_head_attention_forward"}
+_RESHAPES = {"flatten", "reshape", "view", "reshape_as", "view_as", "unflatten"}
+_PRODUCTS = {"matmul", "bmm", "scaled_dot_product_attention"}  # the first operand's rows are the result's
+_NEUTRAL = {"softmax", "log_softmax", "cumsum", "cumprod", "flip", "roll"}  # same shape, but not element-wise
+
+
+@dataclass(frozen=True)
+class TokenMark:
+    """Tokens of a grid of the image.
+
+    Attributes:
+        axis: The tensor's token axis.
+        grid: The (h, w) grid the tokens were flattened from, in row-major order.
+        prefix: Tokens in front of the grid's (class, distillation, registers).
+    """
+
+    axis: int
+    grid: tuple[int, int]
+    prefix: int = 0
+
+    def moved(self, order: Sequence[int]) -> TokenMark | None:
+        """The mark after a permute whose output axis i is input axis ``order[i]``."""
+        return TokenMark(list(order).index(self.axis), self.grid, self.prefix) if self.axis in order else None
+
+
+@dataclass
+class Observed:
+    """What the operations of a traced pass told.
+
+    Attributes:
+        feature_axes: For each watched 4-D output, by layer name, the axis (1, 2 or 3, without the batch axis
+            counted as 0) the first consumer treats as features.
+        attention_modules: Names of the modules in whose own forward attention is computed.
+        attention_shapes: The (T, T') of every attention computed (a softmax's last two sizes).
+        tokens: For each 3-D output laid out as tokens of a grid, by layer name, its mark.
+    """
+
+    feature_axes: dict[str, int] = field(default_factory=dict)
+    attention_modules: set[str] = field(default_factory=set)
+    attention_shapes: set[tuple[int, int]] = field(default_factory=set)
+    tokens: dict[str, TokenMark] = field(default_factory=dict)
+
+    def is_attention_shape(self, shape: Sequence[int]) -> bool:
+        """Whether a per-image 3-D shape is an attention tensor: (heads, T, T') or (T, T', heads)."""
+        shape = tuple(shape)
+        return len(shape) == 3 and (shape[1:] in self.attention_shapes or shape[:2] in self.attention_shapes)
+
+
+def _dims(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> tuple[int, ...] | None:
+    """The ``dim`` argument of a reduction or a permute, as a tuple, or None when absent."""
+    value = kwargs.get(name, args[1] if len(args) > 1 else None)
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, Sequence) and all(isinstance(v, int) for v in value):
+        return tuple(value)
+    return None
+
+
+def _permutation(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], ndim: int) -> list[int] | None:
+    """For a permute-like call, which input axis each output axis is; None when it cannot be read."""
+    if name == "permute":
+        dims = kwargs.get("dims", args[1:] if len(args) > 2 else (args[1] if len(args) > 1 else None))
+        dims = list(dims) if isinstance(dims, Sequence) else None
+        return [d % ndim for d in dims] if dims and len(dims) == ndim else None
+    if name in ("transpose", "swapaxes", "swapdims"):
+        pair = [*args[1:3], *(kwargs.get(k) for k in ("dim0", "dim1", "axis0", "axis1") if k in kwargs)]
+        if len(pair) != 2 or not all(isinstance(d, int) for d in pair):
+            return None
+        order = list(range(ndim))
+        a, b = (d % ndim for d in pair)
+        order[a], order[b] = order[b], order[a]
+        return order
+    source, destination = (
+        kwargs.get(k, args[i] if len(args) > i else None) for i, k in ((1, "source"), (2, "destination"))
+    )
+    if not (isinstance(source, int) and isinstance(destination, int)):
+        return None
+    order = list(range(ndim))
+    order.insert(destination % ndim, order.pop(source % ndim))
+    return order
+
+
+def _feature_axis(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], ndim: int) -> int | None:
+    """The axis of the call's first argument that the call treats as features, or None when it tells none."""
+    if name in _AXIS_ONE:
+        return 1
+    if name in _LAST_AXIS:
+        shape = kwargs.get("normalized_shape", args[1] if len(args) > 1 else None)
+        return ndim - 1 if name == "linear" or (isinstance(shape, Sequence) and len(shape) == 1) else None
+    if name == "flatten":
+        start = kwargs.get("start_dim", args[1] if len(args) > 1 else 0)
+        end = kwargs.get("end_dim", args[2] if len(args) > 2 else -1)
+        return 1 if isinstance(start, int) and start % ndim == 2 and end % ndim == ndim - 1 and ndim == 4 else None
+    if name in _REDUCTIONS:
+        dims = _dims(args, kwargs, "dim")
+        reduced = {d % ndim for d in dims} if dims else set()
+        if len(reduced) == 1 and 0 not in reduced:
+            return reduced.pop()
+        if len(reduced) == ndim - 2 and 0 not in reduced:
+            return ({*range(1, ndim)} - reduced).pop()
+    return None
+
+
+def _sliced(mark: TokenMark, index: Any) -> TokenMark | None:
+    """The mark of ``tokens[index]`` when the index drops prefix tokens only (``x[:, 1:]``), else None."""
+    index = index if isinstance(index, tuple) else (index,)
+    if len(index) <= mark.axis or any(item != slice(None) for item in index[: mark.axis]):
+        return None
+    cut = index[mark.axis]
+    if not isinstance(cut, slice) or cut.step not in (None, 1) or cut.stop is not None:
+        return None
+    start = cut.start or 0
+    if not 0 <= start <= mark.prefix or not all(
+        isinstance(item, slice) or item is Ellipsis for item in index[mark.axis + 1 :]
+    ):
+        return None
+    return TokenMark(mark.axis, mark.grid, mark.prefix - start)
+
+
+class OpTrace(TorchFunctionMode):
+    """Watch the torch functions of a forward pass (see the module's docstring).
+
+    Args:
+        grid_fits: Whether an (h, w) grid can be a grid of the image; tokens are marked only with such grids.
+
+    The caller's module hooks keep :attr:`stack` (the running modules' names, innermost last) and hand each
+    layer's output to :meth:`watch`.
+    """
+
+    def __init__(self, grid_fits: Callable[[int, int], bool] = lambda height, width: min(height, width) > 1) -> None:
+        super().__init__()
+        self._grid_fits = grid_fits
+        self.stack: list[str] = []
+        self.observed = Observed()
+        self._quiet = False
+        self._marks: dict[int, tuple[Tensor, TokenMark]] = {}  # id -> (tensor, its mark)
+        self._outputs: dict[int, tuple[weakref.ref[Tensor], list[str]]] = {}  # id -> (layers' output, names)
+        self.read: set[str] = set()  # the layers whose output a later operation read
+        # id -> (tensor, [(layer name, which output axis each of the tensor's axes is)])
+        self._watched: dict[int, tuple[Tensor, list[tuple[str, list[int]]]]] = {}
+
+    @contextmanager
+    def quiet(self) -> Iterator[None]:
+        """For the block, the calls are not watched: the caller's own reading of a tensor tells nothing."""
+        self._quiet, before = True, self._quiet
+        try:
+            yield
+        finally:
+            self._quiet = before
+
+    def produced(self, name: str, output: Tensor) -> None:
+        """Note a layer's output, to tell later whether any operation of the pass read it (:attr:`read`)."""
+        known = self._outputs.get(id(output))
+        if known is not None and known[0]() is output:
+            known[1].append(name)
+        else:
+            self._outputs[id(output)] = (weakref.ref(output), [name])
+
+    def watch(self, name: str, output: Tensor) -> None:
+        """Find the feature axis of a layer's 4-D output from the operations that consume it."""
+        if output.dim() == 4 and name not in self.observed.feature_axes:
+            self._add(output, [(name, [0, 1, 2, 3])])
+
+    def mark_of(self, value: Any) -> TokenMark | None:
+        """The token mark a tensor carries, or None."""
+        known = self._marks.get(id(value)) if isinstance(value, Tensor) else None
+        return known[1] if known is not None and known[0] is value else None
+
+    def _mark(self, tensor: Tensor, mark: TokenMark | None) -> None:
+        if mark is not None and 0 < mark.axis < tensor.dim():
+            self._marks[id(tensor)] = (tensor, mark)
+
+    def module_output(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        """A module's output keeps the mark of its first input when it keeps its token count; a 3-D output
+        with a mark of axis 1 is recorded as the layer's tokens."""
+        first = next((a for a in args if isinstance(a, Tensor)), kwargs.get("hidden_states", kwargs.get("x")))
+        mark = self.mark_of(first)
+        entries = (
+            output.items()
+            if isinstance(output, Mapping)
+            else enumerate(output)
+            if isinstance(output, (list, tuple))
+            else []
+        )
+        for key, value in [(None, output), *entries]:
+            if not isinstance(value, Tensor):
+                continue
+            own = self.mark_of(value)
+            if (
+                own is None
+                and mark is not None
+                and value.dim() > mark.axis
+                and value.shape[mark.axis] == first.shape[mark.axis]
+            ):
+                self._mark(value, own := mark)
+            if own is not None and own.axis == 1 and value.dim() == 3:
+                self.observed.tokens.setdefault(name if key is None else f"{name}:{key}", own)
+
+    def _tokens(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
+        """Mark the tokens a call makes of a 4-D map, or carry the mark of tokens on."""
+        if not isinstance(result, Tensor):
+            return
+        if name in ("cat", "concat", "concatenate"):
+            self._concatenated(args, kwargs, result)
+            return
+        first = args[0] if args else None
+        if not isinstance(first, Tensor):
+            return
+        mark = self.mark_of(first)
+        if mark is None and name in _RESHAPES and first.dim() == 4 and result.dim() == 3:
+            self._mark(result, self._flattened(tuple(first.shape), tuple(result.shape)))
+        elif mark is None:
+            return
+        elif name == "getitem":
+            self._mark(result, _sliced(mark, args[1] if len(args) > 1 else None))
+        elif name in _PERMUTES:
+            order = _permutation(name, args, kwargs, first.dim())
+            self._mark(result, mark.moved(order) if order is not None else None)
+        elif name in _RESHAPES:  # axes split or merged after the token axis keep it
+            keeps = result.dim() > mark.axis and result.shape[: mark.axis + 1] == first.shape[: mark.axis + 1]
+            self._mark(result, mark if keeps else None)
+        elif name in _PRODUCTS and mark.axis == first.dim() - 2:  # attention's rows are its queries' tokens
+            self._mark(result, TokenMark(result.dim() - 2, mark.grid, mark.prefix))
+        elif result.shape == first.shape or (name in _LAST_AXIS and mark.axis < first.dim() - 1):
+            self._mark(result, mark)
+
+    def _flattened(self, before: tuple[int, ...], after: tuple[int, ...]) -> TokenMark | None:
+        """The mark of tokens flattened from a 4-D map: (N, C, h, w) to (N, C, h*w) or (N, h, w, C) to
+        (N, h*w, C), where (h, w) is a grid of the image."""
+        batch, p, q, r = before
+        if after == (batch, p, q * r) and self._grid_fits(q, r):
+            return TokenMark(2, (q, r))
+        if after == (batch, p * q, r) and self._grid_fits(p, q):
+            return TokenMark(1, (p, q))
+        return None
+
+    def _concatenated(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Tensor) -> None:
+        """Tokens concatenated after others along their token axis: the others become their prefix."""
+        parts = args[0] if args else kwargs.get("tensors", ())
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        if not isinstance(parts, (list, tuple)) or not parts or not isinstance(dim, int):
+            return
+        mark = self.mark_of(parts[-1])
+        if mark is None and len(parts) > 1:  # registers after the patches: no grid of the image then
+            return
+        if mark is not None and dim % result.dim() == mark.axis:
+            before = sum(part.shape[mark.axis] for part in parts[:-1])
+            self._mark(result, TokenMark(mark.axis, mark.grid, mark.prefix + before))
+
+    def _add(self, tensor: Tensor, entries: list[tuple[str, list[int]]]) -> None:
+        known = self._watched.get(id(tensor))
+        if known is not None and known[0] is tensor:
+            known[1].extend(entries)
+        else:
+            self._watched[id(tensor)] = (tensor, list(entries))
+
+    def _inputs(self, args: tuple[Any, ...]) -> Iterator[tuple[int, Tensor, list[tuple[str, list[int]]]]]:
+        """The watched tensors among the call's arguments, with their position."""
+        for position, arg in enumerate(args):
+            for value in arg if isinstance(arg, (list, tuple)) else (arg,):
+                known = self._watched.get(id(value)) if isinstance(value, Tensor) else None
+                if known is not None and known[0] is value:
+                    yield position, value, known[1]
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if self._quiet:
+            return result
+        name = getattr(func, "__name__", "").strip("_")
+        if self._outputs:
+            self._note_reads(args, kwargs)
+        self._attention(name, args, kwargs)
+        self._tokens(name, args, kwargs, result)
+        if self._watched:
+            self._follow(name, args, kwargs, result)
+        return result
+
+    def _note_reads(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        for arg in (*args, *kwargs.values()):
+            for value in arg if isinstance(arg, (list, tuple)) else (arg,):
+                known = self._outputs.get(id(value)) if isinstance(value, Tensor) else None
+                if known is not None and known[0]() is value:
+                    self.read.update(known[1])
+
+    def _attention(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Note the attention computed by the innermost running module (the model itself is never one)."""
+        first = args[0] if args else None
+        if name in ("softmax", "log_softmax") and isinstance(first, Tensor) and first.dim() >= 3:
+            dim = _dims(args, kwargs, "dim")
+            if dim is None or dim[0] % first.dim() != first.dim() - 1:
+                return
+            self.observed.attention_shapes.add(tuple(first.shape[-2:]))
+        elif name == "scaled_dot_product_attention" and isinstance(first, Tensor):
+            key = args[1] if len(args) > 1 else kwargs.get("key")
+            if isinstance(key, Tensor):
+                self.observed.attention_shapes.add((first.shape[-2], key.shape[-2]))
+        elif name not in _ATTENTION:
+            return
+        if self.stack and self.stack[-1]:
+            self.observed.attention_modules.add(self.stack[-1])
+
+    def _follow(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
+        """Decide the feature axis of the watched outputs this call consumes, or watch what it makes of them."""
+        for position, tensor, entries in list(self._inputs(args)):
+            ndim = tensor.dim()
+            axis = _feature_axis(name, args, kwargs, ndim) if position == 0 else None
+            if axis is not None:
+                for layer, axes in entries:
+                    self.observed.feature_axes.setdefault(layer, axes[axis])
+                self._watched.pop(id(tensor), None)
+            elif not isinstance(result, Tensor) or name in _NEUTRAL:
+                continue
+            elif name in _PERMUTES and position == 0:
+                order = _permutation(name, args, kwargs, ndim)
+                if order is not None:
+                    self._add(result, [(layer, [axes[i] for i in order]) for layer, axes in entries])
+            elif result.shape == tensor.shape and result is not tensor:  # element-wise: the same axes
+                self._add(result, [(layer, list(axes)) for layer, axes in entries])

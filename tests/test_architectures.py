@@ -1,0 +1,221 @@
+"""The architectures whose automatic layer or layout used to be wrong: class-attention (CaiT, XCiT), token towers
+(CrossViT), a ConvNeXt stage whose channel count equals its map's side, HuggingFace DETR, SegFormer, Swin and
+ConvNeXt. Each map is checked against Grad-CAM written here with plain hooks and autograd, laid out by what the
+architecture is known to be (its patch grid, its prefix tokens), never by explain's layout code."""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+import transformers
+from conftest import capture_score, hook_count
+from timm.models.cait import Cait
+from timm.models.convnext import ConvNeXt
+from timm.models.crossvit import CrossVit
+from timm.models.xcit import Xcit
+from torch import nn
+
+import explain
+from explain.core.layers import find_auto_layers, traced_layers
+from explain.errors import LayerError
+
+
+def lay_out(t: torch.Tensor, layout: tuple) -> torch.Tensor:
+    """A layer's output as (N, C, h, w), by a layout stated by hand: ("first",), ("last",) or ("tokens", prefix,
+    (h, w))."""
+    if layout[0] == "last":
+        return t.permute(0, 3, 1, 2)
+    if layout[0] == "tokens":
+        _, prefix, grid = layout
+        return t[:, prefix:].transpose(1, 2).reshape(len(t), t.shape[-1], *grid)
+    return t
+
+
+def reference(model: nn.Module, x: torch.Tensor, layer: str, score, layout: tuple) -> torch.Tensor:
+    """Grad-CAM from its paper at one layer: (N, h, w), float64."""
+    a, g = (lay_out(t, layout) for t in capture_score(model, x, layer, score))
+    return (g.mean(dim=(2, 3), keepdim=True) * a).sum(dim=1).clamp(min=0)
+
+
+def assert_matches(model: nn.Module, x: torch.Tensor, layer, score, layout: tuple) -> torch.Tensor:
+    """explain's Grad-CAM at ``layer`` (a name, or None for the automatic one) equals the reference there, and
+    leaves the model's hooks as they were (HuggingFace models add their own at their first forward)."""
+    model(x[:1])
+    hooks = hook_count(model)
+    result = explain.GradCAM(model, layer)(x, score, resize=False, normalize=False)
+    assert hook_count(model) == hooks
+    expected = reference(model, x, result.layer, score, layout)
+    assert result.raw.shape == expected.shape and expected.abs().max() > 0
+    assert (result.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    return result.raw
+
+
+def logit(c: int):
+    return lambda logits: logits[:, c]
+
+
+def test_class_attention_is_recognised_and_its_heads_are_never_maps() -> None:
+    """CaiT: the talking-heads projections (T, T, heads) and the attention dropout are attention, whatever their
+    class is called; the automatic layer is the input of the last class-attention block, since the final norm's
+    patch tokens never reach the head."""
+    torch.manual_seed(0)
+    model = Cait(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, depth_token_only=2, num_classes=5)
+    x = torch.randn(2, 3, 32, 32)
+    infos = traced_layers(model.eval(), x)
+    listed = [name for name, info in infos.items() if info.candidate]
+    assert not [name for name in listed if ".attn." in name]  # proj_l, proj_w, attn_drop, q, k, v: none
+    assert "attention" in infos["blocks.0.attn.proj_l"].refusal
+    assert find_auto_layers(model, x) == ["blocks_token_only.1.norm1"]
+    assert_matches(model, x, None, logit(3), ("tokens", 1, (4, 4)))
+
+
+def test_cross_covariance_attention_is_never_a_map() -> None:
+    """XCiT: its attention is (heads, d, d) over channels; its class-attention blocks read the patch tokens."""
+    torch.manual_seed(0)
+    model = Xcit(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, cls_attn_layers=1, num_classes=5)
+    x = torch.randn(2, 3, 32, 32)
+    infos = traced_layers(model.eval(), x)
+    assert not infos["blocks.0.attn.attn_drop"].candidate  # (2, 16, 16) would fit a 32 x 32 image
+    assert find_auto_layers(model, x) == ["cls_attn_blocks.0.norm1"]
+    assert_matches(model, x, None, logit(1), ("tokens", 1, (4, 4)))
+
+
+def test_token_towers_give_one_map_each_fused() -> None:
+    """CrossViT: two branches on grids of their own, side by side to the end: one layer each, fused."""
+    torch.manual_seed(0)
+    model = CrossVit(
+        img_size=48, patch_size=(12, 16), embed_dim=(16, 32), depth=((1, 1, 0),), num_heads=(2, 2), num_classes=5
+    ).eval()
+    x = torch.randn(2, 3, 48, 48)
+    layers = find_auto_layers(model, x)
+    assert len(layers) == 2
+    grids = {traced_layers(model, x)[name].layout.grid for name in layers}
+    assert grids == {(4, 4), (3, 3)}
+    result = explain.GradCAM(model)(x, 2)
+    assert result.layer == "+".join(layers) and result.cams.shape == (2, 48, 48)
+
+
+def square_convnext() -> nn.Module:
+    """A ConvNeXt whose first stage has 24 channels on a 24 x 24 map at 96 px: both readings fit by size."""
+    torch.manual_seed(0)
+    return ConvNeXt(depths=(1, 1, 1, 1), dims=(24, 32, 48, 64), num_classes=5, conv_mlp=False).eval()
+
+
+@pytest.mark.parametrize(
+    ("layer", "layout"),
+    [("stages.0", ("first",)), ("stages.0.blocks.0.mlp", ("last",)), ("stages.0.blocks.0.norm", ("last",))],
+)
+def test_channels_first_or_last_is_read_from_the_model_not_from_sizes(layer: str, layout: tuple) -> None:
+    """The stage ends on a Linear (the old rule read it channels last); its output is channels first, since the
+    next stage's norm and convolution read axis 1. Its MLP's output, read by a permute, is channels last."""
+    model = square_convnext()
+    x = torch.randn(2, 3, 96, 96)
+    assert_matches(model, x, layer, logit(2), layout)
+
+
+class Ambiguous(nn.Module):
+    """A convolution whose (N, 16, 16, 16) output is the model's: nothing reads it, so nothing tells its layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+def test_a_layout_nothing_tells_is_refused_with_the_way_out() -> None:
+    torch.manual_seed(0)
+    model, x = Ambiguous().eval(), torch.randn(1, 3, 16, 16)
+    score = lambda out: out[:, 3].mean((1, 2))  # noqa: E731
+    with pytest.raises(LayerError, match="reshape="):
+        explain.GradCAM(model, "conv")(x, score)
+    explained = explain.GradCAM(model, "conv", reshape=lambda t: t)(x, score, resize=False, normalize=False)
+    expected = reference(model, x, "conv", score, ("first",))
+    assert (explained.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def tiny_detr() -> nn.Module:
+    torch.manual_seed(0)
+    backbone = transformers.ResNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1], out_features=["stage4"]
+    )
+    config = transformers.DetrConfig(
+        use_timm_backbone=False,
+        backbone_config=backbone,
+        use_pretrained_backbone=False,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        num_queries=100,
+        num_labels=5,
+    )
+    return transformers.DetrForObjectDetection(config).eval()
+
+
+def test_detr_is_explained_at_its_encoder_not_at_the_position_embedding() -> None:
+    """At 320 px the encoder's map is 10 x 10 = 100 tokens, as many as the object queries: the queries, which
+    were never a grid, are refused; the sine position embedding, the same for every image, is no map."""
+    model = tiny_detr()
+    x = torch.randn(2, 3, 320, 320)
+    score = lambda out: out.logits[:, 7, 2]  # noqa: E731
+    infos = traced_layers(model, x)
+    embedding = next(info for name, info in infos.items() if "position_embedding" in name and info.shape)
+    assert not embedding.varies
+    queries = [info for name, info in infos.items() if name.startswith("model.decoder.layers.") and info.shape]
+    assert queries and all(info.shape[0] != 100 or not info.candidate for info in queries)
+    (layer,) = find_auto_layers(model, x, target=score)
+    assert layer.startswith("model.encoder")
+    maps = assert_matches(model, x, None, score, ("tokens", 0, (10, 10)))
+    assert torch.corrcoef(maps.flatten(1))[0, 1] < 0.99  # two images, two maps
+
+
+def test_segformer_is_explained_before_its_decode_head() -> None:
+    torch.manual_seed(0)
+    config = transformers.SegformerConfig(
+        num_labels=4, hidden_sizes=[8, 16, 24, 32], depths=[1, 1, 1, 1], num_attention_heads=[1, 1, 1, 1]
+    )
+    config.decoder_hidden_size = 16
+    model = transformers.SegformerForSemanticSegmentation(config).eval()
+    x = torch.randn(2, 3, 64, 64)
+    score = lambda out: out.logits[:, 1].mean((1, 2))  # noqa: E731
+    (layer,) = find_auto_layers(model, x, target=score)
+    assert not layer.startswith("decode_head") and traced_layers(model, x)[layer].map_shape == (32, 2, 2)
+    assert_matches(model, x, None, score, ("first",))
+
+
+def test_huggingface_swin_and_convnext_are_explained_where_the_classifier_reads() -> None:
+    """HF Swin: not the reshaped copy kept for ``output_hidden_states``; HF ConvNeXt: not an output entry the
+    pooler never reads."""
+    torch.manual_seed(0)
+    swin = transformers.SwinForImageClassification(
+        transformers.SwinConfig(
+            image_size=64, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=4, num_labels=5
+        )
+    ).eval()
+    x = torch.randn(2, 3, 64, 64)
+    assert_matches(swin, x, None, lambda out: out.logits[:, 1], ("tokens", 0, (8, 8)))
+    convnext = transformers.ConvNextForImageClassification(
+        transformers.ConvNextConfig(hidden_sizes=[8, 16, 24, 32], depths=[1, 1, 1, 1], num_labels=5)
+    ).eval()
+    (layer,) = find_auto_layers(convnext, x)
+    assert ":" not in layer  # a module, not an entry of an output
+    assert_matches(convnext, x, None, lambda out: out.logits[:, 1], ("first",))
+
+
+def test_timm_hierarchical_tokens_are_laid_out_stage_by_stage() -> None:
+    """LeViT shrinks its token grid (8 x 8, 4 x 4, 2 x 2 at 128 px) by slicing a reshaped view of its tokens:
+    the last stage's 2 x 2 tokens are the map, not the convolutional stem."""
+    torch.manual_seed(0)
+    model = timm.create_model("levit_128s", num_classes=5, img_size=128).eval()
+    with torch.no_grad():
+        nn.init.normal_(model.head.linear.weight)  # timm's small initial head leaves maps of ~1e-6
+    x = torch.randn(2, 3, 128, 128)
+    assert find_auto_layers(model, x) == ["stages"]
+    assert traced_layers(model, x)["stages.1"].layout.grid == (4, 4)
+    assert_matches(model, x, None, logit(1), ("tokens", 0, (2, 2)))
