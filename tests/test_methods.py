@@ -17,6 +17,7 @@ from conftest import capture, seeded
 from torch import nn
 
 import explain
+from explain.core.layers import traced_layers
 from explain.targets import RegressionTarget
 
 # model, layer, input side: a plain last stage, a conv whose output an in-place ReLU overwrites, a Hardswish stage.
@@ -303,6 +304,7 @@ def test_guided_gradcam_topk_runs_grad_cam_once(name: str = "resnet18", layer: s
     the K maps is the guided gradient of its class times that class's Grad-CAM."""
     model = seeded(name, num_classes=10)
     x = inputs(64)
+    traced_layers(model, x)  # the layouts' trace, once per model and input shape, is not the method's cost
     forwards = []
     handle = model.register_forward_hook(lambda *args: forwards.append(1))
     try:

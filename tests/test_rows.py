@@ -10,6 +10,7 @@ import torchvision
 from torch import nn
 
 import explain
+from explain.core.layers import traced_layers
 from explain.core.rows import reached_rows
 
 
@@ -118,6 +119,8 @@ def test_class_token_vit_differentiates_its_last_block_at_the_class_token_alone(
         explain.core.rows, "_attention_rows", lambda m, x, rows: attended.append(rows.tolist()) or recompute(m, x, rows)
     )
     x = torch.randn(3, 3, 64, 64)
+    traced_layers(model, x)  # the layouts' trace (one-image forwards, once per input shape) is not counted here
+    seen.clear()
     cams = explain.GradCAM(model, layer)(x).cams
     assert seen == [3 * 17, 3]  # 16 patches and the class token per image forward, the class tokens backward
     assert attended == [[0, 17, 34]]  # the last attention recomputed at the class tokens alone

@@ -475,7 +475,6 @@ def reached_layers(
         return output
 
     goal = as_target(target)
-    image = x[:1].detach().clone().requires_grad_(True)
     with (
         eval_mode(model),
         frozen_parameters(model),
@@ -483,6 +482,7 @@ def reached_layers(
         torch.enable_grad(),
         Hooks() as hooks,
     ):
+        image = x[:1].detach().clone().requires_grad_(True)  # a normal tensor, whatever the caller's mode
         for name in by_module:
             hooks.forward(modules[name], partial(keep, name))
         output = model(image, **(model_kwargs or {}))
