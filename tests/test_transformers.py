@@ -163,7 +163,7 @@ class _Tokens3(nn.Module):
 def test_tokens_without_a_grid_are_refused_and_reshape_lays_them_out() -> None:
     model = _Tokens3().eval()
     x = torch.randn(2, 3, 16, 16)
-    with pytest.raises(explain.LayerError, match=r"outputs 3 tokens that the model did not flatten from a grid.*reshape="):
+    with pytest.raises(explain.LayerError, match=r"outputs 3 tokens .* not flatten from a grid.*reshape="):
         explain.gradcam(model, x, "lift")
 
     def reshape(tokens: torch.Tensor) -> torch.Tensor:  # the caller knows: 3 channels of a 2 x 5 grid
