@@ -15,8 +15,7 @@ layer norm the last axis; see :mod:`explain.core.op_trace`). The reading must th
 layers see (the grid's aspect is the image's, within a cell and 10%, and no side exceeds the image's).
 Without such an operation (the model's last output, say), the sizes decide only when one reading alone
 fits. Attention is never a map: neither an output of a module inside an attention module (one whose
-forward computes a softmax over tokens or a scaled dot-product attention), nor a tensor of attention's
-shape ((heads, T, T') or (T, T', heads) of an attention computed in the pass), nor probabilities (a
+forward computes a softmax over tokens or a scaled dot-product attention), nor probabilities (a
 non-negative tensor whose last axis sums to one). Anything else is an error that names ``reshape=``, a
 callable the caller passes to lay the output out itself.
 """
@@ -134,7 +133,7 @@ def find_layout(
                 f"or heads, not a map of the image; {WAY_OUT}"
             )
     shape = tuple(shape)
-    if probabilities or observed.is_attention_shape(shape):
+    if probabilities:
         raise LayerError(f"layer {name!r} outputs attention {shape}, not a map of the image; {WAY_OUT}")
     if len(shape) == 3:
         return _grid_layout(name, shape, geometry, observed.feature_axes.get(name))

@@ -16,8 +16,8 @@ operations the model runs say both. During a traced pass, :class:`OpTrace` (a
   output keeps its token count (an attention block, an MLP). Tokens without the mark (a detector's object
   queries, unrolled tokens) are never laid out on a grid, whatever their count.
 - **Attention.** A module is an attention module when a softmax over the last axis of a tensor of three or
-  more axes, or a scaled dot-product attention, runs in its own forward. The softmax's last two sizes are
-  an attention shape: an output laid out as (T, T', heads) or (heads, T, T') is attention, never a map.
+  more axes, or a scaled dot-product attention, runs in its own forward. The outputs of the modules inside it
+  (attention weights, heads, talking-heads projections) are never maps.
 """
 
 from __future__ import annotations
@@ -73,19 +73,12 @@ class Observed:
         feature_axes: For each watched 4-D output, by layer name, the axis (1, 2 or 3, without the batch axis
             counted as 0) the first consumer treats as features.
         attention_modules: Names of the modules in whose own forward attention is computed.
-        attention_shapes: The (T, T') of every attention computed (a softmax's last two sizes).
         tokens: For each 3-D output laid out as tokens of a grid, by layer name, its mark.
     """
 
     feature_axes: dict[str, int] = field(default_factory=dict)
     attention_modules: set[str] = field(default_factory=set)
-    attention_shapes: set[tuple[int, int]] = field(default_factory=set)
     tokens: dict[str, TokenMark] = field(default_factory=dict)
-
-    def is_attention_shape(self, shape: Sequence[int]) -> bool:
-        """Whether a per-image 3-D shape is an attention tensor: (heads, T, T') or (T, T', heads)."""
-        shape = tuple(shape)
-        return len(shape) == 3 and (shape[1:] in self.attention_shapes or shape[:2] in self.attention_shapes)
 
 
 def _dims(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> tuple[int, ...] | None:
@@ -328,15 +321,15 @@ class OpTrace(TorchFunctionMode):
     def _attention(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Note the attention computed by the innermost running module (the model itself is never one)."""
         first = args[0] if args else None
-        if name in ("softmax", "log_softmax") and isinstance(first, Tensor) and first.dim() >= 3:
+        if name in ("softmax", "log_softmax"):
             dim = _dims(args, kwargs, "dim")
-            if dim is None or dim[0] % first.dim() != first.dim() - 1:
+            if (
+                not isinstance(first, Tensor)
+                or first.dim() < 3
+                or dim is None
+                or dim[0] % first.dim() != first.dim() - 1
+            ):
                 return
-            self.observed.attention_shapes.add(tuple(first.shape[-2:]))
-        elif name == "scaled_dot_product_attention" and isinstance(first, Tensor):
-            key = args[1] if len(args) > 1 else kwargs.get("key")
-            if isinstance(key, Tensor):
-                self.observed.attention_shapes.add((first.shape[-2], key.shape[-2]))
         elif name not in _ATTENTION:
             return
         if self.stack and self.stack[-1]:
