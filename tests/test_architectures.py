@@ -219,3 +219,31 @@ def test_timm_hierarchical_tokens_are_laid_out_stage_by_stage() -> None:
     assert find_auto_layers(model, x) == ["stages"]
     assert traced_layers(model, x)["stages.1"].layout.grid == (4, 4)
     assert_matches(model, x, None, logit(1), ("tokens", 0, (2, 2)))
+
+
+def test_detr_queries_are_explained_as_detections_in_image_pixels() -> None:
+    """QueryDetector: each query a detection (no NMS), its box in input pixels, its score the model's class
+    probability; DetectionTarget explains one query at the encoder's map, as the reference does."""
+    model = tiny_detr()
+    with torch.no_grad():
+        model.class_labels_classifier.bias[2] += 4.0  # random weights: make class 2 the queries' answer
+    detector = explain.models.QueryDetector(model).eval()
+    x = torch.randn(1, 3, 320, 256)
+    with torch.no_grad():
+        plain = model(pixel_values=x)
+        (found,) = detector(x)
+    assert len(found["scores"]) == 100 and (found["labels"] == 2).all()
+    torch.testing.assert_close(found["scores"], plain.logits.softmax(-1)[0, :, 2])
+    cx, cy, w, h = plain.pred_boxes[0, 7].tolist()
+    expected_box = torch.tensor([(cx - w / 2) * 256, (cy - h / 2) * 320, (cx + w / 2) * 256, (cy + h / 2) * 320])
+    torch.testing.assert_close(found["boxes"][7], expected_box)
+
+    target = explain.targets.DetectionTarget(boxes=found["boxes"][7:8], labels=[2])
+    result = explain.GradCAM(detector)(x, target, resize=False, normalize=False)
+    assert result.layer.startswith("model.model.encoder") and result.target.boxes[0, 0].tolist() == pytest.approx(
+        expected_box.tolist(), abs=1e-3
+    )
+    expected = reference(detector, x, result.layer, lambda out: out[0]["scores"][7:8], ("tokens", 0, (10, 8)))
+    assert (result.raw[:, 0].double() - expected).abs().max() <= 1e-4 * expected.abs().max()  # float32 softmax
+    every = explain.GradCAM(detector)(x, explain.targets.DetectionTarget(score_threshold=0.5))
+    assert every.cams.shape[:2] == (1, int((found["scores"] >= 0.5).sum()))

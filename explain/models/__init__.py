@@ -1,9 +1,10 @@
 """Models: the spec that pairs a network with its preprocessing, class names and task (``spec.py``); loading by
 name (``loaders.py``); users' checkpoints (``checkpoints.py``); the bundled EfficientNet-Lite0
-(``efficientnet_lite0.py``)."""
+(``efficientnet_lite0.py``); object-query detectors answering as torchvision's (``query_detectors.py``)."""
 
 from .checkpoints import lite0_state_to_timm, read_state_dict
 from .loaders import TIMM_PREFIX, available_models, imagenet_labels, load_model
+from .query_detectors import QueryDetector
 from .spec import ImageLike, ModelSpec, Preprocessing, Task
 
 __all__ = [
@@ -11,6 +12,7 @@ __all__ = [
     "ImageLike",
     "ModelSpec",
     "Preprocessing",
+    "QueryDetector",
     "Task",
     "available_models",
     "imagenet_labels",
