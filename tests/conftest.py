@@ -43,14 +43,19 @@ def random_segmenter(num_classes: int = 4) -> nn.Module:
     return model.eval()
 
 
-def random_detector(calibration: tuple[int, int], **options) -> nn.Module:
+def random_detector(calibration: tuple[int, int], masks: bool = False, **options) -> nn.Module:
     """Faster R-CNN (MobileNetV3-FPN) with seeded random weights, in eval mode: BatchNorm calibrated on random
     images of the ``calibration`` size and the box head damped, so that the random network gives several
-    distinct detections with unsaturated scores. ``options`` go to torchvision's builder."""
+    distinct detections with unsaturated scores. ``options`` go to torchvision's builder. With ``masks``, a
+    Mask R-CNN on the same backbone."""
     torch.manual_seed(0)
     model = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_fpn(
         weights=None, weights_backbone=None, **options
     )
+    if masks:
+        model = torchvision.models.detection.MaskRCNN(
+            model.backbone, rpn_anchor_generator=model.rpn.anchor_generator, **options
+        )
     for module in model.modules():
         if isinstance(module, nn.BatchNorm2d):
             module.momentum = None

@@ -16,7 +16,7 @@ from torchvision.ops import box_iou
 
 import explain
 from explain.core.maps import Canvas, normalize_maps, upsample
-from explain.targets import DetectionTarget
+from explain.targets import DetectionTarget, InstanceTarget
 
 LAYER, MODULE, LEVEL = "backbone.fpn:0", "backbone.fpn", "0"
 
@@ -283,3 +283,53 @@ def test_a_detection_from_a_level_too_coarse_to_map_is_refused_with_the_way_out(
     inside = explain.GradCAM(detector, "backbone.features.1")(x, target)  # level 1, before the levels after it
     assert inside.cams.shape == (1, 1, 100, 130) and inside.cams.amax() > 0
     assert hook_count(detector) == 0
+
+
+@pytest.fixture(scope="module")
+def segmenter() -> nn.Module:
+    """Mask R-CNN (MobileNetV3-FPN) for small inputs, random weights that detect (see random_detector)."""
+    return random_detector(
+        (128, 160), masks=True, num_classes=5, min_size=128, max_size=192, box_score_thresh=0.3,
+        box_detections_per_img=8,
+    )  # fmt: skip
+
+
+def test_an_instance_is_explained_by_its_mask_or_its_box(segmenter) -> None:
+    """InstanceTarget: by its mask, the mean mask logit over the pixels where its mask is at least 0.5 on the plain
+    pass; by its box, its box score. Both against references written here at one FPN level."""
+    x = images()[:1]
+    with torch.no_grad():
+        (plain,) = segmenter(x)
+    box, label = plain["boxes"][0], int(plain["labels"][0])
+    region = plain["masks"][0, 0] >= 0.5
+    assert 0 < region.sum() < region.numel()
+
+    kept = {}
+
+    def keep(module, inputs, output):
+        kept["a"] = output[LEVEL].clone().requires_grad_(True)
+        return OrderedDict((k, kept["a"] if k == LEVEL else v) for k, v in output.items())
+
+    def reference(score) -> torch.Tensor:
+        handle = segmenter.get_submodule(MODULE).register_forward_hook(keep)
+        (found,) = segmenter(x)
+        handle.remove()
+        overlap = box_iou(box[None], found["boxes"])[0]
+        overlap[found["labels"] != label] = -1
+        (g,) = torch.autograd.grad(score(found, int(overlap.argmax())), kept["a"])
+        cam = (g.mean(dim=(2, 3))[..., None, None] * kept["a"]).sum(dim=1).clamp(min=0).detach()
+        return on_image(segmenter, x, cam)
+
+    def mask_logit(found, i):
+        p = found["masks"][i, 0].clamp(1e-6, 1 - 1e-6)
+        return (torch.log(p) - torch.log1p(-p))[region].mean()
+
+    for by, score in (("mask", mask_logit), ("box", lambda found, i: found["scores"][i])):
+        target = InstanceTarget(box[None], [label], by=by)
+        result = explain.GradCAM(segmenter, LAYER)(x, target, normalize=False)
+        assert result.cams.shape == (1, 1, 100, 130) and hook_count(segmenter) == 0
+        assert_maps(result.raw[:, 0], reference(score))
+        if by == "mask":
+            assert torch.equal(result.target.regions[0, 0].bool(), region)
+    with pytest.raises(explain.TargetError, match="'mask' or 'box'"):
+        InstanceTarget(by="pixels")

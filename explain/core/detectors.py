@@ -86,7 +86,8 @@ def sparse_box_heads(model: nn.Module) -> Iterator[None]:
     detaches the proposals). An image whose detections cannot all be traced gets the whole
     head run again with autograd, as torchvision would have run it. For the same reason the
     model's ``rpn``, whose outputs torchvision detaches in eval mode, runs on detached features.
-    A detector wrapped in another module is differentiated as it is, whole.
+    A detector wrapped in another module is differentiated as it is, whole. Mask R-CNN's masks of the kept
+    detections are computed again with autograd from the features, their rows alone.
     """
     proposer, head = getattr(model, "rpn", None), getattr(model, "roi_heads", None)  # torchvision's GeneralizedRCNN
     with Hooks() as hooks:
@@ -129,6 +130,7 @@ def _kept_rows_joined(seen: dict[str, Any], head: nn.Module, args: tuple[Any, ..
         return None
     features, proposals, shapes = seen["features"], args[1], args[2]
     result, losses = output
+    result = _masks_recomputed(head, features, result, shapes)
     logits, regression = seen["rows"]
     scores = F.softmax(logits, -1).split([len(p) for p in proposals])
     traced = [_trace(d, b, s) for d, b, s in zip(result, _decoded(head, regression, proposals, shapes), scores)]
@@ -156,6 +158,20 @@ def _kept_rows_joined(seen: dict[str, Any], head: nn.Module, args: tuple[Any, ..
     values = torch.cat([torch.cat([d["boxes"], d["scores"][:, None]], dim=1) for d in result])
     joined = RowsRecomputed.apply(recompute, None, values, *features.values()).split([len(rows) for rows in traced])
     return [{**d, "boxes": v[:, :4], "scores": v[:, 4]} for d, v in zip(result, joined)], losses
+
+
+def _masks_recomputed(head: nn.Module, features: dict[str, Tensor], result: list[dict[str, Tensor]], shapes: Any):
+    """Mask R-CNN's masks of the kept detections, computed again with autograd from the features: the mask
+    branch ran on detached features with the rest of the head. Its rows are the kept detections alone, so this
+    costs little. Other heads' results are returned as they are."""
+    if not (hasattr(head, "has_mask") and head.has_mask()) or not all("masks" in d for d in result):
+        return result
+    from torchvision.models.detection.roi_heads import maskrcnn_inference
+
+    boxes = [d["boxes"].detach() for d in result]
+    logits = head.mask_predictor(head.mask_head(head.mask_roi_pool(features, boxes, shapes)))
+    masks = maskrcnn_inference(logits, [d["labels"] for d in result])
+    return [{**d, "masks": m} for d, m in zip(result, masks)]
 
 
 def _trace(detections: dict[str, Tensor], boxes: Tensor, scores: Tensor) -> Tensor | None:

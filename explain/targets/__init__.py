@@ -2,8 +2,8 @@
 
 ``base.py`` holds the protocol (:class:`Target` binds on a call's plain pass into a :class:`BoundTarget`, which
 scores any later pass); ``classification.py`` a classifier's classes, regression values and embedding
-similarities; ``segmentation.py`` a segmenter's regions; ``detection.py`` a detector's boxes; ``shorthand.py``
-what an int, a name, a sequence or a callable stands for.
+similarities; ``segmentation.py`` a segmenter's regions; ``detection.py`` a detector's boxes and an instance
+segmenter's instances; ``shorthand.py`` what an int, a name, a sequence or a callable stands for.
 """
 
 from .base import (
@@ -19,7 +19,7 @@ from .base import (
     read_output,
 )
 from .classification import ClassScore, ClassTarget, RegressionTarget, SimilarityTarget, TopK
-from .detection import DetectionTarget, box_iou
+from .detection import DetectionTarget, InstanceTarget, box_iou
 from .segmentation import SegmentationTarget
 from .shorthand import as_target
 
@@ -29,6 +29,7 @@ __all__ = [
     "ClassScore",
     "ClassTarget",
     "DetectionTarget",
+    "InstanceTarget",
     "OutputPicker",
     "RegressionTarget",
     "SegmentationTarget",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -96,16 +97,21 @@ class DetectionTarget(Target):
             for b, lab in zip(boxes, labels)
         ]
 
-    def matched(self, detections: Mapping[str, Tensor], boxes: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-        """The score of each reference box's match among one image's detections (0 without one), and which matched."""
+    def match(self, detections: Mapping[str, Tensor], boxes: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """Which of one image's detections each reference box matches (its index), and whether it matches one."""
         if len(detections["boxes"]) == 0 or len(boxes) == 0:
-            return detections["scores"].new_zeros(len(boxes)), torch.zeros(
-                len(boxes), dtype=torch.bool, device=boxes.device
-            )
+            nothing = torch.zeros(len(boxes), dtype=torch.long, device=boxes.device)
+            return nothing, nothing.bool()
         overlap = box_iou(boxes.to(detections["boxes"]), detections["boxes"].detach())
         overlap = torch.where(labels[:, None] == detections["labels"][None], overlap, -1.0)
         best, index = overlap.max(dim=1)
-        found = best >= self.iou
+        return index, best >= self.iou
+
+    def matched(self, detections: Mapping[str, Tensor], boxes: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """The score of each reference box's match among one image's detections (0 without one), and which matched."""
+        index, found = self.match(detections, boxes, labels)
+        if not len(detections["scores"]):
+            return detections["scores"].new_zeros(len(boxes)), found
         return torch.where(found, detections["scores"][index], 0.0), found
 
     def bind(self, output: Any, labels: Sequence[str] | None) -> BoundTarget:
@@ -139,3 +145,77 @@ class DetectionTarget(Target):
             valid=valid,
             boxes=boxes,
         )
+
+
+class InstanceTarget(DetectionTarget):
+    """Instances of an instance segmenter: torchvision's Mask R-CNN, whose detections also hold ``"masks"``,
+    (detections, 1, H, W) probabilities in input pixels.
+
+    Instances are chosen and matched as :class:`DetectionTarget` chooses and matches boxes. Each is explained by
+    what ``by`` says:
+
+    - ``"mask"``: the mean logit of its mask over its region, the pixels where the mask is at least 0.5 on the
+      plain pass (fixed there, like a segmenter's region). A match in another pass without its mask scores 0.
+    - ``"box"``: its box score, as :class:`DetectionTarget` explains it.
+
+    Args:
+        boxes: See :class:`DetectionTarget`.
+        labels: See :class:`DetectionTarget`.
+        by: ``"mask"`` or ``"box"``.
+        iou: See :class:`DetectionTarget`.
+        score_threshold: See :class:`DetectionTarget`.
+        output: See :class:`DetectionTarget`.
+
+    Raises:
+        TargetError: ``by`` is neither, or, with ``"mask"``, the detections have no masks.
+        NothingToExplain: An explained instance's mask is empty on the plain pass.
+    """
+
+    def __init__(
+        self,
+        boxes: Tensor | Sequence[Tensor] | None = None,
+        labels: Any = None,
+        by: str = "mask",
+        iou: float = 0.5,
+        score_threshold: float = 0.5,
+        *,
+        output: OutputPicker = None,
+    ) -> None:
+        if by not in ("mask", "box"):
+            raise TargetError(f"InstanceTarget explains an instance by 'mask' or 'box', got {by!r}")
+        super().__init__(boxes, labels, iou, score_threshold, output=output)
+        self.by = by
+
+    def bind(self, output: Any, labels: Sequence[str] | None) -> BoundTarget:
+        bound = super().bind(output, labels)
+        if self.by == "box":
+            return bound
+        found = self.detections(output)
+        if not all("masks" in d for d in found):
+            raise TargetError("InstanceTarget(by='mask') reads the detections' masks; the model returns none")
+        regions = []
+        for i, d in enumerate(found):
+            index, _ = self.match(d, bound.boxes[i], bound.classes[i])
+            masks = d["masks"][index, 0].detach() >= 0.5 if len(d["masks"]) else None
+            image_regions = masks.float() if masks is not None else bound.boxes.new_zeros(len(index), 1, 1)
+            empty = (image_regions.flatten(1).sum(dim=1) == 0) & bound.valid[i]
+            if empty.any():
+                raise NothingToExplain(f"instance {int(empty.nonzero()[0])}'s mask is empty", i)
+            regions.append(image_regions)
+        regions = torch.stack(regions)
+
+        def score(out: Any, images: Tensor) -> Tensor:
+            rows = self.detections(out)
+            scores = []
+            for r, i in enumerate(images.tolist()):
+                index, matched = self.match(rows[r], bound.boxes[i], bound.classes[i])
+                if not len(rows[r]["masks"]):
+                    scores.append(regions.new_zeros(len(index)))
+                    continue
+                probabilities = rows[r]["masks"][index, 0].clamp(1e-6, 1 - 1e-6)
+                logits = torch.log(probabilities) - torch.log1p(-probabilities)
+                mean = (logits * regions[i]).flatten(1).sum(dim=1) / regions[i].flatten(1).sum(dim=1).clamp(min=1)
+                scores.append(torch.where(matched, mean, 0.0))
+            return torch.stack(scores) * bound.valid[images]
+
+        return replace(bound, score=score, regions=regions)
