@@ -15,8 +15,9 @@ operations the model runs say both. During a traced pass, :class:`OpTrace` (a
   front (a class token: the prefix), and through any module whose first input carries the mark and whose
   output keeps its token count (an attention block, an MLP). Tokens without the mark (a detector's object
   queries, unrolled tokens) are never laid out on a grid, whatever their count.
-- **Attention.** A module is an attention module when a softmax over the last axis of a tensor of three or
-  more axes, or a scaled dot-product attention, runs in its own forward. The outputs of the modules inside it
+- **Attention.** A module is an attention module when a softmax over an axis of a tensor of three or more axes
+  (the last in most attention, the tokens in factorized attention, the branches in selective kernels), or a
+  scaled dot-product attention, runs in its own forward. The outputs of the modules inside it
   (attention weights, heads, talking-heads projections) are never maps.
 """
 
@@ -323,12 +324,7 @@ class OpTrace(TorchFunctionMode):
         first = args[0] if args else None
         if name in ("softmax", "log_softmax"):
             dim = _dims(args, kwargs, "dim")
-            if (
-                not isinstance(first, Tensor)
-                or first.dim() < 3
-                or dim is None
-                or dim[0] % first.dim() != first.dim() - 1
-            ):
+            if not isinstance(first, Tensor) or first.dim() < 3 or dim is None or dim[0] % first.dim() == 0:
                 return
         elif name not in _ATTENTION:
             return
