@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import timm
 import torch
+import torchvision
 import transformers
 from conftest import capture_score, hook_count
 from timm.models.cait import Cait
@@ -247,3 +248,33 @@ def test_detr_queries_are_explained_as_detections_in_image_pixels() -> None:
     assert (result.raw[:, 0].double() - expected).abs().max() <= 1e-4 * expected.abs().max()  # float32 softmax
     every = explain.GradCAM(detector)(x, explain.targets.DetectionTarget(score_threshold=0.5))
     assert every.cams.shape[:2] == (1, int((found["scores"] >= 0.5).sum()))
+
+
+def test_a_head_whose_output_the_model_only_flattens_is_the_head() -> None:
+    """SqueezeNet's classifier ends on a map of class scores, pooled and flattened into the output by the model's
+    forward: that map is the head's, and the automatic layer is the last feature map before it."""
+    torch.manual_seed(0)
+    model = torchvision.models.squeezenet1_1(num_classes=5).eval()
+    x = torch.randn(1, 3, 96, 96)
+    infos = traced_layers(model, x)
+    assert infos["classifier.1"].candidate and infos["classifier.1"].head and not infos["features"].head
+    assert find_auto_layers(model, x) == ["features"]
+
+
+class PassesItsOutputOn(nn.Module):
+    """A map passed on through calls that return the tensor itself (``contiguous()``, ``float()``), then pooled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv(x).contiguous().float().to(x.dtype).mean((2, 3)))
+
+
+def test_calls_that_return_their_own_tensor_are_followed_once() -> None:
+    torch.manual_seed(0)
+    model, x = PassesItsOutputOn().eval(), torch.randn(2, 3, 16, 16)
+    assert find_auto_layers(model, x) == ["conv"]
+    assert_matches(model, x, None, logit(1), ("first",))

@@ -225,9 +225,8 @@ def trace_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | 
         passes = 0
         with ops:
             output = model(image, **(model_kwargs or {}))
-        returned = [t for t in _tensors(output)]
-        outputs = {label for label, ref in kept.items() if label not in ops.read and any(ref() is t for t in returned)}
-        del output, returned
+        outputs = ops.returned(list(_tensors(output)))
+        del output
         passes = 1
         ops.stack.clear()
         with ops.quiet():

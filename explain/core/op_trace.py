@@ -44,6 +44,11 @@ _PERMUTES = {"permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxi
 _ATTENTION = {"scaled_dot_product_attention", "multi_head_attention_forward"}
 _RESHAPES = {"flatten", "reshape", "view", "reshape_as", "view_as", "unflatten"}
 _PRODUCTS = {"matmul", "bmm", "scaled_dot_product_attention"}  # the first operand's rows are the result's
+# Calls that pass a tensor on reshaped, resampled or converted, not read: their result is still that tensor.
+_PASSING = {
+    "flatten", "reshape", "view", "squeeze", "unsqueeze", "contiguous", "float", "to", "type_as", "clone",
+    "interpolate", "upsample",
+}  # fmt: skip
 _NEUTRAL = {"softmax", "log_softmax", "cumsum", "cumprod", "flip", "roll"}  # same shape, but not element-wise
 
 
@@ -171,7 +176,7 @@ class OpTrace(TorchFunctionMode):
         self._quiet = False
         self._marks: dict[int, tuple[Tensor, TokenMark]] = {}  # id -> (tensor, its mark)
         self._outputs: dict[int, tuple[weakref.ref[Tensor], list[str]]] = {}  # id -> (layers' output, names)
-        self.read: set[str] = set()  # the layers whose output a later operation read
+        self.read: set[str] = set()  # the layers whose output a later operation read, not only passed on
         # id -> (tensor, [(layer name, which output axis each of the tensor's axes is)])
         self._watched: dict[int, tuple[Tensor, list[tuple[str, list[int]]]]] = {}
 
@@ -191,6 +196,16 @@ class OpTrace(TorchFunctionMode):
             known[1].append(name)
         else:
             self._outputs[id(output)] = (weakref.ref(output), [name])
+
+    def returned(self, tensors: Sequence[Tensor]) -> set[str]:
+        """The layers whose output, as it is or only passed on (:meth:`_note_reads`), is one of ``tensors`` (the
+        model's output) and was read by no operation: the layers that make the model's output."""
+        found = set()
+        for tensor in tensors:
+            known = self._outputs.get(id(tensor))
+            if known is not None and known[0]() is tensor:
+                found.update(known[1])
+        return found - self.read
 
     def watch(self, name: str, output: Tensor) -> None:
         """Find the feature axis of a layer's 4-D output from the operations that consume it."""
@@ -305,18 +320,26 @@ class OpTrace(TorchFunctionMode):
             return result
         name = getattr(func, "__name__", "").strip("_")
         if self._outputs:
-            self._note_reads(args, kwargs)
+            self._note_reads(name, args, kwargs, result)
         self._attention(name, args, kwargs)
         self._tokens(name, args, kwargs, result)
         if self._watched:
             self._follow(name, args, kwargs, result)
         return result
 
-    def _note_reads(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        for arg in (*args, *kwargs.values()):
+    def _note_reads(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
+        """Note the layers' outputs the call reads; a call that only reshapes or resamples one (a flatten of
+        pooled logits, logits upsampled to the input) passes its layers on to its result instead."""
+        for position, arg in enumerate((*args, *kwargs.values())):
             for value in arg if isinstance(arg, (list, tuple)) else (arg,):
                 known = self._outputs.get(id(value)) if isinstance(value, Tensor) else None
-                if known is not None and known[0]() is value:
+                if known is None or known[0]() is not value:
+                    continue
+                if position == 0 and name in _PASSING and isinstance(result, Tensor):
+                    if result is not value:  # contiguous() and to() may return the tensor itself
+                        for layer in list(known[1]):
+                            self.produced(layer, result)
+                else:
                     self.read.update(known[1])
 
     def _attention(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
