@@ -32,8 +32,8 @@ def canvas_recorded(model: nn.Module) -> Iterator[list[Canvas]]:
     """For the block, record the canvas of each forward of a torchvision detector.
 
     A model whose ``transform`` resizes and pads its input into an ``ImageList`` (``.tensors``,
-    ``.image_sizes``), as torchvision's detectors do, gets a forward hook on it; any other
-    model records nothing.
+    ``.image_sizes``, and ``.offset`` where the images are not at the top left), as torchvision's detectors and
+    :class:`explain.models.yolo.YoloDetector` do, gets a forward hook on it; any other model records nothing.
 
     Yields:
         The list that receives one :class:`explain.core.maps.Canvas` per forward.
@@ -51,7 +51,7 @@ def canvas_recorded(model: nn.Module) -> Iterator[list[Canvas]]:
         sizes = {tuple(size) for size in images.image_sizes}
         if len(sizes) != 1:
             raise LayerError(f"the detector resized the batch's images to different sizes {sorted(sizes)}")
-        canvases.append(Canvas(tuple(images.tensors.shape[-2:]), sizes.pop()))
+        canvases.append(Canvas(tuple(images.tensors.shape[-2:]), sizes.pop(), tuple(getattr(images, "offset", (0, 0)))))
 
     with Hooks() as hooks:
         if isinstance(transform, nn.Module):

@@ -156,7 +156,7 @@ def trace_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | 
     a map of the image (see :func:`explain.core.layouts.find_layout`), whether it varies with the image,
     and whether it lies in the model's head.
 
-    Two forward passes, in eval and inference mode, with ``model_kwargs`` passed to the model's forward:
+    Two forward passes, in eval mode without autograd, with ``model_kwargs`` passed to the model's forward:
     x's first image, whose operations are watched (see :mod:`explain.core.op_trace`), then an image of
     noise, to tell which outputs depend on the image. The model is left as it was.
     """
@@ -215,7 +215,7 @@ def trace_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | 
     with (
         Hooks() as hooks,
         eval_mode(model),
-        torch.inference_mode(),
+        torch.no_grad(),  # not inference mode: a tensor the model caches in its forward (anchors) stays usable
         canvas_recorded(model) as canvases,
         grids_recorded(model) as grids,
     ):
@@ -338,6 +338,8 @@ def find_auto_layers(
 ) -> list[str]:
     """Name the automatic target layers, right by construction:
 
+    - a model that names its feature levels (``model.feature_levels``, a list of layer names: YOLO's neck
+      levels in :class:`explain.models.yolo.YoloDetector`): those, to be fused;
     - a model with a ``backbone`` submodule whose output is a dict of maps (torchvision's
       detectors and segmenters: the feature pyramid's levels, or a segmenter's ``out``,
       ``aux``, ``low`` and ``high`` maps): every level, to be fused. A detection's score
@@ -385,6 +387,12 @@ def choose_auto_layers(
     maps = [info for info in infos if info.candidate]
     if not maps:
         raise LayerError("no layer of the model outputs a map of the image (N, C, H, W); pass layer=")
+    declared = getattr(model, "feature_levels", None)
+    if declared:
+        missing = [name for name in declared if name not in {info.name for info in maps}]
+        if missing:
+            raise LayerError(f"the model's feature_levels {', '.join(missing)} output no map of the image")
+        return list(declared)
     levels = [
         info.name for info in maps if layer_entry(info.name)[0] == BACKBONE and layer_entry(info.name)[1] is not None
     ]

@@ -28,21 +28,25 @@ def upsample(maps: Tensor, size: Sequence[int]) -> Tensor:
 
 @dataclass(frozen=True)
 class Canvas:
-    """The padded canvas on which a detector's transform (torchvision's ``GeneralizedRCNNTransform``)
-    puts the resized images: its layers' maps cover the canvas, not the image.
+    """The padded canvas on which a detector's transform (torchvision's ``GeneralizedRCNNTransform``, a YOLO
+    letterbox) puts the resized images: its layers' maps cover the canvas, not the image.
 
     Attributes:
         size: The canvas (H, W), padding included.
-        image: The resized image's (h, w) on it, from the top left corner.
+        image: The resized image's (h, w) on it.
+        offset: The image's (top, left) on the canvas: (0, 0) for torchvision, the centring padding of a
+            letterbox (Ultralytics).
     """
 
     size: tuple[int, int]
     image: tuple[int, int]
+    offset: tuple[int, int] = (0, 0)
 
     def crop(self, maps: Tensor) -> Tensor:
         """Maps (..., h, w) over the canvas as maps over the image: upsampled to the canvas, the padding cut off.
         (Resizing the result to the input's size then undoes the transform's resize exactly.)"""
-        return upsample(maps, self.size)[..., : self.image[0], : self.image[1]]
+        top, left = self.offset
+        return upsample(maps, self.size)[..., top : top + self.image[0], left : left + self.image[1]]
 
 
 def postprocess(raw: Tensor, size: Sequence[int] | None, normalize: bool) -> Tensor:

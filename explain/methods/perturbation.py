@@ -1,7 +1,8 @@
 """Perturbation methods: channel weights from the scores of perturbed inputs, in extra forward passes.
 
 The extra forwards run in chunks of at most ``batch_size`` inputs under
-``torch.inference_mode()``, batched over every (image, channel) row of the call
+``torch.no_grad()`` (not inference mode: a model that caches a tensor in its forward, as YOLO's anchors, would
+keep an inference tensor that a later pass with autograd cannot use), batched over every (image, channel) row of the call
 on the input's device. Work that cannot change the result is skipped exactly: a
 channel whose map is constant gives Score-CAM an all-zero mask, whose score is
 computed once per image, and a channel that is zero everywhere gives Ablation-CAM
@@ -44,7 +45,7 @@ class PerturbationCAM(CAM):
         """The averaged target score of each row's perturbed inputs, (rows,), chunk by chunk."""
         chunks = []
         forwards = capture.once("scoring", lambda: ScoringForwards(self.model, capture.x.device, self.folds))
-        with torch.inference_mode(), running(self.model):
+        with torch.no_grad(), running(self.model):
             for start in range(0, len(images), self.batch_size):
                 rows = slice(start, start + self.batch_size)
                 total, count = 0.0, 0

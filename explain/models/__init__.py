@@ -1,11 +1,13 @@
 """Models: the spec that pairs a network with its preprocessing, class names and task (``spec.py``); loading by
 name (``loaders.py``); users' checkpoints (``checkpoints.py``); the bundled EfficientNet-Lite0
-(``efficientnet_lite0.py``); object-query detectors answering as torchvision's (``query_detectors.py``)."""
+(``efficientnet_lite0.py``); object-query detectors and Ultralytics YOLO answering as torchvision's
+detectors (``query_detectors.py``, ``yolo.py``)."""
 
 from .checkpoints import lite0_state_to_timm, read_state_dict
 from .loaders import TIMM_PREFIX, available_models, imagenet_labels, load_model
 from .query_detectors import QueryDetector
 from .spec import ImageLike, ModelSpec, Preprocessing, Task
+from .yolo import YoloDetector, load_yolo
 
 __all__ = [
     "TIMM_PREFIX",
@@ -14,9 +16,11 @@ __all__ = [
     "Preprocessing",
     "QueryDetector",
     "Task",
+    "YoloDetector",
     "available_models",
     "imagenet_labels",
     "lite0_state_to_timm",
     "load_model",
+    "load_yolo",
     "read_state_dict",
 ]

@@ -53,7 +53,9 @@ def load_model(
             detector (``fasterrcnn_mobilenet_v3_large_fpn``, ``retinanet_resnet50_fpn``,
             ``fcos_resnet50_fpn``, ``ssd300_vgg16``...: COCO classes), or a timm classifier
             as ``"timm/NAME"`` (``"timm/vit_small_patch16_224.augreg_in21k_ft_in1k"``: the
-            architecture and, after a dot, the pretrained tag; needs the ``timm`` package).
+            architecture and, after a dot, the pretrained tag; needs the ``timm`` package), or an Ultralytics
+            YOLO detector as its checkpoint file (``yolo11n.pt``) or model yaml (``yolo11n.yaml``: random
+            weights; needs ``pip install "explain[yolo]"``).
             Pretrained weights are downloaded once into torch's or timm's cache.
         weights: A state_dict file (``.pt``/``.pth``/``.safetensors``) for the
             architecture, e.g. a fine-tuned checkpoint; its class count is read from the
@@ -70,6 +72,8 @@ def load_model(
     if name.startswith(TIMM_PREFIX):
         spec = _load_timm(name, weights)
         return _finished(spec, labels, device)
+    if Path(name).suffix in YOLO_SUFFIXES:
+        return _finished(_load_yolo(name, weights), labels, device)
     tasks = {BUNDLED: "classification"} if name == BUNDLED else {BUNDLED: "classification", **_torchvision_tasks()}
     if name not in tasks:  # the bundled model needs no torchvision
         close = difflib.get_close_matches(name, list(tasks), n=5, cutoff=0.5)
@@ -77,6 +81,21 @@ def load_model(
         raise ModelLoadError(f"unknown model {name!r}{hint}")
     spec = _load_efficientnet_lite0(weights) if name == BUNDLED else _load_torchvision(name, tasks[name], weights)
     return _finished(spec, labels, device)
+
+
+YOLO_SUFFIXES = (".pt", ".yaml", ".yml")  # an Ultralytics checkpoint or model yaml given as the model's name
+
+
+def _load_yolo(name: str, weights: str | Path | None) -> ModelSpec:
+    from .yolo import load_yolo
+
+    if weights is not None:
+        raise ModelLoadError(f"{name}: a YOLO checkpoint holds its weights; give it as --model, without --weights")
+    detector = load_yolo(name)
+    # The detector letterboxes [0, 1] images of any size itself, as Ultralytics predicts.
+    return ModelSpec(
+        detector, Path(name).stem, detector.labels, Preprocessing(None, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)), "detection"
+    )
 
 
 def _finished(spec: ModelSpec, labels: str | Path | None, device: str | torch.device) -> ModelSpec:

@@ -1,0 +1,148 @@
+"""Ultralytics YOLO detectors (YOLOv8, YOLO11 and their family) answering as torchvision's detectors do.
+
+Ultralytics is AGPL-3.0 and an optional extra (``pip install "explain[yolo]"``): it is imported only when a YOLO
+model is asked for, and nothing of its code is copied here. What this module does itself: the letterbox, in
+torch, with Ultralytics' geometry (the image scaled to fit ``size`` with its aspect kept, padded to a multiple of
+the model's stride, centred, with grey 114); non-maximum suppression with torchvision's ``batched_nms``; and the
+mapping of boxes back to the input's pixels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import ModelLoadError, first_line
+
+PAD_VALUE = 114 / 255  # Ultralytics' letterbox grey, on [0, 1] images
+
+
+@dataclass(frozen=True)
+class Letterboxed:
+    """A batch on its letterbox canvas, read by :func:`explain.core.detectors.canvas_recorded`.
+
+    Attributes:
+        tensors: The canvas batch (N, 3, H, W).
+        image_sizes: Each image's (h, w) on the canvas.
+        offset: The (top, left) of the images on the canvas.
+        scale: Canvas pixels per input pixel.
+    """
+
+    tensors: Tensor
+    image_sizes: list[tuple[int, int]]
+    offset: tuple[int, int]
+    scale: float
+
+
+class Letterbox(nn.Module):
+    """Ultralytics' letterbox of [0, 1] images (N, 3, H, W), in torch.
+
+    Args:
+        size: The side the image is scaled to fit.
+        stride: The model's largest stride: the canvas is padded to a multiple of it, no more.
+    """
+
+    def __init__(self, size: int = 640, stride: int = 32) -> None:
+        super().__init__()
+        self.size, self.stride = size, stride
+
+    def forward(self, x: Tensor) -> Letterboxed:
+        height, width = x.shape[-2:]
+        scale = min(self.size / height, self.size / width)
+        new_h, new_w = max(round(height * scale), 1), max(round(width * scale), 1)
+        pad_h, pad_w = (self.size - new_h) % self.stride / 2, (self.size - new_w) % self.stride / 2
+        top, bottom = round(pad_h - 0.1), round(pad_h + 0.1)
+        left, right = round(pad_w - 0.1), round(pad_w + 0.1)
+        resized = x if (new_h, new_w) == (height, width) else F.interpolate(x, size=(new_h, new_w), mode="bilinear")
+        canvas = F.pad(resized, (left, right, top, bottom), value=PAD_VALUE)
+        return Letterboxed(canvas, [(new_h, new_w)] * len(x), (top, left), scale)
+
+
+class YoloDetector(nn.Module):
+    """An Ultralytics detection model whose output is torchvision's: one dict per image of ``"boxes"``
+    (x1, y1, x2, y2 in input pixels), ``"labels"`` and ``"scores"``.
+
+    The input, [0, 1] RGB images of any size, is letterboxed as Ultralytics predicts (see :class:`Letterbox`).
+    The model's raw predictions, one row per anchor with its box and its class scores, go through torchvision's
+    class-wise NMS at ``iou``, keeping rows that score at least ``conf`` (at most ``max_det`` per image). Each kept
+    detection's score is its own row's class score: its gradient is that row's. The neck's levels, the maps the
+    model's ``Detect`` head reads (its ``f``), are the automatic layers (:attr:`feature_levels`), fused.
+
+    Args:
+        model: An Ultralytics ``DetectionModel`` (``ultralytics.nn.tasks``), in eval mode.
+        size: The letterbox's side.
+        conf: The least class score of a row kept for NMS.
+        iou: NMS's IoU threshold.
+        max_det: The most detections per image.
+    """
+
+    def __init__(self, model: nn.Module, size: int = 640, conf: float = 0.25, iou: float = 0.7, max_det: int = 300):
+        super().__init__()
+        self.model = model
+        self.transform = Letterbox(size, int(max(model.stride)))
+        self.conf, self.iou, self.max_det = conf, iou, max_det
+        head = model.model[-1]
+        self.classes = int(head.nc)
+        self.feature_levels = [f"model.model.{index}" for index in head.f]
+        names = getattr(model, "names", None) or {}
+        self.labels = [str(names.get(i, i)) for i in range(self.classes)]
+
+    def forward(self, x: Tensor) -> list[dict[str, Tensor]]:
+        from torchvision.ops import batched_nms
+
+        boxed = self.transform(x)
+        predictions = self.model(boxed.tensors)
+        rows = predictions[0] if isinstance(predictions, (tuple, list)) else predictions  # (N, 4 + classes, A)
+        centres, sizes = rows[:, :2].transpose(1, 2), rows[:, 2:4].transpose(1, 2)
+        corners = torch.cat([centres - sizes / 2, centres + sizes / 2], dim=-1)  # canvas pixels
+        top, left = boxed.offset
+        corners = (corners - corners.new_tensor([left, top, left, top])) / boxed.scale  # input pixels
+        scores, labels = rows[:, 4 : 4 + self.classes].transpose(1, 2).max(dim=-1)
+        detections = []
+        for image_corners, image_scores, image_labels in zip(corners, scores, labels):
+            candidates = (image_scores >= self.conf).nonzero()[:, 0]
+            kept = batched_nms(
+                image_corners[candidates].detach(),
+                image_scores[candidates].detach(),
+                image_labels[candidates],
+                self.iou,
+            )
+            chosen = candidates[kept[: self.max_det]]
+            detections.append(
+                {"boxes": image_corners[chosen], "labels": image_labels[chosen], "scores": image_scores[chosen]}
+            )
+        return detections
+
+
+def load_yolo(path: str | Path) -> YoloDetector:
+    """A YOLO detector from an Ultralytics checkpoint (``.pt``) or a model yaml (``.yaml``: random weights; a
+    bare name such as ``yolo11n.yaml`` is one of Ultralytics' own).
+
+    A checkpoint is read by Ultralytics' own loader, which unpickles it: load only files you trust.
+
+    Raises:
+        ModelLoadError: Ultralytics is not installed, the file cannot be read, or its model is no detector.
+    """
+    try:
+        from ultralytics.nn.tasks import DetectionModel, load_checkpoint
+    except ImportError:
+        raise ModelLoadError(
+            f'{path}: a YOLO model needs Ultralytics (AGPL-3.0): pip install "explain[yolo]"'
+        ) from None
+    path = Path(path)
+    if path.suffix not in (".yaml", ".yml") and not path.is_file():  # Ultralytics would try to download it
+        raise ModelLoadError(f"{path}: no such checkpoint file")
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            model = DetectionModel(str(path), verbose=False)
+        else:
+            model = load_checkpoint(str(path), device="cpu")[0]
+    except Exception as err:  # Ultralytics' loaders raise many kinds; the user gets one line
+        raise ModelLoadError(f"{path}: cannot load a YOLO model: {first_line(err)}") from None
+    if type(model).__name__ != "DetectionModel":
+        raise ModelLoadError(f"{path}: a {type(model).__name__}, not a YOLO detection model")
+    return YoloDetector(model.float().eval())

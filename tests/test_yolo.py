@@ -1,0 +1,132 @@
+"""Ultralytics YOLO (an optional extra, a test dependency): the letterbox against Ultralytics' own, a one-hot cell
+mapped back through it by hand, detections matched to their raw prediction rows, and Grad-CAM at a neck level
+against a reference written here with plain hooks and autograd. Random weights from Ultralytics' yolo11n.yaml."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import hook_count
+
+import explain
+from explain.core.maps import Canvas, upsample
+from explain.errors import ModelLoadError
+from explain.targets import DetectionTarget
+
+os.environ.setdefault("YOLO_CONFIG_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), "explain-tests-ultralytics"))
+pytest.importorskip("ultralytics", reason="the yolo extra: pip install 'explain[yolo]' (a test dependency)")
+
+from explain.models.yolo import Letterbox, load_yolo
+
+LEVEL = "model.model.16"  # the neck's finest level (stride 8), the first map the Detect head reads
+
+
+@pytest.fixture(scope="module")
+def detector():
+    """yolo11n with random weights; level 0's class biases raised so that the random network detects."""
+    torch.manual_seed(0)
+    model = load_yolo("yolo11n.yaml")
+    with torch.no_grad():
+        model.model.model[-1].cv3[0][-1].bias += 11.0
+    return model
+
+
+def image() -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.rand(1, 3, 200, 300)
+
+
+def test_the_letterbox_is_ultralytics_own() -> None:
+    from ultralytics.data.augment import LetterBox
+
+    picture = (image()[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+    theirs = LetterBox(new_shape=(640, 640), auto=True, stride=32)(image=picture)  # as Ultralytics predicts
+    boxed = Letterbox(640, 32)(torch.from_numpy(picture).permute(2, 0, 1)[None].float() / 255)
+    ours = (boxed.tensors[0].permute(1, 2, 0).numpy() * 255).round()
+    assert ours.shape == theirs.shape == (448, 640, 3)
+    params = LetterBox(new_shape=(640, 640), auto=True, stride=32).get_params({"img": picture})
+    top, left = boxed.offset
+    assert (top, left) == (params["top"], params["left"]) == (10, 0)
+    assert boxed.image_sizes == [params["new_unpad"][::-1]] == [(427, 640)]
+    assert (theirs[:top] == 114).all() and (ours[:top] == 114).all()  # the grey band, centred
+    assert np.abs(ours[top : top + 427].astype(float) - theirs[top : top + 427]).mean() < 2.0  # bilinear resize
+
+
+def test_a_cell_lands_on_its_rectangle_of_the_image(detector) -> None:
+    """A one-hot cell of the stride-8 level, mapped back through the letterbox: by hand, canvas rows 8r..8r+8
+    are input rows (8r - top) / scale, scale = 640 / 300."""
+    boxed = detector.transform(image())
+    canvas = Canvas(tuple(boxed.tensors.shape[-2:]), boxed.image_sizes[0], boxed.offset)
+    cell = torch.zeros(1, 448 // 8, 640 // 8)
+    cell[0, 20, 30] = 1.0
+    mapped = upsample(canvas.crop(cell), (200, 300))[0]
+    scale, (top, left) = 640 / 300, boxed.offset
+    rows = ((8 * 20 - top) / scale, (8 * 21 - top) / scale)
+    columns = ((8 * 30 - left) / scale, (8 * 31 - left) / scale)
+    peak = divmod(int(mapped.argmax()), 300)
+    assert rows[0] - 1 <= peak[0] <= rows[1] and columns[0] - 1 <= peak[1] <= columns[1]
+
+
+def test_a_detection_is_its_raw_row_and_its_map_the_reference(detector) -> None:
+    x = image()
+    kept = {}
+    handle = detector.get_submodule(LEVEL).register_forward_hook(lambda m, i, o: kept.update(a=o) or o.clone())
+    (found,) = detector(x)
+    handle.remove()
+    assert len(found["boxes"]) > 0
+    # The kept score is the raw prediction row's class score: the row is found here by its box.
+    boxed = detector.transform(x)
+    raw = detector.model(boxed.tensors)[0][0]  # (4 + classes, anchors)
+    centre = (found["boxes"][0, :2] + found["boxes"][0, 2:]) / 2 * boxed.scale + torch.tensor(boxed.offset[::-1])
+    row = int((raw[:2].T - centre).abs().sum(dim=1).argmin())
+    torch.testing.assert_close(found["scores"][0], raw[4 + int(found["labels"][0]), row])
+
+    (g,) = torch.autograd.grad(found["scores"][0], kept["a"])
+    cam = (g.mean(dim=(2, 3), keepdim=True) * kept["a"]).sum(dim=1).clamp(min=0).detach()
+    top, left = boxed.offset
+    (height, width) = boxed.image_sizes[0]
+    expected = F.interpolate(cam[:, None], size=boxed.tensors.shape[-2:], mode="bilinear", align_corners=False)
+    expected = expected[:, 0, top : top + height, left : left + width]
+
+    target = DetectionTarget(found["boxes"][:1].detach(), [int(found["labels"][0])])
+    result = explain.GradCAM(detector, LEVEL)(x, target, normalize=False)
+    assert result.raw.shape == (1, 1, height, width) and expected.abs().max() > 0
+    assert (result.raw[:, 0] - expected).abs().max() <= 1e-4 * expected.abs().max()
+    assert hook_count(detector) == 0
+
+
+def test_the_automatic_layers_are_the_levels_the_head_reads(detector) -> None:
+    x = image()
+    (found,) = detector(x)
+    target = DetectionTarget(found["boxes"][:1].detach(), [int(found["labels"][0])])
+    result = explain.GradCAM(detector)(x, target)
+    levels = [f"model.model.{i}" for i in detector.model.model[-1].f]
+    assert result.layer == "+".join(levels) and result.cams.shape == (1, 1, 200, 300)
+    assert hook_count(detector) == 0
+
+
+def test_a_yolo_model_by_file_and_its_errors(tmp_path, monkeypatch) -> None:
+    spec = explain.load_model("yolo11n.yaml")
+    assert spec.task == "detection" and len(spec.labels) == 80 and spec.preprocessing.input_size is None
+    with pytest.raises(ModelLoadError, match="no such checkpoint file"):
+        explain.load_model(str(tmp_path / "missing.pt"))  # never a download
+    monkeypatch.setitem(sys.modules, "ultralytics.nn.tasks", None)  # as if the extra were not installed
+    with pytest.raises(ModelLoadError, match=r'pip install "explain\[yolo\]"'):
+        explain.load_model("yolo11n.yaml")
+
+
+def test_the_command_line_takes_a_yolo_yaml(tmp_path) -> None:
+    """The first forward of a fresh YOLO is explain's trace: the anchors its head caches there must serve the pass
+    with autograd after it (a cache made in inference mode would not). Random weights detect nothing above 0.5."""
+    from conftest import CAT, manifest
+
+    from explain.cli import main
+
+    assert main([str(CAT), "--model", "yolo11n.yaml", "-o", str(tmp_path / "out")]) == 0
+    (record,) = manifest(tmp_path / "out")
+    assert record["error"] is None and record["note"].startswith("nothing to explain")
