@@ -2,8 +2,8 @@
 
 The extra forwards run in chunks of at most ``batch_size`` inputs under
 ``torch.no_grad()`` (not inference mode: a model that caches a tensor in its forward, as YOLO's anchors, would
-keep an inference tensor that a later pass with autograd cannot use), batched over every (image, channel) row of the call
-on the input's device. Work that cannot change the result is skipped exactly: a
+keep an inference tensor that a later pass with autograd cannot use), batched over every (image, channel) row of
+the call on the input's device. Work that cannot change the result is skipped exactly: a
 channel whose map is constant gives Score-CAM an all-zero mask, whose score is
 computed once per image, and a channel that is zero everywhere gives Ablation-CAM
 the unablated score, so its weight is 0 without a forward.
