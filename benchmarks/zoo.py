@@ -1,12 +1,13 @@
 """The zoo: Grad-CAM at the automatic layer of many architectures, each against a reference written here.
 
-timm families at their smallest size, torchvision classifiers and segmenters, and HuggingFace models from small
-configs, all with random weights, batch 1. For each model, ``explain.GradCAM`` runs at its automatic layer(s) and
-is compared with Grad-CAM computed here from plain hooks and autograd at the same layer (both without the final
-ReLU, which would flatten many maps of random weights), the output laid out as
-the architecture is known to lay it out (stated per family below: channels first, channels last, or tokens after
-a prefix read from the model's own attributes), never by explain's layout code. Maps are compared position by
-position in row-major order, so a transposed or shifted layout shows as a low r.
+timm families at their smallest size, torchvision classifiers and segmenters, HuggingFace models from small
+configs and Ultralytics' YOLO11n from its yaml (with the yolo extra), all with random weights, batch 1. For each
+model, ``explain.GradCAM`` runs at its automatic layer(s) and is compared with Grad-CAM computed here from plain
+hooks and autograd at the same layer (both without the final ReLU, which would flatten many maps of random
+weights), the output laid out as the architecture is known to lay it out (stated per family below: channels
+first, channels last, or tokens after a prefix read from the model's own attributes), never by explain's layout
+code. Maps are compared position by position in row-major order, so a transposed or shifted layout shows as a
+low r. Of fused pyramid levels, those the detection's score reaches are compared; the others give zero maps.
 
 The automatic layer is also checked against its rules, here again without explain: its output changes when the
 image does (a second image through a plain hook), it is not the tensor of scores, and the score's gradient there
@@ -27,12 +28,14 @@ from typing import Any
 
 import timm
 import torch
+import torch.nn.functional as F
 import torchvision
 import transformers
 from timing import emit
 from torch import nn
 
 import explain
+from explain.models.yolo import Letterbox
 
 
 @dataclass
@@ -339,7 +342,24 @@ HUGGINGFACE = [
     ),
 ]
 
-ZOO = TIMM + TORCHVISION + HUGGINGFACE
+
+def yolo11n() -> nn.Module:
+    """Ultralytics' yolo11n from its yaml (random weights), its finest level's class biases raised to detect."""
+    from explain.models.yolo import load_yolo
+
+    model = load_yolo("yolo11n.yaml")
+    with torch.no_grad():
+        model.model.model[-1].cv3[0][-1].bias += 11.0
+    return model
+
+
+def first_detection(out: Any) -> torch.Tensor:
+    return out[0]["scores"][:1]
+
+
+ULTRALYTICS = [Entry("YOLO11n (yaml)", "Ultralytics", yolo11n, 256, "first", score=first_detection)]
+
+ZOO = TIMM + TORCHVISION + HUGGINGFACE + ULTRALYTICS
 
 
 def logits(output: Any) -> torch.Tensor:
@@ -410,6 +430,13 @@ def reference(model: nn.Module, x: torch.Tensor, layer: str, score, entry: Entry
         raise ValueError(f"{layer} outputs {tuple(a.shape)}, not the family's {entry.layout} layout")
     a, g = per_position(a, entry.layout, prefix), per_position(g, entry.layout, prefix)
     cam = (a * g.mean(dim=0)).sum(dim=1)  # signed: random weights often give maps below zero
+    letterbox = getattr(model, "transform", None)
+    if isinstance(letterbox, Letterbox):  # YOLO: the map covers the letterbox canvas; the image is cut out of it
+        boxed = letterbox(x)
+        (top, left), (height, width) = boxed.offset, boxed.image_sizes[0]
+        grid = cam.reshape(1, 1, *kept["a"].shape[-2:])
+        canvas = F.interpolate(grid, size=boxed.tensors.shape[-2:], mode="bilinear", align_corners=False)
+        cam = canvas[0, 0, top : top + height, left : left + width].flatten()
     rules = {
         "varies": not torch.equal(other, kept["a"].detach()),
         "not the scores": scores_of(output) is not kept["a"],
@@ -444,8 +471,10 @@ def check(entry: Entry) -> str:
         layers = fused.layer.split("+")
         rs, broken = [], []
         for layer in layers:
-            raw = SignedGradCAM(model, layer)(x, score, resize=False, normalize=False).raw[0].flatten().double()
             expected, rules = reference(model, x, layer, score, entry)
+            if len(layers) > 1 and not rules["reached"]:  # a detection reaches one pyramid level; the others are 0
+                continue
+            raw = SignedGradCAM(model, layer)(x, score, resize=False, normalize=False).raw[0].flatten().double()
             broken += [f"{layer}: {rule}" for rule, held in rules.items() if not held]
             if expected.shape != raw.shape:
                 raise ValueError(f"{layer}: {raw.numel()} positions, the reference {expected.numel()}")
