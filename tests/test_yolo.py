@@ -130,3 +130,17 @@ def test_the_command_line_takes_a_yolo_yaml(tmp_path) -> None:
     assert main([str(CAT), "--model", "yolo11n.yaml", "-o", str(tmp_path / "out")]) == 0
     (record,) = manifest(tmp_path / "out")
     assert record["error"] is None and record["note"].startswith("nothing to explain")
+
+
+def test_a_prediction_in_inference_mode_first_does_not_break_the_explanation(detector) -> None:
+    """A user's plain prediction under ``torch.inference_mode()`` leaves the head's anchors cached as inference
+    tensors; the explanation after it works, with the same maps as before."""
+    x = torch.rand(1, 3, 160, 224)
+    with torch.no_grad():
+        (found,) = detector(x)
+    target = DetectionTarget(found["boxes"][:1], [int(found["labels"][0])])
+    before = explain.GradCAM(detector, LEVEL)(x, target).cams
+    with torch.inference_mode():
+        detector(torch.rand(1, 3, 100, 100))  # another shape: the anchors are made again, in inference mode
+        detector(x)
+    torch.testing.assert_close(explain.GradCAM(detector, LEVEL)(x, target).cams, before)

@@ -95,6 +95,7 @@ class YoloDetector(nn.Module):
         from torchvision.ops import batched_nms
 
         boxed = self.transform(x)
+        self._usable_cache()
         predictions = self.model(boxed.tensors)
         rows = predictions[0] if isinstance(predictions, (tuple, list)) else predictions  # (N, 4 + classes, A)
         centres, sizes = rows[:, :2].transpose(1, 2), rows[:, 2:4].transpose(1, 2)
@@ -116,6 +117,19 @@ class YoloDetector(nn.Module):
                 {"boxes": image_corners[chosen], "labels": image_labels[chosen], "scores": image_scores[chosen]}
             )
         return detections
+
+
+    def _usable_cache(self) -> None:
+        """The Detect head caches its anchors and strides at the first forward of an input shape. Made under
+        ``torch.inference_mode()`` (a user's plain prediction), they are inference tensors, which a pass with
+        autograd cannot use: such a cache is replaced by normal copies of the same values."""
+        head = self.model.model[-1]
+        if torch.is_inference_mode_enabled():
+            return
+        for name in ("anchors", "strides"):
+            cached = getattr(head, name, None)
+            if isinstance(cached, Tensor) and cached.is_inference():
+                setattr(head, name, cached.clone())
 
 
 def load_yolo(path: str | Path) -> YoloDetector:

@@ -1,0 +1,63 @@
+"""Grad-CAM of one YOLO detection against the detector's plain inference forward.
+
+Ultralytics' yolo11n from its yaml (random weights, its finest level's class biases raised so that it detects;
+the ``yolo`` extra), wrapped in ``explain.models.YoloDetector`` (letterbox and NMS included), on one 480x640 image;
+the explained box is the top detection of a plain forward. Contenders, rounds interleaved, medians reported: a
+plain inference forward; ``explain`` Grad-CAM with a ``DetectionTarget`` at the automatic layers (the three neck
+levels the Detect head reads, fused). pytorch-grad-cam's YOLO path is its Eigen-CAM tutorial on YOLOv5 from
+torch.hub, which needs the network: not run here. Target: explain costs at most 1.15x the inference forward.
+
+    python benchmarks/bench_yolo.py [--rounds 5] [--out benchmarks/results_yolo_cpu.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+from timing import emit, interleaved_medians
+
+import explain
+from explain.models.yolo import load_yolo
+from explain.targets import DetectionTarget
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", help="also write the table to this markdown file")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = load_yolo("yolo11n.yaml")
+    with torch.no_grad():
+        model.model.model[-1].cv3[0][-1].bias += 11.0
+    x = torch.rand(1, 3, 480, 640)
+    with torch.inference_mode():
+        (found,) = model(x)
+    target = DetectionTarget(found["boxes"][:1].clone(), [int(found["labels"][0])])
+
+    def inference() -> object:
+        with torch.inference_mode():
+            return model(x)
+
+    explainer = explain.GradCAM(model)  # its one-time trace runs in the warm-up round
+    runs: dict[str, Callable[[], object]] = {
+        "inference forward": inference,
+        "explain GradCAM + DetectionTarget": lambda: explainer(x, target),
+    }
+    medians = interleaved_medians(runs, args.rounds)
+    base = medians["inference forward"]
+    lines = [
+        f"yolo11n (yaml, random weights), one 480x640 image, {len(found['boxes'])} detections, automatic layers "
+        f"`{explainer.layer}`, torch {torch.__version__}, median of {args.rounds} interleaved rounds.",
+        "",
+        "| contender | median (ms) | × inference |",
+        "|---|---:|---:|",
+        *(f"| {name} | {1000 * t:.1f} | {t / base:.2f} |" for name, t in medians.items()),
+    ]
+    emit(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()
