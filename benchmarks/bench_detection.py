@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 import torchvision
-from timing import emit, interleaved_medians
+from timing import emit, interleaved_medians, ratio_table
 
 import explain
 from explain.targets import DetectionTarget
@@ -56,15 +56,12 @@ def main() -> None:
         target = FasterRCNNBoxScoreTarget(label, box)
         runs["pytorch-grad-cam GradCAM + FasterRCNNBoxScoreTarget"] = lambda: pgc(x, targets=[target])
     medians = interleaved_medians(runs, args.rounds)
-    base = medians["inference forward"]
     lines = [
         f"fasterrcnn_mobilenet_v3_large_fpn, random weights, one 480x640 image, layer `{LAYER}`, "
         f"torch {torch.__version__}, median of {args.rounds} interleaved rounds.",
         "",
-        "| contender | median (ms) | × inference |",
-        "|---|---:|---:|",
+        *ratio_table(medians),
     ]
-    lines += [f"| {name} | {1000 * median:.1f} | {median / base:.2f} |" for name, median in medians.items()]
     emit(lines, args.out)
 
 

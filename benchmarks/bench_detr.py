@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 import transformers
-from timing import emit, interleaved_medians
+from timing import emit, interleaved_medians, ratio_table
 
 import explain
 from explain.models import QueryDetector
@@ -58,14 +58,11 @@ def main() -> None:
         "explain GradCAM + DetectionTarget": lambda: explainer(x, target),
     }
     medians = interleaved_medians(runs, args.rounds)
-    base = medians["inference forward"]
     lines = [
         f"DETR (ResNet-50, 6+6 layers, 100 queries), random weights, one 480x640 image, automatic layer "
         f"`{explainer.layer}`, torch {torch.__version__}, median of {args.rounds} interleaved rounds.",
         "",
-        "| contender | median (ms) | × inference |",
-        "|---|---:|---:|",
-        *(f"| {name} | {1000 * t:.1f} | {t / base:.2f} |" for name, t in medians.items()),
+        *ratio_table(medians),
     ]
     emit(lines, args.out)
 

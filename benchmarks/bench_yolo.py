@@ -16,7 +16,7 @@ import argparse
 from collections.abc import Callable
 
 import torch
-from timing import emit, interleaved_medians
+from timing import emit, interleaved_medians, ratio_table
 
 import explain
 from explain.models.yolo import load_yolo
@@ -47,14 +47,11 @@ def main() -> None:
         "explain GradCAM + DetectionTarget": lambda: explainer(x, target),
     }
     medians = interleaved_medians(runs, args.rounds)
-    base = medians["inference forward"]
     lines = [
         f"yolo11n (yaml, random weights), one 480x640 image, {len(found['boxes'])} detections, automatic layers "
         f"`{explainer.layer}`, torch {torch.__version__}, median of {args.rounds} interleaved rounds.",
         "",
-        "| contender | median (ms) | × inference |",
-        "|---|---:|---:|",
-        *(f"| {name} | {1000 * t:.1f} | {t / base:.2f} |" for name, t in medians.items()),
+        *ratio_table(medians),
     ]
     emit(lines, args.out)
 

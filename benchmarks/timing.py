@@ -22,6 +22,16 @@ def interleaved_medians(runs: dict[str, Callable[[], object]], rounds: int) -> d
     return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
+def ratio_table(medians: dict[str, float], baseline: str = "inference forward") -> list[str]:
+    """A markdown table of each contender's median and its ratio to the baseline's."""
+    base = medians[baseline]
+    return [
+        "| contender | median (ms) | × inference |",
+        "|---|---:|---:|",
+        *(f"| {name} | {1000 * median:.1f} | {median / base:.2f} |" for name, median in medians.items()),
+    ]
+
+
 def emit(lines: list[str], out: str | None) -> None:
     """Print the table, and write it to ``out`` when given."""
     table = "\n".join(lines)

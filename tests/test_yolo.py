@@ -4,6 +4,7 @@ against a reference written here with plain hooks and autograd. Random weights f
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -19,10 +20,12 @@ from explain.errors import ModelLoadError
 from explain.targets import DetectionTarget
 
 os.environ.setdefault("YOLO_CONFIG_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), "explain-tests-ultralytics"))
-pytest.importorskip("ultralytics", reason="the yolo extra: pip install 'explain[yolo]' (a test dependency)")
+if importlib.util.find_spec("ultralytics") is None:  # found, not imported: explain imports it (see load_yolo)
+    pytest.skip("the yolo extra: pip install 'explain[yolo]' (a test dependency)", allow_module_level=True)
 
 from explain.models.yolo import Letterbox, load_yolo
 
+OMP_BEFORE = os.environ.get("OMP_NUM_THREADS")  # before any test here imports Ultralytics
 LEVEL = "model.model.16"  # the neck's finest level (stride 8), the first map the Detect head reads
 
 
@@ -41,8 +44,8 @@ def image() -> torch.Tensor:
     return torch.rand(1, 3, 200, 300)
 
 
-def test_the_letterbox_is_ultralytics_own() -> None:
-    from ultralytics.data.augment import LetterBox
+def test_the_letterbox_is_ultralytics_own(detector) -> None:
+    from ultralytics.data.augment import LetterBox  # imported after explain's own import of Ultralytics
 
     picture = (image()[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
     theirs = LetterBox(new_shape=(640, 640), auto=True, stride=32)(image=picture)  # as Ultralytics predicts
@@ -144,3 +147,17 @@ def test_a_prediction_in_inference_mode_first_does_not_break_the_explanation(det
         detector(torch.rand(1, 3, 100, 100))  # another shape: the anchors are made again, in inference mode
         detector(x)
     torch.testing.assert_close(explain.GradCAM(detector, LEVEL)(x, target).cams, before)
+
+
+def test_importing_ultralytics_leaves_the_process_as_it_was(detector, tmp_path) -> None:
+    """Ultralytics replaces PIL.Image.open and sets OMP_NUM_THREADS=1 when imported; explain puts them back, so a
+    file that is no image stays a one-line error (Ultralytics' opener would try to pip install a HEIF plugin) and
+    worker processes keep the user's threads."""
+    from PIL import Image
+
+    assert Image.open.__module__.startswith("PIL")
+    assert os.environ.get("OMP_NUM_THREADS") == OMP_BEFORE
+    bad = tmp_path / "notes.jpg"
+    bad.write_text("not an image")
+    with pytest.raises(explain.ImageLoadError, match=r"notes\.jpg"):
+        explain.load_image(bad)

@@ -9,6 +9,9 @@ mapping of boxes back to the input's pixels.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,7 +121,6 @@ class YoloDetector(nn.Module):
             )
         return detections
 
-
     def _usable_cache(self) -> None:
         """The Detect head caches its anchors and strides at the first forward of an input shape. Made under
         ``torch.inference_mode()`` (a user's plain prediction), they are inference tensors, which a pass with
@@ -132,6 +134,33 @@ class YoloDetector(nn.Module):
                 setattr(head, name, cached.clone())
 
 
+@contextmanager
+def _process_kept() -> Iterator[None]:
+    """Importing Ultralytics changes the whole process: it replaces ``PIL.Image.open`` with an opener that, on a
+    file Pillow cannot identify, installs a package with pip; it sets ``OMP_NUM_THREADS=1`` and other variables
+    in the environment, which every worker process started later inherits; it changes torch's and numpy's print
+    options and the warning filters. explain's promise is a one-line error for a hostile file and no change to
+    the user's process: what the import changed is put back."""
+    import warnings
+
+    import numpy as np
+    from PIL import Image
+    from torch._tensor_str import PRINT_OPTS
+
+    opener, environment, filters = Image.open, dict(os.environ), list(warnings.filters)
+    numpy_options, torch_options = np.get_printoptions(), dict(vars(PRINT_OPTS))
+    try:
+        yield
+    finally:
+        Image.open = opener
+        for name in set(os.environ) - set(environment):
+            del os.environ[name]
+        os.environ.update(environment)
+        warnings.filters[:] = filters
+        np.set_printoptions(**numpy_options)
+        vars(PRINT_OPTS).update(torch_options)
+
+
 def load_yolo(path: str | Path) -> YoloDetector:
     """A YOLO detector from an Ultralytics checkpoint (``.pt``) or a model yaml (``.yaml``: random weights; a
     bare name such as ``yolo11n.yaml`` is one of Ultralytics' own).
@@ -142,7 +171,8 @@ def load_yolo(path: str | Path) -> YoloDetector:
         ModelLoadError: Ultralytics is not installed, the file cannot be read, or its model is no detector.
     """
     try:
-        from ultralytics.nn.tasks import DetectionModel, load_checkpoint
+        with _process_kept():
+            from ultralytics.nn.tasks import DetectionModel, load_checkpoint
     except ImportError:
         raise ModelLoadError(
             f'{path}: a YOLO model needs Ultralytics (AGPL-3.0): pip install "explain[yolo]"'
