@@ -278,3 +278,28 @@ def test_calls_that_return_their_own_tensor_are_followed_once() -> None:
     model, x = PassesItsOutputOn().eval(), torch.randn(2, 3, 16, 16)
     assert find_auto_layers(model, x) == ["conv"]
     assert_matches(model, x, None, logit(1), ("first",))
+
+
+def test_conditional_detr_scores_by_sigmoid_and_modifies_its_head_in_place() -> None:
+    """Conditional DETR has no "no object" class (its scores are sigmoids) and adds to its box head's output in
+    place, after the row-restricted layers explain puts there: its maps match the reference."""
+    torch.manual_seed(0)
+    backbone = transformers.ResNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1], out_features=["stage4"]
+    )
+    config = transformers.ConditionalDetrConfig(
+        use_timm_backbone=False, backbone_config=backbone, use_pretrained_backbone=False, d_model=32,
+        encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=32, decoder_ffn_dim=32, num_queries=20, num_labels=5,
+    )  # fmt: skip
+    model = transformers.ConditionalDetrForObjectDetection(config).eval()
+    detector = explain.models.QueryDetector(model).eval()
+    x = torch.randn(1, 3, 128, 160)
+    with torch.no_grad():
+        (found,) = detector(x)
+        logits = model(pixel_values=x).logits
+    torch.testing.assert_close(found["scores"], logits.sigmoid()[0].amax(dim=-1))
+    target = explain.targets.DetectionTarget(found["boxes"][3:4], [int(found["labels"][3])])
+    result = explain.GradCAM(detector)(x, target, resize=False, normalize=False)
+    expected = reference(detector, x, result.layer, lambda out: out[0]["scores"][3:4], ("tokens", 0, (4, 5)))
+    assert (result.raw[:, 0].double() - expected).abs().max() <= 1e-4 * expected.abs().max()

@@ -161,3 +161,15 @@ def test_importing_ultralytics_leaves_the_process_as_it_was(detector, tmp_path) 
     bad.write_text("not an image")
     with pytest.raises(explain.ImageLoadError, match=r"notes\.jpg"):
         explain.load_image(bad)
+
+
+def test_ultralytics_is_imported_only_for_a_yolo_model() -> None:
+    """AGPL-3.0 and an extra: explain, its models and a whole explanation of another model never import it."""
+    import subprocess
+
+    code = (
+        "import sys, torch, explain, explain.models; spec = explain.load_model('efficientnet_lite0'); "
+        "explain.gradcam(spec.model, torch.randn(1, 3, 64, 64)); assert 'ultralytics' not in sys.modules"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr

@@ -156,7 +156,7 @@ def _kept_rows_joined(seen: dict[str, Any], head: nn.Module, args: tuple[Any, ..
         return torch.cat([boxes, F.softmax(row_logits, -1)[index, row_labels, None]], dim=1)
 
     values = torch.cat([torch.cat([d["boxes"], d["scores"][:, None]], dim=1) for d in result])
-    joined = RowsRecomputed.apply(recompute, None, values, *features.values()).split([len(rows) for rows in traced])
+    joined = RowsRecomputed.apply(recompute, None, (values,), *features.values()).split([len(rows) for rows in traced])
     return [{**d, "boxes": v[:, :4], "scores": v[:, 4]} for d, v in zip(result, joined)], losses
 
 

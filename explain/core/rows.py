@@ -44,7 +44,10 @@ class Recorded(NamedTuple):
 
 
 class RowsRecomputed(torch.autograd.Function):
-    """Values (M, C) computed without autograd, joined to the inputs they came from.
+    """Values (..., C) computed without autograd, joined to the inputs they came from.
+
+    The values come in a one-element tuple, not as a tensor argument, and are no view: an input returned as it is,
+    or a view, could not be modified in place by the model after (Conditional DETR adds to its box head's output).
 
     ``recompute(inputs, rows)`` gives rows ``rows`` of the values, with autograd, from the inputs; ``recorded``,
     where the forward recorded a graph for all rows, is used instead when it serves the reached rows better. The
@@ -56,15 +59,16 @@ class RowsRecomputed(torch.autograd.Function):
         ctx: Any,
         recompute: Callable[[list[Tensor], Tensor], Tensor],
         recorded: Recorded | None,
-        values: Tensor,
+        values: tuple[Tensor],
         *inputs: Tensor,
     ) -> Tensor:
         ctx.recompute, ctx.recorded = recompute, recorded
         ctx.save_for_backward(*inputs)
-        return values
+        return values[0]
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        grad = grad.reshape(-1, grad.shape[-1])
         rows = grad.any(dim=1).nonzero()[:, 0]
         if ctx.recorded is not None and ctx.recorded.serves(rows):
             return (None, None, None, *ctx.recorded.gradients(grad))
@@ -124,9 +128,8 @@ def _rows_joined(chains: Chains, module: nn.Module, inputs: tuple[Any, ...], out
     def gradients(grad: Tensor) -> tuple[Tensor | None, ...]:
         return torch.autograd.grad(output, source, grad.reshape(output.shape), retain_graph=True)
 
-    values = output.detach().reshape(-1, output.shape[-1])
     recorded = Recorded(gradients, serves=lambda rows: 2 * len(rows) >= total)
-    joined = RowsRecomputed.apply(recompute, recorded, values, source).reshape(output.shape)
+    joined = RowsRecomputed.apply(recompute, recorded, (output.detach(),), source)
     chains[joined.grad_fn] = (source, chain)
     return joined
 
@@ -253,9 +256,8 @@ def _attention_joined(
     def serves(rows: Tensor) -> bool:  # recomputing costs ~ rows per image x heads x T x C, the graph ~ T x C^2
         return 2 * int(torch.bincount(rows // tokens, minlength=n).max()) * parts.weight.shape[1] > width
 
-    values = out.detach().reshape(-1, out.shape[-1])
     recompute = lambda sources, rows: _attention_rows(parts, sources[0], rows)  # noqa: E731
-    joined = RowsRecomputed.apply(recompute, Recorded(gradients, serves), values, x).reshape(out.shape)
+    joined = RowsRecomputed.apply(recompute, Recorded(gradients, serves), (out.detach(),), x)
     return (joined, *output[1:]) if isinstance(module, nn.MultiheadAttention) else joined
 
 
