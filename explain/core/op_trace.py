@@ -11,9 +11,10 @@ operations the model runs say both. During a traced pass, :class:`OpTrace` (a
   axis kept when two are pooled.
 - **Tokens of a grid.** A 4-D map flattened into tokens (a patch embedding's convolution, a stage's
   output) marks the tokens with their (h, w) grid; the mark follows them through permutes, element-wise
-  operations, operations over the last axis (linear layers, layer norms), a concatenation of tokens in
-  front (a class token: the prefix), and through any module whose first input carries the mark and whose
-  output keeps its token count (an attention block, an MLP). Tokens without the mark (a detector's object
+  operations, reshapes of the axes after the token axis, operations over the last axis (linear layers,
+  layer norms), attention (its rows are its queries' tokens), a concatenation of tokens in front (a class
+  token: the prefix), a slice of the prefix, and through any module whose first input carries the mark and
+  whose output keeps its token count (an attention block, an MLP). Tokens without the mark (a detector's object
   queries, unrolled tokens) are never laid out on a grid, whatever their count.
 - **Attention.** A module is an attention module when a softmax over an axis of a tensor of three or more axes
   (the last in most attention, the tokens in factorized attention, the branches in selective kernels), or a
