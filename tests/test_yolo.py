@@ -173,3 +173,53 @@ def test_ultralytics_is_imported_only_for_a_yolo_model() -> None:
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
+
+
+@pytest.fixture(scope="module")
+def segmenter():
+    """yolo11n-seg with random weights, its finest level's class biases raised so that it detects."""
+    torch.manual_seed(0)
+    model = load_yolo("yolo11n-seg.yaml")
+    with torch.no_grad():
+        model.model.model[-1].cv3[0][-1].bias += 11.0
+    return model
+
+
+def test_yolo_seg_masks_are_ultralytics_own_and_an_instance_is_explained_by_its_mask(segmenter) -> None:
+    """At 256 x 640 the letterbox is the identity, so the masks are compared with Ultralytics' process_mask as they
+    are; then InstanceTarget(by="mask") against a reference: the mean mask logit over the instance's region."""
+    from ultralytics.utils.ops import process_mask
+
+    torch.manual_seed(2)
+    x = torch.rand(1, 3, 256, 640)
+    kept = {}
+
+    def keep(module, inputs, output):
+        kept["proto"] = output
+        return output
+
+    handle = segmenter.model.model[-1].proto.register_forward_hook(keep)
+    with torch.no_grad():
+        (found,) = segmenter(x)
+        rows = segmenter.model(x)[0][0][0]  # (4 + classes + 32, anchors): the letterbox changed nothing
+    handle.remove()
+    centre = (found["boxes"][:5, :2] + found["boxes"][:5, 2:]) / 2
+    index = (rows[:2].T[None] - centre[:, None]).abs().sum(dim=-1).argmin(dim=1)  # each detection's raw row
+    theirs = process_mask(kept["proto"][0], rows[4 + 80 :, index].T, found["boxes"][:5], (256, 640), upsample=True)
+    assert torch.equal(theirs.bool(), found["masks"][:5, 0] >= 0.5)
+
+    region = found["masks"][0, 0] >= 0.5
+    assert 0 < region.sum() < region.numel()
+    level = {}
+    handle = segmenter.get_submodule(LEVEL).register_forward_hook(lambda m, i, o: level.update(a=o) or o.clone())
+    (again,) = segmenter(x)
+    handle.remove()
+    p = again["masks"][0, 0].clamp(1e-6, 1 - 1e-6)
+    (g,) = torch.autograd.grad((torch.log(p) - torch.log1p(-p))[region].mean(), level["a"])
+    cam = (g.mean(dim=(2, 3), keepdim=True) * level["a"]).sum(dim=1).clamp(min=0).detach()
+    expected = F.interpolate(cam[:, None], size=(256, 640), mode="bilinear", align_corners=False)[:, 0]
+
+    target = explain.targets.InstanceTarget(found["boxes"][:1], [int(found["labels"][0])], by="mask")
+    result = explain.GradCAM(segmenter, LEVEL)(x, target, normalize=False)
+    assert torch.equal(result.target.regions[0, 0].bool(), region) and expected.abs().max() > 0
+    assert (result.raw[:, 0] - expected).abs().max() <= 1e-4 * expected.abs().max()

@@ -66,8 +66,9 @@ class Letterbox(nn.Module):
 
 
 class YoloDetector(nn.Module):
-    """An Ultralytics detection model whose output is torchvision's: one dict per image of ``"boxes"``
-    (x1, y1, x2, y2 in input pixels), ``"labels"`` and ``"scores"``.
+    """An Ultralytics detection or segmentation model whose output is torchvision's: one dict per image of
+    ``"boxes"`` (x1, y1, x2, y2 in input pixels), ``"labels"`` and ``"scores"``, and for a segmentation model
+    ``"masks"`` (detections, 1, H, W), as Mask R-CNN's, for :class:`explain.targets.InstanceTarget`.
 
     The input, [0, 1] RGB images of any size, is letterboxed as Ultralytics predicts (see :class:`Letterbox`).
     The model's raw predictions, one row per anchor with its box and its class scores, go through torchvision's
@@ -76,7 +77,7 @@ class YoloDetector(nn.Module):
     model's ``Detect`` head reads (its ``f``), are the automatic layers (:attr:`feature_levels`), fused.
 
     Args:
-        model: An Ultralytics ``DetectionModel`` (``ultralytics.nn.tasks``), in eval mode.
+        model: An Ultralytics ``DetectionModel`` or ``SegmentationModel`` (``ultralytics.nn.tasks``), in eval mode.
         size: The letterbox's side.
         conf: The least class score of a row kept for NMS.
         iou: NMS's IoU threshold.
@@ -100,14 +101,15 @@ class YoloDetector(nn.Module):
         boxed = self.transform(x)
         self._usable_cache()
         predictions = self.model(boxed.tensors)
-        rows = predictions[0] if isinstance(predictions, (tuple, list)) else predictions  # (N, 4 + classes, A)
+        first = predictions[0] if isinstance(predictions, (tuple, list)) else predictions
+        rows, prototypes = first if isinstance(first, (tuple, list)) else (first, None)  # (N, 4 + classes [+ nm], A)
         centres, sizes = rows[:, :2].transpose(1, 2), rows[:, 2:4].transpose(1, 2)
-        corners = torch.cat([centres - sizes / 2, centres + sizes / 2], dim=-1)  # canvas pixels
+        on_canvas = torch.cat([centres - sizes / 2, centres + sizes / 2], dim=-1)
         top, left = boxed.offset
-        corners = (corners - corners.new_tensor([left, top, left, top])) / boxed.scale  # input pixels
+        corners = (on_canvas - on_canvas.new_tensor([left, top, left, top])) / boxed.scale  # input pixels
         scores, labels = rows[:, 4 : 4 + self.classes].transpose(1, 2).max(dim=-1)
         detections = []
-        for image_corners, image_scores, image_labels in zip(corners, scores, labels):
+        for i, (image_corners, image_scores, image_labels) in enumerate(zip(corners, scores, labels)):
             candidates = (image_scores >= self.conf).nonzero()[:, 0]
             kept = batched_nms(
                 image_corners[candidates].detach(),
@@ -116,10 +118,28 @@ class YoloDetector(nn.Module):
                 self.iou,
             )
             chosen = candidates[kept[: self.max_det]]
-            detections.append(
-                {"boxes": image_corners[chosen], "labels": image_labels[chosen], "scores": image_scores[chosen]}
-            )
+            found = {"boxes": image_corners[chosen], "labels": image_labels[chosen], "scores": image_scores[chosen]}
+            if prototypes is not None:
+                coefficients = rows[i, 4 + self.classes :, chosen].T
+                found["masks"] = self._masks(prototypes[i], coefficients, on_canvas[i, chosen].detach(), boxed, x)
+            detections.append(found)
         return detections
+
+    @staticmethod
+    def _masks(prototypes: Tensor, coefficients: Tensor, boxes: Tensor, boxed: Letterboxed, x: Tensor) -> Tensor:
+        """A segmentation model's masks of the kept detections, (K, 1, H, W) probabilities over the input: each
+        detection's coefficients times the prototypes, upsampled to the canvas, a sigmoid, zero outside the
+        detection's box (as Ultralytics crops them), the letterbox cut off and resized to the input."""
+        logits = (coefficients @ prototypes.flatten(1)).reshape(len(coefficients), *prototypes.shape[-2:])
+        logits = F.interpolate(logits[None], size=boxed.tensors.shape[-2:], mode="bilinear")[0]
+        rows = torch.arange(logits.shape[-2], device=logits.device, dtype=boxes.dtype)[None, :, None]
+        columns = torch.arange(logits.shape[-1], device=logits.device, dtype=boxes.dtype)[None, None, :]
+        x1, y1, x2, y2 = (boxes[:, k, None, None] for k in range(4))
+        inside = (columns >= x1) & (columns < x2) & (rows >= y1) & (rows < y2)
+        top, left = boxed.offset
+        (height, width) = boxed.image_sizes[0]
+        masks = (logits.sigmoid() * inside)[:, top : top + height, left : left + width]
+        return F.interpolate(masks[:, None], size=x.shape[-2:], mode="bilinear")
 
     def _usable_cache(self) -> None:
         """The Detect head caches its anchors and strides at the first forward of an input shape. Made under
@@ -172,7 +192,7 @@ def load_yolo(path: str | Path) -> YoloDetector:
     """
     try:
         with _process_kept():
-            from ultralytics.nn.tasks import DetectionModel, load_checkpoint
+            from ultralytics.nn.tasks import DetectionModel, SegmentationModel, guess_model_task, load_checkpoint
     except ImportError:
         raise ModelLoadError(
             f'{path}: a YOLO model needs Ultralytics (AGPL-3.0): pip install "explain[yolo]"'
@@ -182,11 +202,12 @@ def load_yolo(path: str | Path) -> YoloDetector:
         raise ModelLoadError(f"{path}: no such checkpoint file")
     try:
         if path.suffix in (".yaml", ".yml"):
-            model = DetectionModel(str(path), verbose=False)
+            task = SegmentationModel if guess_model_task(str(path)) == "segment" else DetectionModel  # its head
+            model = task(str(path), verbose=False)
         else:
             model = load_checkpoint(str(path), device="cpu")[0]
     except Exception as err:  # Ultralytics' loaders raise many kinds; the user gets one line
         raise ModelLoadError(f"{path}: cannot load a YOLO model: {first_line(err)}") from None
-    if type(model).__name__ != "DetectionModel":
-        raise ModelLoadError(f"{path}: a {type(model).__name__}, not a YOLO detection model")
+    if type(model).__name__ not in ("DetectionModel", "SegmentationModel"):
+        raise ModelLoadError(f"{path}: a {type(model).__name__}, not a YOLO detection or segmentation model")
     return YoloDetector(model.float().eval())
