@@ -303,3 +303,8 @@ def test_conditional_detr_scores_by_sigmoid_and_modifies_its_head_in_place() -> 
     result = explain.GradCAM(detector)(x, target, resize=False, normalize=False)
     expected = reference(detector, x, result.layer, lambda out: out[0]["scores"][3:4], ("tokens", 0, (4, 5)))
     assert (result.raw[:, 0].double() - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+def test_the_default_target_of_a_detr_names_the_way_to_explain_it() -> None:
+    with pytest.raises(explain.TargetError, match=r"QueryDetector.*DetectionTarget\(\)"):
+        explain.GradCAM(tiny_detr())(torch.randn(1, 3, 128, 128))

@@ -14,7 +14,13 @@ from ..errors import TargetError
 from .base import BoundTarget, ClassScore, OutputPicker, Target, class_index, class_score, per_image
 
 
-def _checked_2d(scores: Tensor, kind: str) -> Tensor:
+def _checked_2d(scores: Tensor, kind: str, output: Any) -> Tensor:
+    if isinstance(getattr(output, "pred_boxes", None), Tensor):
+        raise TargetError(
+            f"the model returns object queries (logits {tuple(scores.shape)} and pred_boxes: a DETR-style detector), "
+            f"not a classifier's (N, classes) scores that {kind} needs; wrap it in explain.models.QueryDetector and "
+            "explain its detections with target=explain.targets.DetectionTarget()"
+        )
     if scores.dim() == 4:
         raise TargetError(
             f"the model output is {tuple(scores.shape)}, not a classifier's (N, classes) scores that {kind} needs "
@@ -59,7 +65,7 @@ class ClassTarget(Target):
         return torch.tensor(chosen, device=scores.device)[:, None]
 
     def bind(self, output: Any, labels: Sequence[str] | None) -> BoundTarget:
-        logits = _checked_2d(self.read(output), type(self).__name__).detach()
+        logits = _checked_2d(self.read(output), type(self).__name__, output).detach()
         indices = self.indices(logits, labels)
         probabilities = logits.float().sigmoid() if self.score == "sigmoid" else logits.float().softmax(dim=1)
         return BoundTarget(
