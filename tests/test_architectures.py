@@ -308,3 +308,20 @@ def test_conditional_detr_scores_by_sigmoid_and_modifies_its_head_in_place() -> 
 def test_the_default_target_of_a_detr_names_the_way_to_explain_it() -> None:
     with pytest.raises(explain.TargetError, match=r"QueryDetector.*DetectionTarget\(\)"):
         explain.GradCAM(tiny_detr())(torch.randn(1, 3, 128, 128))
+
+
+def test_upernet_is_explained_at_its_backbone_not_its_decode_head() -> None:
+    """UperNet upsamples its decode head's logits to the input in its forward: that head is still the head."""
+    torch.manual_seed(0)
+    backbone = transformers.ConvNextConfig(
+        hidden_sizes=[8, 16, 24, 32], depths=[1, 1, 1, 1], out_features=["stage1", "stage2", "stage3", "stage4"]
+    )
+    config = transformers.UperNetConfig(
+        backbone_config=backbone, hidden_size=16, auxiliary_channels=8, num_labels=4, use_auxiliary_head=False
+    )
+    model = transformers.UperNetForSemanticSegmentation(config).eval()
+    x = torch.randn(2, 3, 64, 64)
+    score = lambda out: out.logits[:, 2].mean((1, 2))  # noqa: E731
+    (layer,) = find_auto_layers(model, x, target=score)
+    assert layer.startswith("backbone") and traced_layers(model, x)["decode_head"].head
+    assert_matches(model, x, None, score, ("first",))
