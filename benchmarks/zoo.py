@@ -256,6 +256,28 @@ def segformer() -> nn.Module:
     return transformers.SegformerForSemanticSegmentation(config)
 
 
+def upernet() -> nn.Module:
+    backbone = transformers.ConvNextConfig(
+        hidden_sizes=[16, 24, 32, 48], depths=[1, 1, 1, 1], out_features=["stage1", "stage2", "stage3", "stage4"]
+    )
+    config = transformers.UperNetConfig(
+        backbone_config=backbone, hidden_size=16, auxiliary_channels=8, num_labels=5, use_auxiliary_head=False
+    )
+    return transformers.UperNetForSemanticSegmentation(config)
+
+
+def conditional_detr() -> nn.Module:
+    backbone = transformers.ResNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1], out_features=["stage4"]
+    )
+    config = transformers.ConditionalDetrConfig(
+        use_timm_backbone=False, backbone_config=backbone, use_pretrained_backbone=False, d_model=32,
+        encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=32, decoder_ffn_dim=32, num_queries=30, num_labels=5,
+    )  # fmt: skip
+    return transformers.ConditionalDetrForObjectDetection(config)
+
+
 HUGGINGFACE = [
     Entry("ViT", "HuggingFace", hf("ViTForImageClassification", "ViTConfig", **SMALL_VIT), 64, "tokens", one),
     Entry("BEiT", "HuggingFace", hf("BeitForImageClassification", "BeitConfig", **SMALL_VIT), 64, "tokens", one),
@@ -332,6 +354,8 @@ HUGGINGFACE = [
         "first",
     ),
     Entry("SegFormer", "HuggingFace", segformer, 64, "first", score=segment),
+    Entry("UperNet (ConvNeXt backbone)", "HuggingFace", upernet, 64, "first", score=segment),
+    Entry("Conditional DETR", "HuggingFace", conditional_detr, 256, "tokens", score=lambda out: out.logits[:, 3, 1]),
     Entry(
         "DETR at 320 (100 encoder tokens = 100 queries)",
         "HuggingFace",
