@@ -325,3 +325,58 @@ def test_upernet_is_explained_at_its_backbone_not_its_decode_head() -> None:
     (layer,) = find_auto_layers(model, x, target=score)
     assert layer.startswith("backbone") and traced_layers(model, x)["decode_head"].head
     assert_matches(model, x, None, score, ("first",))
+
+
+def deformable_detr() -> nn.Module:
+    backbone = transformers.ResNetConfig(
+        embedding_size=16,
+        hidden_sizes=[16, 32, 64, 128],
+        depths=[1, 1, 1, 1],
+        out_features=["stage2", "stage3", "stage4"],
+    )
+    options = dict(
+        use_timm_backbone=False, backbone_config=backbone, use_pretrained_backbone=False, d_model=32, encoder_layers=1,
+        decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+        num_queries=20, num_labels=5, num_feature_levels=3,
+    )  # fmt: skip
+    return transformers.DeformableDetrForObjectDetection(transformers.DeformableDetrConfig(**options))
+
+
+def rt_detr() -> nn.Module:
+    backbone = transformers.RTDetrResNetConfig(
+        embedding_size=16,
+        hidden_sizes=[16, 32, 64, 128],
+        depths=[1, 1, 1, 1],
+        out_features=["stage2", "stage3", "stage4"],
+    )
+    config = transformers.RTDetrConfig(
+        backbone_config=backbone, use_pretrained_backbone=False, encoder_in_channels=[32, 64, 128], d_model=32,
+        encoder_hidden_dim=32, encoder_ffn_dim=32, decoder_ffn_dim=32, decoder_layers=1, num_queries=20, num_labels=5,
+        encoder_attention_heads=2, decoder_attention_heads=2, decoder_in_channels=[32, 32, 32],
+    )  # fmt: skip
+    return transformers.RTDetrForObjectDetection(config)
+
+
+@pytest.mark.parametrize(
+    ("build", "one_sequence"), [(deformable_detr, True), (rt_detr, False)], ids=["deformable_detr", "rt_detr"]
+)
+def test_multi_scale_query_detectors_are_explained_at_a_map_of_theirs(build, one_sequence: bool) -> None:
+    """Deformable DETR and RT-DETR (sigmoid scores) read a pyramid. Deformable DETR's encoder flattens its levels
+    one after another into one sequence, which is no grid: it is never a map, and the automatic layer is a level's
+    map. RT-DETR's encoder attends within its coarsest level alone, whose tokens are a grid."""
+    torch.manual_seed(0)
+    model = build().eval()
+    detector = explain.models.QueryDetector(model).eval()
+    x = torch.randn(1, 3, 128, 160)
+    with torch.no_grad():
+        (found,) = detector(x)
+        logits = model(pixel_values=x).logits
+    torch.testing.assert_close(found["scores"], logits.sigmoid()[0].amax(dim=-1))
+    if one_sequence:
+        infos = traced_layers(detector, x).items()
+        encoder = [info for name, info in infos if ".encoder.layers." in name and info.shape and len(info.shape) == 2]
+        assert encoder and not any(info.candidate for info in encoder)
+    target = explain.targets.DetectionTarget(found["boxes"][:1], [int(found["labels"][0])])
+    result = explain.GradCAM(detector)(x, target, resize=False, normalize=False)
+    expected = reference(detector, x, result.layer, lambda out: out[0]["scores"][:1], ("first",))
+    assert (result.raw[:, 0].double() - expected).abs().max() <= 1e-4 * expected.abs().max()

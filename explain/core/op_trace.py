@@ -13,7 +13,8 @@ operations the model runs say both. During a traced pass, :class:`OpTrace` (a
   output) marks the tokens with their (h, w) grid; the mark follows them through permutes, element-wise
   operations, reshapes of the axes after the token axis, operations over the last axis (linear layers,
   layer norms), attention (its rows are its queries' tokens), a concatenation of tokens in front (a class
-  token: the prefix), a slice of the prefix, and through any module whose first input carries the mark and
+  token: the prefix; never another grid's tokens, as a pyramid's levels flattened one after another are), a slice
+  of the prefix, and through any module whose first input carries the mark and
   whose output keeps its token count (an attention block, an MLP). Tokens without the mark (a detector's object
   queries, unrolled tokens) are never laid out on a grid, whatever their count.
 - **Attention.** A module is an attention module when a softmax over an axis of a tensor of three or more axes
@@ -294,6 +295,8 @@ class OpTrace(TorchFunctionMode):
             return
         mark = self.mark_of(parts[-1])
         if mark is None and len(parts) > 1:  # registers after the patches: no grid of the image then
+            return
+        if any(self.mark_of(part) is not None for part in parts[:-1]):  # the levels of a pyramid, one after another
             return
         if mark is not None and dim % result.dim() == mark.axis:
             before = sum(part.shape[mark.axis] for part in parts[:-1])
