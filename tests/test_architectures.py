@@ -137,11 +137,21 @@ def test_a_layout_nothing_tells_is_refused_with_the_way_out() -> None:
     assert (explained.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
+LEVELS = ["stage2", "stage3", "stage4"]  # the pyramid a multi-scale detector reads
+
+
+def tiny_resnet(
+    levels: list[str] | None = None, kind: type = transformers.ResNetConfig
+) -> transformers.PretrainedConfig:
+    """A four-stage ResNet config of 16 to 128 channels, the backbone of the small detectors here."""
+    return kind(
+        embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1], out_features=levels or ["stage4"]
+    )
+
+
 def tiny_detr() -> nn.Module:
     torch.manual_seed(0)
-    backbone = transformers.ResNetConfig(
-        embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1], out_features=["stage4"]
-    )
+    backbone = tiny_resnet()
     config = transformers.DetrConfig(
         use_timm_backbone=False,
         backbone_config=backbone,
@@ -284,9 +294,7 @@ def test_conditional_detr_scores_by_sigmoid_and_modifies_its_head_in_place() -> 
     """Conditional DETR has no "no object" class (its scores are sigmoids) and adds to its box head's output in
     place, after the row-restricted layers explain puts there: its maps match the reference."""
     torch.manual_seed(0)
-    backbone = transformers.ResNetConfig(
-        embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1], out_features=["stage4"]
-    )
+    backbone = tiny_resnet()
     config = transformers.ConditionalDetrConfig(
         use_timm_backbone=False, backbone_config=backbone, use_pretrained_backbone=False, d_model=32,
         encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
@@ -328,12 +336,7 @@ def test_upernet_is_explained_at_its_backbone_not_its_decode_head() -> None:
 
 
 def deformable_detr() -> nn.Module:
-    backbone = transformers.ResNetConfig(
-        embedding_size=16,
-        hidden_sizes=[16, 32, 64, 128],
-        depths=[1, 1, 1, 1],
-        out_features=["stage2", "stage3", "stage4"],
-    )
+    backbone = tiny_resnet(LEVELS)
     options = dict(
         use_timm_backbone=False, backbone_config=backbone, use_pretrained_backbone=False, d_model=32, encoder_layers=1,
         decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
@@ -343,12 +346,7 @@ def deformable_detr() -> nn.Module:
 
 
 def rt_detr() -> nn.Module:
-    backbone = transformers.RTDetrResNetConfig(
-        embedding_size=16,
-        hidden_sizes=[16, 32, 64, 128],
-        depths=[1, 1, 1, 1],
-        out_features=["stage2", "stage3", "stage4"],
-    )
+    backbone = tiny_resnet(LEVELS, transformers.RTDetrResNetConfig)
     config = transformers.RTDetrConfig(
         backbone_config=backbone, use_pretrained_backbone=False, encoder_in_channels=[32, 64, 128], d_model=32,
         encoder_hidden_dim=32, encoder_ffn_dim=32, decoder_ffn_dim=32, decoder_layers=1, num_queries=20, num_labels=5,

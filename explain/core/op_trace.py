@@ -191,6 +191,11 @@ class OpTrace(TorchFunctionMode):
         finally:
             self._quiet = before
 
+    def producer(self, output: Tensor) -> str | None:
+        """The first layer noted (:meth:`produced`) whose output is this very tensor, or None."""
+        known = self._outputs.get(id(output))
+        return known[1][0] if known is not None and known[0]() is output else None
+
     def produced(self, name: str, output: Tensor) -> None:
         """Note a layer's output, to tell later whether any operation of the pass read it (:attr:`read`)."""
         known = self._outputs.get(id(output))
