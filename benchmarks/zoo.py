@@ -33,6 +33,7 @@ import torchvision
 import transformers
 from timing import emit
 from torch import nn
+from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
 import explain
 from explain.models.yolo import Letterbox
@@ -152,6 +153,7 @@ TIMM = [
     Entry("crossvit_tiny_240", "timm", timm_model("crossvit_tiny_240"), 240, "tokens", one),
     Entry("levit_128s", "timm", timm_model("levit_128s", img_size=128), 128, "tokens"),
     Entry("efficientformer_l1", "timm", timm_model("efficientformer_l1"), 224, "tokens"),
+    Entry("hiera_tiny_224", "timm", timm_model("hiera_tiny_224"), 224, "tokens"),
     Entry("twins_svt_small", "timm", timm_model("twins_svt_small"), 128, "tokens"),
     Entry("pvt_v2_b0", "timm", timm_model("pvt_v2_b0"), 128, "first"),
     Entry("coat_lite_tiny", "timm", timm_model("coat_lite_tiny"), 224, "tokens", one),
@@ -169,6 +171,19 @@ def tv_model(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
 
 def tv_segmenter(name: str) -> Callable[[], nn.Module]:
     return lambda: getattr(torchvision.models.segmentation, name)(weights=None, weights_backbone=None, num_classes=5)
+
+
+def tv_detector(name: str, threshold: str) -> Entry:
+    """A torchvision detector at 256 px that keeps every detection (``threshold``: its score threshold's argument;
+    random weights score low), its first detection explained."""
+    build = getattr(torchvision.models.detection, name)
+    options = {threshold: 0.0, "min_size": 256, "max_size": 256}
+    model = lambda: build(weights=None, weights_backbone=None, num_classes=5, **options)  # noqa: E731
+    return Entry(name, "torchvision", model, 256, "first", score=first_detection)
+
+
+def first_detection(out: Any) -> torch.Tensor:
+    return out[0]["scores"][:1]
 
 
 def segment(out: Any) -> torch.Tensor:
@@ -192,6 +207,15 @@ TORCHVISION = [
     Entry("swin_t", "torchvision", tv_model("swin_t"), 224, "first"),
     Entry("maxvit_t", "torchvision", tv_model("maxvit_t"), 224, "first"),
     Entry("vit_b_16", "torchvision", tv_model("vit_b_16", image_size=128), 128, "tokens", one),
+    *(
+        tv_detector(name, threshold)
+        for name, threshold in [
+            ("fasterrcnn_mobilenet_v3_large_fpn", "box_score_thresh"),
+            ("maskrcnn_resnet50_fpn", "box_score_thresh"),
+            ("retinanet_resnet50_fpn", "score_thresh"),
+            ("fcos_resnet50_fpn", "score_thresh"),
+        ]
+    ),
     Entry("fcn_resnet50", "torchvision", tv_segmenter("fcn_resnet50"), 128, "first", score=segment),
     Entry(
         "deeplabv3_mobilenet_v3_large",
@@ -264,6 +288,19 @@ def upernet() -> nn.Module:
         backbone_config=backbone, hidden_size=16, auxiliary_channels=8, num_labels=5, use_auxiliary_head=False
     )
     return transformers.UperNetForSemanticSegmentation(config)
+
+
+def mask2former() -> nn.Module:
+    backbone = transformers.SwinConfig(
+        embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1], window_size=4, image_size=64,
+        out_features=["stage1", "stage2", "stage3", "stage4"],
+    )  # fmt: skip
+    config = transformers.Mask2FormerConfig(
+        backbone_config=backbone, num_labels=5, hidden_dim=32, mask_feature_size=32, feature_size=32,
+        encoder_layers=1, decoder_layers=2, num_queries=10, encoder_feedforward_dim=64, dim_feedforward=64,
+        num_attention_heads=2,
+    )  # fmt: skip
+    return explain.models.QuerySegmenter(transformers.Mask2FormerForUniversalSegmentation(config))
 
 
 def conditional_detr() -> nn.Module:
@@ -355,6 +392,7 @@ HUGGINGFACE = [
     ),
     Entry("SegFormer", "HuggingFace", segformer, 64, "first", score=segment),
     Entry("UperNet (ConvNeXt backbone)", "HuggingFace", upernet, 64, "first", score=segment),
+    Entry("Mask2Former (QuerySegmenter)", "HuggingFace", mask2former, 64, "first", score=segment),
     Entry("Conditional DETR", "HuggingFace", conditional_detr, 256, "tokens", score=lambda out: out.logits[:, 3, 1]),
     Entry(
         "DETR at 320 (100 encoder tokens = 100 queries)",
@@ -375,10 +413,6 @@ def yolo11n() -> nn.Module:
     with torch.no_grad():
         model.model.model[-1].cv3[0][-1].bias += 11.0
     return model
-
-
-def first_detection(out: Any) -> torch.Tensor:
-    return out[0]["scores"][:1]
 
 
 ULTRALYTICS = [Entry("YOLO11n (yaml)", "Ultralytics", yolo11n, 256, "first", score=first_detection)]
@@ -427,7 +461,7 @@ def reference(model: nn.Module, x: torch.Tensor, layer: str, score, entry: Entry
     kept: dict[str, torch.Tensor] = {}
 
     def keep(module: nn.Module, inputs: Any, output: Any) -> Any:
-        entry = (int(key) if key.isdigit() else key) if key else None
+        entry = int(key) if key.isdigit() and isinstance(output, (list, tuple)) else key or None
         value = output[entry] if key else output
         kept["a"] = value
         copy = value.clone()  # the model may modify its copy in place (DenseNet's ReLU); the kept value stays
@@ -454,13 +488,13 @@ def reference(model: nn.Module, x: torch.Tensor, layer: str, score, entry: Entry
         raise ValueError(f"{layer} outputs {tuple(a.shape)}, not the family's {entry.layout} layout")
     a, g = per_position(a, entry.layout, prefix), per_position(g, entry.layout, prefix)
     cam = (a * g.mean(dim=0)).sum(dim=1)  # signed: random weights often give maps below zero
-    letterbox = getattr(model, "transform", None)
-    if isinstance(letterbox, Letterbox):  # YOLO: the map covers the letterbox canvas; the image is cut out of it
-        boxed = letterbox(x)
-        (top, left), (height, width) = boxed.offset, boxed.image_sizes[0]
+    transform = getattr(model, "transform", None)
+    if isinstance(transform, (Letterbox, GeneralizedRCNNTransform)):  # a detector: its map covers its canvas
+        boxed = transform(x) if isinstance(transform, Letterbox) else transform(list(x))[0]
+        (top, left), (height, width) = getattr(boxed, "offset", (0, 0)), boxed.image_sizes[0]
         grid = cam.reshape(1, 1, *kept["a"].shape[-2:])
         canvas = F.interpolate(grid, size=boxed.tensors.shape[-2:], mode="bilinear", align_corners=False)
-        cam = canvas[0, 0, top : top + height, left : left + width].flatten()
+        cam = canvas[0, 0, top : top + height, left : left + width].flatten()  # the image, cut out of the canvas
     rules = {
         "varies": not torch.equal(other, kept["a"].detach()),
         "not the scores": scores_of(output) is not kept["a"],

@@ -14,6 +14,7 @@ from conftest import capture_score, hook_count
 from timm.models.cait import Cait
 from timm.models.convnext import ConvNeXt
 from timm.models.crossvit import CrossVit
+from timm.models.hiera import Hiera
 from timm.models.xcit import Xcit
 from torch import nn
 
@@ -232,6 +233,27 @@ def test_timm_hierarchical_tokens_are_laid_out_stage_by_stage() -> None:
     assert_matches(model, x, None, logit(1), ("tokens", 0, (2, 2)))
 
 
+def test_hiera_unrolled_tokens_are_laid_out_on_their_grid() -> None:
+    """Hiera keeps its tokens unrolled (windows contiguous, strides moved to the batch axis) until its last stage,
+    and pools them by max over groups: each stage is laid out on its grid, as Hiera's own reroll says."""
+    torch.manual_seed(0)
+    model = Hiera(img_size=(128, 128), embed_dim=16, num_heads=1, stages=(1, 1, 2, 1), num_classes=5).eval()
+    with torch.no_grad():
+        nn.init.normal_(model.head.fc.weight)  # timm's small initial head
+    x = torch.randn(2, 3, 128, 128)
+    layers = traced_layers(model, x)
+    assert [layers[f"blocks.{i}"].layout.grid for i in range(5)] == [(32, 32), (16, 16), (8, 8), (8, 8), (4, 4)]
+    assert layers["blocks.2"].layout.order is not None and layers["blocks.4"].layout.order is None
+    assert find_auto_layers(model, x) == ["blocks.4"]
+    assert_matches(model, x, None, logit(1), ("tokens", 0, (4, 4)))
+
+    result = explain.GradCAM(model, "blocks.2")(x, logit(1), resize=False, normalize=False)
+    a, g = (model.reroll(t, 2).permute(0, 3, 1, 2) for t in capture_score(model, x, "blocks.2", logit(1)))
+    expected = (g.mean(dim=(2, 3), keepdim=True) * a).sum(dim=1).clamp(min=0)
+    assert expected.abs().max() > 0
+    assert (result.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
 def test_detr_queries_are_explained_as_detections_in_image_pixels() -> None:
     """QueryDetector: each query a detection (no NMS), its box in input pixels, its score the model's class
     probability; DetectionTarget explains one query at the encoder's map, as the reference does."""
@@ -333,6 +355,45 @@ def test_upernet_is_explained_at_its_backbone_not_its_decode_head() -> None:
     (layer,) = find_auto_layers(model, x, target=score)
     assert layer.startswith("backbone") and traced_layers(model, x)["decode_head"].head
     assert_matches(model, x, None, score, ("first",))
+
+
+def test_mask2former_answers_as_a_segmenter_and_is_explained_at_its_mask_features() -> None:
+    """QuerySegmenter: Mask2Former's semantic scores as its post-processing defines them (the queries' class
+    probabilities without "no object", times their mask probabilities), at the input's size; SegmentationTarget
+    explains a class over its region at the pixel decoder's mask features, never at the mask logits."""
+    torch.manual_seed(0)
+    backbone = transformers.SwinConfig(
+        embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1], window_size=4, image_size=64,
+        out_features=["stage1", "stage2", "stage3", "stage4"],
+    )  # fmt: skip
+    config = transformers.Mask2FormerConfig(
+        backbone_config=backbone, num_labels=4, hidden_dim=32, mask_feature_size=32, feature_size=32,
+        encoder_layers=1, decoder_layers=2, num_queries=10, encoder_feedforward_dim=64, dim_feedforward=64,
+        num_attention_heads=2,
+    )  # fmt: skip
+    model = transformers.Mask2FormerForUniversalSegmentation(config).eval()
+    segmenter = explain.models.QuerySegmenter(model).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        plain, scores = model(pixel_values=x), segmenter(x)["out"]
+    masks = nn.functional.interpolate(plain.masks_queries_logits, size=(64, 64), mode="bilinear").sigmoid()
+    classes = plain.class_queries_logits.softmax(-1)[..., :-1]
+    expected = (classes[..., None, None] * masks[:, :, None]).sum(dim=1)  # (N, classes, H, W), query by query
+    torch.testing.assert_close(scores.exp(), expected)
+    processed = transformers.Mask2FormerImageProcessor().post_process_semantic_segmentation(plain, [(64, 64)] * 2)
+    agree = (torch.stack(processed) == scores.argmax(dim=1)).float().mean()
+    assert agree >= 0.95  # the processor upsamples to 384 px first: the same classes but at a few borders
+
+    layers = traced_layers(segmenter, x)
+    assert layers["model:masks_queries_logits"].head and layers["model:class_queries_logits"].head
+    label = int(scores[0].argmax(dim=0).flatten().mode().values)
+    result = explain.GradCAM(segmenter)(x[:1], explain.targets.SegmentationTarget(label), resize=False, normalize=False)
+    assert result.layer == "model.model.pixel_level_module.decoder.mask_projection"
+    region = (scores[:1].argmax(dim=1) == label).double()
+    expected = reference(
+        segmenter, x[:1], result.layer, lambda out: (out["out"][:, label] * region).sum((1, 2)), ("first",)
+    )
+    assert (result.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
 def deformable_detr() -> nn.Module:

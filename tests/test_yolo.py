@@ -103,6 +103,37 @@ def test_a_detection_is_its_raw_row_and_its_map_the_reference(detector) -> None:
     assert hook_count(detector) == 0
 
 
+def test_head_branches_without_gradient_are_skipped_and_the_gradients_are_the_same(detector) -> None:
+    """A detection's score reaches one level's class branch. The other branches, and the neck levels behind them,
+    are not differentiated (their gradient is None, not a tensor of zeros), and the gradients are those of the
+    plain Ultralytics model, differentiated whole."""
+    x = image()
+    levels = [f"model.model.{index}" for index in detector.model.model[-1].f]
+    kept: dict[str, torch.Tensor] = {}
+    handles = [
+        detector.get_submodule(name).register_forward_hook(lambda m, i, o, name=name: kept.update({name: o}))
+        for name in levels
+    ]
+    try:
+        (found,) = detector(x)
+        k = int(found["scores"].argmin())  # the least score kept: a sigmoid far from saturation
+        pruned = torch.autograd.grad(found["scores"][k], [kept[name] for name in levels], allow_unused=True)
+        boxed = detector.transform(x)
+        raw = detector.model(boxed.tensors)[0][0]  # plain Ultralytics: (4 + classes, anchors)
+        centre = (found["boxes"][k, :2] + found["boxes"][k, 2:]) / 2 * boxed.scale + torch.tensor(boxed.offset[::-1])
+        row = int((raw[:2].T - centre).abs().sum(dim=1).argmin())
+        score = raw[4 + int(found["labels"][k]), row]
+        plain = torch.autograd.grad(score, [kept[name] for name in levels], allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert found["scores"][k] == score and plain[0].abs().max() > 0
+    torch.testing.assert_close(pruned[0], plain[0])  # the finest level, whose class branch the score reaches
+    assert plain[2] is not None and not plain[2].any()  # the coarsest level: zeros, differentiated for nothing
+    assert pruned[2] is None
+    assert hook_count(detector) == 0
+
+
 def test_the_automatic_layers_are_the_levels_the_head_reads(detector) -> None:
     x = image()
     (found,) = detector(x)

@@ -165,6 +165,7 @@ def trace_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | 
     starts: dict[str, int] = {}
     clock = itertools.count()
     ops = OpTrace(partial(grid_fits, size=tuple(x.shape[-2:])))
+    ops.free_modules = {name for name, module in modules.items() if next(module.parameters(), None) is None}
     prints: list[dict[str, tuple[float, float]]] = [{}, {}]
     probabilities: set[str] = set()
     reads_image: set[str] = set()

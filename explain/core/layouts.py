@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
 from torch import Tensor, nn
 
 from ..errors import LayerError
@@ -59,12 +60,15 @@ class Layout:
             ``"attention"`` (attention probabilities, kept as recorded for the rollout methods).
         prefix: Tokens before the patch tokens (class, distillation, registers), for ``"tokens"``.
         grid: The patch grid (h, w), for ``"tokens"``.
+        order: The grid cell of each patch token, when the tokens are not in row-major order (unrolled
+            tokens), for ``"tokens"``.
         reshape: The caller's callable, for ``"reshape"``.
     """
 
     kind: Literal["channels_first", "channels_last", "tokens", "reshape", "attention"]
     prefix: int = 0
     grid: tuple[int, int] | None = None
+    order: tuple[int, ...] | None = None
     reshape: Reshape | None = None
 
     def __call__(self, output: Tensor) -> Tensor:
@@ -73,6 +77,10 @@ class Layout:
             return output.permute(0, 3, 1, 2)
         if self.kind == "tokens":
             patches = output[:, self.prefix :]
+            if self.order is not None:  # token i lies in cell order[i]: the cells' tokens in row-major order
+                rows = torch.empty(len(self.order), dtype=torch.long)
+                rows[list(self.order)] = torch.arange(len(self.order))
+                patches = patches.index_select(1, rows.to(output.device))
             return patches.transpose(1, 2).reshape(len(output), output.shape[-1], *self.grid)
         if self.kind == "reshape":
             mapped = self.reshape(output)
@@ -85,7 +93,8 @@ class Layout:
     def describe(self) -> str:
         """The layout in a few words (``--layers``)."""
         if self.kind == "tokens":
-            return f"tokens: {self.prefix} prefix, {self.grid[0]}x{self.grid[1]} patches"
+            unrolled = ", unrolled" if self.order is not None else ""
+            return f"tokens: {self.prefix} prefix, {self.grid[0]}x{self.grid[1]} patches{unrolled}"
         return self.kind.replace("_", " ")
 
 
@@ -170,7 +179,7 @@ def _token_layout(name: str, shape: tuple[int, int], geometry: Geometry, mark: T
             f"layer {name!r} outputs {shape[0]} tokens, not {prefix} + the {height}x{width} grid they were "
             f"flattened from; {WAY_OUT}"
         )
-    return Layout("tokens", prefix=prefix, grid=mark.grid)
+    return Layout("tokens", prefix=prefix, grid=mark.grid, order=mark.order)
 
 
 def _grid_layout(name: str, shape: tuple[int, int, int], geometry: Geometry, feature_axis: int | None) -> Layout:

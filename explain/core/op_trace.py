@@ -16,7 +16,12 @@ operations the model runs say both. During a traced pass, :class:`OpTrace` (a
   token: the prefix; never another grid's tokens, as a pyramid's levels flattened one after another are), a slice
   of the prefix, and through any module whose first input carries the mark and
   whose output keeps its token count (an attention block, an MLP). Tokens without the mark (a detector's object
-  queries, unrolled tokens) are never laid out on a grid, whatever their count.
+  queries) are never laid out on a grid, whatever their count.
+- **Tokens moved about.** Where a call moves marked tokens in a way the mark cannot follow (split into windows,
+  reordered across the batch axis, pooled in groups), each element's grid cell is followed instead: the same
+  call runs on a tensor of cell numbers. A pooling over groups of tokens gives a coarser grid when each group
+  is one cell of it. When the tokens come back as rows of one image, each row one cell and every cell once,
+  they are marked again, with their order: Hiera's unrolled tokens.
 - **Attention.** A module is an attention module when a softmax over an axis of a tensor of three or more axes
   (the last in most attention, the tokens in factorized attention, the branches in selective kernels), or a
   scaled dot-product attention, runs in its own forward. The outputs of the modules inside it
@@ -26,12 +31,14 @@ operations the model runs say both. During a traced pass, :class:`OpTrace` (a
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 # Operations whose input's feature axis is axis 1 (channels first).
@@ -51,6 +58,11 @@ _PASSING = {
     "flatten", "reshape", "view", "squeeze", "unsqueeze", "contiguous", "float", "to", "type_as", "clone",
     "interpolate", "upsample",
 }  # fmt: skip
+# Calls that only move elements about: run on a tensor of grid cells, they tell where each element lies.
+_MOVES = _RESHAPES | _PERMUTES | {
+    "getitem", "contiguous", "squeeze", "unsqueeze", "expand", "expand_as", "split", "chunk", "unbind",
+}  # fmt: skip
+_POOLS = _REDUCTIONS | {"max", "min"}
 _NEUTRAL = {"softmax", "log_softmax", "cumsum", "cumprod", "flip", "roll"}  # same shape, but not element-wise
 
 
@@ -62,15 +74,64 @@ class TokenMark:
         axis: The tensor's token axis.
         grid: The (h, w) grid the tokens were flattened from, in row-major order.
         prefix: Tokens in front of the grid's (class, distillation, registers).
+        order: The grid cell of each token after the prefix, when they are not in row-major order.
     """
 
     axis: int
     grid: tuple[int, int]
     prefix: int = 0
+    order: tuple[int, ...] | None = None
 
     def moved(self, order: Sequence[int]) -> TokenMark | None:
         """The mark after a permute whose output axis i is input axis ``order[i]``."""
-        return TokenMark(list(order).index(self.axis), self.grid, self.prefix) if self.axis in order else None
+        return replace(self, axis=list(order).index(self.axis)) if self.axis in order else None
+
+    def cells(self, like: Tensor) -> Tensor:
+        """The grid cell of each element of a tensor with this mark, -1 for the prefix's tokens."""
+        rows = torch.arange(self.grid[0] * self.grid[1]) if self.order is None else torch.tensor(self.order)
+        rows = torch.cat([torch.full((self.prefix,), -1), rows])
+        shape = [1] * like.dim()
+        shape[self.axis] = len(rows)
+        return rows.view(shape).expand(like.shape)
+
+
+@dataclass(frozen=True)
+class Cells:
+    """Where the elements of tokens moved about lie: the grid cell of each (-1: none), and the grid."""
+
+    cells: Tensor
+    grid: tuple[int, int]
+
+    def as_mark(self) -> TokenMark | None:
+        """The mark of one image's tokens whose rows (axis 1 of 3) are each one cell, every cell once, or None."""
+        cells = self.cells
+        if cells.dim() != 3 or len(cells) != 1 or not bool((cells == cells[..., :1]).all()):
+            return None
+        rows = cells[0, :, 0]
+        prefix = int((rows < 0).long().cumprod(0).sum())
+        order = rows[prefix:]
+        if len(order) != self.grid[0] * self.grid[1] or not torch.equal(order.sort().values, torch.arange(len(order))):
+            return None
+        raster = torch.equal(order, torch.arange(len(order)))
+        return TokenMark(1, self.grid, prefix, None if raster else tuple(order.tolist()))
+
+    def pooled(self, dims: tuple[int, ...], keepdim: bool) -> Cells | None:
+        """The cells after a reduction over ``dims``: the same, when each reduced group is one cell (the
+        features), or the cells of a coarser grid, when each group is one cell of it (a pooling of tokens)."""
+        height, width = self.grid
+        group = 1
+        for dim in dims:
+            group *= self.cells.shape[dim]
+        for rows, columns in [(1, 1)] + [(r, group // r) for r in range(1, group + 1) if group % r == 0]:
+            if height % rows or width % columns:
+                continue
+            coarse = torch.where(
+                self.cells < 0, -1, self.cells // width // rows * (width // columns) + self.cells % width // columns
+            )
+            low, high = torch.amin(coarse, dims, keepdim), torch.amax(coarse, dims, keepdim)
+            if torch.equal(low, high):
+                return Cells(high, (height // rows, width // columns))
+        return None
 
 
 @dataclass
@@ -157,7 +218,7 @@ def _sliced(mark: TokenMark, index: Any) -> TokenMark | None:
         isinstance(item, slice) or item is Ellipsis for item in index[mark.axis + 1 :]
     ):
         return None
-    return TokenMark(mark.axis, mark.grid, mark.prefix - start)
+    return replace(mark, prefix=mark.prefix - start)
 
 
 class OpTrace(TorchFunctionMode):
@@ -177,8 +238,11 @@ class OpTrace(TorchFunctionMode):
         self.observed = Observed()
         self._quiet = False
         self._marks: dict[int, tuple[Tensor, TokenMark]] = {}  # id -> (tensor, its mark)
+        self._cells: dict[int, tuple[Tensor, Cells]] = {}  # id -> (tensor, its elements' cells), tokens moved about
         self._outputs: dict[int, tuple[weakref.ref[Tensor], list[str]]] = {}  # id -> (layers' output, names)
         self.read: set[str] = set()  # the layers whose output a later operation read, not only passed on
+        self.free_modules: set[str] = set()  # the modules without parameters, filled by the caller
+        self._derived: dict[int, tuple[weakref.ref[Tensor], set[str]]] = {}  # id -> (tensor, layers it is made of)
         # id -> (tensor, [(layer name, which output axis each of the tensor's axes is)])
         self._watched: dict[int, tuple[Tensor, list[tuple[str, list[int]]]]] = {}
 
@@ -205,14 +269,17 @@ class OpTrace(TorchFunctionMode):
             self._outputs[id(output)] = (weakref.ref(output), [name])
 
     def returned(self, tensors: Sequence[Tensor]) -> set[str]:
-        """The layers whose output, as it is or only passed on (:meth:`_note_reads`), is one of ``tensors`` (the
-        model's output) and was read by no operation: the layers that make the model's output."""
-        found = set()
+        """The layers that make the model's output (``tensors``): those whose output, as it is or only passed on
+        (:meth:`_note_reads`), is one of them and was read by no operation, and those it is computed from without
+        parameters (a mask classifier's mask logits, combined with its class probabilities into the scores)."""
+        found, derived = set(), set()
         for tensor in tensors:
-            known = self._outputs.get(id(tensor))
+            known, made = self._outputs.get(id(tensor)), self._derived.get(id(tensor))
             if known is not None and known[0]() is tensor:
                 found.update(known[1])
-        return found - self.read
+            if made is not None and made[0]() is tensor:
+                derived.update(made[1])
+        return (found - self.read) | derived
 
     def watch(self, name: str, output: Tensor) -> None:
         """Find the feature axis of a layer's 4-D output from the operations that consume it."""
@@ -254,33 +321,99 @@ class OpTrace(TorchFunctionMode):
             if own is not None and own.axis == 1 and value.dim() == 3:
                 self.observed.tokens.setdefault(name if key is None else f"{name}:{key}", own)
 
-    def _tokens(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
+    def _tokens(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
         """Mark the tokens a call makes of a 4-D map, or carry the mark of tokens on."""
-        if not isinstance(result, Tensor):
-            return
         if name in ("cat", "concat", "concatenate"):
-            self._concatenated(args, kwargs, result)
+            if isinstance(result, Tensor):
+                self._concatenated(args, kwargs, result)
             return
         first = args[0] if args else None
         if not isinstance(first, Tensor):
             return
-        mark = self.mark_of(first)
-        if mark is None and name in _RESHAPES and first.dim() == 4 and result.dim() == 3:
+        mark, cells = self.mark_of(first), self._cells_of(first)
+        carried = self._carried(name, args, kwargs, result, mark) if mark is not None else None
+        if carried is not None:
+            self._mark(result, carried)
+        elif (mark is not None and (name in _MOVES or name in _POOLS)) or cells is not None:
+            self._move(func, name, args, kwargs, result, first, cells or Cells(mark.cells(first), mark.grid))
+        flattened = name in _RESHAPES and first.dim() == 4 and isinstance(result, Tensor) and result.dim() == 3
+        if flattened and self.mark_of(result) is None:  # a map's grid flattened, or a view of tokens sliced (LeViT)
             self._mark(result, self._flattened(tuple(first.shape), tuple(result.shape)))
-        elif mark is None:
-            return
-        elif name == "getitem":
-            self._mark(result, _sliced(mark, args[1] if len(args) > 1 else None))
-        elif name in _PERMUTES:
+
+    def _carried(
+        self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any, mark: TokenMark
+    ) -> TokenMark | None:
+        """The mark of a call's result, from its first input's mark, where the token axis stays whole."""
+        first = args[0]
+        if not isinstance(result, Tensor):
+            return None
+        if name == "getitem":
+            return _sliced(mark, args[1] if len(args) > 1 else None)
+        if name in _PERMUTES:
             order = _permutation(name, args, kwargs, first.dim())
-            self._mark(result, mark.moved(order) if order is not None else None)
-        elif name in _RESHAPES:  # axes split or merged after the token axis keep it
+            return mark.moved(order) if order is not None else None
+        if name in _RESHAPES:  # axes split or merged after the token axis keep it
             keeps = result.dim() > mark.axis and result.shape[: mark.axis + 1] == first.shape[: mark.axis + 1]
-            self._mark(result, mark if keeps else None)
-        elif name in _PRODUCTS and mark.axis == first.dim() - 2:  # attention's rows are its queries' tokens
-            self._mark(result, TokenMark(result.dim() - 2, mark.grid, mark.prefix))
-        elif result.shape == first.shape or (name in _LAST_AXIS and mark.axis < first.dim() - 1):
-            self._mark(result, mark)
+            return mark if keeps else None
+        if name in _PRODUCTS and mark.axis == first.dim() - 2:  # attention's rows are its queries' tokens
+            return replace(mark, axis=result.dim() - 2)
+        if result.shape == first.shape or (name in _LAST_AXIS and mark.axis < first.dim() - 1):
+            return mark
+        return None
+
+    def _cells_of(self, value: Any) -> Cells | None:
+        known = self._cells.get(id(value)) if isinstance(value, Tensor) else None
+        return known[1] if known is not None and known[0] is value else None
+
+    def _move(
+        self,
+        func: Any,
+        name: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        result: Any,
+        first: Tensor,
+        cells: Cells,
+    ) -> None:
+        """Follow the cells of tokens moved about (see the module's docstring) into the call's result."""
+        moved: Any = None
+        if name in _MOVES:
+            replay = {"view": Tensor.reshape, "view_as": Tensor.reshape_as}.get(name, func)  # cells may not be viewable
+            try:
+                moved = replay(cells.cells, *args[1:], **kwargs)
+            except (RuntimeError, TypeError, ValueError, IndexError):  # a view as another dtype, say
+                moved = None
+        elif (name in _POOLS and not isinstance(result, Tensor)) or name in _REDUCTIONS:
+            dims = _dims(args, kwargs, "dim")
+            if dims is not None:
+                positional = (
+                    args[2] if len(args) > 2 and name in ("mean", "sum", "amax", "amin", "max", "min") else False
+                )
+                keepdim = bool(kwargs.get("keepdim", positional))
+                pooled = cells.pooled(tuple(d % first.dim() for d in dims), keepdim)
+                result = result if isinstance(result, Tensor) else result[0]  # max's values, not its indices
+                moved, cells = (pooled.cells, pooled) if pooled is not None else (None, cells)
+        elif isinstance(result, Tensor) and result.shape == first.shape:
+            moved = cells.cells
+        elif isinstance(result, Tensor) and (name in _LAST_AXIS or name in _PRODUCTS):
+            rows = cells.cells[..., :1]  # each row's cell, when the row is one cell
+            if bool((cells.cells == rows).all()) and result.dim() == rows.dim():
+                moved = (
+                    rows.expand(*result.shape[:-1], result.shape[-1]) if rows.shape[:-1] == result.shape[:-1] else None
+                )
+        pairs = (
+            zip(result, moved)
+            if isinstance(moved, (list, tuple)) and isinstance(result, (list, tuple))
+            else [(result, moved)]
+        )
+        for tensor, where in pairs:
+            if isinstance(tensor, Tensor) and isinstance(where, Tensor) and where.shape == tensor.shape:
+                found = Cells(where, cells.grid)
+                mark = found.as_mark()
+                if mark is not None and self._grid_fits(*mark.grid):
+                    self._mark(tensor, mark)
+                else:
+                    self._cells[id(tensor)] = (tensor, found)
 
     def _flattened(self, before: tuple[int, ...], after: tuple[int, ...]) -> TokenMark | None:
         """The mark of tokens flattened from a 4-D map: (N, C, h, w) to (N, C, h*w) or (N, h, w, C) to
@@ -305,7 +438,7 @@ class OpTrace(TorchFunctionMode):
             return
         if mark is not None and dim % result.dim() == mark.axis:
             before = sum(part.shape[mark.axis] for part in parts[:-1])
-            self._mark(result, TokenMark(mark.axis, mark.grid, mark.prefix + before))
+            self._mark(result, replace(mark, prefix=mark.prefix + before))
 
     def _add(self, tensor: Tensor, entries: list[tuple[str, list[int]]]) -> None:
         known = self._watched.get(id(tensor))
@@ -331,14 +464,34 @@ class OpTrace(TorchFunctionMode):
         if self._outputs:
             self._note_reads(name, args, kwargs, result)
         self._attention(name, args, kwargs)
-        self._tokens(name, args, kwargs, result)
+        self._tokens(func, name, args, kwargs, result)
         if self._watched:
             self._follow(name, args, kwargs, result)
         return result
 
     def _note_reads(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
         """Note the layers' outputs the call reads; a call that only reshapes or resamples one (a flatten of
-        pooled logits, logits upsampled to the input) passes its layers on to its result instead."""
+        pooled logits, logits upsampled to the input) passes its layers on to its result instead. A call without
+        parameters, run by a module without them (or the model's own forward), makes its result of its inputs'
+        layers (:meth:`returned`)."""
+        values = [
+            value
+            for arg in (*args, *kwargs.values())
+            for value in (arg if isinstance(arg, (list, tuple)) else (arg,))
+            if isinstance(value, Tensor)
+        ]
+        if (not self.stack or self.stack[-1] in self.free_modules) and not any(
+            isinstance(value, nn.Parameter) for value in values
+        ):
+            made = set()
+            for value in values:
+                for store in (self._outputs, self._derived):
+                    known = store.get(id(value))
+                    if known is not None and known[0]() is value:
+                        made.update(known[1])
+            for tensor in result if isinstance(result, (list, tuple)) else (result,):
+                if made and isinstance(tensor, Tensor):
+                    self._derived[id(tensor)] = (weakref.ref(tensor), made)
         for position, arg in enumerate((*args, *kwargs.values())):
             for value in arg if isinstance(arg, (list, tuple)) else (arg,):
                 known = self._outputs.get(id(value)) if isinstance(value, Tensor) else None

@@ -1,0 +1,116 @@
+"""Models with object queries from HuggingFace ``transformers``, answering as torchvision's models do: detectors
+(DETR, Conditional and Deformable DETR, RT-DETR) as torchvision's detectors, so that
+:class:`explain.targets.DetectionTarget` explains their queries; mask classifiers (MaskFormer, Mask2Former) as
+torchvision's segmenters, so that :class:`explain.targets.SegmentationTarget` explains their classes' regions."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import TargetError
+
+
+class QueryDetector(nn.Module):
+    """A HuggingFace object-query detector whose output is torchvision's: one dict per image of ``"boxes"``
+    (x1, y1, x2, y2 in input pixels), ``"labels"`` and ``"scores"``, one entry per object query.
+
+    There is no non-maximum suppression: each query is one detection. The scores are the model's own class
+    probabilities: a softmax over the classes and the "no object" class, which is dropped, where the logits have
+    one more entry than ``config.num_labels`` (DETR); a sigmoid per class otherwise (Conditional and Deformable
+    DETR, RT-DETR). A query's label is its most probable class. The model's boxes, (cx, cy, w, h) relative to
+    the input, are scaled to its pixels. ``DetectionTarget()`` then explains every query scoring at least its
+    ``score_threshold``, each by its score.
+
+    Args:
+        model: A ``transformers`` model whose output has ``logits`` (N, queries, classes) and ``pred_boxes``
+            (N, queries, 4), as ``DetrForObjectDetection`` and its relatives.
+
+    Raises:
+        TargetError: At the first forward, the output has no ``logits`` and ``pred_boxes``.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.labels = _labels(model)
+
+    def forward(self, pixel_values: Tensor) -> list[dict[str, Tensor]]:
+        logits, boxes = _read(self.model, pixel_values, "logits", "pred_boxes")
+        classes = getattr(getattr(self.model, "config", None), "num_labels", logits.shape[-1])
+        probabilities = logits.softmax(dim=-1)[..., :-1] if logits.shape[-1] == classes + 1 else logits.sigmoid()
+        scores, labels = probabilities.max(dim=-1)
+        height, width = pixel_values.shape[-2:]
+        scale = boxes.new_tensor([width, height, width, height])
+        corners = torch.cat([boxes[..., :2] - boxes[..., 2:] / 2, boxes[..., :2] + boxes[..., 2:] / 2], dim=-1)
+        return [
+            {"boxes": image_boxes * scale, "labels": image_labels, "scores": image_scores}
+            for image_boxes, image_labels, image_scores in zip(corners, labels, scores)
+        ]
+
+    def extra_repr(self) -> str:
+        return f"queries of a {type(self.model).__name__}"
+
+
+class QuerySegmenter(nn.Module):
+    """A HuggingFace mask classifier (MaskFormer, Mask2Former) whose output is a semantic segmenter's: a dict
+    whose ``"out"`` holds per-class scores (N, classes, H, W) at the input's size.
+
+    Each query predicts a class distribution and a mask. As the model's semantic post-processing defines it,
+    a class's score at a pixel is the sum over the queries of the class's probability (a softmax whose last
+    entry, "no object", is dropped) times the query's mask probability (a sigmoid of its mask logits,
+    upsampled bilinearly to the input). The output is the logarithm of these scores. So its argmax is the
+    model's segmentation, its softmax each class's share of a pixel, and ``SegmentationTarget`` sums the
+    log-scores of a class over its region, as it sums a segmenter's logits.
+
+    The automatic layer is the pixel decoder's mask features (:attr:`feature_levels`), the map of per-pixel
+    embeddings that every query's mask is made from: the decode head's input, at a quarter of the input's size.
+
+    Args:
+        model: A ``transformers`` model whose output has ``class_queries_logits`` (N, queries, classes + 1) and
+            ``masks_queries_logits`` (N, queries, h, w), as ``Mask2FormerForUniversalSegmentation``.
+
+    Raises:
+        TargetError: At the first forward, the output lacks them.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.labels = _labels(model)
+        projections = [
+            name for name, _ in model.named_modules() if name.endswith("pixel_level_module.decoder.mask_projection")
+        ]
+        self.feature_levels = [f"model.{projections[0]}"] if len(projections) == 1 else None
+
+    def forward(self, pixel_values: Tensor) -> dict[str, Tensor]:
+        classes, masks = _read(self.model, pixel_values, "class_queries_logits", "masks_queries_logits")
+        masks = F.interpolate(masks, size=pixel_values.shape[-2:], mode="bilinear", align_corners=False)
+        scores = torch.einsum("nqc,nqhw->nchw", classes.softmax(dim=-1)[..., :-1], masks.sigmoid())
+        return {"out": scores.clamp_min(torch.finfo(scores.dtype).tiny).log()}
+
+    def extra_repr(self) -> str:
+        return f"masks of a {type(self.model).__name__}"
+
+
+def _labels(model: nn.Module) -> list[str] | None:
+    """The class names in the model's config, in index order, or None."""
+    labels = getattr(getattr(model, "config", None), "id2label", None)
+    return [labels[i] for i in sorted(labels)] if labels else None
+
+
+def _read(model: nn.Module, pixel_values: Tensor, *names: str) -> tuple[Tensor, ...]:
+    """The named tensors of the model's output for ``pixel_values``.
+
+    Raises:
+        TargetError: The output lacks one of them.
+    """
+    output = model(pixel_values=pixel_values)
+    found = tuple(getattr(output, name, None) for name in names)
+    if not all(isinstance(value, Tensor) for value in found):
+        raise TargetError(
+            f"{' and '.join(names)} are read from the model's output; {type(model).__name__} returns a "
+            f"{type(output).__name__} without them"
+        )
+    return found
