@@ -31,10 +31,9 @@ operations the model runs say both. During a traced pass, :class:`OpTrace` (a
 from __future__ import annotations
 
 import weakref
-from dataclasses import replace
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
