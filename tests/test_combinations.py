@@ -70,7 +70,7 @@ def test_aug_smooth_is_flip_symmetric_and_averages_the_six_views() -> None:
             raw = reference_gradcam(model, view, "layer4", [1, 2])
             back = upsampled_normalized(raw, (64, 64))
             views.append(back.flip(-1) if flip else back)
-    expected = normalize_maps(torch.stack(views).mean(0))
+    expected = normalize_maps(torch.stack(views).mean(0), 2)
     got = explain.cam(model, x, "gradcam", "layer4", [1, 2], aug_smooth=True)
     torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=0)
 

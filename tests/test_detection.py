@@ -152,9 +152,11 @@ def test_the_automatic_layers_fuse_every_pyramid_level(detector) -> None:
     result = explain.GradCAM(detector)(x, DetectionTarget([b[None] for b in boxes], [[label] for label in labels]))
     levels = list(detector.backbone(detector.transform(list(x))[0].tensors))
     assert result.layer == "+".join(f"backbone:{level}" for level in levels) and len(levels) == 3
-    per_level = [normalize_maps(upsample(reference_maps(detector, x, boxes, labels, lv), (100, 130))) for lv in levels]
+    per_level = [
+        normalize_maps(upsample(reference_maps(detector, x, boxes, labels, lv), (100, 130)), 2) for lv in levels
+    ]
     assert sum(bool(m.any()) for m in per_level) == 1  # torchvision assigns each box to one level
-    expected = normalize_maps(torch.stack(per_level).mean(dim=0))
+    expected = normalize_maps(torch.stack(per_level).mean(dim=0), 2)
     assert (result.cams[:, 0].double() - expected).abs().max() < 1e-4
     assert hook_count(detector) == 0
 
@@ -257,7 +259,7 @@ def test_dense_detectors_match_the_reference_at_their_level(kind) -> None:
     assert_maps(at_level.raw[:, 0], references[reached])
     fused = explain.GradCAM(detector)(x, target)
     assert f"backbone:{reached}" in fused.layer.split("+")
-    expected = normalize_maps(upsample(references[reached], (100, 130)))
+    expected = normalize_maps(upsample(references[reached], (100, 130)), 2)
     assert (fused.cams[:, 0].double() - expected).abs().max() < 1e-4
     assert hook_count(detector) == 0 and not detector.training
 

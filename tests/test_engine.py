@@ -56,10 +56,10 @@ def test_normalized_output_shape_range_and_device() -> None:
 def test_flat_map_becomes_zeros_not_nan() -> None:
     flat = torch.zeros(2, 7, 7)
     flat[1] = 3.0
-    out = postprocess(flat, (14, 14), normalize=True)
+    out = postprocess(flat, 2, (14, 14), normalize=True)
     assert torch.equal(out, torch.zeros(2, 14, 14))
     ramp = torch.arange(4.0).reshape(1, 2, 2)
-    assert torch.equal(normalize_maps(ramp), ramp / 3)
+    assert torch.equal(normalize_maps(ramp, 2), ramp / 3)
 
 
 def test_targets_by_index_name_sequence_tensor_and_callable() -> None:
@@ -245,8 +245,10 @@ def test_layer_that_is_not_a_feature_map_or_not_used() -> None:
 
 def test_bad_input_is_a_clear_error() -> None:
     model = seeded("resnet18")
-    with pytest.raises(explain.ExplainError, match=r"\(N, C, H, W\), got shape \(3, 64, 64\)"):
+    with pytest.raises(explain.ExplainError, match=r"x has shape \(3, 64, 64\), a batch of signals .* x\[None\]"):
         explain.gradcam(model, torch.randn(3, 64, 64))
+    with pytest.raises(explain.ExplainError, match=r"\(N, C, H, W\) or volumes .* got shape \(64, 64\)"):
+        explain.gradcam(model, torch.randn(64, 64))
     with pytest.raises(explain.ExplainError, match=r"floating-point .* got dtype torch\.uint8"):
         explain.gradcam(model, torch.zeros(2, 3, 224, 224, dtype=torch.uint8))
     with pytest.raises(explain.ExplainError, match="got a ndarray"):

@@ -286,7 +286,7 @@ def test_metrics_take_a_results_target_and_refuse_what_does_not_fit() -> None:
     topk = explain.GradCAM(model, "layer4")(x, topk=2)
     with pytest.raises(TargetError, match=r"maps\[:, k\]"):
         metrics.deletion(model, x, topk.cams[:, 0], topk.target)
-    with pytest.raises(ExplainError, match="one map per image"):
+    with pytest.raises(ExplainError, match="one map per input"):
         metrics.insertion(model, x, topk.cams, [3, 5])
     similarity = explain.targets.SimilarityTarget(torch.randn(10))
     with pytest.raises(TargetError, match="score='target'"):

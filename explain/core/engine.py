@@ -30,7 +30,7 @@ from .detectors import canvas_recorded, sparse_box_heads
 from .hooks import ActivationGradientRecorder, layer_entry
 from .layers import BACKBONE, LayerInfo, LayerSpec, auto_layers, resolve_layer, traced_layers
 from .layouts import Geometry, Layout, Reshape, find_layout, grids_recorded
-from .maps import Canvas, normalize_maps, postprocess, principal_projection, upsample
+from .maps import INTERPOLATION, Canvas, normalize_maps, postprocess, principal_projection, spatial_axes, upsample
 from .model_state import exclusive, running, untouched
 from .rows import reached_rows
 
@@ -42,9 +42,10 @@ class CAMResult:
     With ``topk=K`` every per-target field gains a K axis after the batch axis.
 
     Attributes:
-        cams: Heatmaps, (N, H, W) float32, post-processed as asked (resized to the
-            input and/or min-max normalized to [0, 1]). Guided Backpropagation
-            gives images instead, (N, 3, H, W).
+        cams: Heatmaps, (N, H, W) float32 for images, (N, *spatial) for signals,
+            volumes and clips, post-processed as asked (resized to the input and/or
+            min-max normalized to [0, 1]). Guided Backpropagation gives maps shaped
+            as the input instead, (N, C, H, W).
         raw: The maps before resizing and normalization: at feature resolution,
             (N, h, w); at input resolution when several layers are fused or
             ``aug_smooth`` is on (each part is then normalized before combining).
@@ -70,12 +71,16 @@ class CAMResult:
     target: BoundTarget
 
 
+INPUTS = "signals (N, C, L), images (N, C, H, W) or volumes and clips (N, C, D, H, W)"
+
+
 def check_images(x: Any) -> None:
-    """Refuse anything but a float batch of images (N, C, H, W), with an error that names the problem."""
+    """Refuse anything but a float batch of inputs with one to three spatial axes (see :data:`INPUTS`), with an
+    error that names the problem."""
     if not isinstance(x, Tensor):
-        raise ExplainError(f"x must be a tensor of images (N, C, H, W), got a {type(x).__name__}")
-    if x.dim() != 4:
-        raise ExplainError(f"x must be a batch of images (N, C, H, W), got shape {tuple(x.shape)}")
+        raise ExplainError(f"x must be a tensor of {INPUTS}, got a {type(x).__name__}")
+    if not 3 <= x.dim() <= 5:
+        raise ExplainError(f"x must be a batch of {INPUTS}, got shape {tuple(x.shape)}")
     if not x.is_floating_point():
         raise ExplainError(
             f"x must be a floating-point tensor of normalized images, got dtype {x.dtype}; "
@@ -89,6 +94,22 @@ def check_images(x: Any) -> None:
     if bool(broken.any()):
         images = ", ".join(str(i) for i in broken.nonzero()[:, 0].tolist()[:10])
         raise ExplainError(f"x holds NaN or infinite values in image(s) {images}: their maps would be meaningless")
+
+
+def check_rank(model: nn.Module, x: Tensor) -> None:
+    """Refuse a batch of signals (N, C, L) for a model whose first convolution reads images: an image given
+    without its batch axis (C, H, W) would otherwise run as three signals.
+
+    Raises:
+        ExplainError: The model's first convolution is a 2-D or 3-D one and x has one spatial axis.
+    """
+    first = next(((name, m) for name, m in model.named_modules() if isinstance(m, nn.modules.conv._ConvNd)), None)
+    if x.dim() == 3 and first is not None and len(first[1].kernel_size) > 1:
+        raise ExplainError(
+            f"x has shape {tuple(x.shape)}, a batch of signals (N, C, L), but the model's first convolution "
+            f"{first[0]!r} is a {type(first[1]).__name__}, which reads images or volumes: an image needs its batch "
+            "axis, x[None]"
+        )
 
 
 def make_result(
@@ -159,6 +180,11 @@ class Capture:
     layout: Layout | None
     geometry: Geometry
 
+    @property
+    def spatial(self) -> tuple[int, ...]:
+        """The spatial axes of the activations and gradients (N, C, *spatial), which every formula reduces over."""
+        return spatial_axes(self.activations)
+
     def once(self, key: str, compute: Callable[[], Any]) -> Any:
         """``compute()``, run at the pass's first capture that asks for ``key`` and shared by the others."""
         if key not in self.shared:
@@ -212,16 +238,18 @@ INPUT = "input"  # the layer name of the input, for methods whose map is the inp
 
 
 def _augment(x: Tensor, flip: bool, scale: float) -> Tensor:
+    """x flipped along its last axis and rescaled along its last two, the image plane: a volume's or a clip's
+    first spatial axis (depth or time) is left as it is."""
     if scale != 1.0:
-        size = [round(side * scale) for side in x.shape[-2:]]
-        x = F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+        size = [*x.shape[2:-2], *(round(side * scale) for side in x.shape[-2:])]
+        x = F.interpolate(x, size=size, mode=INTERPOLATION[len(size)], align_corners=False)
     return x.flip(-1) if flip else x
 
 
 def _deaugment(maps: Tensor, flip: bool, size: Sequence[int]) -> Tensor:
-    """Bring maps of an augmented pass back to the original geometry, normalized."""
+    """Bring maps of an augmented pass back to the original geometry (``size``), normalized."""
     maps = upsample(maps, size)
-    return normalize_maps(maps.flip(-1) if flip else maps)
+    return normalize_maps(maps.flip(-1) if flip else maps, len(size))
 
 
 class CAM:
@@ -255,7 +283,9 @@ class CAM:
             input and normalized first: ``"mean"`` or ``"max"``.
         aug_smooth: Average the maps of the horizontally flipped and unflipped
             input at scales 0.9, 1.0 and 1.1, each mapped back to the input's
-            geometry and normalized (six passes).
+            geometry and normalized (six passes). The flips and scales are of the
+            image plane, the last two axes: a volume's depth and a clip's time
+            are left as they are; a signal has no image plane (an error).
         eigen_smooth: Replace the weighted sum of channels by the first principal
             component of the weighted activations (see :func:`principal_projection`).
         smooth_samples: SmoothGrad-style noise smoothing: average the maps of this
@@ -337,7 +367,8 @@ class CAM:
 
     def weighted_activations(self, capture: Capture) -> Tensor:
         """The activations weighted by the method, (N, C, h, w); by default by channel: w_c A_c."""
-        return self.weights(capture)[:, :, None, None] * capture.activations
+        weights = self.weights(capture)
+        return weights.view(*weights.shape, *(1,) * len(capture.spatial)) * capture.activations
 
     def combine(self, weighted: Tensor) -> Tensor:
         """The map (N, h, w) from weighted activations: their channel sum, or with
@@ -353,9 +384,10 @@ class CAM:
         """A context around each pass's forward and backward that changes how gradients flow; default none."""
         return nullcontext()
 
-    def finish(self, raw: Tensor, size: Sequence[int] | None, normalize: bool) -> Tensor:
-        """The result's maps from the raw ones: upsampled to ``size`` (if given) and normalized (if asked)."""
-        return postprocess(raw, size, normalize)
+    def finish(self, raw: Tensor, rank: int, size: Sequence[int] | None, normalize: bool) -> Tensor:
+        """The result's maps from the raw ones, of ``rank`` spatial axes: upsampled to ``size`` (if given) and
+        normalized (if asked)."""
+        return postprocess(raw, rank, size, normalize)
 
     def __call__(
         self,
@@ -373,12 +405,13 @@ class CAM:
         score does not reach; every other pass (flipped and rescaled views, noisy copies) scores the bound target.
 
         Args:
-            x: Normalized images (N, 3, H, W); a caller's ``no_grad`` or
+            x: Normalized images (N, C, H, W), signals (N, C, L), volumes or clips
+                (N, C, D, H, W); a caller's ``no_grad`` or
                 ``inference_mode`` does not matter.
             target: What to explain: a target object of :mod:`explain.targets`, its
                 shorthand (see :func:`explain.targets.as_target`), or a result's bound ``target``.
             topk: Explain each image's K top classes (``TopK(k)``) instead of one target.
-            resize: Upsample the maps to (H, W); else keep the feature resolution.
+            resize: Upsample the maps to x's spatial size; else keep the feature resolution.
             normalize: Min-max normalize each map to [0, 1]; else keep raw values.
             model_kwargs: Further keyword arguments of the model's forward (a CLIP
                 model's text, say), passed unchanged to every forward the call runs,
@@ -402,10 +435,16 @@ class CAM:
     ) -> CAMResult:
         """The call's work, under the model's lock: the layers found, the plain pass, the averaged maps."""
         check_images(x)
+        check_rank(self.model, x)
         model_kwargs = dict(model_kwargs or {})
         goal = as_target(target, topk)
         if self.aug_smooth and isinstance(goal, Target) and goal.geometric:
             raise TargetError(f"aug_smooth flips and rescales the input, which would misplace a {type(goal).__name__}")
+        if self.aug_smooth and x.dim() == 3:
+            raise ExplainError(
+                "aug_smooth flips and rescales the image plane; a signal (N, C, L) has only its time axis: "
+                "use smooth_samples instead"
+            )
         if self._layers is None:
             self._layers = self.target_layers(x, model_kwargs, goal)
             self.fused = self.fused or len(self._layers) > 1  # the automatic layers of a detector are fused
@@ -414,9 +453,9 @@ class CAM:
             images = x.clone() if x.is_inference() else x.detach()
             plain = self._record(images, goal, model_kwargs, plain=True)
             maps = self._averaged(images, plain, generator, model_kwargs)
-        size = x.shape[-2:]
+        size = x.shape[2:]
         raw = self._fused(maps, size) if self.fused or self.aug_smooth else maps[0]
-        cams = self.finish(raw, size if resize else None, normalize)
+        cams = self.finish(raw, len(size), size if resize else None, normalize)
         return make_result(cams, raw, plain.output, plain.scores, plain.bound, self.layer, self.name)
 
     def _views(self) -> list[tuple[bool, float]]:
@@ -443,19 +482,20 @@ class CAM:
                     recorded = self._record(seen, plain.bound, model_kwargs)
                 maps = self._maps(recorded, generator, model_kwargs)
                 if self.aug_smooth:
-                    maps = [_deaugment(m, flip, images.shape[-2:]) for m in maps]
+                    maps = [_deaugment(m, flip, images.shape[2:]) for m in maps]
                 total = maps if not total else [t + m for t, m in zip(total, maps)]
                 passes += 1
         return [t / passes for t in total]
 
     def _noisy(self, x: Tensor, generator: torch.Generator | None) -> Tensor:
         """x plus Gaussian noise of ``smooth_sigma`` times each image's value range."""
-        spread = x.amax(dim=(1, 2, 3), keepdim=True) - x.amin(dim=(1, 2, 3), keepdim=True)
+        axes = tuple(range(1, x.dim()))
+        spread = x.amax(dim=axes, keepdim=True) - x.amin(dim=axes, keepdim=True)
         return x + self.smooth_sigma * spread * torch.randn(x.shape, device=x.device, generator=generator)
 
     def _fused(self, maps: list[Tensor], size: Sequence[int]) -> Tensor:
         """One map from each layer's: each upsampled to ``size`` and normalized, then their mean or maximum."""
-        stacked = torch.stack([normalize_maps(upsample(m, size)) for m in maps])
+        stacked = torch.stack([normalize_maps(upsample(m, size), len(size)) for m in maps])
         return stacked.mean(dim=0) if self.fuse == "mean" else stacked.amax(dim=0)
 
     def _record(
@@ -481,7 +521,7 @@ class CAM:
         ):
             output = recorder.forward(partial(self.model, **model_kwargs), x)
             canvas = canvases[-1] if canvases else None  # a detector's: its maps are brought onto the image
-            geometry = Geometry(canvas.size if canvas else tuple(x.shape[-2:]), grids[-1] if grids else None)
+            geometry = Geometry(canvas.size if canvas else tuple(x.shape[2:]), grids[-1] if grids else None)
             layouts = {name: self.layout(name, a, geometry, traced) for name, a in recorder.activations.items()}
             bound = bound_on(goal, output, self.labels)
             scores = target_scores(bound, output, x)
@@ -500,7 +540,7 @@ class CAM:
         canvas, x = recorded.canvas, recorded.x
 
         def to_input(maps: Tensor) -> Tensor:
-            return upsample(canvas.crop(maps) if canvas else maps, x.shape[-2:])
+            return upsample(canvas.crop(maps) if canvas else maps, x.shape[2:])
 
         maps, shared = [], {}
         for name, module in self._layers:

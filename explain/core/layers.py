@@ -83,7 +83,7 @@ class LayerInfo:
         shape: Its output's shape without the batch axis, or None when the output is not a
             tensor with one row per image (a dict, or the proposals of a detector's head).
         calls: How often it ran in the pass (more than once: a shared module).
-        map_shape: The output as a map of the image, (C, h, w), or None when it is none
+        map_shape: The output as a map of the input, (C, *spatial), or None when it is none
             (see :mod:`explain.core.layouts`).
         layout: How the output becomes that map, or None.
         start: When the module started, and
@@ -99,7 +99,7 @@ class LayerInfo:
     kind: str
     shape: tuple[int, ...] | None
     calls: int
-    map_shape: tuple[int, int, int] | None = None
+    map_shape: tuple[int, ...] | None = None
     layout: Layout | None = None
     start: int = 0
     finish: int = 0
@@ -110,8 +110,9 @@ class LayerInfo:
 
     @property
     def spatial(self) -> bool:
-        """Whether the output is a map of the image (C, h, w) with h, w > 1."""
-        return self.map_shape is not None and min(self.map_shape[1:]) > 1
+        """Whether the output is a map of the input (C, *spatial) with more than one position along each axis of
+        the image plane (the last two; a signal's one): a clip's map may have one frame."""
+        return self.map_shape is not None and min(self.map_shape[1:][-2:]) > 1
 
     @property
     def candidate(self) -> bool:
@@ -164,7 +165,7 @@ def trace_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | 
     modules = {name: module for name, module in model.named_modules() if name}
     starts: dict[str, int] = {}
     clock = itertools.count()
-    ops = OpTrace(partial(grid_fits, size=tuple(x.shape[-2:])))
+    ops = OpTrace(partial(grid_fits, size=tuple(x.shape[2:])), rank=x.dim() - 2)
     ops.free_modules = {name for name, module in modules.items() if next(module.parameters(), None) is None}
     prints: list[dict[str, tuple[float, float]]] = [{}, {}]
     probabilities: set[str] = set()
@@ -230,7 +231,7 @@ def trace_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | 
         ops.stack.clear()
         with ops.quiet():
             model(other, **(model_kwargs or {}))
-    geometry = Geometry(canvases[0].size if canvases else tuple(x.shape[-2:]), grids[0] if grids else None)
+    geometry = Geometry(canvases[0].size if canvases else tuple(x.shape[2:]), grids[0] if grids else None)
     heads = _heads(outputs, reads_image)
     return [
         _as_map(

@@ -1,18 +1,19 @@
-"""Layer outputs as image maps (N, C, h, w): correctly, or not at all.
+"""Layer outputs as maps of the input (N, C, *spatial): correctly, or not at all.
 
-A CAM needs a layer's output as channels over a grid of the image. Three layouts are read:
+A CAM needs a layer's output as channels over a grid of the input: an image's (h, w), a volume's or a clip's
+(d, h, w), a signal's (l,), of the input's rank. Three layouts are read:
 
-- channels first, (N, C, h, w): convolutional networks;
-- channels last, (N, h, w, C): Swin, ConvNeXt's inner layers; permuted;
+- channels first, (N, C, *grid): convolutional networks, in every rank;
+- channels last, (N, *grid, C): Swin, ConvNeXt's inner layers, Video Swin; permuted (images and volumes);
 - tokens, (N, T, C): vision transformers (ViT, DeiT, BEiT, EVA, CLIP's vision tower,
   register-token ViTs); the prefix tokens (class, distillation, registers) are dropped and the
   patch tokens laid out on the grid of the model's patch embedding, recorded in the same
   forward pass: the grid comes from the model and the input, never from T alone.
 
-Which one a 4-D output is follows from the model, not from its sizes: the first operation that
+Which one an output of the input's rank is follows from the model, not from its sizes: the first operation that
 consumes the output tells its feature axis (a convolution or batch norm reads axis 1, a linear layer or
-layer norm the last axis; see :mod:`explain.core.op_trace`). The reading must then fit the image the
-layers see (the grid's aspect is the image's, within a cell and 10%, and no side exceeds the image's).
+layer norm the last axis; see :mod:`explain.core.op_trace`). The reading must then fit the input the
+layers see (:func:`grid_fits`).
 Without such an operation (the model's last output, say), the sizes decide only when one reading alone
 fits. Attention is never a map: neither an output of a module inside an attention module (one whose
 forward computes a softmax over tokens or a scaled dot-product attention), nor probabilities (a
@@ -43,11 +44,12 @@ class Geometry:
     """What the layers of one forward pass see.
 
     Attributes:
-        size: The (H, W) of the picture the network sees (a detector's padded canvas, else the input).
+        size: The spatial size of the input the network sees, (L,), (H, W) or (D, H, W) (for a detector,
+            its padded canvas).
         grid: The (h, w) grid of the model's patch embedding in this pass, or None without one.
     """
 
-    size: tuple[int, int]
+    size: tuple[int, ...]
     grid: tuple[int, int] | None = None
 
 
@@ -74,7 +76,7 @@ class Layout:
     def __call__(self, output: Tensor) -> Tensor:
         """The output (or its gradient) as (N, C, h, w)."""
         if self.kind == "channels_last":
-            return output.permute(0, 3, 1, 2)
+            return output.movedim(-1, 1)
         if self.kind == "tokens":
             patches = output[:, self.prefix :]
             if self.order is not None:  # token i lies in cell order[i]: the cells' tokens in row-major order
@@ -84,9 +86,9 @@ class Layout:
             return patches.transpose(1, 2).reshape(len(output), output.shape[-1], *self.grid)
         if self.kind == "reshape":
             mapped = self.reshape(output)
-            if not isinstance(mapped, Tensor) or mapped.dim() != 4:
+            if not isinstance(mapped, Tensor) or not 3 <= mapped.dim() <= 5:
                 shape = tuple(mapped.shape) if isinstance(mapped, Tensor) else type(mapped).__name__
-                raise LayerError(f"reshape= must return a (N, C, h, w) map, returned {shape}")
+                raise LayerError(f"reshape= must return a map (N, C, *spatial), returned {shape}")
             return mapped
         return output
 
@@ -98,12 +100,20 @@ class Layout:
         return self.kind.replace("_", " ")
 
 
-def grid_fits(height: int, width: int, size: Sequence[int]) -> bool:
-    """Whether an (h, w) grid can cover a picture of ``size``: same aspect within a cell and 10%, not larger."""
-    expected = height * size[1] / size[0]
-    return 1 <= height <= size[0] and 1 <= width <= size[1] and abs(width - expected) <= 1 + 0.1 * expected
+def grid_fits(grid: Sequence[int], size: Sequence[int]) -> bool:
+    """Whether a grid can cover an input of spatial ``size``: as many axes, none larger than the input's, and in
+    the image plane (the last two axes) the input's aspect within a cell and 10%. A volume's depth and a clip's
+    time, and a signal's length, are only bounded: networks downsample them at rates of their own."""
+    if len(grid) != len(size) or not all(1 <= side <= limit for side, limit in zip(grid, size)):
+        return False
+    if len(grid) < 2:
+        return True
+    (height, width), (rows, columns) = grid[-2:], size[-2:]
+    expected = height * columns / rows
+    return abs(width - expected) <= 1 + 0.1 * expected
 
 
+_MAP = {1: "the signal (N, C, l)", 2: "the image (N, C, h, w)", 3: "the volume or clip (N, C, d, h, w)"}  # by rank
 WAY_OUT = (
     "choose another layer (explain --layers lists them), or pass reshape=, a callable from the output to (N, C, h, w)"
 )
@@ -144,10 +154,11 @@ def find_layout(
     shape = tuple(shape)
     if probabilities:
         raise LayerError(f"layer {name!r} outputs attention {shape}, not a map of the image; {WAY_OUT}")
-    if len(shape) == 3:
+    rank = len(geometry.size)
+    if len(shape) == rank + 1:
         return _grid_layout(name, shape, geometry, observed.feature_axes.get(name))
-    if len(shape) != 2:
-        raise LayerError(f"layer {name!r} outputs {shape}, not a map of the image (N, C, h, w); {WAY_OUT}")
+    if len(shape) != 2 or rank != 2:
+        raise LayerError(f"layer {name!r} outputs {shape}, not a map of {_MAP[rank]}; {WAY_OUT}")
     if traced:
         return _token_layout(name, shape, geometry, observed.tokens.get(name))
     if geometry.grid is not None:
@@ -174,7 +185,7 @@ def _token_layout(name: str, shape: tuple[int, int], geometry: Geometry, mark: T
             f"(object queries, say); {WAY_OUT}"
         )
     (height, width), prefix = mark.grid, mark.prefix
-    if shape[0] != prefix + height * width or not grid_fits(height, width, geometry.size):
+    if shape[0] != prefix + height * width or not grid_fits(mark.grid, geometry.size):
         raise LayerError(
             f"layer {name!r} outputs {shape[0]} tokens, not {prefix} + the {height}x{width} grid they were "
             f"flattened from; {WAY_OUT}"
@@ -182,21 +193,27 @@ def _token_layout(name: str, shape: tuple[int, int], geometry: Geometry, mark: T
     return Layout("tokens", prefix=prefix, grid=mark.grid, order=mark.order)
 
 
-def _grid_layout(name: str, shape: tuple[int, int, int], geometry: Geometry, feature_axis: int | None) -> Layout:
-    """Channels first or last for a per-image (a, b, c) output, from the model's own feature axis when
-    an operation told it, else from the one reading that fits the image.
+def _grid_layout(name: str, shape: tuple[int, ...], geometry: Geometry, feature_axis: int | None) -> Layout:
+    """Channels first or last for a per-image output of one axis more than the input's rank, from the model's
+    own feature axis when an operation told it, else from the one reading that fits the input.
+
+    A signal's channels-last output (N, l, C) is refused: nothing but its length would tell its positions from
+    tokens with a class token in front (a 1-D transformer's).
 
     Raises:
-        LayerError: The reading the model implies does not fit the image, none fits, or, untold, both do.
+        LayerError: The reading the model implies does not fit the input, none fits, or, untold, both do.
     """
-    first, last = grid_fits(shape[1], shape[2], geometry.size), grid_fits(shape[0], shape[1], geometry.size)
-    if feature_axis in (1, 3):
+    last_axis = len(shape)
+    first = grid_fits(shape[1:], geometry.size)
+    last = grid_fits(shape[:-1], geometry.size) and len(shape) > 2
+    if feature_axis in (1, last_axis):
         told = "first" if feature_axis == 1 else "last"
-        if (first, last)[feature_axis == 3]:
+        if (first, last)[feature_axis == last_axis]:
             return Layout(f"channels_{told}")
+        size = "x".join(map(str, geometry.size))
         raise LayerError(
             f"layer {name!r} outputs {shape}, channels {told} as the model reads it, which is no grid of the "
-            f"{geometry.size[0]}x{geometry.size[1]} image; {WAY_OUT}"
+            f"{size} input; {WAY_OUT}"
         )
     if first and last:
         raise LayerError(
@@ -205,7 +222,7 @@ def _grid_layout(name: str, shape: tuple[int, int, int], geometry: Geometry, fea
         )
     if first or last:
         return Layout("channels_first" if first else "channels_last")
-    raise LayerError(f"layer {name!r} outputs {shape}, not a map of the image (N, C, h, w); {WAY_OUT}")
+    raise LayerError(f"layer {name!r} outputs {shape}, not a map of {_MAP[len(geometry.size)]}; {WAY_OUT}")
 
 
 def patch_embedding(model: nn.Module) -> nn.Module | None:

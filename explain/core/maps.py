@@ -1,4 +1,8 @@
-"""Map arithmetic, batched in torch on the maps' device: normalize, upsample, principal components."""
+"""Map arithmetic, batched in torch on the maps' device: normalize, upsample, principal components.
+
+Maps have any number of spatial axes, the trailing ones: a signal's (L,), an image's (H, W), a volume's or a
+clip's (D, H, W). The rank, how many they are, is the input's: its axes after the batch and the channels.
+"""
 
 from __future__ import annotations
 
@@ -9,21 +13,46 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..targets.base import spatial_axes
 
-def normalize_maps(maps: Tensor) -> Tensor:
-    """Min-max normalize each map over its last two axes to [0, 1]; a flat map becomes zeros."""
-    low = maps.amin(dim=(-2, -1), keepdim=True)
-    span = maps.amax(dim=(-2, -1), keepdim=True) - low
+__all__ = [
+    "INTERPOLATION",
+    "Canvas",
+    "map_axes",
+    "normalize_maps",
+    "postprocess",
+    "principal_projection",
+    "spatial_axes",
+    "upsample",
+]
+
+
+INTERPOLATION = {1: "linear", 2: "bilinear", 3: "trilinear"}  # by rank
+
+
+def map_axes(rank: int) -> tuple[int, ...]:
+    """The spatial axes of maps (..., *spatial) of that rank: the last ``rank`` axes."""
+    return tuple(range(-rank, 0))
+
+
+def normalize_maps(maps: Tensor, rank: int) -> Tensor:
+    """Min-max normalize each map (..., *spatial) over its ``rank`` spatial axes to [0, 1]; a flat map becomes
+    zeros."""
+    axes = map_axes(rank)
+    low = maps.amin(dim=axes, keepdim=True)
+    span = maps.amax(dim=axes, keepdim=True) - low
     return torch.where(span > 0, (maps - low) / span.clamp_min(torch.finfo(maps.dtype).tiny), 0.0)
 
 
 def upsample(maps: Tensor, size: Sequence[int]) -> Tensor:
-    """Resize maps (..., h, w) bilinearly (align_corners=False) to ``size``; maps already that size pass as they are."""
-    if tuple(maps.shape[-2:]) == tuple(size):
+    """Resize maps (..., *spatial) to ``size``, whose length is their rank: linear, bilinear or trilinear
+    interpolation (align_corners=False); maps already that size pass as they are."""
+    rank = len(size)
+    if tuple(maps.shape[-rank:]) == tuple(size):
         return maps
-    flat = maps.reshape(-1, 1, *maps.shape[-2:])
-    resized = F.interpolate(flat, size=tuple(size), mode="bilinear", align_corners=False)
-    return resized.reshape(*maps.shape[:-2], *resized.shape[-2:])
+    flat = maps.reshape(-1, 1, *maps.shape[-rank:])
+    resized = F.interpolate(flat, size=tuple(size), mode=INTERPOLATION[rank], align_corners=False)
+    return resized.reshape(*maps.shape[:-rank], *resized.shape[2:])
 
 
 @dataclass(frozen=True)
@@ -49,14 +78,14 @@ class Canvas:
         return upsample(maps, self.size)[..., top : top + self.image[0], left : left + self.image[1]]
 
 
-def postprocess(raw: Tensor, size: Sequence[int] | None, normalize: bool) -> Tensor:
-    """Upsample maps (..., h, w) bilinearly to ``size`` (if given), then normalize (if asked)."""
+def postprocess(raw: Tensor, rank: int, size: Sequence[int] | None, normalize: bool) -> Tensor:
+    """Upsample maps (..., *spatial) of ``rank`` to ``size`` (if given), then normalize (if asked)."""
     maps = raw if size is None else upsample(raw, size)
-    return normalize_maps(maps) if normalize else maps
+    return normalize_maps(maps, rank) if normalize else maps
 
 
 def principal_projection(weighted: Tensor) -> Tensor:
-    """Project each image's activations (N, C, h, w) on their first principal component: (N, h, w).
+    """Project each image's activations (N, C, *spatial) on their first principal component: (N, *spatial).
 
     The positions are the samples and the channels the variables: the activations
     are centred over positions, and the projection is their first left singular
@@ -68,8 +97,7 @@ def principal_projection(weighted: Tensor) -> Tensor:
     of ``weighted`` (for weighted activations, the plain weighted map), and is +
     where that correlation is 0.
     """
-    n, _, h, w = weighted.shape
-    rows = weighted.flatten(2).transpose(1, 2).double()  # (N, hw, C)
+    rows = weighted.flatten(2).transpose(1, 2).double()  # (N, positions, C)
     centred = rows - rows.mean(dim=1, keepdim=True)
     if centred.shape[1] <= centred.shape[2]:
         values, vectors = torch.linalg.eigh(centred @ centred.transpose(1, 2))
@@ -79,4 +107,5 @@ def principal_projection(weighted: Tensor) -> Tensor:
         projection = (centred @ vectors[..., -1:])[..., 0]
     total = rows.sum(dim=2)
     agreement = (projection * (total - total.mean(dim=1, keepdim=True))).sum(dim=1, keepdim=True)
-    return torch.where(agreement < 0, -projection, projection).reshape(n, h, w).to(weighted.dtype)
+    projection = torch.where(agreement < 0, -projection, projection)
+    return projection.reshape(len(weighted), *weighted.shape[2:]).to(weighted.dtype)

@@ -4,11 +4,11 @@ A module's class name says neither how its output is laid out nor whether it com
 operations the model runs say both. During a traced pass, :class:`OpTrace` (a
 :class:`torch.overrides.TorchFunctionMode`) watches every torch function the model calls:
 
-- **The feature axis of a 4-D output.** The first operation that consumes the output (after any
-  element-wise operations and permutes) tells which axis holds the features: axis 1 of a convolution,
-  a batch, group or instance norm, a 2-D pooling or resampling, or a flatten of the two spatial axes;
-  the last axis of a linear layer or a layer norm; the one axis a mean or variance is taken over; the
-  axis kept when two are pooled.
+- **The feature axis of an output of the input's rank** (4-D for images, 5-D for volumes and clips, 3-D for
+  signals). The first operation that consumes the output (after any element-wise operations and permutes)
+  tells which axis holds the features: axis 1 of a convolution, a batch, group or instance norm, a pooling
+  or resampling, or a flatten of all the spatial axes; the last axis of a linear layer or a layer norm; the
+  one axis a mean or variance is taken over; the axis kept when all the others but the batch are pooled.
 - **Tokens of a grid.** A 4-D map flattened into tokens (a patch embedding's convolution, a stage's
   output) marks the tokens with their (h, w) grid; the mark follows them through permutes, element-wise
   operations, reshapes of the axes after the token axis, operations over the last axis (linear layers,
@@ -43,8 +43,10 @@ from torch.overrides import TorchFunctionMode
 # Operations whose input's feature axis is axis 1 (channels first).
 _AXIS_ONE = {
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-    "batch_norm", "group_norm", "instance_norm",
-    "adaptive_avg_pool2d", "adaptive_max_pool2d", "avg_pool2d", "max_pool2d", "lp_pool2d", "interpolate",
+    "batch_norm", "group_norm", "instance_norm", "interpolate",
+    *(f"{pool}{rank}d" for rank in (1, 2, 3) for pool in (
+        "adaptive_avg_pool", "adaptive_max_pool", "avg_pool", "max_pool", "lp_pool", "max_pool",
+    )),
 }  # fmt: skip
 _LAST_AXIS = {"linear", "layer_norm", "rms_norm"}  # operations over the input's last axis
 _REDUCTIONS = {"mean", "sum", "var", "std", "amax", "amin", "var_mean", "std_mean", "logsumexp"}
@@ -138,8 +140,8 @@ class Observed:
     """What the operations of a traced pass told.
 
     Attributes:
-        feature_axes: For each watched 4-D output, by layer name, the axis (1, 2 or 3, without the batch axis
-            counted as 0) the first consumer treats as features.
+        feature_axes: For each watched output (two axes more than the input's rank), by layer name, the axis
+            (counting the batch axis as 0) the first consumer treats as features.
         attention_modules: Names of the modules in whose own forward attention is computed.
         tokens: For each 3-D output laid out as tokens of a grid, by layer name, its mark.
     """
@@ -193,7 +195,7 @@ def _feature_axis(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], ndim
     if name == "flatten":
         start = kwargs.get("start_dim", args[1] if len(args) > 1 else 0)
         end = kwargs.get("end_dim", args[2] if len(args) > 2 else -1)
-        return 1 if isinstance(start, int) and start % ndim == 2 and end % ndim == ndim - 1 and ndim == 4 else None
+        return 1 if isinstance(start, int) and start % ndim == 2 and end % ndim == ndim - 1 and ndim >= 4 else None
     if name in _REDUCTIONS:
         dims = _dims(args, kwargs, "dim")
         reduced = {d % ndim for d in dims} if dims else set()
@@ -225,14 +227,16 @@ class OpTrace(TorchFunctionMode):
 
     Args:
         grid_fits: Whether an (h, w) grid can be a grid of the image; tokens are marked only with such grids.
+        rank: How many spatial axes the input has; the outputs watched for their feature axis have two more.
 
     The caller's module hooks keep :attr:`stack` (the running modules' names, innermost last) and hand each
     layer's output to :meth:`watch`.
     """
 
-    def __init__(self, grid_fits: Callable[[int, int], bool] = lambda height, width: min(height, width) > 1) -> None:
+    def __init__(self, grid_fits: Callable[[Sequence[int]], bool] = lambda grid: min(grid) > 1, rank: int = 2) -> None:
         super().__init__()
         self._grid_fits = grid_fits
+        self.rank = rank
         self.stack: list[str] = []
         self.observed = Observed()
         self._quiet = False
@@ -281,9 +285,10 @@ class OpTrace(TorchFunctionMode):
         return (found - self.read) | derived
 
     def watch(self, name: str, output: Tensor) -> None:
-        """Find the feature axis of a layer's 4-D output from the operations that consume it."""
-        if output.dim() == 4 and name not in self.observed.feature_axes:
-            self._add(output, [(name, [0, 1, 2, 3])])
+        """Find the feature axis of a layer's output of two axes more than the input's rank (batch, features and
+        one per spatial axis) from the operations that consume it."""
+        if output.dim() == self.rank + 2 and name not in self.observed.feature_axes:
+            self._add(output, [(name, list(range(output.dim())))])
 
     def mark_of(self, value: Any) -> TokenMark | None:
         """The token mark a tensor carries, or None."""
@@ -409,7 +414,7 @@ class OpTrace(TorchFunctionMode):
             if isinstance(tensor, Tensor) and isinstance(where, Tensor) and where.shape == tensor.shape:
                 found = Cells(where, cells.grid)
                 mark = found.as_mark()
-                if mark is not None and self._grid_fits(*mark.grid):
+                if mark is not None and self._grid_fits(mark.grid):
                     self._mark(tensor, mark)
                 else:
                     self._cells[id(tensor)] = (tensor, found)
@@ -418,9 +423,9 @@ class OpTrace(TorchFunctionMode):
         """The mark of tokens flattened from a 4-D map: (N, C, h, w) to (N, C, h*w) or (N, h, w, C) to
         (N, h*w, C), where (h, w) is a grid of the image."""
         batch, p, q, r = before
-        if after == (batch, p, q * r) and self._grid_fits(q, r):
+        if after == (batch, p, q * r) and self._grid_fits((q, r)):
             return TokenMark(2, (q, r))
-        if after == (batch, p * q, r) and self._grid_fits(p, q):
+        if after == (batch, p * q, r) and self._grid_fits((p, q)):
             return TokenMark(1, (p, q))
         return None
 

@@ -85,14 +85,14 @@ def cam(
 
     Args:
         model: A classifier returning (N, classes) scores; left exactly as it was.
-        x: Normalized images (N, 3, H, W).
+        x: Normalized inputs: images (N, C, H, W), signals (N, C, L), volumes or clips (N, C, D, H, W).
         method: A name from ``explain.METHODS``: ``"gradcam"``, ``"gradcampp"``,
             ``"scorecam"``, ``"guided_backprop"``...
         layer: Dotted layer name (``"layer4"``, ``"features.28"``), module, a list of
             them (fused), or None for the last layer with a spatial output.
         target: None for each image's top-1 class; a class index or name; one index
             per image; or a callable mapping the model output to one score per image.
-        resize: Upsample to x's (H, W); False keeps the feature-map resolution.
+        resize: Upsample to x's spatial size; False keeps the feature-map resolution.
         normalize: Min-max normalize each map to [0, 1]; False keeps the raw map.
         labels: Class names, needed for a class-name target.
         model_kwargs: Further keyword arguments of the model's forward, passed to every
@@ -102,7 +102,8 @@ def cam(
             :class:`explain.core.engine.CAM`), and ``samples``/``sigma`` for SS-CAM and IS-CAM.
 
     Returns:
-        float32 heatmaps (N, H, W) on x's device; (N, 3, H, W) images for the guided methods.
+        float32 heatmaps (N, *spatial) on x's device, (N, H, W) for images; maps shaped as x for the guided
+        methods.
     """
     explainer = create_method(method, model, layer, labels=labels, **options)
     return explainer(x, target, resize=resize, normalize=normalize, model_kwargs=model_kwargs).cams
@@ -122,7 +123,7 @@ def gradcam(
     """Grad-CAM heatmaps for a batch: :func:`cam` with ``method="gradcam"``.
 
     Returns:
-        float32 heatmaps (N, H, W) on x's device.
+        float32 heatmaps (N, *spatial) on x's device, (N, H, W) for images.
     """
     return cam(
         model, x, "gradcam", layer, target, resize=resize, normalize=normalize, labels=labels, model_kwargs=model_kwargs

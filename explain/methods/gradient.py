@@ -1,6 +1,7 @@
 """Gradient methods: the map weighs the layer's activations A by the target score's gradient g = dy/dA.
 
-Sums run over the spatial positions (i, j) of the layer's (h, w) map.
+Sums run over the spatial positions (i, j) of the layer's map: its every spatial axis, one for a signal, two for an
+image, three for a volume or a clip (``capture.spatial``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class GradCAM(CAM):
     name = "gradcam"
 
     def weights(self, capture: Capture) -> Tensor:
-        return capture.gradients.mean(dim=(-2, -1))
+        return capture.gradients.mean(dim=capture.spatial)
 
 
 class GradCAMPlusPlus(CAM):
@@ -44,9 +45,9 @@ class GradCAMPlusPlus(CAM):
     def weights(self, capture: Capture) -> Tensor:
         g, a = capture.gradients, capture.activations
         squared = g.pow(2)
-        denominator = 2 * squared + a.sum(dim=(-2, -1), keepdim=True) * g.pow(3)
+        denominator = 2 * squared + a.sum(dim=capture.spatial, keepdim=True) * g.pow(3)
         alpha = torch.where(denominator != 0, squared / torch.where(denominator != 0, denominator, 1.0), 0.0)
-        return (alpha * torch.relu(g)).sum(dim=(-2, -1))
+        return (alpha * torch.relu(g)).sum(dim=capture.spatial)
 
 
 class XGradCAM(CAM):
@@ -62,8 +63,8 @@ class XGradCAM(CAM):
 
     def weights(self, capture: Capture) -> Tensor:
         a = capture.activations
-        share = a / (a.sum(dim=(-2, -1), keepdim=True) + self.epsilon)
-        return (share * capture.gradients).sum(dim=(-2, -1))
+        share = a / (a.sum(dim=capture.spatial, keepdim=True) + self.epsilon)
+        return (share * capture.gradients).sum(dim=capture.spatial)
 
 
 class HiResCAM(CAM):

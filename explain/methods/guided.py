@@ -1,4 +1,5 @@
-"""Guided Backpropagation and Guided Grad-CAM: input-resolution maps, (N, 3, H, W), that render as images.
+"""Guided Backpropagation and Guided Grad-CAM: input-resolution maps, shaped as the input (N, C, *spatial),
+that render as images.
 
 Both fail the model-randomization sanity check of Adebayo et al., "Sanity Checks
 for Saliency Maps", NeurIPS 2018 (arXiv:1810.03292): Guided Backpropagation
@@ -19,15 +20,17 @@ from torch import Tensor, nn
 from ..core.engine import CAM, Capture
 from ..core.hooks import guided_relus
 from ..core.layers import LayerSpec
+from ..core.maps import map_axes
 from ..errors import LayerError
 from .gradient import GradCAM
 
 
-def visible(gradients: Tensor) -> Tensor:
-    """Gradient images (..., 3, H, W) for display, in [0, 1]: standardized per image, at 0.1 per
-    standard deviation around a grey 0.5, and clipped (the usual way to show guided maps)."""
-    mean = gradients.mean(dim=(-3, -2, -1), keepdim=True)
-    spread = gradients.std(dim=(-3, -2, -1), keepdim=True).clamp_min(torch.finfo(gradients.dtype).tiny)
+def visible(gradients: Tensor, rank: int) -> Tensor:
+    """Gradient images (..., C, *spatial) of ``rank`` spatial axes for display, in [0, 1]: standardized per
+    image, at 0.1 per standard deviation around a grey 0.5, and clipped (the usual way to show guided maps)."""
+    axes = (-rank - 1, *map_axes(rank))
+    mean = gradients.mean(dim=axes, keepdim=True)
+    spread = gradients.std(dim=axes, keepdim=True).clamp_min(torch.finfo(gradients.dtype).tiny)
     return (0.5 + 0.1 * (gradients - mean) / spread).clamp(0.0, 1.0)
 
 
@@ -41,7 +44,7 @@ class GuidedBackprop(CAM):
     full-backward hooks on the ``nn.ReLU`` and ``nn.ReLU6`` modules around the engine's
     forward and backward (see :func:`explain.core.hooks.guided_relus`); ReLUs applied as
     functions are not guided. Fails the model-randomization sanity check (Adebayo et
-    al. 2018): see this module's notes. Maps are (N, 3, H, W) images; ``normalize``
+    al. 2018): see this module's notes. Maps are shaped as the input, (N, C, *spatial); ``normalize``
     shows them as :func:`visible` does.
 
     Args:
@@ -67,8 +70,8 @@ class GuidedBackprop(CAM):
     def compute(self, capture: Capture) -> Tensor:
         return capture.gradients
 
-    def finish(self, raw: Tensor, size: Sequence[int] | None, normalize: bool) -> Tensor:
-        return visible(raw) if normalize else raw
+    def finish(self, raw: Tensor, rank: int, size: Sequence[int] | None, normalize: bool) -> Tensor:
+        return visible(raw, rank) if normalize else raw
 
 
 class GuidedGradCAM(GuidedBackprop):
@@ -101,4 +104,5 @@ class GuidedGradCAM(GuidedBackprop):
         cam = capture.once(
             "gradcam", lambda: self.gradcam(capture.x, capture.target, model_kwargs=capture.model_kwargs).cams
         )
-        return capture.gradients * (cam if cam.dim() == 3 else cam[:, capture.k])[:, None]
+        one = cam if cam.dim() == capture.x.dim() - 1 else cam[:, capture.k]  # (N, *spatial): the K axis dropped
+        return capture.gradients * one[:, None]

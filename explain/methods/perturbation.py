@@ -74,7 +74,7 @@ class ScoreCAM(PerturbationCAM):
     folds = True  # only the input is perturbed
 
     def masks(self, mask: Tensor, generator: torch.Generator | None) -> Iterator[Tensor]:
-        """The masks whose scores are averaged for one chunk's (rows, 1, H, W) normalized masks."""
+        """The masks whose scores are averaged for one chunk's (rows, 1, *spatial) normalized masks."""
         yield mask
 
     def weights(self, capture: Capture) -> Tensor:
@@ -89,7 +89,7 @@ class ScoreCAM(PerturbationCAM):
         return torch.where(flat, shared, scores).softmax(dim=1)
 
     def perturbed(self, capture: Capture, images: Tensor, channels: Tensor) -> Iterator[tuple[Tensor, Any]]:
-        mask = normalize_maps(capture.to_input(capture.activations[images, channels]))[:, None]
+        mask = normalize_maps(capture.to_input(capture.activations[images, channels]), len(capture.spatial))[:, None]
         picked = capture.x[images]
         for step in self.masks(mask.to(picked.dtype), capture.generator):
             yield picked * step, nullcontext()

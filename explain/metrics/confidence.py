@@ -44,7 +44,7 @@ class ConfidenceChange:
 def _scores(metric: str, scoring: Scorer, maps: Tensor) -> tuple[Tensor, Tensor]:
     """The explained score of each image and of the image multiplied by its normalized map."""
     x = scoring.x
-    weights = normalize_maps(input_maps(maps.to(x.device), len(x), x.shape[-2:], metric))[:, None]
+    weights = normalize_maps(input_maps(maps.to(x.device), len(x), x.shape[2:], metric), x.dim() - 2)[:, None]
     images = torch.arange(len(x), device=x.device)
     return scoring.original, scoring.copies(images, lambda rows: x[rows] * weights[rows])
 

@@ -5,7 +5,7 @@ Both work on a batch on its own device.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -19,14 +19,28 @@ from ..errors import ExplainError
 NEIGHBOURS = ((1 / 12, 1 / 6, 1 / 12), (1 / 6, 0.0, 1 / 6), (1 / 12, 1 / 6, 1 / 12))
 
 
-def gaussian_blur(x: Tensor, size: int = 11, sigma: float = 5.0) -> Tensor:
-    """Each channel of x (N, C, H, W) convolved with a normalized size x size Gaussian of ``sigma`` pixels, with
-    zero padding: RISE's insertion start (kernel 11, sigma 5, padded with zeros as its code does)."""
-    offsets = torch.arange(size, device=x.device, dtype=torch.float64) - (size - 1) / 2
+def gaussian_line(size: int, sigma: float, like: Tensor) -> Tensor:
+    """A normalized 1-D Gaussian of ``size`` taps and ``sigma`` in taps, in ``like``'s dtype and device."""
+    offsets = torch.arange(size, device=like.device, dtype=torch.float64) - (size - 1) / 2
     line = torch.exp(-(offsets**2) / (2 * sigma**2))
-    kernel = torch.outer(line, line)
-    kernel = (kernel / kernel.sum()).to(x.dtype).expand(x.shape[1], 1, size, size)
-    return F.conv2d(x, kernel, padding=size // 2, groups=x.shape[1])
+    return (line / line.sum()).to(like.dtype)
+
+
+def separable_filter(t: Tensor, lines: Sequence[Tensor], padding: int) -> Tensor:
+    """``t`` (..., *spatial) convolved along each of its last ``len(lines)`` axes with that axis's 1-D kernel, zero
+    padded by ``padding`` on each side: a filter over every spatial axis of a signal, an image or a volume."""
+    for axis, line in zip(range(-len(lines), 0), lines):
+        moved = t.movedim(axis, -1)
+        flat = F.conv1d(moved.reshape(-1, 1, moved.shape[-1]), line.view(1, 1, -1), padding=padding)
+        t = flat.view(*moved.shape[:-1], flat.shape[-1]).movedim(-1, axis)
+    return t
+
+
+def gaussian_blur(x: Tensor, size: int = 11, sigma: float = 5.0) -> Tensor:
+    """Each channel of x (N, C, *spatial) convolved with a normalized Gaussian of ``size`` taps and ``sigma`` pixels
+    along each spatial axis, with zero padding: RISE's insertion start (kernel 11, sigma 5, padded with zeros as its
+    code does), for images, and the same along every axis of a signal or a volume."""
+    return separable_filter(x, [gaussian_line(size, sigma, x)] * (x.dim() - 2), size // 2)
 
 
 def _neighbour_sum(t: Tensor) -> Tensor:

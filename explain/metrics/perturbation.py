@@ -49,7 +49,7 @@ ROAD_SEED = 0
 
 
 def ranks(maps: Tensor) -> Tensor:
-    """Each pixel's place in its map's order, highest value first (0) and ties in raster order, (N, H*W)."""
+    """Each position's place in its map's order, highest value first (0) and ties in raster order, (N, positions)."""
     flat = maps.flatten(1)
     order = flat.argsort(dim=1, descending=True, stable=True)
     places = torch.arange(flat.shape[1], device=flat.device).expand_as(order)
@@ -81,7 +81,7 @@ def _curve(
     x = scoring.x
     if steps < 1:
         raise ExplainError(f"{metric}: steps must be >= 1, got {steps}")
-    order = ranks(input_maps(maps.to(x.device), len(x), x.shape[-2:], metric))
+    order = ranks(input_maps(maps.to(x.device), len(x), x.shape[2:], metric))
     before = x if start is None else _substrate(x, start, metric)
     after = x if end is None else _substrate(x, end, metric)
     pixels = order.shape[1]
@@ -93,7 +93,7 @@ def _curve(
     step = columns.repeat(len(x))
 
     def make(rows: Tensor) -> Tensor:
-        changed = (order[images[rows]] < counts[step[rows], None]).view(len(rows), 1, *x.shape[-2:])
+        changed = (order[images[rows]] < counts[step[rows], None]).view(len(rows), 1, *x.shape[2:])
         return torch.where(changed, after[images[rows]], before[images[rows]])
 
     curve = scoring.original[:, None].repeat(1, steps + 1)
@@ -230,7 +230,12 @@ def road_of(scoring: Scorer, maps: Tensor, percentiles: Sequence[float], noise: 
     shares = torch.tensor([float(p) for p in percentiles], device=x.device)
     if shares.dim() != 1 or len(shares) == 0 or not bool(((shares > 0) & (shares < 100)).all()):
         raise ExplainError(f"road: percentiles must lie strictly between 0 and 100, got {list(percentiles)}")
-    order = ranks(input_maps(maps.to(x.device), len(x), x.shape[-2:], "road"))
+    if x.dim() != 4:
+        raise ExplainError(
+            "road imputes removed pixels from their 8 neighbours in the image plane, which signals and volumes lack; "
+            "use deletion or insertion"
+        )
+    order = ranks(input_maps(maps.to(x.device), len(x), x.shape[2:], "road"))
     pixels = order.shape[1]
     counts = torch.round(shares / 100 * pixels).long()
     generator = None if seed is None else torch.Generator(device=x.device).manual_seed(seed)

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.engine import CAMResult
 from ..core.maps import normalize_maps
 from ..errors import ExplainError
 from ..targets import TargetLike
+from .imputation import gaussian_line, separable_filter
 
 
 def cascading_blocks(model: nn.Module) -> list[str]:
@@ -77,15 +77,14 @@ def spearman(a: Tensor, b: Tensor) -> Tensor:
 
 
 def ssim(a: Tensor, b: Tensor, window: int = 11, sigma: float = 1.5) -> Tensor:
-    """The mean structural similarity of each pair of maps in [0, 1] (N, H, W), (N,): Wang et al. 2004, a
-    Gaussian window (11, sigma 1.5), C1 = 0.01², C2 = 0.03², over the windows that fit inside the map."""
-    offsets = torch.arange(window, device=a.device, dtype=torch.float64) - (window - 1) / 2
-    line = torch.exp(-(offsets**2) / (2 * sigma**2))
-    kernel = (torch.outer(line, line) / line.sum() ** 2)[None, None]
-    a, b = a[:, None].double(), b[:, None].double()
+    """The mean structural similarity of each pair of maps in [0, 1] (N, *spatial), (N,): Wang et al. 2004, a
+    Gaussian window (11, sigma 1.5) along each spatial axis, C1 = 0.01², C2 = 0.03², over the windows that fit
+    inside the map. An axis shorter than the window (a volume's few slices) gets the window cut to its length."""
+    a, b = a.double(), b.double()
+    lines = [gaussian_line(min(window, side - 1 + side % 2), sigma, a) for side in a.shape[1:]]
 
     def local(t: Tensor) -> Tensor:
-        return F.conv2d(t, kernel)
+        return separable_filter(t, lines, padding=0)
 
     mean_a, mean_b = local(a), local(b)
     var_a, var_b = local(a * a) - mean_a**2, local(b * b) - mean_b**2
@@ -95,11 +94,11 @@ def ssim(a: Tensor, b: Tensor, window: int = 11, sigma: float = 1.5) -> Tensor:
     return index.flatten(1).mean(dim=1).float()
 
 
-def _absolute_maps(cams: Tensor) -> Tensor:
-    """A method's maps as (N, H, W) in [0, 1]: absolute values (a guided method's images: their largest
-    absolute channel), normalized per map."""
-    maps = cams.abs().amax(dim=1) if cams.dim() == 4 else cams.abs()
-    return normalize_maps(maps.float())
+def _absolute_maps(cams: Tensor, x: Tensor) -> Tensor:
+    """A method's maps of the inputs ``x`` as (N, *spatial) in [0, 1]: absolute values (a guided method's images,
+    shaped as x: their largest absolute channel), normalized per map."""
+    maps = cams.abs().amax(dim=1) if cams.dim() == x.dim() else cams.abs()
+    return normalize_maps(maps.float(), x.dim() - 2)
 
 
 @dataclass(frozen=True)
@@ -193,7 +192,7 @@ def sanity_check(
 
     layer = _layer_names(model, layer)
     trained = create_method(method, model, layer, **options)(x, target, model_kwargs=model_kwargs)
-    reference = _absolute_maps(trained.cams)
+    reference = _absolute_maps(trained.cams, x)
     order = list(blocks) if blocks is not None else cascading_blocks(model)
     if not order:
         raise ExplainError("the model has no block with parameters to randomize")
@@ -210,7 +209,7 @@ def sanity_check(
         randomize(block, init_seed + depth - 1)
         if depth in wanted:
             result = create_method(method, randomized, layer, **options)(x, trained.target, model_kwargs=model_kwargs)
-            maps = _absolute_maps(result.cams)
+            maps = _absolute_maps(result.cams, x)
             correlations.append(spearman(reference, maps))
             similarities.append(ssim(reference, maps))
     return SanityResult(order, wanted, torch.stack(correlations), torch.stack(similarities), trained)

@@ -130,15 +130,17 @@ def scorer(
 
 
 def input_maps(maps: Tensor, n: int, size: Sequence[int], metric: str) -> Tensor:
-    """Maps (N, h, w) at any resolution upsampled (bilinearly) to the input's (H, W), float32.
+    """Maps (N, *spatial) at any resolution upsampled (linearly, bilinearly or trilinearly) to the input's
+    spatial ``size``, float32.
 
     Raises:
-        ExplainError: The maps are not one (h, w) map per image.
+        ExplainError: The maps are not one map per image, of the input's rank.
     """
-    if not isinstance(maps, Tensor) or maps.dim() != 3 or maps.shape[0] != n:
+    if not isinstance(maps, Tensor) or maps.dim() != len(size) + 1 or maps.shape[0] != n:
         shape = tuple(maps.shape) if isinstance(maps, Tensor) else type(maps).__name__
+        axes = {1: "l", 2: "h, w", 3: "d, h, w"}[len(size)]
         raise ExplainError(
-            f"{metric} takes one map per image, (N, h, w) with N = {n}; got {shape} "
+            f"{metric} takes one map per input, (N, {axes}) with N = {n}; got {shape} "
             "(a TopK result's maps[:, k]; a guided method's images reduced to one channel, e.g. .abs().amax(1))"
         )
     return upsample(maps.float(), size)

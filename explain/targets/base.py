@@ -28,6 +28,13 @@ OutputPicker = str | int | Callable[[Any], Tensor] | None
 ClassScore = Literal["logit", "probability", "sigmoid"]
 
 
+def spatial_axes(t: Tensor) -> tuple[int, ...]:
+    """The spatial axes of a per-channel tensor (N, C, *spatial), every axis after the first two: a dense output's
+    (N, classes, *spatial), a layer's map (N, C, *spatial). One for a signal, two for an image, three for a volume
+    or a clip."""
+    return tuple(range(2, t.dim()))
+
+
 def read_output(output: Any, pick: OutputPicker = None) -> Tensor:
     """The tensor of scores in a model output.
 

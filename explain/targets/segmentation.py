@@ -10,17 +10,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import NothingToExplain, TargetError
-from .base import BoundTarget, OutputPicker, Target, class_index, per_image
+from .base import BoundTarget, OutputPicker, Target, class_index, per_image, spatial_axes
 
 
 class SegmentationTarget(Target):
-    """Classes of a dense output (N, classes, H, W): each class's logit summed over its region.
+    """Classes of a dense output (N, classes, *spatial): each class's logit summed over its region. The spatial
+    axes are an image's (H, W), a volume's (D, H, W) (a 3-D U-Net's) or a signal's (L,).
 
     Args:
         classes: A class index or name for all images, or one per image; None: every class
             that wins at least one pixel of an image's argmax, one map each (a K axis, as
             long as the image with the most classes; ``valid`` marks the real entries).
-        mask: The region, (H, W) for all images or (N, H, W), boolean or weights; resized
+        mask: The region, (*spatial) for all images or (N, *spatial), boolean or weights; resized
             (nearest) to the output's size. Default: the pixels where the class wins
             the argmax on the plain pass. An empty region is an error (its map would be
             the gradient of a constant).
@@ -46,15 +47,18 @@ class SegmentationTarget(Target):
         self.classes, self.mask, self.background = classes, mask, background
 
     def given_mask(self, n: int, size: Sequence[int], like: Tensor) -> Tensor:
-        """The given mask as (N, H, W) weights at the output's size."""
+        """The given mask as (N, *spatial) weights at the output's spatial ``size``."""
         mask = torch.as_tensor(self.mask, device=like.device).to(like.dtype)
-        mask = mask[None].expand(n, -1, -1) if mask.dim() == 2 else mask
-        if mask.dim() != 3 or mask.shape[0] != n:
-            raise TargetError(f"a mask must be (H, W) or one per image (N, H, W) for {n} images, got {mask.shape}")
+        mask = mask[None].expand(n, *mask.shape) if mask.dim() == len(size) else mask
+        if mask.dim() != len(size) + 1 or mask.shape[0] != n:
+            shape = "x".join("HW" if len(size) == 2 else "DHW" if len(size) == 3 else "L")
+            raise TargetError(
+                f"a mask must be ({shape}) or one per image (N, {shape}) for {n} images, got {tuple(mask.shape)}"
+            )
         return F.interpolate(mask[:, None], size=tuple(size), mode="nearest-exact")[:, 0]
 
     def chosen(self, logits: Tensor, labels: Sequence[str] | None) -> tuple[Tensor, Tensor]:
-        """Each image's explained classes (N, K) and their regions (N, K, H, W) on the plain pass."""
+        """Each image's explained classes (N, K) and their regions (N, K, *spatial) on the plain pass."""
         n, num_classes = logits.shape[:2]
         winners = logits.argmax(dim=1)
         if self.classes is None:
@@ -71,9 +75,9 @@ class SegmentationTarget(Target):
             chosen = [class_index(c, labels, num_classes) for c in per_image(self.classes, n, "classes")]
             classes = torch.tensor(chosen, device=logits.device)[:, None]
         if self.mask is not None:
-            regions = self.given_mask(n, logits.shape[-2:], logits)[:, None]
+            regions = self.given_mask(n, logits.shape[2:], logits)[:, None]
         else:
-            regions = (winners[:, None] == classes[..., None, None]).to(logits.dtype)
+            regions = (winners[:, None] == classes.view(*classes.shape, *(1,) * winners[0].dim())).to(logits.dtype)
         empty = (~regions[:, 0].flatten(1).ne(0).any(dim=1)).nonzero() if self.classes is not None else []
         if len(empty):
             i = int(empty[0])
@@ -84,26 +88,29 @@ class SegmentationTarget(Target):
 
     def bind(self, output: Any, labels: Sequence[str] | None) -> BoundTarget:
         logits = self.read(output)
-        if logits.dim() != 4:
-            raise TargetError(f"SegmentationTarget needs a dense (N, classes, H, W) output, got {tuple(logits.shape)}")
+        if not 3 <= logits.dim() <= 5:
+            raise TargetError(
+                f"SegmentationTarget needs a dense (N, classes, *spatial) output, got {tuple(logits.shape)}"
+            )
         classes, regions = self.chosen(logits.detach(), labels)
         valid = classes >= 0
-        index = classes.clamp(min=0)[..., None, None]
+        spatial = spatial_axes(logits)
+        index = classes.clamp(min=0).view(*classes.shape, *(1,) * len(spatial))
 
         def score(out: Any, images: Tensor) -> Tensor:
             dense = self.read(out)
-            if dense.shape[-2:] != regions.shape[-2:]:
+            if dense.shape[2:] != regions.shape[2:]:
                 raise TargetError("the segmentation region is fixed at the plain pass's resolution, not this pass's")
-            picked = dense.gather(1, index[images].expand(-1, -1, *dense.shape[-2:]))
-            return (picked * regions[images]).sum(dim=(-2, -1)) * valid[images]
+            picked = dense.gather(1, index[images].expand(-1, -1, *dense.shape[2:]))
+            return (picked * regions[images]).sum(dim=spatial) * valid[images]
 
-        probabilities = logits.detach().float().softmax(dim=1).gather(1, index.expand(-1, -1, *logits.shape[-2:]))
-        area = regions.sum(dim=(-2, -1))
+        probabilities = logits.detach().float().softmax(dim=1).gather(1, index.expand(-1, -1, *logits.shape[2:]))
+        area = regions.sum(dim=spatial)
         return BoundTarget(
             score=score,
             classes=classes,
-            probabilities=(probabilities * regions).sum(dim=(-2, -1)) / area.clamp_min(1e-12) * valid,
+            probabilities=(probabilities * regions).sum(dim=spatial) / area.clamp_min(1e-12) * valid,
             keeps_k=self.classes is None,
             valid=None if self.classes is not None else valid,
-            regions=regions.expand(-1, classes.shape[1], -1, -1),
+            regions=regions.expand(-1, classes.shape[1], *regions.shape[2:]),
         )

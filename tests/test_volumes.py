@@ -1,0 +1,255 @@
+"""Inputs beyond images: clips and volumes (N, C, D, H, W) and signals (N, C, L). Each map is checked against Grad-CAM,
+Score-CAM or Ablation-CAM written here with plain hooks, autograd and loops, upsampled linearly or trilinearly by
+torch itself, and Grad-CAM on a video network against pytorch-grad-cam's 3-D path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from conftest import capture_score, hook_count
+from torch import nn
+
+import explain
+from explain.core.layers import find_auto_layers
+from explain.errors import ExplainError
+
+MODES = {3: "linear", 4: "bilinear", 5: "trilinear"}  # by the input's number of axes
+
+
+def reference(model: nn.Module, x: torch.Tensor, layer: str, score, last: bool = False) -> torch.Tensor:
+    """Grad-CAM from its paper at one layer, every spatial axis averaged: (N, *spatial), float64. ``last``: the
+    layer's output is channels last, as the architecture is known to be."""
+    a, g = (t.movedim(-1, 1) if last else t for t in capture_score(model, x, layer, score))
+    axes = tuple(range(2, a.dim()))
+    return (g.mean(dim=axes, keepdim=True) * a).sum(dim=1).clamp(min=0)
+
+
+def on_input(raw: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Raw maps (N, *spatial) upsampled to x's size by torch's own interpolation of x's rank, min-max normalized."""
+    maps = F.interpolate(raw[:, None].float(), size=x.shape[2:], mode=MODES[x.dim()], align_corners=False)[:, 0]
+    flat = maps.flatten(1)
+    low, high = flat.min(dim=1).values, flat.max(dim=1).values
+    return ((flat - low[:, None]) / (high - low)[:, None]).view_as(maps)
+
+
+def logit(c: int):
+    return lambda logits: logits[:, c]
+
+
+def r3d() -> nn.Module:
+    torch.manual_seed(0)
+    return torchvision.models.video.r3d_18(num_classes=5).eval()
+
+
+def clip(n: int = 2) -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randn(n, 3, 8, 64, 64)
+
+
+def signal_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv1d(2, 8, 5, padding=2), nn.ReLU(), nn.Conv1d(8, 16, 5, stride=2, padding=2), nn.ReLU(),
+        nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(16, 3),
+    ).eval()  # fmt: skip
+
+
+def volume_net(classes: int = 4, dense: bool = False) -> nn.Module:
+    """A small 3-D network: a classifier, or with ``dense`` a segmenter whose output is (N, classes, D, H, W)."""
+    torch.manual_seed(0)
+    features = [nn.Conv3d(1, 6, 3, padding=1), nn.ReLU(), nn.Conv3d(6, 8, 3, stride=2, padding=1), nn.ReLU()]
+    if dense:
+        head = [nn.Conv3d(8, classes, 1), nn.Upsample(scale_factor=2, mode="trilinear")]
+    else:
+        head = [nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(8, classes)]
+    return nn.Sequential(*features, *head).eval()
+
+
+def test_a_video_classifier_is_explained_at_its_last_stage_in_time_and_space() -> None:
+    """r3d_18 on two clips of 8 frames: the automatic layer is the last stage, the raw maps (N, d, h, w) are the
+    reference's, and the maps are upsampled trilinearly to the clip's (D, H, W), each normalized."""
+    model, x = r3d(), clip()
+    assert find_auto_layers(model, x) == ["layer4"]
+    hooks = hook_count(model)
+    result = explain.GradCAM(model)(x, 2)
+    assert hook_count(model) == hooks and result.layer == "layer4"
+    expected = reference(model, x, "layer4", logit(2))
+    assert result.raw.shape == expected.shape == (2, 1, 4, 4) and expected.amax() > 0
+    torch.testing.assert_close(result.raw.double(), expected, rtol=1e-5, atol=1e-6 * float(expected.amax()))
+    assert result.cams.shape == (2, 8, 64, 64)
+    torch.testing.assert_close(result.cams, on_input(result.raw, x), rtol=0, atol=1e-5)
+
+
+def test_a_video_classifier_matches_pytorch_grad_cam_3d() -> None:
+    """pytorch-grad-cam's Grad-CAM on a 5-D input at r3d_18's layer3: the same raw maps. (Its upsampling to the
+    clip is scipy's spline zoom; explain's is trilinear, as the issue of N-D inputs asks.)"""
+    from pytorch_grad_cam import GradCAM
+    from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
+
+    model, x = r3d(), clip()
+    ours = explain.GradCAM(model, "layer3")(x, 2)
+    peer = GradCAM(model=model, target_layers=[model.layer3])
+    try:
+        peer(input_tensor=x, targets=[ClassifierOutputTarget(2)] * 2)
+        a, g = (t[0].numpy() for t in (peer.activations_and_grads.activations, peer.activations_and_grads.gradients))
+        theirs = np.maximum(peer.get_cam_image(x, model.layer3, None, a, g, False), 0)
+    finally:
+        peer.activations_and_grads.release()
+    assert theirs.shape == tuple(ours.raw.shape) == (2, 2, 8, 8)
+    for mine, peers in zip(ours.raw.numpy(), theirs):
+        assert np.corrcoef(mine.ravel(), peers.ravel())[0, 1] >= 0.999
+
+
+def test_a_channels_last_video_transformer_is_laid_out_from_its_operations() -> None:
+    """torchvision's Video Swin keeps (N, T, H, W, C) maps: its last norm is laid out channels last, as its layer
+    norm reads it, and matches the reference."""
+    torch.manual_seed(0)
+    model = torchvision.models.video.swin3d_t(num_classes=5).eval()
+    x = torch.randn(1, 3, 4, 64, 64)
+    result = explain.GradCAM(model)(x, logit(1), normalize=False, resize=False)
+    assert result.layer == "norm"
+    expected = reference(model, x, "norm", logit(1), last=True)
+    assert result.raw.shape == expected.shape == (1, 2, 2, 2)
+    assert (result.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_a_signal_network_is_explained_along_time() -> None:
+    """A Conv1d network on (N, 2, 100) signals: the last convolution's ReLU, its raw map the reference's, upsampled
+    linearly to the signal's length."""
+    model = signal_net()
+    torch.manual_seed(2)
+    x = torch.randn(3, 2, 100)
+    result = explain.GradCAM(model)(x, 1)
+    assert result.layer == "3"
+    expected = reference(model, x, "3", logit(1))
+    assert result.raw.shape == expected.shape == (3, 50) and expected.amax() > 0
+    torch.testing.assert_close(result.raw.double(), expected, rtol=1e-5, atol=1e-6 * float(expected.amax()))
+    torch.testing.assert_close(result.cams, on_input(result.raw, x), rtol=0, atol=1e-5)
+    with pytest.raises(ExplainError, match="only its time axis"):
+        explain.GradCAM(model, aug_smooth=True)(x, 1)
+
+
+def test_score_cam_and_ablation_cam_on_volumes_against_loops() -> None:
+    """Score-CAM: each channel upsampled trilinearly and normalized masks the volume, the softmax of the masked
+    scores weighs the channels. Ablation-CAM: each channel zeroed in turn, (y - y_c) / y weighs it."""
+    model = volume_net()
+    torch.manual_seed(3)
+    x = torch.randn(2, 1, 8, 16, 16)
+    layer = "3"
+    kept = {}
+    handle = model[3].register_forward_hook(lambda m, i, o: kept.update(a=o))
+    with torch.no_grad():
+        y = model(x)[:, 1]
+    handle.remove()
+    a = kept["a"]  # (2, 8, 4, 8, 8)
+    masks = on_input(a.flatten(0, 1), x).view(*a.shape[:2], *x.shape[2:])
+    with torch.no_grad():
+        masked = torch.stack([model(x * masks[:, c, None])[:, 1] for c in range(a.shape[1])], dim=1)
+        ablated = []
+        for c in range(a.shape[1]):
+
+            def zero(m, i, o, c=c):
+                o = o.clone()
+                o[:, c] = 0
+                return o
+
+            handle = model[3].register_forward_hook(zero)
+            ablated.append(model(x)[:, 1])
+            handle.remove()
+    weights = {"scorecam": masked.softmax(dim=1), "ablationcam": (y[:, None] - torch.stack(ablated, 1)) / y[:, None]}
+    for name, w in weights.items():
+        expected = (w[..., None, None, None] * a).sum(dim=1).clamp(min=0)
+        result = explain.METHODS[name](model, layer)(x, 1, resize=False, normalize=False)
+        assert result.raw.shape == expected.shape == (2, 4, 8, 8), name
+        assert (result.raw - expected).abs().max() <= 1e-4 * expected.abs().max(), name
+
+
+def test_a_volume_segmenter_explains_a_class_over_its_region() -> None:
+    """SegmentationTarget over a (N, classes, D, H, W) output: the class's logits summed over the voxels it wins."""
+    model = volume_net(dense=True)
+    torch.manual_seed(4)
+    x = torch.randn(1, 1, 8, 16, 16)
+    with torch.no_grad():
+        logits = model(x)
+    label = int(logits.argmax(dim=1).flatten().mode().values)
+    region = (logits.argmax(dim=1) == label).double()
+    result = explain.GradCAM(model, "3")(x, explain.targets.SegmentationTarget(label), resize=False, normalize=False)
+    expected = reference(model, x, "3", lambda out: (out[:, label] * region).sum(dim=(1, 2, 3)))
+    assert result.raw.shape == expected.shape == (1, 4, 8, 8) and expected.amax() > 0
+    assert (result.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    mask = torch.zeros(8, 16, 16, dtype=torch.bool)
+    mask[:4, :8, :8] = True
+    given = explain.GradCAM(model, "3")(x, explain.targets.SegmentationTarget(label, mask=mask), resize=False)
+    assert given.raw.shape == (1, 4, 8, 8)
+    with pytest.raises(explain.errors.TargetError, match=r"\(DxHxW\) or one per image"):
+        explain.GradCAM(model, "3")(x, explain.targets.SegmentationTarget(label, mask=mask[0]))
+
+
+def test_smoothing_fusion_and_the_input_gradient_work_on_clips() -> None:
+    """aug_smooth flips and rescales the image plane and leaves the frames as they are; fused layers are
+    upsampled trilinearly; Guided Backpropagation's map is the clip's shape."""
+    model, x = r3d(), clip(1)
+    smoothed = explain.GradCAM(model, "layer3", aug_smooth=True)(x, 2)
+    assert smoothed.cams.shape == (1, 8, 64, 64) and smoothed.cams.amax() == 1
+    fused = explain.GradCAM(model, ["layer3", "layer4"])(x, 2)
+    expected = torch.stack([on_input(reference(model, x, name, logit(2)), x) for name in ("layer3", "layer4")])
+    torch.testing.assert_close(fused.cams, on_input(expected.mean(dim=0), x), rtol=0, atol=1e-4)
+    guided = explain.METHODS["guided_backprop"](model)(x, 2, normalize=False)
+    assert guided.cams.shape == x.shape
+
+
+def test_inputs_of_other_ranks_are_refused_and_the_model_is_left_as_it_was() -> None:
+    model, x = r3d(), clip(1)
+    model.train()
+    flags = [p.requires_grad for p in model.parameters()]
+    explain.GradCAM(model)(x, 1)
+    with pytest.raises(ExplainError, match=r"signals \(N, C, L\), images \(N, C, H, W\) or volumes"):
+        explain.GradCAM(model)(x[0, 0, 0], 1)
+    with pytest.raises(ExplainError, match="got shape"):
+        explain.GradCAM(model)(x[None], 1)
+    assert model.training and hook_count(model) == 0
+    assert [p.requires_grad for p in model.parameters()] == flags and all(p.grad is None for p in model.parameters())
+
+
+def test_the_faithfulness_metrics_rank_voxels_and_samples() -> None:
+    """Deletion on volumes: voxels, highest in the map first, set to the baseline in equal steps; a loop here does
+    the same and scores with the model. Average Drop on signals: the signal times its normalized map. The sanity
+    check compares maps of any rank; ROAD's imputation is of the image plane and is refused."""
+    from explain import metrics
+
+    model = volume_net()
+    torch.manual_seed(5)
+    x = torch.randn(2, 1, 8, 16, 16)
+    maps = torch.rand(2, 4, 8, 8)
+    result = metrics.deletion(model, x, maps, 1, steps=4, score="logit")
+    dense = on_input(maps, x).flatten(1)
+    order = dense.argsort(dim=1, descending=True, stable=True)
+    curve = []
+    for step in range(5):
+        kept = torch.ones_like(dense)
+        kept.scatter_(1, order[:, : round(step * dense.shape[1] / 4)], 0.0)
+        with torch.no_grad():
+            curve.append(model(x * kept.view_as(x))[:, 1])
+    torch.testing.assert_close(result.curve, torch.stack(curve, dim=1), rtol=1e-5, atol=1e-5)
+
+    signals, net = torch.randn(3, 2, 100), signal_net()
+    weights = torch.rand(3, 50)
+    drop = metrics.average_drop(net, signals, weights, 0, score="logit")
+    scaled = on_input(weights, signals)[:, None] * signals
+    with torch.no_grad():
+        y, o = net(signals)[:, 0], net(scaled)[:, 0]
+    torch.testing.assert_close(drop.value, 100 * (y - o).clamp_min(0) / y.abs())
+
+    sanity = metrics.sanity_check(model, x, "gradcam", target=1, layer="3", depths=[1])
+    assert sanity.spearman.shape == sanity.ssim.shape == (1, 2)
+    with pytest.raises(ExplainError, match="road imputes"):
+        metrics.road(model, x, maps, 1)
+
+
+def test_an_image_without_its_batch_axis_is_not_taken_for_signals() -> None:
+    model = torchvision.models.resnet18(num_classes=3).eval()
+    with pytest.raises(ExplainError, match=r"a batch of signals \(N, C, L\), but the model's first convolution 'conv1'"):
+        explain.GradCAM(model)(torch.randn(3, 32, 32), 1)
