@@ -11,13 +11,12 @@ backbone block; pytorch-grad-cam's ``GradCAM`` with its ``FasterRCNNBoxScoreTarg
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 from collections.abc import Callable
 
 import torch
 import torchvision
-from timing import emit, interleaved_medians, ratio_table
+from timing import emit, interleaved_medians, ratio_table, rounds_and_out
 
 import explain
 from explain.targets import DetectionTarget
@@ -26,10 +25,7 @@ LAYER = "backbone.body.16"  # the backbone's last block: a plain (N, 960, h, w) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", help="also write the table to this markdown file")
-    args = parser.parse_args()
+    args = rounds_and_out(__doc__)
     torch.manual_seed(0)
     model = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_fpn(
         weights=None, weights_backbone=None, box_score_thresh=0.0

@@ -12,12 +12,11 @@ Target: explain costs at most 1.15x the inference forward.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 
 import torch
 import transformers
-from timing import emit, interleaved_medians, ratio_table
+from timing import emit, interleaved_medians, ratio_table, rounds_and_out
 
 import explain
 from explain.models import QueryDetector
@@ -36,10 +35,7 @@ def detr_resnet50() -> torch.nn.Module:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", help="also write the table to this markdown file")
-    args = parser.parse_args()
+    args = rounds_and_out(__doc__)
     torch.manual_seed(0)
     model = QueryDetector(detr_resnet50()).eval()
     x = torch.rand(1, 3, 480, 640)

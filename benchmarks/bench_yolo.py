@@ -12,11 +12,10 @@ torch.hub, which needs the network: not run here. Target: explain costs at most 
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 
 import torch
-from timing import emit, interleaved_medians, ratio_table
+from timing import emit, interleaved_medians, ratio_table, rounds_and_out
 
 import explain
 from explain.models.yolo import load_yolo
@@ -24,10 +23,7 @@ from explain.targets import DetectionTarget
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", help="also write the table to this markdown file")
-    args = parser.parse_args()
+    args = rounds_and_out(__doc__)
     torch.manual_seed(0)
     model = load_yolo("yolo11n.yaml")
     with torch.no_grad():

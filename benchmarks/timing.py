@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+
+def rounds_and_out(doc: str) -> argparse.Namespace:
+    """The command line of a benchmark that times rounds and writes its table: ``--rounds`` (5) and ``--out``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", help="also write the table to this markdown file")
+    return parser.parse_args()
 
 
 def interleaved_medians(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:

@@ -13,7 +13,7 @@ from conftest import capture_score, hook_count
 from torch import nn
 
 import explain
-from explain.core.layers import find_auto_layers
+from explain.core.layers import find_auto_layers, traced_layers
 from explain.errors import ExplainError
 
 MODES = {3: "linear", 4: "bilinear", 5: "trilinear"}  # by the input's number of axes
@@ -113,6 +113,41 @@ def test_a_channels_last_video_transformer_is_laid_out_from_its_operations() -> 
     assert result.layer == "norm"
     expected = reference(model, x, "norm", logit(1), last=True)
     assert result.raw.shape == expected.shape == (1, 2, 2, 2)
+    assert (result.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def small_mvit() -> nn.Module:
+    """torchvision's MViT v2 with three blocks on 4x32x32 clips: a class token, a (2, 8, 8) token grid, and a
+    pooling attention that halves it to (2, 4, 4) in the last block."""
+    from torchvision.models.video.mvit import MSBlockConfig, MViT
+
+    torch.manual_seed(0)
+    blocks = [
+        MSBlockConfig(1, 16, 16, [3, 3, 3], [3, 3, 3], [1, 1, 1], [1, 2, 2]),
+        MSBlockConfig(1, 16, 32, [3, 3, 3], [3, 3, 3], [1, 1, 1], [1, 2, 2]),
+        MSBlockConfig(2, 32, 32, [3, 3, 3], [3, 3, 3], [1, 2, 2], [1, 1, 1]),
+    ]
+    model = MViT(
+        spatial_size=(32, 32), temporal_size=4, block_setting=blocks, residual_pool=True,
+        residual_with_cls_embed=False, rel_pos_embed=True, proj_after_attn=True, num_classes=5,
+    )  # fmt: skip
+    return model.eval()
+
+
+def test_a_video_transformer_s_tokens_are_laid_out_on_their_time_and_space_grid() -> None:
+    """MViT flattens its (t, h, w) patch grid into tokens behind a class token, and pools the grid inside its
+    blocks (its last block's output is on a (2, 4, 4) grid). As in a class-token ViT the head reads the class
+    token alone, so the automatic layer is the last block's input, laid out on its (2, 8, 8) grid."""
+    model = small_mvit()
+    torch.manual_seed(6)
+    x = torch.randn(1, 3, 4, 32, 32)
+    layers = traced_layers(model, x)
+    assert layers["blocks.2:0"].layout.grid == (2, 4, 4) and layers["blocks.2:0"].layout.prefix == 1
+    assert find_auto_layers(model, x) == ["blocks.2.norm1"]
+    result = explain.GradCAM(model)(x, logit(1), resize=False, normalize=False)
+    a, g = (t[:, 1:].transpose(1, 2).reshape(1, -1, 2, 8, 8) for t in capture_score(model, x, result.layer, logit(1)))
+    expected = (g.mean(dim=(2, 3, 4), keepdim=True) * a).sum(dim=1).clamp(min=0)
+    assert result.raw.shape == expected.shape == (1, 2, 8, 8) and expected.amax() > 0
     assert (result.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
@@ -253,3 +288,29 @@ def test_an_image_without_its_batch_axis_is_not_taken_for_signals() -> None:
     model = torchvision.models.resnet18(num_classes=3).eval()
     with pytest.raises(ExplainError, match=r"a batch of signals \(N, C, L\), but the model's first convolution"):
         explain.GradCAM(model)(torch.randn(3, 32, 32), 1)
+
+
+def test_monai_networks_are_explained_as_the_user_s_modules() -> None:
+    """MONAI (a test dependency; explain never imports it): a 3-D DenseNet121 classifier at its last map, and a
+    3-D U-Net whose region of a class is explained at the last map before its output convolution."""
+    from monai.networks.nets import DenseNet121, UNet
+
+    torch.manual_seed(0)
+    densenet = DenseNet121(spatial_dims=3, in_channels=1, out_channels=3).eval()
+    x = torch.randn(1, 1, 64, 64, 64)
+    result = explain.GradCAM(densenet)(x, 1, resize=False, normalize=False)
+    expected = reference(densenet, x, result.layer, logit(1))
+    assert result.layer == "features" and result.raw.shape == expected.shape == (1, 2, 2, 2)
+    assert (result.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+    unet = UNet(spatial_dims=3, in_channels=1, out_channels=3, channels=(8, 16, 32), strides=(2, 2)).eval()
+    x = torch.randn(1, 1, 32, 32, 32)
+    with torch.no_grad():
+        logits = unet(x)
+    label = int(logits.argmax(dim=1).flatten().mode().values)
+    region = (logits.argmax(dim=1) == label).double()
+    result = explain.GradCAM(unet)(x, explain.targets.SegmentationTarget(label), resize=False, normalize=False)
+    assert result.layer == "model.1"  # the skip connection's output, which the output convolution reads
+    expected = reference(unet, x, "model.1", lambda out: (out[:, label] * region).sum(dim=(1, 2, 3)))
+    assert result.raw.shape == expected.shape == (1, 16, 16, 16) and expected.amax() > 0
+    assert (result.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()

@@ -419,17 +419,19 @@ def choose_auto_layers(
 
 def _towers(usable: list[LayerInfo]) -> list[LayerInfo]:
     """The last usable layer, and, where token towers on other grids run beside its own to the end (CrossViT's
-    branches), the last usable layer of each of them, in forward order, to be fused. A hierarchy's earlier
-    stages end before the last one starts, so they are not towers."""
+    branches), the last usable layer of each of them, in forward order, to be fused. A tower runs beside the
+    last grid's layers past the middle of them. A hierarchy's earlier stages end before the last one starts, or
+    just after (MViT's skip projection, after its pooling attention), so they are not towers."""
     last = usable[-1]
     if last.layout.kind != "tokens":
         return [last]
-    by_grid: dict[tuple[int, int], list[LayerInfo]] = {}
+    by_grid: dict[tuple[int, ...], list[LayerInfo]] = {}
     for info in usable:
         if info.layout.kind == "tokens":
             by_grid.setdefault(info.layout.grid, []).append(info)
-    start = by_grid[last.layout.grid][0].finish
-    ends = [layers[-1] for layers in by_grid.values() if layers[-1].finish > start]
+    own = by_grid[last.layout.grid]
+    middle = own[len(own) // 2].finish
+    ends = [layers[-1] for layers in by_grid.values() if layers[-1].finish >= middle]
     return sorted(ends, key=lambda info: info.finish)
 
 

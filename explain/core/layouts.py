@@ -23,6 +23,7 @@ callable the caller passes to lay the output out itself.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -69,7 +70,7 @@ class Layout:
 
     kind: Literal["channels_first", "channels_last", "tokens", "reshape", "attention"]
     prefix: int = 0
-    grid: tuple[int, int] | None = None
+    grid: tuple[int, ...] | None = None
     order: tuple[int, ...] | None = None
     reshape: Reshape | None = None
 
@@ -96,7 +97,7 @@ class Layout:
         """The layout in a few words (``--layers``)."""
         if self.kind == "tokens":
             unrolled = ", unrolled" if self.order is not None else ""
-            return f"tokens: {self.prefix} prefix, {self.grid[0]}x{self.grid[1]} patches{unrolled}"
+            return f"tokens: {self.prefix} prefix, {'x'.join(map(str, self.grid))} patches{unrolled}"
         return self.kind.replace("_", " ")
 
 
@@ -157,11 +158,11 @@ def find_layout(
     rank = len(geometry.size)
     if len(shape) == rank + 1:
         return _grid_layout(name, shape, geometry, observed.feature_axes.get(name))
-    if len(shape) != 2 or rank != 2:
+    if len(shape) != 2 or rank == 1:
         raise LayerError(f"layer {name!r} outputs {shape}, not a map of {_MAP[rank]}; {WAY_OUT}")
     if traced:
         return _token_layout(name, shape, geometry, observed.tokens.get(name))
-    if geometry.grid is not None:
+    if geometry.grid is not None and rank == 2:
         cells = geometry.grid[0] * geometry.grid[1]
         if 0 <= shape[0] - cells <= MAX_PREFIX_TOKENS:
             return Layout("tokens", prefix=shape[0] - cells, grid=geometry.grid)
@@ -184,11 +185,11 @@ def _token_layout(name: str, shape: tuple[int, int], geometry: Geometry, mark: T
             f"layer {name!r} outputs {shape[0]} tokens that the model did not flatten from a grid of the image "
             f"(object queries, say); {WAY_OUT}"
         )
-    (height, width), prefix = mark.grid, mark.prefix
-    if shape[0] != prefix + height * width or not grid_fits(mark.grid, geometry.size):
+    prefix, grid = mark.prefix, "x".join(map(str, mark.grid))
+    if shape[0] != prefix + math.prod(mark.grid) or not grid_fits(mark.grid, geometry.size):
         raise LayerError(
-            f"layer {name!r} outputs {shape[0]} tokens, not {prefix} + the {height}x{width} grid they were "
-            f"flattened from; {WAY_OUT}"
+            f"layer {name!r} outputs {shape[0]} tokens, not {prefix} + the {grid} grid they were flattened from; "
+            f"{WAY_OUT}"
         )
     return Layout("tokens", prefix=prefix, grid=mark.grid, order=mark.order)
 

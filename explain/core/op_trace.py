@@ -30,6 +30,7 @@ operations the model runs say both. During a traced pass, :class:`OpTrace` (a
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -61,7 +62,7 @@ _PASSING = {
 }  # fmt: skip
 # Calls that only move elements about: run on a tensor of grid cells, they tell where each element lies.
 _MOVES = _RESHAPES | _PERMUTES | {
-    "getitem", "contiguous", "squeeze", "unsqueeze", "expand", "expand_as", "split", "chunk", "unbind",
+    "getitem", "contiguous", "squeeze", "unsqueeze", "expand", "expand_as", "split", "chunk", "unbind", "tensor_split",
 }  # fmt: skip
 _POOLS = _REDUCTIONS | {"max", "min"}
 _NEUTRAL = {"softmax", "log_softmax", "cumsum", "cumprod", "flip", "roll"}  # same shape, but not element-wise
@@ -73,13 +74,14 @@ class TokenMark:
 
     Attributes:
         axis: The tensor's token axis.
-        grid: The (h, w) grid the tokens were flattened from, in row-major order.
+        grid: The grid the tokens were flattened from, in row-major order: (h, w) for an image, (t, h, w) for a
+            clip or a volume.
         prefix: Tokens in front of the grid's (class, distillation, registers).
         order: The grid cell of each token after the prefix, when they are not in row-major order.
     """
 
     axis: int
-    grid: tuple[int, int]
+    grid: tuple[int, ...]
     prefix: int = 0
     order: tuple[int, ...] | None = None
 
@@ -89,7 +91,7 @@ class TokenMark:
 
     def cells(self, like: Tensor) -> Tensor:
         """The grid cell of each element of a tensor with this mark, -1 for the prefix's tokens."""
-        rows = torch.arange(self.grid[0] * self.grid[1]) if self.order is None else torch.tensor(self.order)
+        rows = torch.arange(math.prod(self.grid)) if self.order is None else torch.tensor(self.order)
         rows = torch.cat([torch.full((self.prefix,), -1), rows])
         shape = [1] * like.dim()
         shape[self.axis] = len(rows)
@@ -101,7 +103,7 @@ class Cells:
     """Where the elements of tokens moved about lie: the grid cell of each (-1: none), and the grid."""
 
     cells: Tensor
-    grid: tuple[int, int]
+    grid: tuple[int, ...]
 
     def as_mark(self) -> TokenMark | None:
         """The mark of one image's tokens whose rows (axis 1 of 3) are each one cell, every cell once, or None."""
@@ -111,7 +113,7 @@ class Cells:
         rows = cells[0, :, 0]
         prefix = int((rows < 0).long().cumprod(0).sum())
         order = rows[prefix:]
-        if len(order) != self.grid[0] * self.grid[1] or not torch.equal(order.sort().values, torch.arange(len(order))):
+        if len(order) != math.prod(self.grid) or not torch.equal(order.sort().values, torch.arange(len(order))):
             return None
         raster = torch.equal(order, torch.arange(len(order)))
         return TokenMark(1, self.grid, prefix, None if raster else tuple(order.tolist()))
@@ -119,20 +121,36 @@ class Cells:
     def pooled(self, dims: tuple[int, ...], keepdim: bool) -> Cells | None:
         """The cells after a reduction over ``dims``: the same, when each reduced group is one cell (the
         features), or the cells of a coarser grid, when each group is one cell of it (a pooling of tokens)."""
-        height, width = self.grid
-        group = 1
-        for dim in dims:
-            group *= self.cells.shape[dim]
-        for rows, columns in [(1, 1)] + [(r, group // r) for r in range(1, group + 1) if group % r == 0]:
-            if height % rows or width % columns:
-                continue
-            coarse = torch.where(
-                self.cells < 0, -1, self.cells // width // rows * (width // columns) + self.cells % width // columns
-            )
+        group = math.prod(self.cells.shape[dim] for dim in dims)
+        for strides in [(1,) * len(self.grid), *_factorizations(group, self.grid)]:
+            coarse_grid = tuple(side // stride for side, stride in zip(self.grid, strides))
+            coordinates = torch.stack(torch.unravel_index(self.cells.clamp(min=0), self.grid))
+            steps = torch.tensor(strides).view(-1, *(1,) * self.cells.dim())
+            coarse = torch.where(self.cells < 0, -1, _ravel(coordinates // steps, coarse_grid))
             low, high = torch.amin(coarse, dims, keepdim), torch.amax(coarse, dims, keepdim)
             if torch.equal(low, high):
-                return Cells(high, (height // rows, width // columns))
+                return Cells(high, coarse_grid)
         return None
+
+
+def _factorizations(group: int, grid: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    """The strides, one per axis of ``grid`` and each dividing it, whose product is ``group``."""
+    if not grid:
+        if group == 1:
+            yield ()
+        return
+    for stride in range(1, group + 1):
+        if group % stride == 0 and grid[0] % stride == 0:
+            for rest in _factorizations(group // stride, grid[1:]):
+                yield (stride, *rest)
+
+
+def _ravel(coordinates: Tensor, grid: tuple[int, ...]) -> Tensor:
+    """The row-major index of each cell of ``grid`` given by its coordinates (stacked along axis 0)."""
+    index = torch.zeros_like(coordinates[0])
+    for axis, side in enumerate(grid):
+        index = index * side + coordinates[axis]
+    return index
 
 
 @dataclass
@@ -340,8 +358,9 @@ class OpTrace(TorchFunctionMode):
             self._mark(result, carried)
         elif (mark is not None and (name in _MOVES or name in _POOLS)) or cells is not None:
             self._move(func, name, args, kwargs, result, first, cells or Cells(mark.cells(first), mark.grid))
-        flattened = name in _RESHAPES and first.dim() == 4 and isinstance(result, Tensor) and result.dim() == 3
-        if flattened and self.mark_of(result) is None:  # a map's grid flattened, or a view of tokens sliced (LeViT)
+        flattened = name in _RESHAPES and first.dim() == self.rank + 2 and isinstance(result, Tensor)
+        if flattened and 2 < result.dim() < first.dim() and self.mark_of(result) is None:
+            # a map's grid flattened, or a view of tokens sliced (LeViT)
             self._mark(result, self._flattened(tuple(first.shape), tuple(result.shape)))
 
     def _carried(
@@ -420,13 +439,15 @@ class OpTrace(TorchFunctionMode):
                     self._cells[id(tensor)] = (tensor, found)
 
     def _flattened(self, before: tuple[int, ...], after: tuple[int, ...]) -> TokenMark | None:
-        """The mark of tokens flattened from a 4-D map: (N, C, h, w) to (N, C, h*w) or (N, h, w, C) to
-        (N, h*w, C), where (h, w) is a grid of the image."""
-        batch, p, q, r = before
-        if after == (batch, p, q * r) and self._grid_fits((q, r)):
-            return TokenMark(2, (q, r))
-        if after == (batch, p * q, r) and self._grid_fits((p, q)):
-            return TokenMark(1, (p, q))
+        """The mark of tokens flattened from a map of the input's rank: (N, C, *grid) to (..., C, cells) or
+        (N, *grid, C) to (..., cells, C), the axes in front holding N, where the grid is a grid of the input
+        (an image's (h, w), a clip's (t, h, w))."""
+        batch, first, last = before[0], before[2:], before[1:-1]
+        ahead = math.prod(after[:-2])
+        if after[-2:] == (before[1], math.prod(first)) and ahead == batch and self._grid_fits(first):
+            return TokenMark(len(after) - 1, first)
+        if after[-2:] == (math.prod(last), before[-1]) and ahead == batch and self._grid_fits(last):
+            return TokenMark(len(after) - 2, last)
         return None
 
     def _concatenated(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Tensor) -> None:
