@@ -314,3 +314,26 @@ def test_monai_networks_are_explained_as_the_user_s_modules() -> None:
     expected = reference(unet, x, "model.1", lambda out: (out[:, label] * region).sum(dim=(1, 2, 3)))
     assert result.raw.shape == expected.shape == (1, 16, 16, 16) and expected.amax() > 0
     assert (result.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_torchvision_video_classifiers_load_by_name_with_kinetics_preprocessing(tmp_path) -> None:
+    """load_model("r3d_18"): Kinetics-400's class names, 16 frames taken evenly over a clip, and frames prepared
+    exactly as torchvision's own transform of the weights prepares them; a checkpoint of the user's is read offline."""
+    import torchvision.models.video as video
+
+    torch.manual_seed(0)
+    checkpoint = tmp_path / "r3d.pt"
+    torch.save(video.r3d_18(num_classes=400).state_dict(), checkpoint)
+    spec = explain.load_model("r3d_18", weights=checkpoint)
+    assert spec.labels == list(video.R3D_18_Weights.DEFAULT.meta["categories"]) and len(spec.labels) == 400
+    assert spec.preprocessing.frames == 16 and spec.preprocessing.indices(31) == list(range(0, 31, 2))
+    frames = torch.randint(0, 256, (16, 90, 120, 3), dtype=torch.uint8)
+    clip = spec.preprocessing(frames)
+    expected = video.R3D_18_Weights.DEFAULT.transforms()(frames.permute(0, 3, 1, 2))
+    assert clip.shape == expected.shape == (3, 16, 112, 112)
+    torch.testing.assert_close(clip, expected)
+    result = explain.GradCAM(spec.model, labels=spec.labels)(clip[None], spec.labels[7])
+    assert result.layer == "layer4" and result.cams.shape == (1, 16, 112, 112) and result.class_indices[0] == 7
+    assert {"r3d_18", "mvit_v2_s", "swin3d_t", "s3d"} <= set(explain.models.available_models())
+    with pytest.raises(ExplainError, match="takes clips"):
+        spec.preprocess(np.zeros((32, 32, 3), np.uint8))

@@ -26,11 +26,12 @@ from torch import Tensor, nn
 
 from ..errors import ExplainError, LayerError, TargetError
 from ..targets import BoundTarget, Target, TargetLike, as_target, bound_on
+from ..targets.base import spatial_axes
 from .detectors import canvas_recorded, sparse_box_heads
 from .hooks import ActivationGradientRecorder, layer_entry
 from .layers import BACKBONE, LayerInfo, LayerSpec, auto_layers, resolve_layer, traced_layers
 from .layouts import Geometry, Layout, Reshape, find_layout, grids_recorded
-from .maps import INTERPOLATION, Canvas, normalize_maps, postprocess, principal_projection, spatial_axes, upsample
+from .maps import INTERPOLATION, Canvas, normalize_maps, postprocess, principal_projection, upsample
 from .model_state import exclusive, running, untouched
 from .rows import reached_rows
 

@@ -13,20 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..targets.base import spatial_axes
-
-__all__ = [
-    "INTERPOLATION",
-    "Canvas",
-    "map_axes",
-    "normalize_maps",
-    "postprocess",
-    "principal_projection",
-    "spatial_axes",
-    "upsample",
-]
-
-
 INTERPOLATION = {1: "linear", 2: "bilinear", 3: "trilinear"}  # by rank
 
 

@@ -6,11 +6,12 @@ name (``loaders.py``); users' checkpoints (``checkpoints.py``); the bundled Effi
 from .checkpoints import lite0_state_to_timm, read_state_dict
 from .loaders import TIMM_PREFIX, available_models, imagenet_labels, load_model
 from .query_models import QueryDetector, QuerySegmenter
-from .spec import ImageLike, ModelSpec, Preprocessing, Task
+from .spec import ClipPreprocessing, ImageLike, ModelSpec, Preprocessing, Task
 from .yolo import YoloDetector, load_yolo
 
 __all__ = [
     "TIMM_PREFIX",
+    "ClipPreprocessing",
     "ImageLike",
     "ModelSpec",
     "Preprocessing",

@@ -5,9 +5,11 @@ checkpoint of the user's. Each comes as a :class:`explain.models.spec.ModelSpec`
 from __future__ import annotations
 
 import difflib
+import re
 from functools import partial
 from importlib import resources
 from pathlib import Path
+from typing import Literal
 
 import torch
 from PIL import Image
@@ -16,7 +18,7 @@ from ..catalog import BUNDLED_MODEL as BUNDLED
 from ..catalog import DEFAULT_MODEL
 from ..errors import ModelLoadError, first_line
 from .checkpoints import fit_checkpoint, lite0_state_to_timm, read_state_dict
-from .spec import ModelSpec, Preprocessing, Task
+from .spec import ClipPreprocessing, ModelSpec, Preprocessing, Task
 
 
 def imagenet_labels() -> list[str]:
@@ -25,11 +27,14 @@ def imagenet_labels() -> list[str]:
     return text.splitlines()
 
 
-def _torchvision_tasks() -> dict[str, Task]:
-    """Every torchvision model explain can load, with its task."""
+def _torchvision_tasks() -> dict[str, Task | Literal["video"]]:
+    """Every torchvision model explain can load, with its task (``"video"``: a clip classifier)."""
     from torchvision import models
 
-    modules = {"classification": models, "segmentation": models.segmentation, "detection": models.detection}
+    modules = {
+        "classification": models, "segmentation": models.segmentation, "detection": models.detection,
+        "video": models.video,
+    }  # fmt: skip
     return {name: task for task, module in modules.items() for name in models.list_models(module=module)}
 
 
@@ -121,7 +126,7 @@ def _default_labels(known: list[str], num_classes: int) -> list[str]:
     return known if len(known) == num_classes else [f"class {i}" for i in range(num_classes)]
 
 
-def _load_torchvision(name: str, task: Task, weights: str | Path | None) -> ModelSpec:
+def _load_torchvision(name: str, task: Task | Literal["video"], weights: str | Path | None) -> ModelSpec:
     import torchvision
 
     default = torchvision.models.get_model_weights(name).DEFAULT
@@ -139,13 +144,23 @@ def _load_torchvision(name: str, task: Task, weights: str | Path | None) -> Mode
         path = Path(weights)
         state = read_state_dict(path)
         options = {}
-        if task != "classification":  # the checkpoint holds the backbone: no ImageNet download for it
+        if task in ("segmentation", "detection"):  # the checkpoint holds the backbone: no ImageNet download for it
             options["weights_backbone"] = None
         if task == "segmentation":
             options["aux_loss"] = any(key.startswith("aux_classifier.") for key in state)
         model, count = fit_checkpoint(partial(torchvision.models.get_model, name, **options), state, path, name)
         labels = _default_labels(known, count)
     preprocess = default.transforms()
+    if task == "video":  # a clip classifier: Kinetics-400's frames, size, crop and normalization
+        clip_length = re.search(r"clip_len=(\d+)", default.meta.get("_docs", ""))
+        preprocessing = ClipPreprocessing(
+            frames=int(clip_length.group(1)) if clip_length else 16,
+            resize=tuple(preprocess.resize_size),
+            crop=tuple(preprocess.crop_size),
+            mean=tuple(preprocess.mean),
+            std=tuple(preprocess.std),
+        )
+        return ModelSpec(model, name, labels, preprocessing, "classification")
     if task == "detection":  # the detector normalizes and resizes itself: it takes [0, 1] images of any size
         return ModelSpec(model, name, labels, Preprocessing(None, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)), task)
     bicubic = preprocess.interpolation.value == "bicubic"

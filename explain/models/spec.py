@@ -56,6 +56,49 @@ class Preprocessing:
         return asdict(self) | {"mean": list(self.mean), "std": list(self.std), "resample": int(self.resample)}
 
 
+@dataclass(frozen=True)
+class ClipPreprocessing:
+    """How a video's frames become a video classifier's input, (3, T, h, w): ``frames`` frames taken uniformly over
+    the clip (:meth:`indices`), each resized to ``resize`` (one side: the short side; two: exactly), cropped in
+    the centre to ``crop``, scaled to [0, 1] and normalized with ``mean`` and ``std``, as torchvision's video
+    weights preprocess Kinetics-400 clips (bilinear, without antialiasing, on the uint8 frames).
+
+    Attributes:
+        frames: The model's frame count (its weights' ``clip_len``).
+        resize: The size frames are resized to.
+        crop: The (h, w) of the centre crop.
+        mean: Per-channel normalization mean.
+        std: Per-channel normalization standard deviation.
+    """
+
+    frames: int
+    resize: tuple[int, ...]
+    crop: tuple[int, int]
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+    def indices(self, total: int) -> list[int]:
+        """The frames taken from a clip of ``total`` frames: ``frames`` of them, evenly spaced from the first to
+        the last (repeated where the clip is shorter)."""
+        if total < 1:
+            raise ExplainError("a clip without frames")
+        return torch.linspace(0, total - 1, self.frames).round().long().tolist()
+
+    def __call__(self, frames: Tensor | np.ndarray) -> Tensor:
+        """The clip ``frames`` (T, H, W, 3) uint8 RGB, already sampled, as the model's input (3, T, h, w)."""
+        from torchvision.transforms import functional
+
+        clip = torch.as_tensor(np.asarray(frames)).permute(0, 3, 1, 2)  # (T, 3, H, W)
+        clip = functional.resize(clip, list(self.resize), antialias=False)
+        clip = functional.center_crop(clip, list(self.crop)).float() / 255
+        clip = functional.normalize(clip, list(self.mean), list(self.std))
+        return clip.permute(1, 0, 2, 3).contiguous()
+
+    def settings(self) -> dict[str, Any]:
+        """Its fields as JSON values (the manifest's header)."""
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
+
+
 @dataclass
 class ModelSpec:
     """A model together with what is needed to feed it and to name its classes.
@@ -64,7 +107,7 @@ class ModelSpec:
         model: The network, in eval mode.
         name: The architecture's name.
         labels: One name per output class.
-        preprocessing: How an image becomes the model's input.
+        preprocessing: How an image becomes the model's input, or for a video classifier how a clip's frames do.
         task: What the model does, which decides the default target: ``"classification"``
             ((N, classes) scores), ``"segmentation"`` (a dict whose ``"out"`` is (N, classes,
             H, W)) or ``"detection"`` (a list of dicts of boxes, labels and scores).
@@ -73,7 +116,7 @@ class ModelSpec:
     model: nn.Module
     name: str
     labels: list[str]
-    preprocessing: Preprocessing
+    preprocessing: Preprocessing | ClipPreprocessing
     task: Task = "classification"
 
     @property
@@ -101,6 +144,11 @@ class ModelSpec:
             ExplainError: With ``keep_aspect``, images whose resized shapes differ.
             ImageLoadError: A path that is not a readable image.
         """
+        if isinstance(self.preprocessing, ClipPreprocessing):
+            raise ExplainError(
+                f"{self.name} takes clips: sample a clip's frames with preprocessing.indices(total), then "
+                "preprocessing(frames) gives the model's input (3, T, h, w)"
+            )
         single = isinstance(images, (Image.Image, np.ndarray, str, Path))
         transform = self.preprocessing.with_aspect(keep_aspect)
         batch = [transform(_as_rgb(image)) for image in ([images] if single else images)]
