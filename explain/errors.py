@@ -34,7 +34,11 @@ class ModelLoadError(ExplainError):
     """A model or its weights cannot be loaded."""
 
 
-class ImageLoadError(ExplainError):
+class InputLoadError(ExplainError):
+    """An input file cannot be read: an image, a volume or a signal."""
+
+
+class ImageLoadError(InputLoadError):
     """An input file cannot be read as an image."""
 
 

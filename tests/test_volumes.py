@@ -4,6 +4,9 @@ torch itself, and Grad-CAM on a video network against pytorch-grad-cam's 3-D pat
 
 from __future__ import annotations
 
+import re
+
+import matplotlib
 import numpy as np
 import pytest
 import torch
@@ -337,3 +340,91 @@ def test_torchvision_video_classifiers_load_by_name_with_kinetics_preprocessing(
     assert {"r3d_18", "mvit_v2_s", "swin3d_t", "s3d"} <= set(explain.models.available_models())
     with pytest.raises(ExplainError, match="takes clips"):
         spec.preprocess(np.zeros((32, 32, 3), np.uint8))
+
+
+def peak_model() -> nn.Module:
+    """A 3-D network whose score is the largest value of its input smoothed by a peaked kernel: its Grad-CAM is
+    one-hot at the brightest voxel."""
+    conv = nn.Conv3d(1, 1, 3, padding=1, bias=False)
+    with torch.no_grad():
+        conv.weight.fill_(1.0)
+        conv.weight[0, 0, 1, 1, 1] = 3.0
+    return nn.Sequential(conv, nn.ReLU(), nn.AdaptiveMaxPool3d(1), nn.Flatten()).eval()
+
+
+def test_a_nifti_volume_is_read_and_its_heatmap_written_with_its_affine(tmp_path) -> None:
+    """A NIfTI made here with a bright blob: read with its affine, explained by a network whose score peaks at the
+    blob, its heatmap written as a NIfTI of the scan's shape and affine whose peak is the blob; and the montage of
+    the three slices through the peak."""
+    import nibabel
+
+    from explain.io.volumes import montage, read_volume, write_heatmap
+
+    data = np.zeros((10, 12, 14), np.float32)
+    data[6, 3, 9] = 5.0
+    affine = np.diag([0.8, 0.8, 2.5, 1.0])
+    affine[:3, 3] = [-40.0, 12.0, 7.5]
+    nibabel.save(nibabel.Nifti1Image(data, affine), str(tmp_path / "scan.nii.gz"))
+    volume = read_volume(tmp_path / "scan.nii.gz")
+    np.testing.assert_array_equal(volume.data, data)
+    np.testing.assert_allclose(volume.affine, affine)
+
+    x = torch.from_numpy(volume.data)[None, None]
+    result = explain.GradCAM(peak_model(), "1")(x, 0)
+    write_heatmap(result.cams[0], volume, tmp_path / "scan.gradcam.nii.gz")
+    written = nibabel.load(str(tmp_path / "scan.gradcam.nii.gz"))
+    assert written.shape == data.shape and np.allclose(written.affine, affine)
+    heat = np.asarray(written.dataobj)
+    assert np.unravel_index(heat.argmax(), heat.shape) == (6, 3, 9)
+    picture = montage(volume, result.cams[0])
+    assert picture.size == (14 + 4 + 14 + 4 + 12, 12)  # slices across D (12x14), H (10x14), W (10x12)
+
+
+def test_bad_volumes_and_signals_are_one_line_errors(tmp_path) -> None:
+    import nibabel
+
+    from explain.errors import InputLoadError
+    from explain.io.signals import read_signal
+    from explain.io.volumes import read_volume
+
+    nibabel.save(nibabel.Nifti1Image(np.zeros((4, 4, 4, 3), np.float32), np.eye(4)), str(tmp_path / "series.nii"))
+    (tmp_path / "broken.nii.gz").write_bytes(b"\x1f\x8b not really gzip")
+    np.save(tmp_path / "flat.npy", np.zeros((5, 5), np.float32))
+    np.save(tmp_path / "nan.npy", np.array([[1.0, np.nan, 2.0]], np.float32))
+    for name, problem in [
+        ("series.nii", "a series of volumes, shape (4, 4, 4, 3)"),
+        ("broken.nii.gz", "cannot read the volume"),
+        ("flat.npy", "no volume, shape (5, 5)"),
+    ]:
+        with pytest.raises(InputLoadError, match=f"{name}: {re.escape(problem)}") as caught:
+            read_volume(tmp_path / name)
+        assert "\n" not in str(caught.value)
+    with pytest.raises(InputLoadError, match=r"nan\.npy: the signal holds NaN"):
+        read_signal(tmp_path / "nan.npy")
+
+
+def test_a_signal_file_is_read_channels_first_and_drawn_over_its_map(tmp_path) -> None:
+    """A .csv has one sample per row: read as (C, L). The picture draws each channel over the map's band: red where
+    the map is high, blue where it is low (jet)."""
+    from explain.io.signals import plot_signal, read_signal
+
+    samples = np.stack([np.sin(np.arange(200) / 10), np.cos(np.arange(200) / 10)], axis=1)
+    np.savetxt(tmp_path / "ecg.csv", samples, delimiter=",", header="lead I,lead II", comments="")
+    signal = read_signal(tmp_path / "ecg.csv")
+    assert signal.shape == (2, 200)
+    np.testing.assert_allclose(signal, samples.T, rtol=1e-6)
+    band = np.zeros(200, np.float32)
+    band[150:] = 1.0
+    picture = np.asarray(plot_signal(signal, band))
+    row = picture[picture.shape[0] // 4]  # a row through the first panel
+    inside = np.nonzero((row != 255).any(axis=1))[0]  # the panel's columns
+
+    def commonest(column: int) -> np.ndarray:  # the band's colour: the commonest in the column, the curve aside
+        colours, counts = np.unique(picture[:, column], axis=0, return_counts=True)
+        return colours[counts.argmax()].astype(float)
+
+    white = np.full(3, 255.0)
+    jet = {value: np.array(matplotlib.colormaps["jet"](value)[:3]) * 255 for value in (0.0, 1.0)}
+    for share, value in ((0.9, 1.0), (0.2, 0.0)):  # late: the map's high end; early: its low end
+        expected = 0.6 * jet[value] + 0.4 * white  # the band, drawn at alpha 0.6 on white
+        assert np.abs(commonest(inside[int(len(inside) * share)]) - expected).max() <= 3

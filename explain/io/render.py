@@ -181,7 +181,8 @@ def panel_figure(
     return fig
 
 
-def _rendered(fig: Figure) -> Image.Image:
+def rendered(fig: Figure) -> Image.Image:
+    """A matplotlib figure drawn off-screen, as an RGB image."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     canvas = FigureCanvasAgg(fig)
@@ -209,10 +210,10 @@ def figure(
     pixels = rgb_array(image)
     plain = mark(Image.fromarray(pixels))
     if np.ndim(cam) == 3:
-        return _rendered(panel_figure({"image": plain, "guided": mark(picture(pixels, cam))}, title, columns=2))
+        return rendered(panel_figure({"image": plain, "guided": mark(picture(pixels, cam))}, title, columns=2))
     heat = np.clip(resize_map(cam, *pixels.shape[:2]), 0.0, 1.0)
     panels = {"image": plain, "heatmap": heat, "overlay": mark(overlay(pixels, heat, alpha, colormap))}
-    return _rendered(panel_figure(panels, title, columns=3, colormap=colormap))
+    return rendered(panel_figure(panels, title, columns=3, colormap=colormap))
 
 
 def grid(
@@ -229,4 +230,4 @@ def grid(
     pixels = rgb_array(image)
     pictures = {name: picture(pixels, cam, alpha, colormap) for name, cam in cams.items()}
     panels = {"image": mark(Image.fromarray(pixels)), **{name: mark(p) for name, p in pictures.items()}}
-    return _rendered(panel_figure(panels, title, columns=min(columns, len(panels))))
+    return rendered(panel_figure(panels, title, columns=min(columns, len(panels))))

@@ -1,0 +1,130 @@
+"""Volumes: a scan read from a NIfTI file (with ``nibabel``, an optional extra) or a 3-D ``.npy``; its heatmap written
+as a NIfTI with the scan's own shape and affine, which radiologists' viewers overlay on the scan; and a montage of
+the three slices through the map's peak as its picture."""
+
+from __future__ import annotations
+
+import gzip
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+from ..errors import InputLoadError, first_line
+from .atomic import write_atomically
+from .render import overlay
+
+NIFTI_SUFFIXES = (".nii", ".nii.gz")
+VOLUME_SUFFIXES = (*NIFTI_SUFFIXES, ".npy")
+
+
+@dataclass(frozen=True)
+class Volume:
+    """A scan as stored, one value per voxel.
+
+    Attributes:
+        data: The voxels (D, H, W) float32, in the file's own axis order (a NIfTI's i, j, k).
+        affine: The 4x4 map from voxel indices to world coordinates (the identity for a ``.npy``).
+    """
+
+    data: np.ndarray
+    affine: np.ndarray
+
+
+def _nibabel(path: Path):
+    try:
+        import nibabel
+    except ImportError:
+        raise InputLoadError(f'{path}: a NIfTI file needs nibabel: pip install "explain[volumes]"') from None
+    return nibabel
+
+
+def is_nifti(path: Path) -> bool:
+    """Whether the file's name ends as a NIfTI file's does."""
+    return path.name.lower().endswith(NIFTI_SUFFIXES)
+
+
+def read_volume(path: str | Path) -> Volume:
+    """One 3-D scan from a NIfTI file (``.nii``, ``.nii.gz``) or a 3-D ``.npy`` array.
+
+    Raises:
+        InputLoadError: The file cannot be read, holds no 3-D volume (a 4-D series, a 2-D array), or holds NaN or
+            infinite values; the message names the file.
+    """
+    path = Path(path)
+    try:
+        if is_nifti(path):
+            image = _nibabel(path).load(str(path))
+            data, affine = np.asarray(image.dataobj), np.asarray(image.affine, dtype=np.float64)
+        elif path.suffix.lower() == ".npy":
+            data, affine = np.load(path, allow_pickle=False), np.eye(4)
+        else:
+            raise InputLoadError(f"{path}: not a volume ({', '.join(VOLUME_SUFFIXES)})")
+    except InputLoadError:
+        raise
+    except Exception as err:  # a truncated or corrupt file: nibabel and numpy raise many kinds
+        raise InputLoadError(f"{path}: cannot read the volume: {first_line(err)}") from None
+    if data.ndim != 3:
+        kind = "a series of volumes" if data.ndim == 4 else "no volume"
+        raise InputLoadError(f"{path}: {kind}, shape {data.shape}; explain takes one 3-D volume (D, H, W) per file")
+    if not np.issubdtype(data.dtype, np.number) or np.iscomplexobj(data):
+        raise InputLoadError(f"{path}: voxels of type {data.dtype}, not real numbers")
+    volume = data.astype(np.float32)
+    if not np.isfinite(volume).all():
+        raise InputLoadError(f"{path}: the volume holds NaN or infinite values")
+    return Volume(volume, affine)
+
+
+def write_heatmap(heatmap: Tensor | np.ndarray, volume: Volume, path: Path) -> None:
+    """Write a map of the volume's shape as a float32 NIfTI with the volume's affine, atomically.
+
+    Raises:
+        ValueError: The map's shape is not the volume's (upsample it to the volume first).
+    """
+    values = heatmap.detach().cpu().float().numpy() if isinstance(heatmap, Tensor) else np.asarray(heatmap, np.float32)
+    if values.shape != volume.data.shape:
+        raise ValueError(f"the heatmap is {values.shape}, the volume {volume.data.shape}: upsample it to the volume")
+    encoded = _nibabel(path).Nifti1Image(values.astype(np.float32), volume.affine).to_bytes()
+    if path.name.lower().endswith(".gz"):
+        encoded = gzip.compress(encoded, compresslevel=6)
+    write_atomically(path, lambda temp: temp.write_bytes(encoded))
+
+
+def _grey(slice_: np.ndarray, low: float, high: float) -> np.ndarray:
+    """A slice as an RGB uint8 image, its values windowed to [low, high]."""
+    scaled = np.clip((slice_ - low) / max(high - low, 1e-12), 0, 1)
+    return np.repeat((scaled * 255 + 0.5).astype(np.uint8)[..., None], 3, axis=-1)
+
+
+def montage(
+    volume: Volume, heatmap: Tensor | np.ndarray, alpha: float = 0.5, colormap: str = "jet", gap: int = 4
+) -> Image.Image:
+    """The three slices through the map's peak, one across each axis of the volume, the map blended onto each, side
+    by side: the picture of a volume's explanation. The scan is shown grey, windowed to its 1st-99th percentile.
+
+    Args:
+        volume: The scan.
+        heatmap: Its map, (D, H, W) at the volume's size, values in [0, 1].
+        alpha: Weight of the heatmap.
+        colormap: A matplotlib colormap name.
+        gap: Black pixels between the slices.
+    """
+    values = torch.as_tensor(heatmap).detach().cpu().float().numpy()
+    if values.shape != volume.data.shape:
+        raise ValueError(f"the heatmap is {values.shape}, the volume {volume.data.shape}: upsample it to the volume")
+    peak = np.unravel_index(int(values.argmax()), values.shape)
+    low, high = np.percentile(volume.data, [1, 99])
+    pictures = []
+    for axis in range(3):
+        scan, heat = np.take(volume.data, peak[axis], axis=axis), np.take(values, peak[axis], axis=axis)
+        pictures.append(overlay(_grey(scan, float(low), float(high)), heat, alpha, colormap))
+    height = max(p.height for p in pictures)
+    sheet = Image.new("RGB", (sum(p.width for p in pictures) + gap * 2, height))
+    left = 0
+    for p in pictures:
+        sheet.paste(p, (left, 0))
+        left += p.width + gap
+    return sheet
