@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from conftest import capture_score, hook_count
+from PIL import Image
 from torch import nn
 
 import explain
@@ -428,3 +429,64 @@ def test_a_signal_file_is_read_channels_first_and_drawn_over_its_map(tmp_path) -
     for share, value in ((0.9, 1.0), (0.2, 0.0)):  # late: the map's high end; early: its low end
         expected = 0.6 * jet[value] + 0.4 * white  # the band, drawn at alpha 0.6 on white
         assert np.abs(commonest(inside[int(len(inside) * share)]) - expected).max() <= 3
+
+
+def make_video(path, frames: np.ndarray, fps: int) -> None:
+    """A lossless video (FFV1) of the frames, made with PyAV."""
+    import av
+
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("ffv1", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "bgr0"
+        for pixels in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode(None))
+
+
+def test_a_video_file_is_explained_frame_by_frame_and_written_back(tmp_path) -> None:
+    """A clip made here (PyAV): its frames read as they were written; 16 of its 24 frames sampled for r3d_18 and
+    prepared as torchvision does; the maps placed back on the crop's region of each whole frame and on the nearest
+    sampled frame in time; the overlay video has the clip's frame count, size and rate, and its frames are the
+    original frames blended with those maps (up to H.264's loss)."""
+    import av
+    import torchvision.models.video as video
+
+    from explain.errors import InputLoadError
+    from explain.io.video import frame_strip, overlay_frames, read_video, sampled_maps, write_gif, write_video
+
+    torch.manual_seed(0)
+    frames = np.zeros((24, 48, 64, 3), np.uint8)
+    for t in range(24):
+        frames[t, 10:30, 2 * t : 2 * t + 16] = (220, 180, 40)  # a square moving right
+    make_video(tmp_path / "clip.mkv", frames, fps=12)
+    clip = read_video(tmp_path / "clip.mkv")
+    assert clip.fps == 12 and clip.frames.shape == frames.shape
+    np.testing.assert_array_equal(clip.frames, frames)
+
+    checkpoint = tmp_path / "r3d.pt"
+    torch.save(video.r3d_18(num_classes=400).state_dict(), checkpoint)
+    spec = explain.load_model("r3d_18", weights=checkpoint)
+    chosen = spec.preprocessing.indices(len(clip.frames))
+    result = explain.GradCAM(spec.model)(spec.preprocessing(clip.frames[chosen])[None])
+    placed = spec.preprocessing.on_frames(result.cams[0], 48, 64)  # (16, 48, 64)
+    top, left, bottom, right = spec.preprocessing.region(48, 64)  # 128x171 -> 112x112 crop, scaled to 48x64
+    assert (top, left, bottom, right) == (3, 11, 45, 53) and not placed[:, :, :left].any()
+    maps = sampled_maps(placed, chosen, len(clip.frames))
+    assert torch.equal(maps[0], placed[0]) and torch.equal(maps[23], placed[15]) and torch.equal(maps[3], placed[2])
+    blended = overlay_frames(clip.frames, maps)
+    write_video(blended, clip.fps, tmp_path / "clip.gradcam.mp4")
+    written = read_video(tmp_path / "clip.gradcam.mp4")
+    assert written.frames.shape == frames.shape and written.fps == 12
+    # H.264 in yuv420p halves the colour planes, which blurs colour edges; each frame's mean colour survives
+    assert np.median(np.abs(written.frames.astype(float) - blended)) <= 2
+    assert np.abs(written.frames.mean(axis=(1, 2)) - blended.mean(axis=(1, 2))).max() < 2
+    with av.open(str(tmp_path / "clip.gradcam.mp4")) as container:
+        assert container.streams.video[0].codec_context.name == "h264"
+
+    write_gif(blended, clip.fps, tmp_path / "clip.gradcam.gif")
+    gif = Image.open(tmp_path / "clip.gradcam.gif")
+    assert gif.n_frames == 24 and gif.size == (213, 160)
+    assert frame_strip(blended, count=8).size == (128 * 8, 96)
+    (tmp_path / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 truncated")
+    with pytest.raises(InputLoadError, match=r"broken\.mp4: cannot decode the video"):
+        read_video(tmp_path / "broken.mp4")

@@ -94,6 +94,31 @@ class ClipPreprocessing:
         clip = functional.normalize(clip, list(self.mean), list(self.std))
         return clip.permute(1, 0, 2, 3).contiguous()
 
+    def region(self, height: int, width: int) -> tuple[int, int, int, int]:
+        """The part of a (height, width) frame that the centre crop keeps, in the frame's pixels, rounded:
+        (top, left, bottom, right). The frame is resized first, so the crop's box scales back with it."""
+        if len(self.resize) == 1:  # the short side to resize[0], the long one in proportion (rounded down)
+            short, long = sorted((height, width))
+            side = (self.resize[0], int(self.resize[0] * long / short))
+            resized = side if height <= width else side[::-1]
+        else:
+            resized = self.resize
+        top, left = (round((r - c) / 2) for r, c in zip(resized, self.crop))  # as torchvision centres its crop
+        scale_h, scale_w = height / resized[0], width / resized[1]
+        box = (top * scale_h, left * scale_w, (top + self.crop[0]) * scale_h, (left + self.crop[1]) * scale_w)
+        return tuple(round(v) for v in box)  # type: ignore[return-value]
+
+    def on_frames(self, maps: Tensor, height: int, width: int) -> Tensor:
+        """Maps (T, h, w) over the model's crop as maps over whole (height, width) frames: each resized
+        bilinearly onto the crop's :meth:`region`, zero outside it, where the model saw nothing."""
+        top, left, bottom, right = self.region(height, width)
+        placed = maps.new_zeros(len(maps), height, width)
+        inside = torch.nn.functional.interpolate(
+            maps[:, None].float(), size=(bottom - top, right - left), mode="bilinear", align_corners=False
+        )
+        placed[:, top:bottom, left:right] = inside[:, 0]
+        return placed
+
     def settings(self) -> dict[str, Any]:
         """Its fields as JSON values (the manifest's header)."""
         return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
