@@ -490,3 +490,39 @@ def test_a_video_file_is_explained_frame_by_frame_and_written_back(tmp_path) -> 
     (tmp_path / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 truncated")
     with pytest.raises(InputLoadError, match=r"broken\.mp4: cannot decode the video"):
         read_video(tmp_path / "broken.mp4")
+
+
+class SignalTransformer(nn.Module):
+    """A 1-D transformer: a strided convolution cuts the signal into patches, a class token goes in front, two
+    encoder layers, and a head on the class token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Conv1d(2, 16, 10, stride=10)
+        self.cls = nn.Parameter(torch.randn(1, 1, 16))
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.embed(x).transpose(1, 2)
+        tokens = torch.cat([self.cls.expand(len(tokens), -1, -1), tokens], dim=1)
+        return self.head(self.encoder(tokens)[:, 0])
+
+
+def test_a_1d_transformer_s_tokens_are_laid_out_along_the_signal() -> None:
+    """The convolution's positions are the signal's grid; the transpose makes them tokens behind a class token.
+    The head reads the class token alone, so the automatic layer is the last encoder layer's input, its 10 patch
+    tokens laid out along time."""
+    torch.manual_seed(0)
+    model = SignalTransformer().eval()
+    x = torch.randn(2, 2, 100)
+    layers = traced_layers(model, x)
+    assert layers["encoder.layers.0"].layout.kind == "tokens" and layers["encoder.layers.0"].layout.prefix == 1
+    assert layers["embed"].layout.kind == "channels_first"
+    result = explain.GradCAM(model)(x, logit(1), resize=False, normalize=False)
+    assert result.layer == "encoder.layers.0"
+    a, g = (t[:, 1:].transpose(1, 2) for t in capture_score(model, x, result.layer, logit(1)))
+    expected = (g.mean(dim=2, keepdim=True) * a).sum(dim=1).clamp(min=0)
+    assert result.raw.shape == expected.shape == (2, 10) and expected.amax() > 0
+    assert (result.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()

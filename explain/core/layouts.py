@@ -156,6 +156,8 @@ def find_layout(
     if probabilities:
         raise LayerError(f"layer {name!r} outputs attention {shape}, not a map of the image; {WAY_OUT}")
     rank = len(geometry.size)
+    if rank == 1 and len(shape) == 2 and name in observed.tokens:  # a 1-D transformer's tokens (L, C), or (1 + L, C)
+        return _token_layout(name, shape, geometry, observed.tokens[name])
     if len(shape) == rank + 1:
         return _grid_layout(name, shape, geometry, observed.feature_axes.get(name))
     if len(shape) != 2 or rank == 1:
@@ -199,7 +201,7 @@ def _grid_layout(name: str, shape: tuple[int, ...], geometry: Geometry, feature_
     own feature axis when an operation told it, else from the one reading that fits the input.
 
     A signal's channels-last output (N, l, C) is refused: nothing but its length would tell its positions from
-    tokens with a class token in front (a 1-D transformer's).
+    tokens with a class token in front (a 1-D transformer's, laid out as tokens when the trace marks them).
 
     Raises:
         LayerError: The reading the model implies does not fit the input, none fits, or, untold, both do.

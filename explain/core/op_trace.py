@@ -9,14 +9,16 @@ operations the model runs say both. During a traced pass, :class:`OpTrace` (a
   tells which axis holds the features: axis 1 of a convolution, a batch, group or instance norm, a pooling
   or resampling, or a flatten of all the spatial axes; the last axis of a linear layer or a layer norm; the
   one axis a mean or variance is taken over; the axis kept when all the others but the batch are pooled.
-- **Tokens of a grid.** A 4-D map flattened into tokens (a patch embedding's convolution, a stage's
-  output) marks the tokens with their (h, w) grid; the mark follows them through permutes, element-wise
-  operations, reshapes of the axes after the token axis, operations over the last axis (linear layers,
-  layer norms), attention (its rows are its queries' tokens), a concatenation of tokens in front (a class
-  token: the prefix; never another grid's tokens, as a pyramid's levels flattened one after another are), a slice
-  of the prefix, and through any module whose first input carries the mark and
-  whose output keeps its token count (an attention block, an MLP). Tokens without the mark (a detector's object
-  queries) are never laid out on a grid, whatever their count.
+- **Tokens of a grid.** A map of the input's rank flattened into tokens (a patch embedding's convolution, a
+  stage's output) marks the tokens with their grid ((h, w) for an image, (t, h, w) for a clip); a signal's
+  convolution marks its output's positions (axis 2) as the signal's grid, which a transpose makes tokens (a 1-D
+  transformer's patch embedding). The mark follows the tokens through permutes, element-wise operations,
+  reshapes of the axes after the token axis, operations over the last axis (linear layers, layer norms),
+  attention (its rows are its queries' tokens), a concatenation of tokens in front (a class token: the prefix;
+  never another grid's tokens, as a pyramid's levels flattened one after another are), a slice of the prefix,
+  and through any module whose first input carries the mark and whose output keeps its token count (an
+  attention block, an MLP). Tokens without the mark (a detector's object queries) are never laid out on a grid,
+  whatever their count.
 - **Tokens moved about.** Where a call moves marked tokens in a way the mark cannot follow (split into windows,
   reordered across the batch axis, pooled in groups), each element's grid cell is followed instead: the same
   call runs on a tensor of cell numbers. A pooling over groups of tokens gives a coarser grid when each group
@@ -353,6 +355,10 @@ class OpTrace(TorchFunctionMode):
         if not isinstance(first, Tensor):
             return
         mark, cells = self.mark_of(first), self._cells_of(first)
+        if self.rank == 1 and name == "conv1d" and isinstance(result, Tensor) and result.dim() == 3:
+            # a signal's convolution: its positions are a grid of the signal, channels first (tokens on axis 2)
+            self._mark(result, TokenMark(2, (result.shape[2],)) if self._grid_fits((result.shape[2],)) else None)
+            return
         carried = self._carried(name, args, kwargs, result, mark) if mark is not None else None
         if carried is not None:
             self._mark(result, carried)
