@@ -526,3 +526,52 @@ def test_a_1d_transformer_s_tokens_are_laid_out_along_the_signal() -> None:
     expected = (g.mean(dim=2, keepdim=True) * a).sum(dim=1).clamp(min=0)
     assert result.raw.shape == expected.shape == (2, 10) and expected.amax() > 0
     assert (result.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def write_dicom_slice(path, pixels: np.ndarray, z: float, series: str, intercept: float = -1024.0) -> None:
+    """One CT slice made with pydicom: axial (rows along y, columns along x), 0.5 x 0.7 mm pixels, at height z."""
+    from pydicom import Dataset
+    from pydicom.dataset import FileMetaDataset
+    from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
+
+    meta = FileMetaDataset()
+    meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID = CTImageStorage, generate_uid()
+    meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds = Dataset()
+    ds.file_meta = meta
+    ds.SOPClassUID, ds.SOPInstanceUID, ds.SeriesInstanceUID = CTImageStorage, meta.MediaStorageSOPInstanceUID, series
+    ds.Modality = "CT"
+    ds.ImagePositionPatient = [-20.0, 10.0, z]
+    ds.ImageOrientationPatient = [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    ds.PixelSpacing, ds.SliceThickness = [0.5, 0.7], 2.0
+    ds.Rows, ds.Columns = pixels.shape
+    ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, "MONOCHROME2"
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 16, 15, 1
+    ds.RescaleSlope, ds.RescaleIntercept = 1.0, intercept
+    ds.PixelData = pixels.astype(np.int16).tobytes()
+    ds.save_as(path, enforce_file_format=True)
+
+
+def test_a_dicom_series_is_read_in_slice_order_with_its_affine(tmp_path) -> None:
+    """Four axial CT slices made here, written in shuffled order: stacked by their position along the normal, in
+    Hounsfield units, with the affine from (slice, row, column) to RAS millimetres."""
+    from explain.errors import InputLoadError
+    from explain.io.volumes import read_volume
+
+    rng = np.random.default_rng(0)
+    stored = rng.integers(0, 2000, size=(4, 8, 10))
+    heights = [30.0, 32.5, 35.0, 37.5]
+    for k in (2, 0, 3, 1):
+        write_dicom_slice(tmp_path / f"s{k}.dcm", stored[k], heights[k], series="1.2.3")
+    volume = read_volume(tmp_path)
+    np.testing.assert_array_equal(volume.data, stored - 1024.0)
+    voxel = np.array([2, 3, 4, 1.0])  # slice 2, row 3, column 4
+    lps = np.array([-20.0 + 4 * 0.7, 10.0 + 3 * 0.5, 35.0])  # x along the columns, y along the rows
+    np.testing.assert_allclose(volume.affine @ voxel, [-lps[0], -lps[1], lps[2], 1.0])
+
+    write_dicom_slice(tmp_path / "other.dcm", stored[0], 40.0, series="9.9.9")
+    with pytest.raises(InputLoadError, match="several DICOM series"):
+        read_volume(tmp_path)
+    (tmp_path / "other.dcm").write_bytes(b"not dicom")
+    with pytest.raises(InputLoadError, match=r"other\.dcm: cannot read the DICOM slice"):
+        read_volume(tmp_path)
