@@ -94,7 +94,7 @@ class TokenMark:
     def cells(self, like: Tensor) -> Tensor:
         """The grid cell of each element of a tensor with this mark, -1 for the prefix's tokens."""
         rows = torch.arange(math.prod(self.grid)) if self.order is None else torch.tensor(self.order)
-        rows = torch.cat([torch.full((self.prefix,), -1), rows])
+        rows = torch.cat([torch.full((self.prefix,), -1), rows]).int()  # int32: half the memory of the default
         shape = [1] * like.dim()
         shape[self.axis] = len(rows)
         return rows.view(shape).expand(like.shape)
@@ -115,9 +115,10 @@ class Cells:
         rows = cells[0, :, 0]
         prefix = int((rows < 0).long().cumprod(0).sum())
         order = rows[prefix:]
-        if len(order) != math.prod(self.grid) or not torch.equal(order.sort().values, torch.arange(len(order))):
+        every = torch.arange(len(order), dtype=order.dtype)
+        if len(order) != math.prod(self.grid) or not torch.equal(order.sort().values, every):
             return None
-        raster = torch.equal(order, torch.arange(len(order)))
+        raster = torch.equal(order, every)
         return TokenMark(1, self.grid, prefix, None if raster else tuple(order.tolist()))
 
     def pooled(self, dims: tuple[int, ...], keepdim: bool) -> Cells | None:
@@ -260,8 +261,10 @@ class OpTrace(TorchFunctionMode):
         self.stack: list[str] = []
         self.observed = Observed()
         self._quiet = False
-        self._marks: dict[int, tuple[Tensor, TokenMark]] = {}  # id -> (tensor, its mark)
-        self._cells: dict[int, tuple[Tensor, Cells]] = {}  # id -> (tensor, its elements' cells), tokens moved about
+        # id -> (tensor, its mark), and id -> (tensor, its elements' cells) for tokens moved about; held weakly, so
+        # that the trace keeps no tensor alive that the model let go
+        self._marks: dict[int, tuple[weakref.ref[Tensor], TokenMark]] = {}
+        self._cells: dict[int, tuple[weakref.ref[Tensor], Cells]] = {}
         self._outputs: dict[int, tuple[weakref.ref[Tensor], list[str]]] = {}  # id -> (layers' output, names)
         self.read: set[str] = set()  # the layers whose output a later operation read, not only passed on
         self.free_modules: set[str] = set()  # the modules without parameters, filled by the caller
@@ -313,11 +316,11 @@ class OpTrace(TorchFunctionMode):
     def mark_of(self, value: Any) -> TokenMark | None:
         """The token mark a tensor carries, or None."""
         known = self._marks.get(id(value)) if isinstance(value, Tensor) else None
-        return known[1] if known is not None and known[0] is value else None
+        return known[1] if known is not None and known[0]() is value else None
 
     def _mark(self, tensor: Tensor, mark: TokenMark | None) -> None:
         if mark is not None and 0 < mark.axis < tensor.dim():
-            self._marks[id(tensor)] = (tensor, mark)
+            self._marks[id(tensor)] = (weakref.ref(tensor), mark)
 
     def module_output(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         """A module's output keeps the mark of its first input when it keeps its token count; a 3-D output
@@ -346,7 +349,7 @@ class OpTrace(TorchFunctionMode):
                 self.observed.tokens.setdefault(name if key is None else f"{name}:{key}", own)
 
     def _tokens(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
-        """Mark the tokens a call makes of a 4-D map, or carry the mark of tokens on."""
+        """Mark the tokens a call makes of a map of the input's rank, or carry the mark of tokens on."""
         if name in ("cat", "concat", "concatenate"):
             if isinstance(result, Tensor):
                 self._concatenated(args, kwargs, result)
@@ -392,7 +395,7 @@ class OpTrace(TorchFunctionMode):
 
     def _cells_of(self, value: Any) -> Cells | None:
         known = self._cells.get(id(value)) if isinstance(value, Tensor) else None
-        return known[1] if known is not None and known[0] is value else None
+        return known[1] if known is not None and known[0]() is value else None
 
     def _move(
         self,
@@ -427,9 +430,7 @@ class OpTrace(TorchFunctionMode):
         elif isinstance(result, Tensor) and (name in _LAST_AXIS or name in _PRODUCTS):
             rows = cells.cells[..., :1]  # each row's cell, when the row is one cell
             if bool((cells.cells == rows).all()) and result.dim() == rows.dim():
-                moved = (
-                    rows.expand(*result.shape[:-1], result.shape[-1]) if rows.shape[:-1] == result.shape[:-1] else None
-                )
+                moved = rows.expand(result.shape) if rows.shape[:-1] == result.shape[:-1] else None
         pairs = (
             zip(result, moved)
             if isinstance(moved, (list, tuple)) and isinstance(result, (list, tuple))
@@ -442,7 +443,7 @@ class OpTrace(TorchFunctionMode):
                 if mark is not None and self._grid_fits(mark.grid):
                     self._mark(tensor, mark)
                 else:
-                    self._cells[id(tensor)] = (tensor, found)
+                    self._cells[id(tensor)] = (weakref.ref(tensor), found)
 
     def _flattened(self, before: tuple[int, ...], after: tuple[int, ...]) -> TokenMark | None:
         """The mark of tokens flattened from a map of the input's rank: (N, C, *grid) to (..., C, cells) or
