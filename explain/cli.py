@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
-from .catalog import BUNDLED_MODEL, DEFAULT_MODEL, METRIC_NAMES, method_table
+from .catalog import BUNDLED_MODEL, DEFAULT_MODEL, METRIC_NAMES, VIDEO_MODELS, method_table
 from .errors import ExplainError
 from .export.inputs import Input, collect_inputs, listed_inputs
 from .export.manifest import check_fresh
@@ -56,7 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _what_to_read(add: Callable[..., Any]) -> None:
     """The inputs, the model and its layers."""
-    add("inputs", nargs="*", help="image files, folders (searched recursively) and glob patterns")
+    add(
+        "inputs",
+        nargs="*",
+        help="image files (video files for a video model), folders (searched recursively) and glob patterns",
+    )
     add(
         "--from-list",
         type=Path,
@@ -222,11 +226,13 @@ def export_options(args: argparse.Namespace) -> ExportOptions:
 
 
 def _check_inputs(args: argparse.Namespace) -> list[Input]:
-    """Every input, found before any model work; none at all is a usage error."""
+    """Every input, found before any model work (videos for a video model, else images); none at all is a usage
+    error."""
     listed = listed_inputs(args.from_list) if args.from_list is not None else []
-    inputs = collect_inputs([*args.inputs, *listed], exclude=args.out)
+    kind = "video" if args.model in VIDEO_MODELS else "image"
+    inputs = collect_inputs([*args.inputs, *listed], exclude=args.out, kind=kind)
     if all(item.path is None for item in inputs):
-        raise UsageError("no input image found: " + "; ".join(item.error or item.name for item in inputs))
+        raise UsageError(f"no input {kind} found: " + "; ".join(item.error or item.name for item in inputs))
     return inputs
 
 
@@ -265,9 +271,15 @@ PROBE_SIZE = 512  # the probe's side for a model that takes any size (a detector
 
 
 def _probe(spec: ModelSpec, size: str) -> torch.Tensor:
-    """A zero input of the model's (or the given) size, for one look at its layers: (1, 3, H, W)."""
+    """A zero input of the model's (or the given) size, for one look at its layers: (1, 3, H, W), or for a video
+    model a clip of its frame count and crop, (1, 3, T, H, W)."""
     import torch
 
+    from .models import ClipPreprocessing
+
+    if isinstance(spec.preprocessing, ClipPreprocessing):
+        clip = spec.preprocessing
+        return torch.zeros(1, 3, clip.frames, *clip.crop, device=spec.device)
     try:
         default = spec.preprocessing.input_size or PROBE_SIZE
         sides = [int(side) for side in size.lower().split("x")] if size else [default]
@@ -443,9 +455,9 @@ def _readable_batches(
 
     errors = [item.error for item in inputs if item.error is not None]
     paths = [item.path for item in inputs if item.path is not None]
-    transform = spec.preprocessing.with_aspect(options.keep_aspect)
+    read = spec.preprocessing.with_aspect(options.keep_aspect).read
     groups = []
-    for batch in load_batches(paths, transform, options.batch_size, workers=0, pin=False):
+    for batch in load_batches(paths, read, options.batch_size, workers=0, pin=False):
         errors += [error for _, error in batch.failed]
         groups += [group.x for group in batch.groups]
     return groups, errors

@@ -22,7 +22,7 @@ import explain
 from explain.cli import main
 from explain.export import run as export
 from explain.export.distributed import Process
-from explain.export.loading import ImageFiles, load_batches
+from explain.export.loading import InputFiles, load_batches
 from explain.export.manifest import chosen_records
 
 ROOT = ASSETS.parent
@@ -321,9 +321,9 @@ def test_spawned_worker_processes_get_the_preprocessing_not_the_model(dataset, t
     writes."""
     given = []
 
-    def loading(paths, transform, *args, **kwargs):
-        given.append(ImageFiles(paths, transform))
-        return load_batches(paths, transform, *args, **kwargs)
+    def loading(paths, read, *args, **kwargs):
+        given.append(InputFiles(paths, read))
+        return load_batches(paths, read, *args, **kwargs)
 
     monkeypatch.setattr(export, "load_batches", loading)
     spawned, threads = tmp_path / "spawned", tmp_path / "threads"
@@ -343,7 +343,7 @@ def test_spawned_worker_processes_get_the_preprocessing_not_the_model(dataset, t
 def test_batches_for_a_cuda_device_come_in_pinned_memory(dataset, workers) -> None:
     spec = explain.load_model("efficientnet_lite0")
     paths = sorted(dataset.rglob("*.jpg"))[:6]
-    for batch in load_batches(paths, spec.preprocessing, batch_size=4, workers=workers, pin=True):
+    for batch in load_batches(paths, spec.preprocessing.read, batch_size=4, workers=workers, pin=True):
         assert all(group.x.is_pinned() for group in batch.groups)
 
 
@@ -351,9 +351,9 @@ def own_priority() -> int:
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
 
-def priority_as_input(image: Image.Image) -> torch.Tensor:
-    """A transform whose 'model input' is the niceness of the thread that loaded the image."""
-    return torch.tensor([float(own_priority())])
+def priority_as_input(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reader whose 'model input' is the niceness of the thread that loaded the file."""
+    return torch.zeros(1, 1, 3, dtype=torch.uint8), torch.tensor([float(own_priority())])
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="priorities are set per thread on Linux alone")

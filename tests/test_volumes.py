@@ -17,6 +17,7 @@ from PIL import Image
 from torch import nn
 
 import explain
+from explain.catalog import VIDEO_MODELS
 from explain.core.layers import find_auto_layers, traced_layers
 from explain.errors import ExplainError
 
@@ -339,6 +340,7 @@ def test_torchvision_video_classifiers_load_by_name_with_kinetics_preprocessing(
     result = explain.GradCAM(spec.model, labels=spec.labels)(clip[None], spec.labels[7])
     assert result.layer == "layer4" and result.cams.shape == (1, 16, 112, 112) and result.class_indices[0] == 7
     assert {"r3d_18", "mvit_v2_s", "swin3d_t", "s3d"} <= set(explain.models.available_models())
+    assert set(VIDEO_MODELS) == set(torchvision.models.list_models(module=torchvision.models.video))
     with pytest.raises(ExplainError, match="takes clips"):
         spec.preprocess(np.zeros((32, 32, 3), np.uint8))
 
@@ -575,3 +577,57 @@ def test_a_dicom_series_is_read_in_slice_order_with_its_affine(tmp_path) -> None
     (tmp_path / "other.dcm").write_bytes(b"not dicom")
     with pytest.raises(InputLoadError, match=r"other\.dcm: cannot read the DICOM slice"):
         read_volume(tmp_path)
+
+
+def test_the_command_line_explains_video_files(tmp_path, capsys) -> None:
+    """`explain clip.mp4 --model r3d_18`: videos are the inputs of a video model. The overlay video has the clip's
+    frame count, size and rate; outside the crop the model saw, its frames are the original blended with the map's
+    zero (jet's dark blue); the record names it and its GIF, which the gallery shows. A corrupt video fails alone,
+    in one line, and a resumed run skips the finished clip."""
+    import json
+
+    import av
+    import torchvision.models.video as video
+
+    from explain.cli import main
+
+    frames = np.zeros((20, 48, 64, 3), np.uint8)
+    for t in range(20):
+        frames[t, 10:30, 2 * t : 2 * t + 16] = (220, 180, 40)
+    with av.open(str(tmp_path / "clip.mp4"), mode="w") as container:
+        stream = container.add_stream("libx264", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for pixels in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode(None))
+    (tmp_path / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 cut short")
+    torch.manual_seed(0)
+    torch.save(video.r3d_18(num_classes=400).state_dict(), tmp_path / "r3d.pt")
+    out = tmp_path / "out"
+    args = [str(tmp_path / "clip.mp4"), str(tmp_path / "broken.mp4"), "--model", "r3d_18"]
+    args += ["--weights", str(tmp_path / "r3d.pt"), "-o", str(out), "--gallery"]
+    assert main(args) == 1  # one input failed
+    assert "broken.mp4: cannot decode the video: Invalid data" in capsys.readouterr().err
+
+    from explain.io.video import read_video
+
+    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()[1:]]
+    clip = next(r for r in records if r["input"].endswith("clip.mp4"))
+    (target,) = clip["targets"]
+    assert (target["output"], target["picture"], clip["layer"]) == ("clip.gradcam.mp4", "clip.gradcam.gif", "layer4")
+    assert target["class_name"] in video.R3D_18_Weights.DEFAULT.meta["categories"]
+    written = read_video(out / "clip.gradcam.mp4")
+    assert written.frames.shape == frames.shape and written.fps == 10
+    outside = written.frames[:, 34:46, 0:8].reshape(-1, 3).mean(axis=0)  # left of the crop (11-52), below the square
+    assert np.abs(outside - [0, 0, 64]).max() <= 3  # black blended half with jet(0) = (0, 0, 127.5)
+    assert Image.open(out / "clip.gradcam.gif").n_frames == 16
+    assert (out / "thumbs" / "clip.gradcam.jpg").is_file() and "clip.gradcam.gif" in (out / "index.html").read_text()
+    broken = next(r for r in records if r["input"].endswith("broken.mp4"))
+    assert broken["error"].endswith("cannot decode the video: Invalid data found when processing input")
+
+    before = (out / "clip.gradcam.mp4").stat().st_mtime_ns
+    assert main([*args, "--resume"]) == 1
+    assert "skipped 1" in capsys.readouterr().out and (out / "clip.gradcam.mp4").stat().st_mtime_ns == before
+    assert main([*args, "--overwrite", "--figure"]) == 2  # refused before the earlier run is touched
+    assert "r3d_18 explains videos: --method all's grid, --figure" in capsys.readouterr().err
+    assert (out / "clip.gradcam.mp4").stat().st_mtime_ns == before

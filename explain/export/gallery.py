@@ -21,6 +21,7 @@ from urllib.parse import quote
 
 from PIL import Image
 
+from ..catalog import INPUT_SUFFIXES
 from ..errors import ExplainError
 from ..io.atomic import write_atomically
 from .manifest import chosen_records, previous_run
@@ -34,6 +35,11 @@ PAGE_SIZE = 120  # cards per page
 def _url(path: Path, out_dir: Path) -> str:
     """A file as the page links it: its path relative to the output folder, percent-encoded."""
     return quote(Path(os.path.relpath(path, out_dir)).as_posix())
+
+
+def _picture(path: Path) -> bool:
+    """Whether an input file is there and a page shows it as a picture (an image; a video is no ``<img>``)."""
+    return path.suffix.lower() in INPUT_SUFFIXES["image"] and path.is_file()
 
 
 def thumbnail(overlay: Path, thumb: Path) -> None:
@@ -65,11 +71,12 @@ def gallery_data(out_dir: Path) -> dict[str, Any]:
             continue
         original = root / record["input"]
         for target in record["targets"]:
-            overlay = out_dir / target["output"]
+            shown = target.get("picture") or target["output"]  # a video's animated GIF, an image's overlay
+            overlay = out_dir / shown
             if not overlay.is_file():
                 problems.append({"input": record["input"], "kind": "error", "text": f"{overlay}: missing"})
                 continue
-            thumb = out_dir / THUMBS / Path(target["output"]).with_suffix(".jpg")
+            thumb = out_dir / THUMBS / Path(shown).with_suffix(".jpg")
             thumbs.append((overlay, thumb))
             cards.append(
                 {
@@ -82,7 +89,7 @@ def gallery_data(out_dir: Path) -> dict[str, Any]:
                     "metrics": target.get("metrics") or {},
                     "thumb": _url(thumb, out_dir),
                     "full": _url(overlay, out_dir),
-                    "original": _url(original.resolve(), out_dir.resolve()) if original.is_file() else None,
+                    "original": _url(original.resolve(), out_dir.resolve()) if _picture(original) else None,
                 }
             )
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:

@@ -14,10 +14,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..catalog import INPUT_SUFFIXES
 from ..errors import ExplainError
 from .manifest import named_outputs
 
-IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"})
 OUTPUT_MARKER = ".explain-output"
 
 
@@ -69,15 +69,12 @@ def _is_pattern(source: str) -> bool:
     return any(char in source for char in "*?[")
 
 
-def _is_image(path: Path) -> bool:
-    return path.suffix.lower() in IMAGE_SUFFIXES
-
-
 class _Scanner:
     """Collects inputs in order, once each, skipping output folders."""
 
-    def __init__(self, exclude: Path | None) -> None:
+    def __init__(self, exclude: Path | None, kind: str) -> None:
         self.exclude = exclude.resolve() if exclude is not None else None
+        self.suffixes = INPUT_SUFFIXES[kind]
         self.found: list[Input] = []
         self.seen: set[Path] = set()
 
@@ -107,8 +104,8 @@ class _Scanner:
             self.seen.add(resolved)
             self.found.append(Input(str(path), path, relative.with_suffix("")))
 
-    def images_below(self, folder: Path) -> Iterator[Path]:
-        """Image files below ``folder``, sorted, passing over the output folders inside it.
+    def files_below(self, folder: Path) -> Iterator[Path]:
+        """The input files below ``folder``, sorted, passing over the output folders inside it.
 
         ``folder`` itself is scanned even when it is an output folder (the user named
         it), but then the files its manifest lists as outputs are passed over.
@@ -121,7 +118,7 @@ class _Scanner:
 
         for root, dirs, names in os.walk(folder, onerror=unreadable):
             dirs[:] = [d for d in dirs if not self.is_output_folder(Path(root, d))]
-            files += [Path(root, name) for name in names if _is_image(Path(name))]
+            files += [Path(root, name) for name in names if Path(name).suffix.lower() in self.suffixes]
         return (path for path in sorted(files) if not written or _resolved(path) not in written)
 
     def inside(self, path: Path, base: Path) -> bool:
@@ -131,7 +128,7 @@ class _Scanner:
 
     def scan(self, folder: Path, base: Path) -> int:
         """Add the images below ``folder``, their outputs placed by their path below ``base``; returns how many."""
-        files = list(self.images_below(folder))
+        files = list(self.files_below(folder))
         for path in files:
             self.add(path, path.relative_to(base))
         return len(files)
@@ -150,8 +147,10 @@ class _Scanner:
         return len(matches)
 
 
-def collect_inputs(sources: Sequence[str | Path | Input], exclude: Path | None = None) -> list[Input]:
-    """Expand files, folders (recursively, image files only) and glob patterns, in order.
+def collect_inputs(
+    sources: Sequence[str | Path | Input], exclude: Path | None = None, kind: str = "image"
+) -> list[Input]:
+    """Expand files, folders (recursively, files of the ``kind`` of input only) and glob patterns, in order.
 
     Folders found below a scanned folder or a glob's folder part that hold an output
     marker (or are ``exclude``) are passed over: outputs are not read again as inputs.
@@ -163,12 +162,14 @@ def collect_inputs(sources: Sequence[str | Path | Input], exclude: Path | None =
     Args:
         sources: Paths and patterns as the user gave them; an :class:`Input` passes as it is.
         exclude: A folder treated as an output folder (the current run's).
+        kind: What a folder scan takes: ``"image"`` or ``"video"`` files (see
+            :data:`explain.catalog.INPUT_SUFFIXES`), as the model reads.
 
     Returns:
         One :class:`Input` per file found, without duplicates, and one carrying an
         error per source that yields nothing.
     """
-    scanner = _Scanner(exclude)
+    scanner = _Scanner(exclude, kind)
     for source in sources:
         if isinstance(source, Input):
             scanner.found.append(source)
@@ -176,7 +177,7 @@ def collect_inputs(sources: Sequence[str | Path | Input], exclude: Path | None =
         text, path = str(source), Path(source)
         if path.is_dir():
             if not scanner.scan(path, path):
-                scanner.found.append(Input(text, error=f"{text}: no image files in this folder"))
+                scanner.found.append(Input(text, error=f"{text}: no {kind} files in this folder"))
         elif path.exists():
             scanner.add(path, Path(path.name))
         elif _is_pattern(text):

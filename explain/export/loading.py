@@ -16,14 +16,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from ..errors import ImageLoadError
-from ..io.images import load_image
+from ..errors import InputLoadError
 
 
 def lowest_priority() -> None:
@@ -61,13 +58,14 @@ def default_workers(images: int, batch_size: int, device: torch.device) -> int:
 
 @dataclass(frozen=True)
 class Group:
-    """Images of one batch that share an input shape.
+    """Inputs of one batch that share an input shape.
 
     Attributes:
-        positions: Each image's place in the list the dataset was made from.
-        x: Their model input, (N, 3, H, W).
-        images: The images as read, at their own size (what the maps are drawn on): (H, W, 3) uint8 RGB
-            tensors, which pass from a worker process in shared memory, not pickled.
+        positions: Each input's place in the list the dataset was made from.
+        x: Their model input, (N, C, *spatial).
+        images: What the maps are drawn on, at the inputs' own size: an image's pixels (H, W, 3), a clip's
+            sampled frames (T, H, W, 3), uint8 RGB tensors, which pass from a worker process in shared memory,
+            not pickled.
     """
 
     positions: list[int]
@@ -88,28 +86,29 @@ class Batch:
         return Batch(groups, self.failed)
 
 
-class ImageFiles(Dataset):
-    """Image files as (position, RGB pixels (H, W, 3) uint8, model input), or (position, error) for a file that
+class InputFiles(Dataset):
+    """Input files as (position, what the maps are drawn on, model input), or (position, error) for a file that
     cannot be read.
 
     Args:
         paths: The files.
-        transform: An RGB image as the model's input (3, H, W).
+        read: A file as what the maps are drawn on (an image's pixels, a clip's sampled frames) and the model's
+            input (see ``Preprocessing.read``); it raises :class:`explain.errors.InputLoadError`.
     """
 
-    def __init__(self, paths: Sequence[Path], transform: Callable[[Image.Image], Tensor]) -> None:
+    def __init__(self, paths: Sequence[Path], read: Callable[[Path], tuple[Tensor, Tensor]]) -> None:
         self.paths = paths
-        self.transform = transform
+        self.read = read
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, position: int) -> tuple[int, Tensor, Tensor] | tuple[int, str]:
         try:
-            image = load_image(self.paths[position])
-        except ImageLoadError as err:
+            original, x = self.read(self.paths[position])
+        except InputLoadError as err:
             return position, str(err)
-        return position, torch.from_numpy(np.array(image)), self.transform(image)
+        return position, original, x
 
 
 def collate(items: list[tuple[int, Tensor, Tensor] | tuple[int, str]]) -> Batch:
@@ -129,7 +128,7 @@ def collate(items: list[tuple[int, Tensor, Tensor] | tuple[int, str]]) -> Batch:
 
 def load_batches(
     paths: Sequence[Path],
-    transform: Callable[[Image.Image], Tensor],
+    read: Callable[[Path], tuple[Tensor, Tensor]],
     batch_size: int,
     workers: int,
     pin: bool,
@@ -140,14 +139,14 @@ def load_batches(
     image is sent between processes).
 
     Args:
-        paths: The image files.
-        transform: An RGB image as the model's input.
+        paths: The input files.
+        read: A file as what the maps are drawn on and the model's input (see :class:`InputFiles`).
         batch_size: Files per batch.
         workers: Worker processes (0: threads).
         pin: Give the inputs in pinned memory (for a non-blocking copy to a CUDA device).
         background: Load at the lowest priority (for a model on the CPU: see :func:`lowest_priority`).
     """
-    files = ImageFiles(paths, transform)
+    files = InputFiles(paths, read)
     if workers == 0:
         return _threaded_batches(files, batch_size, pin, background)
     return DataLoader(
@@ -161,7 +160,7 @@ def load_batches(
     )
 
 
-def _threaded_batches(files: ImageFiles, batch_size: int, pin: bool, background: bool) -> Iterator[Batch]:
+def _threaded_batches(files: InputFiles, batch_size: int, pin: bool, background: bool) -> Iterator[Batch]:
     """The batches of :func:`load_batches`, loaded by threads a batch ahead."""
     chunks = [range(start, min(start + batch_size, len(files))) for start in range(0, len(files), batch_size)]
     if not chunks:

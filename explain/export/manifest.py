@@ -25,8 +25,9 @@ from ..io.atomic import write_atomically
 MANIFEST = "manifest.jsonl"
 PART_GLOB = "manifest.rank*.jsonl"
 # Version of the records' fields. 2: one list of explained targets per input; 3: each target's metrics and
-# curves (null unless asked); 4: a header line of the run's settings, paths relative to the output folder.
-SCHEMA = 4
+# curves (null unless asked); 4: a header line of the run's settings, paths relative to the output folder; 5: each
+# target's picture (a video's animated GIF; null for an image, whose overlay is its picture).
+SCHEMA = 5
 
 
 class ResumeError(ExplainError):

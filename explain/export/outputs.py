@@ -13,9 +13,11 @@ import torch
 from PIL import Image
 
 from ..catalog import ALL_METHODS
-from ..errors import first_line
+from ..errors import InputLoadError, first_line
 from ..io.images import save_array, save_image
 from ..io.render import annotate, figure, grid, picture
+from ..io.video import count_frames, nearest_sampled, overlay_frames, write_gif, write_overlay_video
+from ..models.spec import ClipPreprocessing
 from .inputs import Input
 from .manifest import record
 from .settings import RenderOptions
@@ -93,7 +95,7 @@ def output_bases(inputs: Sequence[Input], out_dir: Path, files_for: Callable[[Pa
 
 @dataclass(frozen=True)
 class OutputWriter:
-    """Names, renders and writes an image's outputs, one method (or the grid of ``"all"``) at a time.
+    """Names, renders and writes an input's outputs, one method (or the grid of ``"all"``) at a time.
 
     Attributes:
         out_dir: The output folder; records name files relative to it.
@@ -102,6 +104,9 @@ class OutputWriter:
         methods: The methods whose outputs are written apart: each asked one, or ``"all"`` (one grid).
         topk: The K top classes explained of each image, or None.
         render: How the maps are drawn and which files are written.
+        clips: For a video model, how it samples and crops a clip's frames: its inputs are videos, each written
+            as an overlay video of all its frames (``.mp4``) and an animated GIF of the sampled ones (the
+            picture the gallery shows); None for images.
     """
 
     out_dir: Path
@@ -110,6 +115,7 @@ class OutputWriter:
     methods: list[str]
     topk: int | None
     render: RenderOptions
+    clips: ClipPreprocessing | None = None
 
     def tag(self, k: int, class_name: str, method: str) -> str:
         """What tells an image's outputs apart: the method, and which target (top class, detection, segment)."""
@@ -119,21 +125,25 @@ class OutputWriter:
             return f".{method}.{_slug(class_name)}"
         return f".{method}" + (f".top{k + 1}" if self.topk else "")
 
-    def paths(self, base: Path, tags: Sequence[str], method: str) -> tuple[list[Path], list[Path], Path | None]:
-        """The overlays, figures and raw maps of one method written for an output base path and its targets' tags."""
-        fmt = self.render.fmt
+    def paths(
+        self, base: Path, tags: Sequence[str], method: str
+    ) -> tuple[list[Path], list[Path], list[Path], Path | None]:
+        """The overlays, figures, clips' pictures and raw maps of one method written for an output base path and its
+        targets' tags."""
+        fmt = "mp4" if self.clips else self.render.fmt
         overlays = [base.with_name(base.name + tag + f".{fmt}") for tag in tags]
         figures = [base.with_name(base.name + tag + f".figure.{fmt}") for tag in tags] if self.render.figure else []
+        pictures = [base.with_name(base.name + tag + ".gif") for tag in tags] if self.clips else []
         raw = base.with_name(f"{base.name}.{method}.npy") if self.render.save_raw else None
-        return overlays, figures, raw
+        return overlays, figures, pictures, raw
 
     def files_for(self, base: Path) -> list[Path]:
         """The files written for an output base path (for detections and segments, those of the first target)."""
         files = []
         for method in self.methods:
             tags = [self.tag(k, "class", method) for k in range(self.topk or 1)]
-            overlays, figures, raw = self.paths(base, tags, method)
-            files += [*overlays, *figures, *([raw] if raw else [])]
+            overlays, figures, pictures, raw = self.paths(base, tags, method)
+            files += [*overlays, *figures, *pictures, *([raw] if raw else [])]
         return files
 
     def write(self, item: Input, image: np.ndarray, base: Path, explanation: Explanation) -> list[dict[str, Any]]:
@@ -155,12 +165,14 @@ class OutputWriter:
         layer: str,
     ) -> dict[str, Any]:
         tags = [self.tag(e.k, e.class_name, method) for e in explained]
-        outputs, figures, raw_path = self.paths(base, tags, method)
+        outputs, figures, pictures, raw_path = self.paths(base, tags, method)
         targets, style = [], self.render
         try:
             for j, (e, output) in enumerate(zip(explained, outputs)):
                 mark = partial(self.annotated, e)
-                if method == ALL_METHODS:
+                if self.clips is not None:
+                    self.write_clip(item.path, image, e.cams[method], output, pictures[j])
+                elif method == ALL_METHODS:
                     title = f"{e.class_name} ({e.score:.1%}), every fast method"
                     save_image(grid(image, e.cams, title, style.alpha, style.colormap, mark=mark), output)
                 else:
@@ -177,18 +189,34 @@ class OutputWriter:
                         "region": None if e.region is None else self.region_record(e.region, image.shape[:2]),
                         "output": self.relative(output),
                         "figure": self.relative(figures[j]) if figures else None,
+                        "picture": self.relative(pictures[j]) if pictures else None,
                         "metrics": e.metrics[method] if e.metrics else None,
                         "curves": (e.curves[method] or None) if e.curves else None,
                     }
                 )
             if raw_path:
                 save_array(np.asarray(raw), raw_path)
+        except InputLoadError as err:  # a video that turned unreadable after the model's pass
+            return record(item.name, self.model, method, error=str(err))
         except OSError as err:
             return record(item.name, self.model, method, error=f"{item.name}: cannot write outputs: {first_line(err)}")
         except Exception as err:  # a picture that cannot be drawn costs its input, never the run
             return record(item.name, self.model, method, error=f"{item.name}: cannot render outputs: {first_line(err)}")
         raw_name = self.relative(raw_path) if raw_path else None
         return record(item.name, self.model, method, targets=targets, layer=layer, raw=raw_name)
+
+    def write_clip(self, source: Path, sampled: np.ndarray, cam: torch.Tensor, output: Path, picture: Path) -> None:
+        """A video's overlay: every frame of ``source`` with the map of the sampled frame nearest it, placed on the
+        region of the frame the model's crop saw (zero outside), as an H.264 video at the clip's rate; and the
+        sampled frames (T, H, W, 3) with their maps as an animated GIF at the clip's pace."""
+        height, width = sampled.shape[1:3]
+        placed = self.clips.on_frames(torch.as_tensor(cam), height, width)
+        total, rate = count_frames(source)
+        nearest = nearest_sampled(self.clips.indices(total), total)
+        style = self.render
+        write_overlay_video(source, output, lambda i: placed[nearest[i]], style.alpha, style.colormap)
+        blended = overlay_frames(sampled, placed, style.alpha, style.colormap)
+        write_gif(blended, len(sampled) * rate / total, picture)
 
     def failed(self, item: Input, error: str) -> list[dict[str, Any]]:
         """The record of an input that failed as a whole (its file unreadable, the model's refusal)."""

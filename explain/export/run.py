@@ -29,7 +29,7 @@ from ..core.engine import CAMResult
 from ..errors import LayerError, NothingToExplain, TargetError, first_line
 from ..io.atomic import remove_temporary_files
 from ..methods import Method, create_method
-from ..models import ModelSpec
+from ..models import ClipPreprocessing, ModelSpec
 from ..targets import ClassTarget, DetectionTarget, SegmentationTarget, Target, TopK
 from .distributed import Process, process_group, this_process
 from .gallery import remove_gallery
@@ -290,13 +290,15 @@ def export_heatmaps(
     options.check_task(spec)
     device = process.device(torch.device(device))
     explainer = _Explainer(spec, options, device)
-    writer = OutputWriter(out_dir, spec.name, spec.task, options.methods.written, options.topk, options.render)
+    clips = spec.preprocessing if isinstance(spec.preprocessing, ClipPreprocessing) else None
+    writer = OutputWriter(out_dir, spec.name, spec.task, options.methods.written, options.topk, options.render, clips)
     head = header(run_settings(spec, options))
     check_free(out_dir)  # another run's folder is refused before anything is read or written
     lock = FolderLock(out_dir, last=process.rank == 0)
     try:
         with process_group(process, device):
-            inputs = collect_inputs(sources, exclude=out_dir)  # before --overwrite forgets the folder's outputs
+            # before --overwrite forgets the folder's outputs
+            inputs = collect_inputs(sources, exclude=out_dir, kind=spec.preprocessing.kind)
             previous, records = _folder_prepared(process, out_dir, options, head, inputs, lock)
             todo, bases, summary, order = _plan(process, out_dir, writer, inputs, records)
             log = ManifestWriter(out_dir / (MANIFEST if process.world == 1 else part_name(process.rank)), head)
@@ -416,7 +418,7 @@ def _run(
     workers = options.workers
     if workers is None:
         workers = default_workers(len(files), options.batch_size, explainer.device)
-    transform = explainer.spec.preprocessing.with_aspect(options.keep_aspect)
+    read = explainer.spec.preprocessing.with_aspect(options.keep_aspect).read
     pin = explainer.device.type == "cuda"
     # Threads render and encode images (numpy, Pillow and zlib release the GIL) while the model runs. A model on
     # the CPU needs every core: there the threads and worker processes yield to it (see lowest_priority).
@@ -428,7 +430,7 @@ def _run(
     ):
         recorder = _Recorder(log, summary, bar, writer.out_dir, report, lock)
         paths = [item.path for item in files]
-        for batch in load_batches(paths, transform, options.batch_size, workers, pin, background):
+        for batch in load_batches(paths, read, options.batch_size, workers, pin, background):
             for position, error in batch.failed:
                 recorder.expect(pool.submit(writer.failed, files[position], error))
             for group in batch.groups:
@@ -448,7 +450,7 @@ def _write_jobs(
 ) -> list[Callable[[], list[dict[str, Any]]]]:
     """Explain a group; returns for each image the job that writes its outputs and returns its records."""
     images = [pixels.numpy() for pixels in group.images]
-    parts = explainer.explain_robustly(group.x, [(image.shape[1], image.shape[0]) for image in images])
+    parts = explainer.explain_robustly(group.x, [(image.shape[-2], image.shape[-3]) for image in images])
     jobs = []
     for position, image, outcome in zip(group.positions, images, parts):
         item = files[position]

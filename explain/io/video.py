@@ -4,7 +4,8 @@ animated GIF and a strip of frames for the gallery."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -17,8 +18,6 @@ from torch import Tensor
 from ..errors import InputLoadError, first_line
 from .atomic import write_atomically
 from .render import overlay
-
-VIDEO_SUFFIXES = (".mp4", ".mov", ".avi", ".mkv", ".webm", ".m4v")
 
 
 @dataclass(frozen=True)
@@ -48,22 +47,102 @@ def read_video(path: str | Path) -> Video:
     Raises:
         InputLoadError: The file cannot be decoded or holds no video frame; the message names the file.
     """
-    path = Path(path)
-    av = _av(path)
+    frames, _, rate = read_frames(path, range)
+    return Video(frames, rate)
+
+
+def _reason(err: BaseException) -> str:
+    """Why decoding failed, in a few words: an FFmpeg error's own text, without its number and the file's name."""
+    return getattr(err, "strerror", None) or first_line(err)
+
+
+@contextmanager
+def _decoding(path: Path) -> Iterator[None]:
+    """For the block, a failure to decode ``path`` (PyAV's errors, OSError) is an :class:`InputLoadError`."""
     try:
-        with av.open(str(path)) as container:
-            if not container.streams.video:
-                raise InputLoadError(f"{path}: no video stream")
-            stream = container.streams.video[0]
-            frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
-            rate = stream.average_rate or stream.guessed_rate or stream.base_rate
+        yield
     except InputLoadError:
         raise
     except Exception as err:  # a corrupt or truncated file: PyAV raises its own errors and OSError
-        raise InputLoadError(f"{path}: cannot decode the video: {first_line(err)}") from None
-    if not frames:
+        raise InputLoadError(f"{path}: cannot decode the video: {_reason(err)}") from None
+
+
+def count_frames(path: Path) -> tuple[int, float]:
+    """How many frames a video file's first video stream decodes to (not its header's claim), and its rate.
+
+    Raises:
+        InputLoadError: As :func:`read_video`.
+    """
+    with _decoding(path), _av(path).open(str(path)) as container:
+        if not container.streams.video:
+            raise InputLoadError(f"{path}: no video stream")
+        stream = container.streams.video[0]
+        rate = stream.average_rate or stream.guessed_rate or stream.base_rate
+        total = sum(1 for _ in container.decode(stream))
+    if not total:
         raise InputLoadError(f"{path}: the video has no frames")
-    return Video(np.stack(frames), float(rate) if rate else 25.0)
+    return total, float(rate) if rate else 25.0
+
+
+def read_frames(path: str | Path, choose: Callable[[int], Sequence[int]]) -> tuple[np.ndarray, int, float]:
+    """Some frames of a video, decoded without holding the others: a first pass counts the frames, ``choose(total)``
+    names those wanted, a second pass keeps them as RGB. Returns them (T, H, W, 3) uint8, the total and the rate.
+
+    Raises:
+        InputLoadError: As :func:`read_video`.
+    """
+    path = Path(path)
+    total, rate = count_frames(path)
+    wanted = list(choose(total))
+    chosen, kept = set(wanted), {}
+    with _decoding(path), _av(path).open(str(path)) as container:
+        for index, frame in enumerate(container.decode(video=0)):
+            if index in chosen:
+                kept[index] = frame.to_ndarray(format="rgb24")
+    if len(kept) < len(chosen):
+        raise InputLoadError(f"{path}: {total} frames counted, fewer decoded the second time")
+    return np.stack([kept[i] for i in wanted]), total, rate
+
+
+def write_overlay_video(
+    source: Path,
+    path: Path,
+    maps: Callable[[int], Tensor],
+    alpha: float = 0.5,
+    colormap: str = "jet",
+    quality: int = 18,
+) -> None:
+    """The video ``source`` with ``maps(i)``, a map of any resolution in [0, 1], blended onto each frame i, written
+    as :func:`write_video` writes, frame by frame: no more than one frame is held at a time.
+
+    Raises:
+        InputLoadError: The source cannot be decoded.
+    """
+    av = _av(source)
+
+    def write(temp: Path) -> None:
+        with av.open(str(source)) as reading, av.open(str(temp), mode="w", format="mp4") as container:
+            decoded = reading.streams.video[0]
+            rate = decoded.average_rate or decoded.guessed_rate or 25
+            stream = None
+            for index, frame in enumerate(reading.decode(decoded)):
+                pixels = np.asarray(overlay(frame.to_ndarray(format="rgb24"), maps(index), alpha, colormap))
+                height, width = pixels.shape[:2]
+                pixels = np.pad(pixels, ((0, height % 2), (0, width % 2), (0, 0)), mode="edge")
+                if stream is None:
+                    stream = container.add_stream("libx264", rate=Fraction(float(rate)).limit_denominator(1001))
+                    stream.width, stream.height, stream.pix_fmt = pixels.shape[1], pixels.shape[0], "yuv420p"
+                    stream.options = {"crf": str(quality)}
+                container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+            if stream is not None:
+                container.mux(stream.encode(None))
+
+    try:
+        write_atomically(path, write)
+    except OSError:  # the output cannot be written: the writer's own error
+        raise
+    except Exception as err:  # the source turned unreadable between the model's pass and this one
+        raise InputLoadError(f"{source}: cannot decode the video: {_reason(err)}") from None
 
 
 def overlay_frames(
@@ -114,8 +193,8 @@ def frame_strip(frames: np.ndarray, count: int = 8, height: int = 96) -> Image.I
 
 
 def write_gif(frames: np.ndarray, fps: float, path: Path, height: int = 160, most: int = 48) -> None:
-    """An animated GIF of the frames (at most ``most``, taken evenly, each scaled to ``height``), looping, at the
-    clip's pace, atomically."""
+    """An animated GIF of the frames (at most ``most``, taken evenly, each scaled to ``height``), looping, at
+    ``fps`` frames of ``frames`` per second (shown frames last longer when some are left out), atomically."""
     chosen = np.linspace(0, len(frames) - 1, min(most, len(frames))).round().astype(int)
     width = max(1, round(frames.shape[2] * height / frames.shape[1]))
     pictures = [Image.fromarray(frames[i]).resize((width, height), Image.Resampling.BILINEAR) for i in chosen]
@@ -128,9 +207,14 @@ def write_gif(frames: np.ndarray, fps: float, path: Path, height: int = 160, mos
     )
 
 
+def nearest_sampled(indices: Sequence[int], total: int) -> list[int]:
+    """For each frame of a clip of ``total`` frames, which of the sampled frames (at ``indices``) lies nearest it in
+    time: the one whose map it takes."""
+    taken = torch.as_tensor(list(indices), dtype=torch.float32)
+    return (torch.arange(total, dtype=torch.float32)[:, None] - taken[None]).abs().argmin(dim=1).tolist()
+
+
 def sampled_maps(maps: Tensor, indices: Sequence[int], total: int) -> Tensor:
     """Maps of the sampled frames (T, h, w), at ``indices`` of a clip of ``total`` frames, as one map per frame of
-    the clip (total, h, w): each frame takes the map of the sampled frame nearest it in time."""
-    taken = torch.as_tensor(list(indices), dtype=torch.float32)
-    nearest = (torch.arange(total, dtype=torch.float32)[:, None] - taken[None]).abs().argmin(dim=1)
-    return maps[nearest.to(maps.device)]
+    the clip (total, h, w) (see :func:`nearest_sampled`)."""
+    return maps[torch.as_tensor(nearest_sampled(indices, total), device=maps.device)]

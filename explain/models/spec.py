@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from ..errors import ExplainError
 from ..io.images import input_size, load_image, rgb_array, to_tensor
+from ..io.video import read_frames
 
 ImageLike = Image.Image | np.ndarray | str | Path
 Task = Literal["classification", "segmentation", "detection"]
@@ -45,11 +46,22 @@ class Preprocessing:
         size = image.size if self.input_size is None else input_size(image, self.input_size, self.keep_aspect)
         return to_tensor(image, size, self.mean, self.std, self.resample)
 
+    kind = "image"  # what an export of the model reads (see explain.catalog.INPUT_SUFFIXES)
+
     def with_aspect(self, keep_aspect: bool | None) -> Preprocessing:
         """The same preprocessing, resizing the short side (True) or the whole image (False); None: as it is."""
         if keep_aspect is None or keep_aspect == self.keep_aspect:
             return self
         return replace(self, keep_aspect=keep_aspect)
+
+    def read(self, path: Path) -> tuple[Tensor, Tensor]:
+        """An image file as its pixels (H, W, 3) uint8, what the maps are drawn on, and the model's input.
+
+        Raises:
+            ImageLoadError: The file is no readable image.
+        """
+        image = load_image(path)
+        return torch.from_numpy(np.array(image)), self(image)
 
     def settings(self) -> dict[str, Any]:
         """Its fields as JSON values (the manifest's header)."""
@@ -76,6 +88,22 @@ class ClipPreprocessing:
     crop: tuple[int, int]
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+
+    kind = "video"  # what an export of the model reads (see explain.catalog.INPUT_SUFFIXES)
+
+    def with_aspect(self, keep_aspect: bool | None) -> ClipPreprocessing:
+        """The same preprocessing: a clip is resized and cropped as the weights were trained (``keep_aspect`` is
+        for images)."""
+        return self
+
+    def read(self, path: Path) -> tuple[Tensor, Tensor]:
+        """A video file's sampled frames (T, H, W, 3) uint8 and the model's input; the other frames are not kept.
+
+        Raises:
+            InputLoadError: The file is no readable video.
+        """
+        frames, _, _ = read_frames(path, self.indices)
+        return torch.from_numpy(frames), self(frames)
 
     def indices(self, total: int) -> list[int]:
         """The frames taken from a clip of ``total`` frames: ``frames`` of them, evenly spaced from the first to
