@@ -15,7 +15,16 @@ from .errors import ExplainError
 INPUT_SUFFIXES = {
     "image": frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}),
     "video": frozenset({".mp4", ".mov", ".avi", ".mkv", ".webm", ".m4v"}),
+    "volume": frozenset({".nii", ".nii.gz", ".npy"}),
+    "signal": frozenset({".npy", ".csv"}),
 }
+
+
+def input_suffix(name: str, kind: str) -> str | None:
+    """The suffix of a file name that makes it an input of ``kind`` (the longest: ``.nii.gz``), or None."""
+    lower = name.lower()
+    return max((s for s in INPUT_SUFFIXES[kind] if lower.endswith(s)), key=len, default=None)
+
 
 # torchvision's video classifiers (Kinetics-400): their inputs are videos (a test holds this list to torchvision's)
 VIDEO_MODELS = ("mc3_18", "mvit_v1_b", "mvit_v2_s", "r2plus1d_18", "r3d_18", "s3d", "swin3d_b", "swin3d_s", "swin3d_t")

@@ -5,6 +5,7 @@ torch itself, and Grad-CAM on a video network against pytorch-grad-cam's 3-D pat
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import matplotlib
 import numpy as np
@@ -341,7 +342,7 @@ def test_torchvision_video_classifiers_load_by_name_with_kinetics_preprocessing(
     assert result.layer == "layer4" and result.cams.shape == (1, 16, 112, 112) and result.class_indices[0] == 7
     assert {"r3d_18", "mvit_v2_s", "swin3d_t", "s3d"} <= set(explain.models.available_models())
     assert set(VIDEO_MODELS) == set(torchvision.models.list_models(module=torchvision.models.video))
-    with pytest.raises(ExplainError, match="takes clips"):
+    with pytest.raises(ExplainError, match="takes videos, not images"):
         spec.preprocess(np.zeros((32, 32, 3), np.uint8))
 
 
@@ -631,3 +632,53 @@ def test_the_command_line_explains_video_files(tmp_path, capsys) -> None:
     assert main([*args, "--overwrite", "--figure"]) == 2  # refused before the earlier run is touched
     assert "r3d_18 explains videos: --method all's grid, --figure" in capsys.readouterr().err
     assert (out / "clip.gradcam.mp4").stat().st_mtime_ns == before
+
+
+def test_volumes_and_signals_are_exported_with_their_manifest_and_resume(tmp_path) -> None:
+    """export_heatmaps with a model of the user's: volumes (NIfTI, .npy) give a heatmap NIfTI with the scan's affine
+    and a montage, signals (.csv) a plot of the signal over its map; a corrupt file fails alone; the manifest names
+    the files; a resumed run skips what is finished."""
+    import json
+
+    import nibabel
+
+    from explain import export_heatmaps
+    from explain.export.settings import ExportOptions
+    from explain.models import ModelSpec, SignalPreprocessing, VolumePreprocessing
+
+    scans = tmp_path / "scans"
+    scans.mkdir()
+    data = np.zeros((8, 16, 16), np.float32)
+    data[5, 4, 11] = 5.0
+    affine = np.diag([0.9, 0.9, 3.0, 1.0])
+    nibabel.save(nibabel.Nifti1Image(data, affine), str(scans / "a.nii.gz"))
+    np.save(scans / "b.npy", np.roll(data, 3, axis=2))
+    (scans / "c.nii.gz").write_bytes(b"\x1f\x8b broken")
+    spec = ModelSpec(peak_model(), "peak", ["peak"], VolumePreprocessing(mean=0.0, std=1.0))
+    out = tmp_path / "out"
+    summary = export_heatmaps(spec, [scans], out, ExportOptions(layer="1"))
+    assert (summary.written, summary.failed) == (2, 1)
+    records = {Path(r["input"]).name: r for r in summary.records}
+    assert records["c.nii.gz"]["error"].startswith(str(scans / "c.nii.gz"))
+    target = records["a.nii.gz"]["targets"][0]
+    assert (target["output"], target["picture"]) == ("a.gradcam.nii.gz", "a.gradcam.png")
+    heat = nibabel.load(str(out / "a.gradcam.nii.gz"))
+    assert np.allclose(heat.affine, affine) and heat.shape == data.shape
+    assert np.unravel_index(np.asarray(heat.dataobj).argmax(), data.shape) == (5, 4, 11)
+    shifted = np.asarray(nibabel.load(str(out / "b.gradcam.nii.gz")).dataobj)
+    assert np.unravel_index(shifted.argmax(), data.shape) == (5, 4, 14)  # the .npy's peak, rolled by 3
+    assert Image.open(out / "a.gradcam.png").size == (16 + 4 + 16 + 4 + 16, 16)
+    again = export_heatmaps(spec, [scans], out, ExportOptions(layer="1", resume=True))
+    assert (again.written, again.skipped) == (0, 2)
+
+    series = tmp_path / "series"
+    series.mkdir()
+    samples = np.stack([np.sin(np.arange(100) / 5), np.cos(np.arange(100) / 5)], axis=1)
+    np.savetxt(series / "ecg.csv", samples, delimiter=",")
+    signal_spec = ModelSpec(signal_net(), "signal-net", ["a", "b", "c"], SignalPreprocessing())
+    summary = export_heatmaps(signal_spec, [series], tmp_path / "signals", ExportOptions())
+    (record,) = summary.records
+    assert record["layer"] == "3" and record["targets"][0]["output"] == "ecg.gradcam.png"
+    assert Image.open(tmp_path / "signals" / "ecg.gradcam.png").size[0] == 1000
+    header = json.loads((tmp_path / "signals" / "manifest.jsonl").read_text().splitlines()[0])
+    assert header["header"]["preprocessing"] == {"mean": None, "std": None}

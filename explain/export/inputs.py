@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..catalog import INPUT_SUFFIXES
+from ..catalog import input_suffix
 from ..errors import ExplainError
 from .manifest import named_outputs
 
@@ -65,6 +65,12 @@ def _unreadable(err: OSError) -> str:
     return f"cannot read ({err.strerror or err})"
 
 
+def _stem(relative: Path, kind: str) -> Path:
+    """Where a file's outputs go: its path without its input suffix (both parts of ``.nii.gz``)."""
+    suffix = input_suffix(relative.name, kind) or relative.suffix
+    return relative.with_name(relative.name[: len(relative.name) - len(suffix)] if suffix else relative.name)
+
+
 def _is_pattern(source: str) -> bool:
     return any(char in source for char in "*?[")
 
@@ -74,7 +80,7 @@ class _Scanner:
 
     def __init__(self, exclude: Path | None, kind: str) -> None:
         self.exclude = exclude.resolve() if exclude is not None else None
-        self.suffixes = INPUT_SUFFIXES[kind]
+        self.kind = kind
         self.found: list[Input] = []
         self.seen: set[Path] = set()
 
@@ -102,7 +108,7 @@ class _Scanner:
             return self.failed(path, _unreadable(err))
         if resolved not in self.seen:
             self.seen.add(resolved)
-            self.found.append(Input(str(path), path, relative.with_suffix("")))
+            self.found.append(Input(str(path), path, _stem(relative, self.kind)))
 
     def files_below(self, folder: Path) -> Iterator[Path]:
         """The input files below ``folder``, sorted, passing over the output folders inside it.
@@ -118,7 +124,7 @@ class _Scanner:
 
         for root, dirs, names in os.walk(folder, onerror=unreadable):
             dirs[:] = [d for d in dirs if not self.is_output_folder(Path(root, d))]
-            files += [Path(root, name) for name in names if Path(name).suffix.lower() in self.suffixes]
+            files += [Path(root, name) for name in names if input_suffix(name, self.kind)]
         return (path for path in sorted(files) if not written or _resolved(path) not in written)
 
     def inside(self, path: Path, base: Path) -> bool:

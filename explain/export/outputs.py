@@ -16,8 +16,10 @@ from ..catalog import ALL_METHODS
 from ..errors import InputLoadError, first_line
 from ..io.images import save_array, save_image
 from ..io.render import annotate, figure, grid, picture
+from ..io.signals import plot_signal
 from ..io.video import count_frames, nearest_sampled, overlay_frames, write_gif, write_overlay_video
-from ..models.spec import ClipPreprocessing
+from ..io.volumes import montage, read_volume, write_heatmap
+from ..models.spec import InputPreprocessing
 from .inputs import Input
 from .manifest import record
 from .settings import RenderOptions
@@ -104,9 +106,10 @@ class OutputWriter:
         methods: The methods whose outputs are written apart: each asked one, or ``"all"`` (one grid).
         topk: The K top classes explained of each image, or None.
         render: How the maps are drawn and which files are written.
-        clips: For a video model, how it samples and crops a clip's frames: its inputs are videos, each written
-            as an overlay video of all its frames (``.mp4``) and an animated GIF of the sampled ones (the
-            picture the gallery shows); None for images.
+        preprocessing: How the model reads its inputs, which decides what is written of each: an image's overlay;
+            a video's overlay video of all its frames (``.mp4``) and an animated GIF of the sampled ones (the
+            picture the gallery shows); a volume's heatmap as NIfTI with the scan's affine (``.nii.gz``) and a
+            montage of the slices through its peak (``.png``, the picture); a signal's plot over its map (``.png``).
     """
 
     out_dir: Path
@@ -115,7 +118,7 @@ class OutputWriter:
     methods: list[str]
     topk: int | None
     render: RenderOptions
-    clips: ClipPreprocessing | None = None
+    preprocessing: InputPreprocessing | None = None
 
     def tag(self, k: int, class_name: str, method: str) -> str:
         """What tells an image's outputs apart: the method, and which target (top class, detection, segment)."""
@@ -130,10 +133,11 @@ class OutputWriter:
     ) -> tuple[list[Path], list[Path], list[Path], Path | None]:
         """The overlays, figures, clips' pictures and raw maps of one method written for an output base path and its
         targets' tags."""
-        fmt = "mp4" if self.clips else self.render.fmt
+        fmt = {"video": "mp4", "volume": "nii.gz", "signal": "png"}.get(self.kind, self.render.fmt)
         overlays = [base.with_name(base.name + tag + f".{fmt}") for tag in tags]
         figures = [base.with_name(base.name + tag + f".figure.{fmt}") for tag in tags] if self.render.figure else []
-        pictures = [base.with_name(base.name + tag + ".gif") for tag in tags] if self.clips else []
+        shown = {"video": "gif", "volume": "png"}.get(self.kind)
+        pictures = [base.with_name(base.name + tag + f".{shown}") for tag in tags] if shown else []
         raw = base.with_name(f"{base.name}.{method}.npy") if self.render.save_raw else None
         return overlays, figures, pictures, raw
 
@@ -170,8 +174,12 @@ class OutputWriter:
         try:
             for j, (e, output) in enumerate(zip(explained, outputs)):
                 mark = partial(self.annotated, e)
-                if self.clips is not None:
+                if self.kind == "video":
                     self.write_clip(item.path, image, e.cams[method], output, pictures[j])
+                elif self.kind == "volume":
+                    self.write_volume(item.path, e.cams[method], output, pictures[j])
+                elif self.kind == "signal":
+                    save_image(plot_signal(image, e.cams[method], style.colormap), output)
                 elif method == ALL_METHODS:
                     title = f"{e.class_name} ({e.score:.1%}), every fast method"
                     save_image(grid(image, e.cams, title, style.alpha, style.colormap, mark=mark), output)
@@ -205,14 +213,26 @@ class OutputWriter:
         raw_name = self.relative(raw_path) if raw_path else None
         return record(item.name, self.model, method, targets=targets, layer=layer, raw=raw_name)
 
+    @property
+    def kind(self) -> str:
+        """What the inputs are: ``"image"``, ``"video"``, ``"volume"`` or ``"signal"``."""
+        return "image" if self.preprocessing is None else self.preprocessing.kind
+
+    def write_volume(self, source: Path, cam: torch.Tensor, output: Path, picture: Path) -> None:
+        """A scan's heatmap, at the scan's size, as a NIfTI with the scan's affine (read again from its file), and
+        the montage of the slices through the map's peak."""
+        volume = read_volume(source)
+        write_heatmap(cam, volume, output)
+        save_image(montage(volume, cam, self.render.alpha, self.render.colormap), picture)
+
     def write_clip(self, source: Path, sampled: np.ndarray, cam: torch.Tensor, output: Path, picture: Path) -> None:
         """A video's overlay: every frame of ``source`` with the map of the sampled frame nearest it, placed on the
         region of the frame the model's crop saw (zero outside), as an H.264 video at the clip's rate; and the
         sampled frames (T, H, W, 3) with their maps as an animated GIF at the clip's pace."""
         height, width = sampled.shape[1:3]
-        placed = self.clips.on_frames(torch.as_tensor(cam), height, width)
+        placed = self.preprocessing.on_frames(torch.as_tensor(cam), height, width)
         total, rate = count_frames(source)
-        nearest = nearest_sampled(self.clips.indices(total), total)
+        nearest = nearest_sampled(self.preprocessing.indices(total), total)
         style = self.render
         write_overlay_video(source, output, lambda i: placed[nearest[i]], style.alpha, style.colormap)
         blended = overlay_frames(sampled, placed, style.alpha, style.colormap)

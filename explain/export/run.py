@@ -29,7 +29,7 @@ from ..core.engine import CAMResult
 from ..errors import LayerError, NothingToExplain, TargetError, first_line
 from ..io.atomic import remove_temporary_files
 from ..methods import Method, create_method
-from ..models import ClipPreprocessing, ModelSpec
+from ..models import ModelSpec
 from ..targets import ClassTarget, DetectionTarget, SegmentationTarget, Target, TopK
 from .distributed import Process, process_group, this_process
 from .gallery import remove_gallery
@@ -290,8 +290,9 @@ def export_heatmaps(
     options.check_task(spec)
     device = process.device(torch.device(device))
     explainer = _Explainer(spec, options, device)
-    clips = spec.preprocessing if isinstance(spec.preprocessing, ClipPreprocessing) else None
-    writer = OutputWriter(out_dir, spec.name, spec.task, options.methods.written, options.topk, options.render, clips)
+    writer = OutputWriter(
+        out_dir, spec.name, spec.task, options.methods.written, options.topk, options.render, spec.preprocessing
+    )
     head = header(run_settings(spec, options))
     check_free(out_dir)  # another run's folder is refused before anything is read or written
     lock = FolderLock(out_dir, last=process.rank == 0)
@@ -450,7 +451,9 @@ def _write_jobs(
 ) -> list[Callable[[], list[dict[str, Any]]]]:
     """Explain a group; returns for each image the job that writes its outputs and returns its records."""
     images = [pixels.numpy() for pixels in group.images]
-    parts = explainer.explain_robustly(group.x, [(image.shape[-2], image.shape[-3]) for image in images])
+    # each input's (width, height), which a detector's boxes are scaled to (an image's, a clip's frames'; none else)
+    sizes = [(image.shape[-2], image.shape[-3]) if image.ndim >= 3 else (1, 1) for image in images]
+    parts = explainer.explain_robustly(group.x, sizes)
     jobs = []
     for position, image, outcome in zip(group.positions, images, parts):
         item = files[position]

@@ -194,8 +194,9 @@ class ExportOptions:
             raise ExplainError(f"--metrics explains a classifier's class; {name} is a {task} model")
         if self.topk is not None and self.topk > classes:
             raise ExplainError(f"--topk {self.topk} exceeds the model's {classes} classes")
-        if spec.preprocessing.kind == "video" and (self.methods.grid or self.render.figure or self.keep_aspect):
+        kind = spec.preprocessing.kind
+        if kind != "image" and (self.methods.grid or self.render.figure or self.keep_aspect):
             raise ExplainError(
-                f"{name} explains videos: --method all's grid, --figure and --keep-aspect draw or resize images; "
-                "write each method's overlay video instead"
+                f"{name} explains {kind}s: --method all's grid, --figure and --keep-aspect draw or resize images; "
+                f"write each method's own {kind} outputs instead"
             )

@@ -6,18 +6,30 @@ name (``loaders.py``); users' checkpoints (``checkpoints.py``); the bundled Effi
 from .checkpoints import lite0_state_to_timm, read_state_dict
 from .loaders import TIMM_PREFIX, available_models, imagenet_labels, load_model
 from .query_models import QueryDetector, QuerySegmenter
-from .spec import ClipPreprocessing, ImageLike, ModelSpec, Preprocessing, Task
+from .spec import (
+    ClipPreprocessing,
+    ImageLike,
+    InputPreprocessing,
+    ModelSpec,
+    Preprocessing,
+    SignalPreprocessing,
+    Task,
+    VolumePreprocessing,
+)
 from .yolo import YoloDetector, load_yolo
 
 __all__ = [
     "TIMM_PREFIX",
     "ClipPreprocessing",
     "ImageLike",
+    "InputPreprocessing",
     "ModelSpec",
     "Preprocessing",
     "QueryDetector",
     "QuerySegmenter",
+    "SignalPreprocessing",
     "Task",
+    "VolumePreprocessing",
     "YoloDetector",
     "available_models",
     "imagenet_labels",

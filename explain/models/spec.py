@@ -152,6 +152,78 @@ class ClipPreprocessing:
         return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
 
 
+@dataclass(frozen=True)
+class Standardizing:
+    """What volume and signal preprocessing share: values minus ``mean``, divided by ``std``, at the input's own
+    size (None: the input's own statistic).
+
+    Attributes:
+        mean: The value subtracted, or None for the input's own mean.
+        std: The value divided by, or None for the input's own standard deviation (a spread of zero divides by 1).
+    """
+
+    mean: float | None = None
+    std: float | None = None
+
+    def with_aspect(self, keep_aspect: bool | None) -> Standardizing:
+        """The same preprocessing (``keep_aspect`` is for images)."""
+        return self
+
+    def standardized(self, values: Tensor, axis: int | None = None) -> Tensor:
+        """``values`` standardized; the statistics a None asks for are taken along ``axis``, or over all values."""
+        axes = () if axis is None else (axis,)
+        shift = values.mean(dim=axes or None, keepdim=bool(axes)) if self.mean is None else torch.tensor(self.mean)
+        spread = values.std(dim=axes or None, keepdim=bool(axes)) if self.std is None else torch.tensor(self.std)
+        return (values - shift) / torch.where(spread > 0, spread, 1.0)
+
+    def settings(self) -> dict[str, Any]:
+        """Its fields as JSON values (the manifest's header)."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class VolumePreprocessing(Standardizing):
+    """How a scan becomes a 3-D network's input, (1, D, H, W) at the scan's own size: standardized over all its
+    voxels (see :class:`Standardizing`). Read from a NIfTI file or a 3-D ``.npy`` (see
+    :func:`explain.io.volumes.read_volume`)."""
+
+    kind = "volume"  # what an export of the model reads (see explain.catalog.INPUT_SUFFIXES)
+
+    def read(self, path: Path) -> tuple[Tensor, Tensor]:
+        """A scan's voxels (D, H, W) float32, what the maps are drawn on, and the model's input (1, D, H, W).
+
+        Raises:
+            InputLoadError: The file is no readable volume.
+        """
+        from ..io.volumes import read_volume
+
+        voxels = torch.from_numpy(read_volume(path).data)
+        return voxels, self.standardized(voxels)[None]
+
+
+@dataclass(frozen=True)
+class SignalPreprocessing(Standardizing):
+    """How a signal becomes a 1-D network's input, (C, L) at its own length: each channel standardized on its own
+    (see :class:`Standardizing`). Read from a ``.npy`` (C, L) or a ``.csv`` of one sample per row (see
+    :func:`explain.io.signals.read_signal`)."""
+
+    kind = "signal"  # what an export of the model reads (see explain.catalog.INPUT_SUFFIXES)
+
+    def read(self, path: Path) -> tuple[Tensor, Tensor]:
+        """A signal (C, L) float32, what the maps are drawn on, and the model's input (C, L).
+
+        Raises:
+            InputLoadError: The file is no readable signal.
+        """
+        from ..io.signals import read_signal
+
+        signal = torch.from_numpy(read_signal(path))
+        return signal, self.standardized(signal, axis=-1)
+
+
+InputPreprocessing = Preprocessing | ClipPreprocessing | VolumePreprocessing | SignalPreprocessing
+
+
 @dataclass
 class ModelSpec:
     """A model together with what is needed to feed it and to name its classes.
@@ -169,7 +241,7 @@ class ModelSpec:
     model: nn.Module
     name: str
     labels: list[str]
-    preprocessing: Preprocessing | ClipPreprocessing
+    preprocessing: InputPreprocessing
     task: Task = "classification"
 
     @property
@@ -197,10 +269,10 @@ class ModelSpec:
             ExplainError: With ``keep_aspect``, images whose resized shapes differ.
             ImageLoadError: A path that is not a readable image.
         """
-        if isinstance(self.preprocessing, ClipPreprocessing):
+        if self.preprocessing.kind != "image":
             raise ExplainError(
-                f"{self.name} takes clips: sample a clip's frames with preprocessing.indices(total), then "
-                "preprocessing(frames) gives the model's input (3, T, h, w)"
+                f"{self.name} takes {self.preprocessing.kind}s, not images: preprocessing.read(path) gives what its "
+                "maps are drawn on and its input"
             )
         single = isinstance(images, (Image.Image, np.ndarray, str, Path))
         transform = self.preprocessing.with_aspect(keep_aspect)
