@@ -12,11 +12,10 @@ backbone block; pytorch-grad-cam's ``GradCAM`` with its ``FasterRCNNBoxScoreTarg
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
 
 import torch
 import torchvision
-from timing import emit, interleaved_medians, ratio_table, rounds_and_out
+from timing import against_inference, emit, interleaved_medians, ratio_table, rounds_and_out
 
 import explain
 from explain.targets import DetectionTarget
@@ -35,15 +34,8 @@ def main() -> None:
         top = model(x)[0]
     box, label = top["boxes"][:1].clone(), [int(top["labels"][0])]
 
-    def inference() -> object:
-        with torch.inference_mode():
-            return model(x)
-
     explainer = explain.GradCAM(model, LAYER)
-    runs: dict[str, Callable[[], object]] = {
-        "inference forward": inference,
-        "explain GradCAM + DetectionTarget": lambda: explainer(x, DetectionTarget(box, label)),
-    }
+    runs = against_inference(model, x, lambda: explainer(x, DetectionTarget(box, label)))
     if importlib.util.find_spec("pytorch_grad_cam"):
         from pytorch_grad_cam import GradCAM as PGCGradCAM
         from pytorch_grad_cam.utils.model_targets import FasterRCNNBoxScoreTarget

@@ -12,11 +12,9 @@ Target: explain costs at most 1.15x the inference forward.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import transformers
-from timing import emit, interleaved_medians, ratio_table, rounds_and_out
+from timing import against_inference, emit, interleaved_medians, ratio_table, rounds_and_out
 
 import explain
 from explain.models import QueryDetector
@@ -44,16 +42,8 @@ def main() -> None:
     top = int(found["scores"].argmax())
     target = DetectionTarget(found["boxes"][top : top + 1].clone(), [int(found["labels"][top])])
 
-    def inference() -> object:
-        with torch.inference_mode():
-            return model(x)
-
     explainer = explain.GradCAM(model)  # its one-time trace and probe run in the warm-up round
-    runs: dict[str, Callable[[], object]] = {
-        "inference forward": inference,
-        "explain GradCAM + DetectionTarget": lambda: explainer(x, target),
-    }
-    medians = interleaved_medians(runs, args.rounds)
+    medians = interleaved_medians(against_inference(model, x, lambda: explainer(x, target)), args.rounds)
     lines = [
         f"DETR (ResNet-50, 6+6 layers, 100 queries), random weights, one 480x640 image, automatic layer "
         f"`{explainer.layer}`, torch {torch.__version__}, median of {args.rounds} interleaved rounds.",

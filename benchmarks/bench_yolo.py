@@ -12,10 +12,8 @@ torch.hub, which needs the network: not run here. Target: explain costs at most 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-from timing import emit, interleaved_medians, ratio_table, rounds_and_out
+from timing import against_inference, emit, interleaved_medians, ratio_table, rounds_and_out
 
 import explain
 from explain.models.yolo import load_yolo
@@ -33,16 +31,8 @@ def main() -> None:
         (found,) = model(x)
     target = DetectionTarget(found["boxes"][:1].clone(), [int(found["labels"][0])])
 
-    def inference() -> object:
-        with torch.inference_mode():
-            return model(x)
-
     explainer = explain.GradCAM(model)  # its one-time trace runs in the warm-up round
-    runs: dict[str, Callable[[], object]] = {
-        "inference forward": inference,
-        "explain GradCAM + DetectionTarget": lambda: explainer(x, target),
-    }
-    medians = interleaved_medians(runs, args.rounds)
+    medians = interleaved_medians(against_inference(model, x, lambda: explainer(x, target)), args.rounds)
     lines = [
         f"yolo11n (yaml, random weights), one 480x640 image, {len(found['boxes'])} detections, automatic layers "
         f"`{explainer.layer}`, torch {torch.__version__}, median of {args.rounds} interleaved rounds.",

@@ -7,6 +7,9 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import torch
 
 
 def rounds_and_out(doc: str) -> argparse.Namespace:
@@ -15,6 +18,19 @@ def rounds_and_out(doc: str) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", help="also write the table to this markdown file")
     return parser.parse_args()
+
+
+def against_inference(
+    model: Callable[[Any], object], x: Any, explained: Callable[[], object]
+) -> dict[str, Callable[[], object]]:
+    """The contenders every benchmark of a detector starts from: the model's plain inference forward on ``x``, and
+    ``explained``, an explainer's call (named for Grad-CAM of one detection)."""
+
+    def inference() -> object:
+        with torch.inference_mode():
+            return model(x)
+
+    return {"inference forward": inference, "explain GradCAM + DetectionTarget": explained}
 
 
 def interleaved_medians(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:

@@ -312,6 +312,17 @@ def test_calls_that_return_their_own_tensor_are_followed_once() -> None:
     assert_matches(model, x, None, logit(1), ("first",))
 
 
+def sigmoid_query_detector(model: nn.Module, x: torch.Tensor) -> tuple[nn.Module, dict]:
+    """The model wrapped in QueryDetector, and its detections of x's one image, whose scores must be the sigmoid
+    of the model's logits, each query's largest."""
+    detector = explain.models.QueryDetector(model).eval()
+    with torch.no_grad():
+        (found,) = detector(x)
+        logits = model(pixel_values=x).logits
+    torch.testing.assert_close(found["scores"], logits.sigmoid()[0].amax(dim=-1))
+    return detector, found
+
+
 def test_conditional_detr_scores_by_sigmoid_and_modifies_its_head_in_place() -> None:
     """Conditional DETR has no "no object" class (its scores are sigmoids) and adds to its box head's output in
     place, after the row-restricted layers explain puts there: its maps match the reference."""
@@ -323,12 +334,8 @@ def test_conditional_detr_scores_by_sigmoid_and_modifies_its_head_in_place() -> 
         encoder_ffn_dim=32, decoder_ffn_dim=32, num_queries=20, num_labels=5,
     )  # fmt: skip
     model = transformers.ConditionalDetrForObjectDetection(config).eval()
-    detector = explain.models.QueryDetector(model).eval()
     x = torch.randn(1, 3, 128, 160)
-    with torch.no_grad():
-        (found,) = detector(x)
-        logits = model(pixel_values=x).logits
-    torch.testing.assert_close(found["scores"], logits.sigmoid()[0].amax(dim=-1))
+    detector, found = sigmoid_query_detector(model, x)
     target = explain.targets.DetectionTarget(found["boxes"][3:4], [int(found["labels"][3])])
     result = explain.GradCAM(detector)(x, target, resize=False, normalize=False)
     expected = reference(detector, x, result.layer, lambda out: out[0]["scores"][3:4], ("tokens", 0, (4, 5)))
@@ -425,12 +432,8 @@ def test_multi_scale_query_detectors_are_explained_at_a_map_of_theirs(build, one
     map. RT-DETR's encoder attends within its coarsest level alone, whose tokens are a grid."""
     torch.manual_seed(0)
     model = build().eval()
-    detector = explain.models.QueryDetector(model).eval()
     x = torch.randn(1, 3, 128, 160)
-    with torch.no_grad():
-        (found,) = detector(x)
-        logits = model(pixel_values=x).logits
-    torch.testing.assert_close(found["scores"], logits.sigmoid()[0].amax(dim=-1))
+    detector, found = sigmoid_query_detector(model, x)
     if one_sequence:
         infos = traced_layers(detector, x).items()
         encoder = [info for name, info in infos if ".encoder.layers." in name and info.shape and len(info.shape) == 2]

@@ -27,6 +27,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Literal
 
 import torch
@@ -80,10 +81,8 @@ class Layout:
             return output.movedim(-1, 1)
         if self.kind == "tokens":
             patches = output[:, self.prefix :]
-            if self.order is not None:  # token i lies in cell order[i]: the cells' tokens in row-major order
-                rows = torch.empty(len(self.order), dtype=torch.long)
-                rows[list(self.order)] = torch.arange(len(self.order))
-                patches = patches.index_select(1, rows.to(output.device))
+            if self.order is not None:
+                patches = patches.index_select(1, self.tokens_by_cell.to(output.device))
             return patches.transpose(1, 2).reshape(len(output), output.shape[-1], *self.grid)
         if self.kind == "reshape":
             mapped = self.reshape(output)
@@ -92,6 +91,13 @@ class Layout:
                 raise LayerError(f"reshape= must return a map (N, C, *spatial), returned {shape}")
             return mapped
         return output
+
+    @cached_property
+    def tokens_by_cell(self) -> Tensor:
+        """For unrolled tokens, the patch token in each grid cell, row-major: ``order``'s inverse, made once."""
+        tokens = torch.empty(len(self.order), dtype=torch.long)
+        tokens[list(self.order)] = torch.arange(len(self.order))
+        return tokens
 
     def describe(self) -> str:
         """The layout in a few words (``--layers``)."""

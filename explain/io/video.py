@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,8 +48,13 @@ def read_video(path: str | Path) -> Video:
     Raises:
         InputLoadError: The file cannot be decoded or holds no video frame; the message names the file.
     """
-    frames, _, rate = read_frames(path, range)
-    return Video(frames, rate)
+    path = Path(path)
+    with _decoding(path), _av(path).open(str(path)) as container:
+        stream, rate = _video_stream(container, path)
+        frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
+    if not frames:
+        raise InputLoadError(f"{path}: the video has no frames")
+    return Video(np.stack(frames), rate)
 
 
 def _reason(err: BaseException) -> str:
@@ -67,6 +73,19 @@ def _decoding(path: Path) -> Iterator[None]:
         raise InputLoadError(f"{path}: cannot decode the video: {_reason(err)}") from None
 
 
+def _video_stream(container: Any, path: Path) -> tuple[Any, float]:
+    """A container's first video stream and its frame rate (25 where the file tells none).
+
+    Raises:
+        InputLoadError: The file has no video stream.
+    """
+    if not container.streams.video:
+        raise InputLoadError(f"{path}: no video stream")
+    stream = container.streams.video[0]
+    rate = stream.average_rate or stream.guessed_rate or stream.base_rate
+    return stream, float(rate) if rate else 25.0
+
+
 def count_frames(path: Path) -> tuple[int, float]:
     """How many frames a video file's first video stream decodes to (not its header's claim), and its rate.
 
@@ -74,14 +93,11 @@ def count_frames(path: Path) -> tuple[int, float]:
         InputLoadError: As :func:`read_video`.
     """
     with _decoding(path), _av(path).open(str(path)) as container:
-        if not container.streams.video:
-            raise InputLoadError(f"{path}: no video stream")
-        stream = container.streams.video[0]
-        rate = stream.average_rate or stream.guessed_rate or stream.base_rate
+        stream, rate = _video_stream(container, path)
         total = sum(1 for _ in container.decode(stream))
     if not total:
         raise InputLoadError(f"{path}: the video has no frames")
-    return total, float(rate) if rate else 25.0
+    return total, rate
 
 
 def read_frames(path: str | Path, choose: Callable[[int], Sequence[int]]) -> tuple[np.ndarray, int, float]:
@@ -121,21 +137,14 @@ def write_overlay_video(
     av = _av(source)
 
     def write(temp: Path) -> None:
-        with av.open(str(source)) as reading, av.open(str(temp), mode="w", format="mp4") as container:
+        with av.open(str(source)) as reading:
             decoded = reading.streams.video[0]
             rate = decoded.average_rate or decoded.guessed_rate or 25
-            stream = None
-            for index, frame in enumerate(reading.decode(decoded)):
-                pixels = np.asarray(overlay(frame.to_ndarray(format="rgb24"), maps(index), alpha, colormap))
-                height, width = pixels.shape[:2]
-                pixels = np.pad(pixels, ((0, height % 2), (0, width % 2), (0, 0)), mode="edge")
-                if stream is None:
-                    stream = container.add_stream("libx264", rate=Fraction(float(rate)).limit_denominator(1001))
-                    stream.width, stream.height, stream.pix_fmt = pixels.shape[1], pixels.shape[0], "yuv420p"
-                    stream.options = {"crf": str(quality)}
-                container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
-            if stream is not None:
-                container.mux(stream.encode(None))
+            blended = (
+                np.asarray(overlay(frame.to_ndarray(format="rgb24"), maps(index), alpha, colormap))
+                for index, frame in enumerate(reading.decode(decoded))
+            )
+            _encode(av, blended, float(rate), temp, quality)
 
     try:
         write_atomically(path, write)
@@ -157,7 +166,7 @@ def overlay_frames(
 
 def write_video(frames: np.ndarray, fps: float, path: Path, quality: int = 18) -> None:
     """Frames (T, H, W, 3) uint8 RGB as an H.264 video (yuv420p, the format every player reads) at ``fps``,
-    atomically. An odd side is padded by one repeated row or column (yuv420p halves the colour planes).
+    atomically (see :func:`_encode`).
 
     Args:
         frames: The frames.
@@ -166,19 +175,24 @@ def write_video(frames: np.ndarray, fps: float, path: Path, quality: int = 18) -
         quality: x264's constant rate factor: 0 lossless, 18 visually lossless, 23 its default.
     """
     av = _av(path)
-    height, width = frames.shape[1:3]
-    even = np.pad(frames, ((0, 0), (0, height % 2), (0, width % 2), (0, 0)), mode="edge")
+    write_atomically(path, lambda temp: _encode(av, iter(frames), fps, temp, quality))
 
-    def write(temp: Path) -> None:
-        with av.open(str(temp), mode="w", format="mp4") as container:
-            stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
-            stream.width, stream.height, stream.pix_fmt = even.shape[2], even.shape[1], "yuv420p"
-            stream.options = {"crf": str(quality)}
-            for pixels in even:
-                container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+
+def _encode(av: Any, frames: Iterator[np.ndarray], fps: float, path: Path, quality: int) -> None:
+    """RGB frames (H, W, 3) uint8, one at a time, encoded as H.264 in yuv420p at ``fps`` into the file ``path``;
+    an odd side is padded by one repeated row or column (yuv420p halves the colour planes)."""
+    with av.open(str(path), mode="w", format="mp4") as container:
+        stream = None
+        for pixels in frames:
+            height, width = pixels.shape[:2]
+            even = np.pad(pixels, ((0, height % 2), (0, width % 2), (0, 0)), mode="edge")
+            if stream is None:
+                stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
+                stream.width, stream.height, stream.pix_fmt = even.shape[1], even.shape[0], "yuv420p"
+                stream.options = {"crf": str(quality)}
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(even, format="rgb24")))
+        if stream is not None:
             container.mux(stream.encode(None))
-
-    write_atomically(path, write)
 
 
 def frame_strip(frames: np.ndarray, count: int = 8, height: int = 96) -> Image.Image:
