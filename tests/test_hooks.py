@@ -12,6 +12,7 @@ from torch import nn
 
 import explain
 from explain.core.hooks import ActivationGradientRecorder, uses_tensor_hook
+from explain.core.maps import normalize_maps, upsample
 
 # (model, layer, whether PyTorch's full-backward hook can serve it)
 PATHS = [
@@ -179,3 +180,47 @@ def test_pyramid_levels_are_candidates_and_fuse() -> None:
         explain.gradcam(model, x, "levels:middle")
     with pytest.raises(explain.LayerError, match="name an entry of a dict or list output"):
         explain.gradcam(model, x, "levels")
+
+
+class TwoLevels(nn.Module):
+    """A fine level, a coarse level computed from it through ``between``, and a score that reads each level
+    through its own head; ``reads_coarse`` chooses whether the score reaches the coarse level."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fine = nn.Conv2d(3, 4, 3, padding=1)
+        self.between = nn.Conv2d(4, 4, 3, stride=2, padding=1)
+        self.coarse = nn.Conv2d(4, 4, 1)
+        self.reads_coarse = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fine = self.fine(x)
+        coarse = self.coarse(self.between(fine))
+        score = fine.mean(dim=(2, 3))
+        return score + coarse.mean(dim=(2, 3)) if self.reads_coarse else score
+
+
+def test_a_layer_computed_from_another_target_layer_hands_no_zero_gradient_back() -> None:
+    """A full-backward hook on the coarse level would hand a zero gradient back through ``between`` when the score
+    reaches the fine level alone; once found downstream of the fine level, the coarse level's gradient is caught
+    by a tensor hook, and ``between`` is not differentiated. The fused maps stay the references'."""
+    torch.manual_seed(0)
+    model, x = TwoLevels(), torch.randn(2, 3, 16, 16)
+    reached: list[bool] = []
+
+    def spy(module: nn.Module, inputs: object, output: torch.Tensor) -> None:
+        if output.requires_grad:
+            output.register_hook(lambda grad: reached.append(True))
+
+    model.between.register_forward_hook(spy)
+    for reads_coarse in (False, True):
+        model.reads_coarse = reads_coarse
+        cam = explain.GradCAM(model, ["fine", "coarse"])
+        for _ in range(2):  # the first call finds the coarse level downstream
+            reached.clear()
+            result = cam(x, 1, normalize=False)
+        assert reached == ([True] if reads_coarse else [])
+        names = ("fine", "coarse") if reads_coarse else ("fine",)  # the coarse level's map is otherwise zero
+        maps = [normalize_maps(upsample(reference_gradcam(model, x, name, [1, 1]), (16, 16)), 2) for name in names]
+        torch.testing.assert_close(result.raw.double(), sum(maps) / 2, rtol=1e-5, atol=1e-6)
+    assert len(model.between._forward_hooks) == 1  # the spy's alone

@@ -271,6 +271,7 @@ def test_a_folder_held_by_a_live_run_is_refused_and_a_stale_lock_taken_over(fini
 
 
 def test_two_runs_into_one_folder_the_second_refused(tmp_path) -> None:
+    import signal
     import subprocess
     import sys
     import time
@@ -291,9 +292,11 @@ def test_two_runs_into_one_folder_the_second_refused(tmp_path) -> None:
         while not (out / LOCK).exists() and first.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert (out / LOCK).exists(), "the first run never held its folder"
+        first.send_signal(signal.SIGSTOP)  # paused, holding its folder, however fast it would have finished
         second = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=120)
         assert second.returncode == 2 and "in use by another explain run" in second.stderr
     finally:
+        first.send_signal(signal.SIGCONT)
         assert first.wait(timeout=300) == 0, first.stderr.read()
     records = manifest(out)
     assert len(records) == 24 and all(r["error"] is None for r in records) and not (out / LOCK).exists()

@@ -108,21 +108,31 @@ def test_a_detection_is_its_raw_row_and_its_map_the_reference(detector) -> None:
     assert hook_count(detector) == 0
 
 
-def test_head_branches_without_gradient_are_skipped_and_the_gradients_are_the_same(detector) -> None:
-    """A detection's score reaches one level's class branch. The other branches, and the neck levels behind them,
-    are not differentiated (their gradient is None, not a tensor of zeros), and the gradients are those of the
-    plain Ultralytics model, differentiated whole."""
-    x = image()
+def test_head_branches_are_differentiated_over_the_reached_window_and_the_gradients_are_the_same(detector) -> None:
+    """In a call, a detection's score reaches one cell of one level's class branch: that branch is recomputed on the
+    cell's receptive field, the other branches pass no gradient on (None, not a tensor of zeros), so the neck
+    levels behind them are not differentiated; the gradients are those of the plain Ultralytics model,
+    differentiated whole."""
+    from explain.core.model_state import frozen_parameters
+    from explain.core.windows import windowed_heads
+
+    x = image().requires_grad_(True)  # the whole network in the graph, the parameters frozen as in a call
     levels = [f"model.model.{index}" for index in detector.model.model[-1].f]
     kept: dict[str, torch.Tensor] = {}
     handles = [
         detector.get_submodule(name).register_forward_hook(lambda m, i, o, name=name: kept.update({name: o}))
         for name in levels
     ]
+    recomputed: list[tuple[int, ...]] = []
+    first = detector.model.model[-1].cv3[0][0][0]  # the class branch's first convolution, at the finest level
+    spy = first.register_forward_pre_hook(lambda m, args: recomputed.append(tuple(args[0].shape[-2:])))
     try:
-        (found,) = detector(x)
-        k = int(found["scores"].argmin())  # the least score kept: a sigmoid far from saturation
-        pruned = torch.autograd.grad(found["scores"][k], [kept[name] for name in levels], allow_unused=True)
+        with frozen_parameters(detector), windowed_heads(detector):
+            (found,) = detector(x)
+            k = int(found["scores"].argmin())  # the least score kept: a sigmoid far from saturation
+            recomputed.clear()
+            windowed = torch.autograd.grad(found["scores"][k], [kept[name] for name in levels], allow_unused=True)
+            during_backward = list(recomputed)
         boxed = detector.transform(x)
         raw = detector.model(boxed.tensors)[0][0]  # plain Ultralytics: (4 + classes, anchors)
         centre = (found["boxes"][k, :2] + found["boxes"][k, 2:]) / 2 * boxed.scale + torch.tensor(boxed.offset[::-1])
@@ -130,13 +140,14 @@ def test_head_branches_without_gradient_are_skipped_and_the_gradients_are_the_sa
         score = raw[4 + int(found["labels"][k]), row]
         plain = torch.autograd.grad(score, [kept[name] for name in levels], allow_unused=True)
     finally:
-        for handle in handles:
+        for handle in (*handles, spy):
             handle.remove()
     torch.testing.assert_close(found["scores"][k], score)
     assert plain[0].abs().max() > 0
-    torch.testing.assert_close(pruned[0], plain[0])  # the finest level, whose class branch the score reaches
+    torch.testing.assert_close(windowed[0], plain[0])  # the finest level, whose class branch the score reaches
     assert plain[2] is not None and not plain[2].any()  # the coarsest level: zeros, differentiated for nothing
-    assert pruned[2] is None
+    assert windowed[2] is None
+    assert during_backward == [(5, 5)]  # one cell and the branch's reach, two cells each way (two 3x3 convolutions)
     assert hook_count(detector) == 0
 
 

@@ -34,6 +34,7 @@ from .layouts import Geometry, Layout, Reshape, find_layout, grids_recorded
 from .maps import INTERPOLATION, Canvas, normalize_maps, postprocess, principal_projection, upsample
 from .model_state import exclusive, running, untouched
 from .rows import reached_rows
+from .windows import windowed_heads
 
 
 @dataclass(frozen=True)
@@ -231,6 +232,14 @@ class PassRecord:
     layouts: dict[str, Layout]
     canvas: Canvas | None
     geometry: Geometry
+
+
+def _sequences(traced: Mapping[str, LayerInfo]) -> set[str] | None:
+    """The modules whose output, or an entry of it (``nn.MultiheadAttention``'s), the traced pass found a sequence
+    (T, C) per image; None without a trace."""
+    if not traced:
+        return None
+    return {layer_entry(name)[0] for name, info in traced.items() if info.shape is not None and len(info.shape) == 2}
 
 
 AUG_SCALES = (0.9, 1.0, 1.1)
@@ -495,9 +504,11 @@ class CAM:
         return x + self.smooth_sigma * spread * torch.randn(x.shape, device=x.device, generator=generator)
 
     def _fused(self, maps: list[Tensor], size: Sequence[int]) -> Tensor:
-        """One map from each layer's: each upsampled to ``size`` and normalized, then their mean or maximum."""
-        stacked = torch.stack([normalize_maps(upsample(m, size), len(size)) for m in maps])
-        return stacked.mean(dim=0) if self.fuse == "mean" else stacked.amax(dim=0)
+        """One map from each layer's: each upsampled to ``size`` and normalized, then their mean or maximum. A
+        layer whose maps are all zero (a pyramid level no detection reaches) adds zeros without being resized."""
+        reached = [m for m in maps if bool(m.any())] or maps[:1]
+        stacked = torch.stack([normalize_maps(upsample(m, size), len(size)) for m in reached])
+        return stacked.sum(dim=0) / len(maps) if self.fuse == "mean" else stacked.amax(dim=0)
 
     def _record(
         self, x: Tensor, goal: Target | BoundTarget, model_kwargs: Mapping[str, Any], plain: bool = False
@@ -517,7 +528,8 @@ class CAM:
             canvas_recorded(self.model) as canvases,
             grids_recorded(self.model) as grids,
             sparse_box_heads(self.model),
-            reached_rows(self.model, skip=recording.modules.values()),
+            reached_rows(self.model, skip=recording.modules.values(), sequences=_sequences(traced)),
+            windowed_heads(self.model, skip=recording.modules.values()),
             recording as recorder,
         ):
             output = recorder.forward(partial(self.model, **model_kwargs), x)
@@ -578,7 +590,7 @@ class CAM:
             LayerError: For some image and target, the gradient is zero at every position of every layer.
         """
         for k, by_layer in enumerate(gradients):
-            zero = torch.stack([~g.flatten(1).ne(0).any(dim=1) for g in by_layer.values()]).all(dim=0)
+            zero = torch.stack([g.flatten(1).abs().amax(dim=1) == 0 for g in by_layer.values()]).all(dim=0)
             if bound.valid is not None:
                 zero &= bound.valid[:, k]
             if zero.any():

@@ -14,7 +14,10 @@ inplace": a ``ReLU(inplace=True)`` after a VGG conv, ``out += identity`` after a
 ResNet ``bn2``). The recorder then switches, once, to a tensor hook
 (``Tensor.register_hook``) on a copy of the output that the model is free to
 modify; the activation kept is the output as the layer returned it, and the
-gradient is the gradient with respect to that value, on either path.
+gradient is the gradient with respect to that value, on either path. A target layer
+computed from another target layer's output takes the tensor-hook path too, once found:
+a full-backward hook would hand a zero gradient back through all that lies between the
+two layers whenever the score reaches the earlier layer alone.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ _INPLACE_CLASH = "BackwardHookFunction"  # in PyTorch's error for an in-place ch
 # Modules whose output their model modifies in place, found by earlier calls: their
 # recorders start on the tensor-hook path and skip the failing first forward.
 _MODIFIED_IN_PLACE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+# Target modules found computed from another target module's output (a detector's finer pyramid level feeds the
+# coarser ones): their gradient is caught by a tensor hook from then on. A full-backward hook would hand a zero
+# gradient back through all that lies between the two layers whenever the score reaches the first layer alone.
+_DOWNSTREAM: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def layer_entry(name: str) -> tuple[str, str | None]:
@@ -165,8 +172,9 @@ class ActivationGradientRecorder:
         self._leaves.clear()
 
     def _tensor_hooked(self, name: str) -> bool:
-        """Whether a layer's gradient is caught by a tensor hook (always for an entry of a dict or list output)."""
-        return self.tensor_hook or layer_entry(name)[1] is not None
+        """Whether a layer's gradient is caught by a tensor hook: always for an entry of a dict or list output, and
+        for a layer that an earlier pass found computed from another target layer."""
+        return self.tensor_hook or layer_entry(name)[1] is not None or self.modules[name] in _DOWNSTREAM
 
     def _register(self) -> None:
         try:
@@ -203,6 +211,8 @@ class ActivationGradientRecorder:
             return None
         # An output that already requires grad lies downstream of another target layer of this
         # recorder: it stays in the graph, so that layer's gradient can flow through it.
+        if output.requires_grad:
+            _DOWNSTREAM.add(self.modules[name])
         leaf = output if output.requires_grad else output.detach().requires_grad_(True)
         self.activations[name] = leaf.detach()
         self._leaves[name] = leaf

@@ -102,13 +102,10 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
 def buffers_kept(model: nn.Module) -> Iterator[None]:
     """Restore buffers (e.g. BatchNorm running statistics) that a train-mode forward changes.
 
-    Buffers are only copied when some module is in training mode: in eval mode the
-    layers of torch.nn leave their buffers alone.
+    Only the buffers of modules in training mode are copied: in eval mode the layers of torch.nn leave their
+    buffers alone.
     """
-    if not any(m.training for m in model.modules()):
-        yield
-        return
-    saved = [(b, b.clone()) for b in model.buffers()]
+    saved = [(b, b.clone()) for m in model.modules() if m.training for b in m.buffers(recurse=False)]
     try:
         yield
     finally:

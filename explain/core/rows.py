@@ -262,7 +262,9 @@ def _attention_joined(
 
 
 @contextmanager
-def reached_rows(model: nn.Module, skip: Collection[nn.Module] = ()) -> Iterator[None]:
+def reached_rows(
+    model: nn.Module, skip: Collection[nn.Module] = (), sequences: Collection[str] | None = None
+) -> Iterator[None]:
     """For the block, differentiate the model's sequence layers only at the rows a score reaches.
 
     Each position-wise layer of the model (see :func:`_positionwise`) and each self-attention that
@@ -274,13 +276,16 @@ def reached_rows(model: nn.Module, skip: Collection[nn.Module] = ()) -> Iterator
     its rows gathered and scattered once. A gradient that also reaches an earlier layer's output by another way
     still flows through that layer's own node. In a class-token transformer's last block, the MLP and the
     attention are then differentiated at the class token alone.
+
+    ``sequences``, where given, names the modules whose output a traced pass found a sequence (T, C) per image:
+    only those are hooked. A convolutional network's activations then cost no hook call.
     """
     chains: Chains = {}
     skipped = set(skip)
     try:
         with Hooks() as hooks:
-            for module in model.modules():
-                if module in skipped:
+            for name, module in model.named_modules():
+                if module in skipped or (sequences is not None and name not in sequences):
                     continue
                 if _positionwise(module):
                     hooks.forward(module, partial(_rows_joined, chains))

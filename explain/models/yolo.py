@@ -10,11 +10,10 @@ mapping of boxes back to the input's pixels.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -77,9 +76,11 @@ class YoloDetector(nn.Module):
     detection's score is its own row's class score: its gradient is that row's. The neck's levels, the maps the
     model's ``Detect`` head reads (its ``f``), are the automatic layers (:attr:`feature_levels`), fused.
 
-    With autograd on, a branch of the head (one level's boxes, classes or mask coefficients) whose gradient is
-    zero everywhere is not differentiated (:func:`_zero_branches_pruned`): one detection's score reaches one
-    level's class branch, and its backward skips the other eight branches and the neck behind them.
+    The head's branches (each level's boxes, classes and mask coefficients) are its :attr:`local_heads`: during a
+    call, each is differentiated only over the window of cells its gradient reaches
+    (:func:`explain.core.windows.windowed_heads`). One detection's score reaches one cell of one level's class
+    branch: its backward recomputes that branch on the cell's receptive field and skips the other branches, and
+    the neck behind them.
 
     Args:
         model: An Ultralytics ``DetectionModel`` or ``SegmentationModel`` (``ultralytics.nn.tasks``), in eval mode.
@@ -97,6 +98,7 @@ class YoloDetector(nn.Module):
         head = model.model[-1]
         self.classes = int(head.nc)
         self.feature_levels = [f"model.model.{index}" for index in head.f]
+        self.local_heads = [branch for name in ("cv2", "cv3", "cv4") for branch in getattr(head, name, ())]
         names = getattr(model, "names", None) or {}
         self.labels = [str(names.get(i, i)) for i in range(self.classes)]
 
@@ -105,10 +107,7 @@ class YoloDetector(nn.Module):
 
         boxed = self.transform(x)
         self._usable_cache()
-        head = self.model.model[-1]
-        branches = [branch for name in ("cv2", "cv3", "cv4") for branch in getattr(head, name, ())]
-        with _zero_branches_pruned(branches) if torch.is_grad_enabled() else nullcontext():
-            predictions = self.model(boxed.tensors)
+        predictions = self.model(boxed.tensors)
         first = predictions[0] if isinstance(predictions, (tuple, list)) else predictions
         rows, prototypes = first if isinstance(first, (tuple, list)) else (first, None)  # (N, 4 + classes [+ nm], A)
         centres, sizes = rows[:, :2].transpose(1, 2), rows[:, 2:4].transpose(1, 2)
@@ -160,33 +159,6 @@ class YoloDetector(nn.Module):
             cached = getattr(head, name, None)
             if isinstance(cached, Tensor) and cached.is_inference():
                 setattr(head, name, cached.clone())
-
-
-class _ZeroGradientDropped(torch.autograd.Function):
-    """The identity, whose backward passes no gradient on where the incoming one is zero everywhere: autograd then
-    skips what made the tensor, as it skips what the score does not use. The gradients are the same."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor | None:
-        return grad if bool(grad.any()) else None
-
-
-@contextmanager
-def _zero_branches_pruned(branches: Iterable[nn.Module]) -> Iterator[None]:
-    """For the block, each branch's output goes through :class:`_ZeroGradientDropped`; the hooks are removed after."""
-    handles = [
-        branch.register_forward_hook(lambda module, args, output: _ZeroGradientDropped.apply(output))
-        for branch in branches
-    ]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @contextmanager
@@ -245,4 +217,4 @@ def load_yolo(path: str | Path) -> YoloDetector:
         raise ModelLoadError(f"{path}: cannot load a YOLO model: {first_line(err)}") from None
     if type(model).__name__ not in ("DetectionModel", "SegmentationModel"):
         raise ModelLoadError(f"{path}: a {type(model).__name__}, not a YOLO detection or segmentation model")
-    return YoloDetector(model.float().eval())
+    return YoloDetector(model.float()).eval()
