@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
-from .catalog import BUNDLED_MODEL, DEFAULT_MODEL, METRIC_NAMES, VIDEO_MODELS, method_table
+from .catalog import BUNDLED_MODEL, DEFAULT_MODEL, METRIC_NAMES, VIDEO_MODELS, is_user_model, method_table
 from .errors import ExplainError
 from .export.inputs import Input, collect_inputs, listed_inputs
 from .export.manifest import check_fresh
@@ -77,9 +77,11 @@ def _what_to_read(add: Callable[..., Any]) -> None:
     add(
         "--model",
         default=DEFAULT_MODEL,
-        help=f"torchvision classifier, segmenter (lraspp_mobilenet_v3_large, ...) or detector "
-        f"(fasterrcnn_mobilenet_v3_large_fpn, ...), a timm classifier as timm/NAME, or {BUNDLED_MODEL} "
-        f"(bundled, offline); default {DEFAULT_MODEL}",
+        help=f"torchvision classifier, segmenter (lraspp_mobilenet_v3_large, ...), detector "
+        f"(fasterrcnn_mobilenet_v3_large_fpn, ...) or video classifier (r3d_18, ...), a timm classifier as "
+        f"timm/NAME, a YOLO checkpoint or yaml, {BUNDLED_MODEL} (bundled, offline), or your own model as "
+        f"FILE.py:NAME (an explain.ModelSpec, or a function returning one: a 3-D or 1-D network, say); "
+        f"default {DEFAULT_MODEL}",
     )
     add("--weights", type=Path, help="state_dict file (.pt, .pth, .safetensors) for the model's architecture")
     add("--labels", type=Path, help="text file of class names, one per line (for a checkpoint's own classes)")
@@ -87,6 +89,13 @@ def _what_to_read(add: Callable[..., Any]) -> None:
         "--layer",
         help="target layer, a dotted name such as layer4 or features.28, or several joined by commas "
         "(their maps are fused); default: last spatial layer",
+    )
+    add(
+        "--clip-stride",
+        type=int,
+        metavar="N",
+        help="a video model's sliding windows over every frame, one starting every N frames (1 to the model's frame "
+        "count); default: one clip of the model's frame count, taken uniformly",
     )
     add(
         "--layers",
@@ -225,11 +234,10 @@ def export_options(args: argparse.Namespace) -> ExportOptions:
     )
 
 
-def _check_inputs(args: argparse.Namespace) -> list[Input]:
-    """Every input, found before any model work (videos for a video model, else images); none at all is a usage
-    error."""
-    listed = listed_inputs(args.from_list) if args.from_list is not None else []
-    kind = "video" if args.model in VIDEO_MODELS else "image"
+def _check_inputs(args: argparse.Namespace, kind: str) -> list[Input]:
+    """Every input of the ``kind`` the model reads, found before any model work but a model of the user's code;
+    none at all is a usage error."""
+    listed = listed_inputs(args.from_list, kind) if args.from_list is not None else []
     inputs = collect_inputs([*args.inputs, *listed], exclude=args.out, kind=kind)
     if all(item.path is None for item in inputs):
         raise UsageError(f"no input {kind} found: " + "; ".join(item.error or item.name for item in inputs))
@@ -280,6 +288,11 @@ def _probe(spec: ModelSpec, size: str) -> torch.Tensor:
     if isinstance(spec.preprocessing, ClipPreprocessing):
         clip = spec.preprocessing
         return torch.zeros(1, 3, clip.frames, *clip.crop, device=spec.device)
+    if spec.preprocessing.kind != "image":  # a scan or a signal: its size and channels are the input's own
+        raise UsageError(
+            f"{spec.name} reads {spec.preprocessing.kind}s of any size, so --layers and --layer have no size to "
+            "look at; list the layers in Python: explain.candidate_layers(model, x) with one of your inputs"
+        )
     try:
         default = spec.preprocessing.input_size or PROBE_SIZE
         sides = [int(side) for side in size.lower().split("x")] if size else [default]
@@ -346,16 +359,15 @@ def _run(args: argparse.Namespace) -> int:
     """Everything after the arguments are known to be well-formed: inputs, device, model, export."""
     if args.gallery and not args.inputs and args.from_list is None and args.layers is None:
         return _write_gallery(args.out, args.quiet)  # rebuilt from the manifest alone: no model
-    inputs = None if args.layers is not None else _check_inputs(args)
+    spec = _loaded(args) if is_user_model(args.model) else None  # the user's code says what its model reads
+    kind = spec.preprocessing.kind if spec else "video" if args.model in VIDEO_MODELS else "image"
+    inputs = None if args.layers is not None else _check_inputs(args, kind)
     if inputs is not None and not args.sanity_check:
         check_free(args.out)  # another run's folder, and
         check_fresh(args.out, args.resume, args.overwrite)  # an earlier run's, are refused before the model loads
     options = export_options(args)  # the inputs are named first: this imports matplotlib
     device = _device(args.device)
-
-    from .models import load_model
-
-    spec = load_model(args.model, args.weights, args.labels, device)
+    spec = spec or _loaded(args)
     if args.layers is not None:
         print(layer_table(spec, _probe(spec, args.layers)))
         return EXIT_OK
@@ -367,11 +379,32 @@ def _run(args: argparse.Namespace) -> int:
     return _export(args, spec, inputs, options, device)
 
 
+def _loaded(args: argparse.Namespace) -> ModelSpec:
+    """The model the arguments name, on their device, its clips in sliding windows where asked."""
+    from .models import load_model
+
+    spec = load_model(args.model, args.weights, args.labels, _device(args.device))
+    return spec if args.clip_stride is None else _with_clip_stride(spec, args.clip_stride)
+
+
+def _with_clip_stride(spec: ModelSpec, stride: int) -> ModelSpec:
+    """The model with its clips read in sliding windows, one every ``stride`` frames.
+
+    Raises:
+        UsageError: The model reads no videos.
+    """
+    from dataclasses import replace
+
+    if spec.preprocessing.kind != "video":
+        raise UsageError(f"--clip-stride is for a video model; {spec.name} reads {spec.preprocessing.kind}s")
+    return replace(spec, preprocessing=replace(spec.preprocessing, stride=stride))
+
+
 def _check_model(spec: ModelSpec, options: ExportOptions) -> None:
     """The settings' rules that need the model: its task, its layers at its input size, its class names."""
     from .targets import class_index
 
-    if options.layer:
+    if options.layer and spec.preprocessing.kind in ("image", "video"):  # a scan's or a signal's at its first call
         names = [options.layer] if isinstance(options.layer, str) else list(options.layer)
         _check_layers(spec, names, _probe(spec, ""))
     if options.target is not None:

@@ -580,6 +580,36 @@ def test_a_dicom_series_is_read_in_slice_order_with_its_affine(tmp_path) -> None
         read_volume(tmp_path)
 
 
+def test_a_folder_of_dicom_series_is_exported_one_scan_per_series(tmp_path) -> None:
+    """A folder scan for a volume model takes each folder of DICOM slices (by their content: suffix or none) as one
+    scan: the heatmap NIfTI has the series' shape and affine and its peak at the brightest voxel; a series named
+    itself is written under its folder's name; a NIfTI beside the series is a scan of its own."""
+    import nibabel
+
+    from explain import export_heatmaps
+    from explain.export.settings import ExportOptions
+    from explain.io.volumes import read_volume
+    from explain.models import ModelSpec, VolumePreprocessing
+
+    scans = tmp_path / "scans"
+    series = scans / "patient" / "ct"
+    series.mkdir(parents=True)
+    stored = np.zeros((4, 8, 10), np.int64)
+    stored[2, 3, 7] = 3000  # the brightest voxel, in slice 2 (written in shuffled order)
+    for k in (2, 0, 3, 1):
+        write_dicom_slice(series / f"IM{k:04d}", stored[k], 30.0 + 2.5 * k, series="1.2.3", intercept=0.0)
+    nibabel.save(nibabel.Nifti1Image(np.ones((4, 4, 4), np.float32), np.eye(4)), str(scans / "other.nii.gz"))
+    spec = ModelSpec(peak_model(), "peak", ["peak"], VolumePreprocessing(mean=0.0, std=1.0))
+    summary = export_heatmaps(spec, [scans], tmp_path / "out", ExportOptions(layer="1"))
+    assert (summary.written, summary.failed) == (2, 0)
+    heat = nibabel.load(str(tmp_path / "out" / "patient" / "ct.gradcam.nii.gz"))
+    assert heat.shape == (4, 8, 10) and np.allclose(heat.affine, read_volume(series).affine)
+    assert np.unravel_index(np.asarray(heat.dataobj).argmax(), heat.shape) == (2, 3, 7)
+    assert (tmp_path / "out" / "other.gradcam.nii.gz").is_file()
+    named = export_heatmaps(spec, [series], tmp_path / "named", ExportOptions(layer="1"))
+    assert named.written == 1 and (tmp_path / "named" / "ct.gradcam.nii.gz").is_file()
+
+
 def test_the_command_line_explains_video_files(tmp_path, capsys) -> None:
     """`explain clip.mp4 --model r3d_18`: videos are the inputs of a video model. The overlay video has the clip's
     frame count, size and rate; outside the crop the model saw, its frames are the original blended with the map's
@@ -634,6 +664,63 @@ def test_the_command_line_explains_video_files(tmp_path, capsys) -> None:
     assert (out / "clip.gradcam.mp4").stat().st_mtime_ns == before
 
 
+def test_sliding_windows_explain_every_frame_of_a_long_video(tmp_path, capsys) -> None:
+    """`--clip-stride 12` on a 36-frame video and a 16-frame model: windows start at frames 0, 12 and 20 (the last
+    one ends at the last frame). The video's class is its top class by the windows' mean probability, each window
+    is explained for it, and each frame's raw map is the mean of its windows' maps: all against a reference
+    written here (torchvision's own transform, hooks and autograd, trilinear upsampling). The overlay video has
+    every frame."""
+    import json
+
+    import torchvision.models.video as video
+    from conftest import reference_gradcam
+
+    from explain.cli import main
+    from explain.io.video import read_video
+
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 255, size=(36, 48, 64, 3), dtype=np.uint8)
+    frames[:, 10:30, 20:40] = 230
+    make_video(tmp_path / "long.mkv", frames, 10)
+    torch.manual_seed(0)
+    network = video.r3d_18(num_classes=400).eval()
+    torch.save(network.state_dict(), tmp_path / "r3d.pt")
+    out = tmp_path / "out"
+    args = [str(tmp_path / "long.mkv"), "--model", "r3d_18", "--weights", str(tmp_path / "r3d.pt")]
+    assert main([*args, "--clip-stride", "12", "--save-raw", "--batch-size", "2", "-o", str(out)]) == 0
+    summary = capsys.readouterr().out.splitlines()[-1]
+    assert summary.startswith("written 1, failed 0") and summary.endswith(" videos/s)")
+
+    decoded = torch.from_numpy(frames)  # lossless: what the model saw
+    transform = video.R3D_18_Weights.DEFAULT.transforms()
+    windows = torch.stack([transform(decoded[s : s + 16].permute(0, 3, 1, 2)) for s in (0, 12, 20)])
+    with torch.no_grad():
+        probabilities = network(windows).softmax(dim=1)
+    chosen = int(probabilities.mean(dim=0).argmax())
+    maps = reference_gradcam(network, windows, "layer4", [chosen] * 3)[:, None].float()
+    maps = F.interpolate(maps, size=(16, 112, 112), mode="trilinear", align_corners=False)[:, 0]
+    expected, count = torch.zeros(36, 112, 112), torch.zeros(36, 1, 1)
+    for w, start in enumerate((0, 12, 20)):
+        expected[start : start + 16] += maps[w]
+        count[start : start + 16] += 1
+    expected /= count
+    raw = torch.from_numpy(np.load(out / "long.gradcam.npy"))
+    assert raw.shape == (36, 112, 112) and expected.abs().max() > 0
+    torch.testing.assert_close(raw, expected, rtol=1e-3, atol=1e-4 * float(expected.abs().max()))
+    record = json.loads((out / "manifest.jsonl").read_text().splitlines()[1])
+    (target,) = record["targets"]
+    assert target["class_index"] == chosen
+    assert target["score"] == pytest.approx(float(probabilities[:, chosen].mean()), abs=1e-6)  # rounded to 6 places
+    assert read_video(out / "long.gradcam.mp4").frames.shape == (36, 48, 64, 3)
+    header = json.loads((out / "manifest.jsonl").read_text().splitlines()[0])["header"]
+    assert header["preprocessing"]["stride"] == 12
+
+    assert main([*args, "--clip-stride", "17", "-o", str(tmp_path / "refused")]) == 2
+    assert "clip stride must be between 1 and the model's 16 frames" in capsys.readouterr().err
+    assert main([*args, "--clip-stride", "4", "--topk", "2", "-o", str(tmp_path / "refused")]) == 2
+    assert "--clip-stride explains each video's class over its windows" in capsys.readouterr().err
+
+
 def test_volumes_and_signals_are_exported_with_their_manifest_and_resume(tmp_path) -> None:
     """export_heatmaps with a model of the user's: volumes (NIfTI, .npy) give a heatmap NIfTI with the scan's affine
     and a montage, signals (.csv) a plot of the signal over its map; a corrupt file fails alone; the manifest names
@@ -682,3 +769,72 @@ def test_volumes_and_signals_are_exported_with_their_manifest_and_resume(tmp_pat
     assert Image.open(tmp_path / "signals" / "ecg.gradcam.png").size[0] == 1000
     header = json.loads((tmp_path / "signals" / "manifest.jsonl").read_text().splitlines()[0])
     assert header["header"]["preprocessing"] == {"mean": None, "std": None}
+
+
+def test_the_command_line_takes_a_model_of_the_users_own_code(tmp_path, capsys) -> None:
+    """`--model net.py:build`: the user's file gives an explain.ModelSpec of a 3-D network with its preprocessing;
+    its kind (volumes) decides the inputs, `--weights` loads strictly into it, and the heatmap's peak is the scan's
+    brightest voxel. A file that raises, a name it lacks and a bare nn.Module are one-line errors."""
+    import nibabel
+
+    from explain.cli import main
+
+    (tmp_path / "net.py").write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "from explain.models import ModelSpec, VolumePreprocessing\n\n"
+        "def network():\n"
+        "    conv = nn.Conv3d(1, 1, 3, padding=1, bias=False)\n"
+        "    return nn.Sequential(conv, nn.ReLU(), nn.AdaptiveMaxPool3d(1), nn.Flatten())\n\n"
+        "def build():\n"
+        "    return ModelSpec(network(), 'peak', ['peak'], VolumePreprocessing(mean=0.0, std=1.0))\n\n"
+        "bare = network()\n\n"
+        "def broken():\n"
+        "    raise ValueError('no GPU here')\n"
+    )
+    weights = peak_model().state_dict()
+    torch.save(weights, tmp_path / "peak.pt")
+    data = np.zeros((6, 10, 12), np.float32)
+    data[4, 2, 9] = 5.0
+    nibabel.save(nibabel.Nifti1Image(data, np.eye(4)), str(tmp_path / "scan.nii.gz"))
+    (tmp_path / "photo.png").write_bytes(b"")  # not a volume: the folder scan passes over it
+    out = tmp_path / "out"
+    args = [str(tmp_path), "--model", f"{tmp_path / 'net.py'}:build", "--weights", str(tmp_path / "peak.pt")]
+    assert main([*args, "--layer", "1", "-o", str(out)]) == 0
+    heat = np.asarray(nibabel.load(str(out / "scan.gradcam.nii.gz")).dataobj)
+    assert np.unravel_index(heat.argmax(), data.shape) == (4, 2, 9)
+    (tmp_path / "list.txt").write_text("scan.nii.gz\n")  # a list's file loses both parts of its suffix too
+    assert main([*args[1:], "--from-list", str(tmp_path / "list.txt"), "--layer", "1", "-o", str(tmp_path / "l")]) == 0
+    assert (tmp_path / "l" / "scan.gradcam.nii.gz").is_file()
+    for name, message in (
+        ("broken", "net.py:broken: ValueError: no GPU here"),
+        ("missing", "net.py gives nothing of that name, not an explain.ModelSpec"),
+        ("bare", "net.py gives a Sequential, not an explain.ModelSpec, which says how the model reads its inputs"),
+    ):
+        assert main([str(tmp_path), "--model", f"{tmp_path / 'net.py'}:{name}", "-o", str(tmp_path / name)]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_a_volume_too_small_for_the_model_fails_alone_in_one_line(tmp_path) -> None:
+    """A scan smaller than the network's 5x5x5 kernel: the model's own refusal, one line naming the file; the scan
+    beside it is written."""
+    import nibabel
+
+    from explain import export_heatmaps
+    from explain.export.settings import ExportOptions
+    from explain.models import ModelSpec, VolumePreprocessing
+
+    torch.manual_seed(0)
+    network = nn.Sequential(nn.Conv3d(1, 2, 5), nn.ReLU(), nn.AdaptiveAvgPool3d(1), nn.Flatten()).eval()
+    scans = tmp_path / "scans"
+    scans.mkdir()
+    rng = np.random.default_rng(0)
+    nibabel.save(nibabel.Nifti1Image(rng.random((9, 10, 11), np.float32), np.eye(4)), str(scans / "big.nii.gz"))
+    nibabel.save(nibabel.Nifti1Image(rng.random((3, 10, 11), np.float32), np.eye(4)), str(scans / "thin.nii.gz"))
+    spec = ModelSpec(network, "kernel-5", ["a", "b"], VolumePreprocessing())
+    summary = export_heatmaps(spec, [scans], tmp_path / "out", ExportOptions(layer="1", batch_size=1))
+    assert (summary.written, summary.failed) == (1, 1)
+    error = next(r["error"] for r in summary.records if r["input"].endswith("thin.nii.gz"))
+    assert error.startswith(str(scans / "thin.nii.gz")) and "\n" not in error and "Kernel size" in error
+    assert (tmp_path / "out" / "big.gradcam.nii.gz").is_file()
+    assert not list((tmp_path / "out").glob("thin*"))

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..catalog import input_suffix
+from ..catalog import input_suffix, is_dicom
 from ..errors import ExplainError
 from .manifest import named_outputs
 
@@ -124,6 +124,9 @@ class _Scanner:
 
         for root, dirs, names in os.walk(folder, onerror=unreadable):
             dirs[:] = [d for d in dirs if not self.is_output_folder(Path(root, d))]
+            if self.kind == "volume" and any(is_dicom(Path(root, name)) for name in names):
+                files.append(Path(root))  # a folder of DICOM slices is one scan, its series
+                continue
             files += [Path(root, name) for name in names if input_suffix(name, self.kind)]
         return (path for path in sorted(files) if not written or _resolved(path) not in written)
 
@@ -133,10 +136,11 @@ class _Scanner:
         return any(self.is_output_folder(parent) for parent in below)
 
     def scan(self, folder: Path, base: Path) -> int:
-        """Add the images below ``folder``, their outputs placed by their path below ``base``; returns how many."""
+        """Add the inputs below ``folder``, their outputs placed by their path below ``base`` (a DICOM series named
+        itself: by its folder's name); returns how many."""
         files = list(self.files_below(folder))
         for path in files:
-            self.add(path, path.relative_to(base))
+            self.add(path, path.relative_to(base) if path != base else Path(path.name))
         return len(files)
 
     def glob(self, pattern: str) -> int:
@@ -168,8 +172,9 @@ def collect_inputs(
     Args:
         sources: Paths and patterns as the user gave them; an :class:`Input` passes as it is.
         exclude: A folder treated as an output folder (the current run's).
-        kind: What a folder scan takes: ``"image"`` or ``"video"`` files (see
-            :data:`explain.catalog.INPUT_SUFFIXES`), as the model reads.
+        kind: What a folder scan takes: ``"image"``, ``"video"``, ``"volume"`` or ``"signal"`` files (see
+            :data:`explain.catalog.INPUT_SUFFIXES`), as the model reads; for volumes, a folder of DICOM slices
+            is one input, its series (see :func:`explain.io.volumes.read_dicom_series`).
 
     Returns:
         One :class:`Input` per file found, without duplicates, and one carrying an
@@ -194,11 +199,12 @@ def collect_inputs(
     return scanner.found
 
 
-def listed_inputs(list_file: Path) -> list[Input]:
+def listed_inputs(list_file: Path, kind: str = "image") -> list[Input]:
     """The files a list names, one path per line (blank lines and lines starting with ``#`` passed over).
 
     A relative path is taken from the list's folder; a file's outputs keep its path below that folder (or its
-    name, for a file elsewhere). A line naming no file gives an :class:`Input` carrying the error.
+    name, for a file elsewhere), without its input suffix of ``kind`` (both parts of ``.nii.gz``). A line naming
+    no file gives an :class:`Input` carrying the error.
 
     Raises:
         ExplainError: The list itself cannot be read.
@@ -218,5 +224,5 @@ def listed_inputs(list_file: Path) -> list[Input]:
             continue
         inside = path.resolve().is_relative_to(root.resolve())
         relative = path.resolve().relative_to(root.resolve()) if inside else Path(path.name)
-        found.append(Input(str(path), path, relative.with_suffix("")))
+        found.append(Input(str(path), path, _stem(relative, kind)))
     return found

@@ -26,11 +26,14 @@ from torch import nn
 from tqdm import tqdm
 
 from ..core.engine import CAMResult
+from ..core.maps import normalize_maps
 from ..errors import LayerError, NothingToExplain, TargetError, first_line
 from ..io.atomic import remove_temporary_files
+from ..io.video import windowed_maps
 from ..methods import Method, create_method
 from ..models import ModelSpec
-from ..targets import ClassTarget, DetectionTarget, SegmentationTarget, Target, TopK
+from ..targets import ClassTarget, DetectionTarget, SegmentationTarget, Target, TopK, class_index
+from ..targets.base import read_output
 from .distributed import Process, process_group, this_process
 from .gallery import remove_gallery
 from .inputs import Input, collect_inputs, mark_output_folder
@@ -121,6 +124,7 @@ class ExportSummary:
         kept: Inputs of the earlier run that a resumed run was not given: their records and files stay as they
             were (the manifest is the union of both runs).
         seconds: The run's time, from the first batch on.
+        unit: What the inputs are, in the plural: ``"images"``, ``"videos"``, ``"volumes"`` or ``"signals"``.
     """
 
     records: list[dict[str, Any]] = field(default_factory=list)
@@ -129,6 +133,7 @@ class ExportSummary:
     skipped: int = 0
     kept: int = 0
     seconds: float = 0.0
+    unit: str = "images"
 
     @property
     def rate(self) -> float:
@@ -140,7 +145,7 @@ class ExportSummary:
         kept = f", kept {self.kept} of the earlier run's inputs untouched" if self.kept else ""
         return (
             f"written {self.written}, failed {self.failed}, skipped {self.skipped}{kept} in {self.seconds:.1f} s "
-            f"({self.rate:.1f} images/s)"
+            f"({self.rate:.1f} {self.unit}/s)"
         )
 
 
@@ -178,6 +183,8 @@ class _Explainer:
         """Explain images of one input size together (``sizes``: each image's own (width, height)); returns, per
         image, its explained targets, its raw maps by method, and the layer."""
         x = x.to(self.device, non_blocking=True)
+        if getattr(self.spec.preprocessing, "stride", None) is not None:
+            return self.explain_windows(x)
         results = self.results(x)
         first = next(iter(results.values()))
         bound = first.target
@@ -210,6 +217,41 @@ class _Explainer:
             ]
             raw = {name: (r[i][valid[i]] if bound.keeps_k else r[i, 0]).numpy() for name, r in raws.items()}
             explained.append(Explanation(targets, raw, first.layer))
+        return explained
+
+    def explain_windows(self, x: torch.Tensor) -> list[Explanation]:
+        """Explain clips (N, 3, L, h, w) in sliding windows (see :meth:`ClipPreprocessing.windows`), ``batch_size``
+        windows per pass. A clip's class is the ``target``, else its top class by the mean probability of its
+        windows, as a video classifier is evaluated over several clips; every window is explained for that
+        class, and each frame's map is the mean of its windows' maps at the input's resolution, normalized over
+        the clip. The score is the class's mean probability over the windows."""
+        clip, model, chunk = self.spec.preprocessing, self.spec.model, self.options.batch_size
+        starts = clip.windows(x.shape[2])
+        windows = torch.stack([x[:, :, s : s + clip.frames] for s in starts], dim=1).flatten(0, 1)
+        parts = [windows[i : i + chunk] for i in range(0, len(windows), chunk)]
+        if self.options.target is None:
+            with torch.inference_mode():
+                probabilities = torch.cat([read_output(model(part)).float().softmax(dim=1) for part in parts])
+            classes = probabilities.view(len(x), len(starts), -1).mean(dim=1).argmax(dim=1)
+        else:
+            chosen = class_index(self.options.target, self.spec.labels, len(self.spec.labels))
+            classes = torch.full((len(x),), chosen, device=x.device)
+        rows = classes.repeat_interleave(len(starts)).tolist()
+        maps, scores, layer = {}, None, ""
+        for name, method in self.methods.items():
+            results = [
+                method(part, ClassTarget(rows[i * chunk : i * chunk + len(part)]), normalize=False)
+                for i, part in enumerate(parts)
+            ]
+            cams = torch.cat([r.cams for r in results]).view(len(x), len(starts), *results[0].cams.shape[1:])
+            maps[name] = windowed_maps(cams, starts, x.shape[2]).cpu()
+            scores = torch.cat([r.probabilities for r in results]).view(len(x), len(starts)).mean(dim=1)
+            layer = results[0].layer
+        explained = []
+        for i, class_ in enumerate(classes.tolist()):
+            cams = {name: normalize_maps(m[i], m.dim() - 1) for name, m in maps.items()}
+            target = Explained(0, cams, class_, self.spec.labels[class_], float(scores[i]), None, None)
+            explained.append(Explanation([target], {name: m[i].numpy() for name, m in maps.items()}, layer))
         return explained
 
     def measured(self, x: torch.Tensor, result: CAMResult) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -331,7 +373,8 @@ def _plan(
     given = set(names)
     earlier = [name for name in dict.fromkeys(r["input"] for r in records) if name not in given]
     skipped = len(process.shard([item for item in inputs if item.name in done]))
-    return todo, bases, ExportSummary(skipped=skipped, kept=len(earlier)), names + earlier
+    summary = ExportSummary(skipped=skipped, kept=len(earlier), unit=f"{writer.kind}s")
+    return todo, bases, summary, names + earlier
 
 
 def _folder_prepared(
@@ -426,7 +469,7 @@ def _run(
     background = explainer.device.type == "cpu"
     start = time.perf_counter()
     with (
-        tqdm(total=len(files), unit="img", disable=None if progress else True, file=sys.stderr) as bar,
+        tqdm(total=len(files), unit=writer.kind, disable=None if progress else True, file=sys.stderr) as bar,
         helper_threads(background) as pool,
     ):
         recorder = _Recorder(log, summary, bar, writer.out_dir, report, lock)

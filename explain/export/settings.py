@@ -195,6 +195,8 @@ class ExportOptions:
         if self.topk is not None and self.topk > classes:
             raise ExplainError(f"--topk {self.topk} exceeds the model's {classes} classes")
         kind = spec.preprocessing.kind
+        if getattr(spec.preprocessing, "stride", None) is not None and (self.metrics or self.topk is not None):
+            raise ExplainError("--clip-stride explains each video's class over its windows; drop --metrics and --topk")
         if kind != "image" and (self.methods.grid or self.render.figure or self.keep_aspect):
             raise ExplainError(
                 f"{name} explains {kind}s: --method all's grid, --figure and --keep-aspect draw or resize images; "

@@ -232,3 +232,16 @@ def sampled_maps(maps: Tensor, indices: Sequence[int], total: int) -> Tensor:
     """Maps of the sampled frames (T, h, w), at ``indices`` of a clip of ``total`` frames, as one map per frame of
     the clip (total, h, w) (see :func:`nearest_sampled`)."""
     return maps[torch.as_tensor(nearest_sampled(indices, total), device=maps.device)]
+
+
+def windowed_maps(maps: Tensor, starts: Sequence[int], length: int) -> Tensor:
+    """Maps of sliding windows (N, W, T, ...), window w covering frames ``starts[w]`` to ``starts[w] + T`` of a
+    sequence of ``length`` frames, as one map per frame (N, length, ...): the mean of the maps the windows that
+    hold the frame give it."""
+    frames = maps.shape[2]
+    total = maps.new_zeros(maps.shape[0], length, *maps.shape[3:])
+    count = maps.new_zeros(length)
+    for w, start in enumerate(starts):
+        total[:, start : start + frames] += maps[:, w]
+        count[start : start + frames] += 1
+    return total / count.clamp_min(1).view(1, length, *(1,) * (maps.dim() - 3))

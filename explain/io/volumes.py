@@ -122,7 +122,7 @@ def read_volume(path: str | Path) -> Volume:
         elif path.suffix.lower() == ".npy":
             data, affine = np.load(path, allow_pickle=False), np.eye(4)
         else:
-            raise InputLoadError(f"{path}: not a volume ({', '.join(VOLUME_SUFFIXES)})")
+            raise InputLoadError(f"{path}: not a volume ({', '.join(VOLUME_SUFFIXES)}, or a folder of DICOM slices)")
     except InputLoadError:
         raise
     except Exception as err:  # a truncated or corrupt file: nibabel and numpy raise many kinds

@@ -4,7 +4,7 @@ name (``loaders.py``); users' checkpoints (``checkpoints.py``); the bundled Effi
 (``query_models.py``); Ultralytics YOLO answering as torchvision's detectors (``yolo.py``)."""
 
 from .checkpoints import lite0_state_to_timm, read_state_dict
-from .loaders import TIMM_PREFIX, available_models, imagenet_labels, load_model
+from .loaders import TIMM_PREFIX, available_models, imagenet_labels, load_model, load_user_model
 from .query_models import QueryDetector, QuerySegmenter
 from .spec import (
     ClipPreprocessing,
@@ -35,6 +35,7 @@ __all__ = [
     "imagenet_labels",
     "lite0_state_to_timm",
     "load_model",
+    "load_user_model",
     "load_yolo",
     "read_state_dict",
 ]

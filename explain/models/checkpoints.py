@@ -100,12 +100,21 @@ def fit_checkpoint(
     class count."""
     count = class_count(build, state, path, name)
     model = build(num_classes=count)
+    load_strictly(model, state, path, name)
+    return model, count
+
+
+def load_strictly(model: nn.Module, state: Mapping[str, Tensor], path: Path, name: str) -> None:
+    """Load a checkpoint into the model, every name and every shape checked.
+
+    Raises:
+        ModelLoadError: The checkpoint does not fit; the message names the file and the model.
+    """
     try:
         model.load_state_dict(state)
     except RuntimeError as err:
         detail = " ".join(str(err).split())
         raise ModelLoadError(f"{path}: does not fit {name}: {detail[:300]}") from None
-    return model, count
 
 
 # EfficientNet-Lite0's original PyTorch port names its tensors differently from timm (and explain's own model).

@@ -15,9 +15,9 @@ import torch
 from PIL import Image
 
 from ..catalog import BUNDLED_MODEL as BUNDLED
-from ..catalog import DEFAULT_MODEL
+from ..catalog import DEFAULT_MODEL, USER_MODEL, is_user_model
 from ..errors import ModelLoadError, first_line
-from .checkpoints import fit_checkpoint, lite0_state_to_timm, read_state_dict
+from .checkpoints import fit_checkpoint, lite0_state_to_timm, load_strictly, read_state_dict
 from .spec import ClipPreprocessing, ModelSpec, Preprocessing, Task
 
 
@@ -60,7 +60,8 @@ def load_model(
             as ``"timm/NAME"`` (``"timm/vit_small_patch16_224.augreg_in21k_ft_in1k"``: the
             architecture and, after a dot, the pretrained tag; needs the ``timm`` package), or an Ultralytics
             YOLO detector as its checkpoint file (``yolo11n.pt``) or model yaml (``yolo11n.yaml``: random
-            weights; needs ``pip install "explain[yolo]"``).
+            weights; needs ``pip install "explain[yolo]"``), or a model of the user's own code as
+            ``"FILE.py:NAME"`` (see :func:`load_user_model`: a 3-D or 1-D network, say).
             Pretrained weights are downloaded once into torch's or timm's cache.
         weights: A state_dict file (``.pt``/``.pth``/``.safetensors``) for the
             architecture, e.g. a fine-tuned checkpoint; its class count is read from the
@@ -77,6 +78,8 @@ def load_model(
     if name.startswith(TIMM_PREFIX):
         spec = _load_timm(name, weights)
         return _finished(spec, labels, device)
+    if is_user_model(name):
+        return _finished(_load_user(name, weights), labels, device)
     if Path(name).suffix in YOLO_SUFFIXES:
         return _finished(_load_yolo(name, weights), labels, device)
     tasks = {BUNDLED: "classification"} if name == BUNDLED else {BUNDLED: "classification", **_torchvision_tasks()}
@@ -86,6 +89,51 @@ def load_model(
         raise ModelLoadError(f"unknown model {name!r}{hint}")
     spec = _load_efficientnet_lite0(weights) if name == BUNDLED else _load_torchvision(name, tasks[name], weights)
     return _finished(spec, labels, device)
+
+
+def load_user_model(name: str) -> ModelSpec:
+    """A model of the user's own code, named ``FILE.py:NAME``: ``NAME`` in the Python file ``FILE.py`` is a
+    :class:`ModelSpec`, or a function called without arguments that returns one. The spec says how the model
+    reads its inputs (its preprocessing: images, :class:`VolumePreprocessing`, :class:`SignalPreprocessing` or
+    :class:`ClipPreprocessing`), its class names and its task. The file runs as Python: name only files you trust.
+
+    Raises:
+        ModelLoadError: No such file, the file or the function raises, or ``NAME`` gives no :class:`ModelSpec`.
+    """
+    import importlib.util
+
+    from torch import nn
+
+    found = USER_MODEL.fullmatch(name)
+    if found is None:
+        raise ModelLoadError(f"{name}: a model of your own code is named FILE.py:NAME")
+    path, attribute = Path(found["file"]), found["name"]
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: no such file")
+    module_spec = importlib.util.spec_from_file_location(f"explain_user_model_{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+        value = getattr(module, attribute, None)
+        if callable(value) and not isinstance(value, (ModelSpec, nn.Module)):
+            value = value()
+    except Exception as err:  # the user's code: any error, named in one line
+        raise ModelLoadError(f"{name}: {type(err).__name__}: {first_line(err)}") from None
+    if isinstance(value, ModelSpec):
+        return value
+    given = "nothing of that name" if value is None else f"a {type(value).__name__}"
+    raise ModelLoadError(
+        f"{name}: {path.name} gives {given}, not an explain.ModelSpec, which says how the model reads its inputs "
+        "(VolumePreprocessing, SignalPreprocessing, ClipPreprocessing or Preprocessing), its class names and task"
+    )
+
+
+def _load_user(name: str, weights: str | Path | None) -> ModelSpec:
+    """:func:`load_user_model`, with a state_dict of the user's loaded strictly into its model."""
+    spec = load_user_model(name)
+    if weights is not None:
+        load_strictly(spec.model, read_state_dict(weights), Path(weights), name)
+    return spec
 
 
 YOLO_SUFFIXES = (".pt", ".yaml", ".yml")  # an Ultralytics checkpoint or model yaml given as the model's name

@@ -75,12 +75,17 @@ class ClipPreprocessing:
     the centre to ``crop``, scaled to [0, 1] and normalized with ``mean`` and ``std``, as torchvision's video
     weights preprocess Kinetics-400 clips (bilinear, without antialiasing, on the uint8 frames).
 
+    With a ``stride``, every frame of the video is taken instead, and the model sees it in sliding windows of
+    ``frames`` consecutive frames, one starting every ``stride`` frames (:meth:`windows`).
+
     Attributes:
         frames: The model's frame count (its weights' ``clip_len``).
         resize: The size frames are resized to.
         crop: The (h, w) of the centre crop.
         mean: Per-channel normalization mean.
         std: Per-channel normalization standard deviation.
+        stride: The frames between the starts of two sliding windows, from 1 to ``frames`` (so that every frame
+            lies in a window), or None for one clip of frames taken uniformly.
     """
 
     frames: int
@@ -88,8 +93,24 @@ class ClipPreprocessing:
     crop: tuple[int, int]
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+    stride: int | None = None
 
     kind = "video"  # what an export of the model reads (see explain.catalog.INPUT_SUFFIXES)
+
+    def __post_init__(self) -> None:
+        if self.stride is not None and not 1 <= self.stride <= self.frames:
+            raise ExplainError(
+                f"the clip stride must be between 1 and the model's {self.frames} frames, so that every frame lies "
+                f"in a window; got {self.stride}"
+            )
+
+    def windows(self, length: int) -> list[int]:
+        """Where the sliding windows start in a sequence of ``length`` sampled frames: every ``stride`` frames, and
+        the last window ends at the last frame (one window, of all frames, without a stride)."""
+        if self.stride is None or length <= self.frames:
+            return [0]
+        starts = list(range(0, length - self.frames + 1, self.stride))
+        return starts if starts[-1] + self.frames == length else [*starts, length - self.frames]
 
     def with_aspect(self, keep_aspect: bool | None) -> ClipPreprocessing:
         """The same preprocessing: a clip is resized and cropped as the weights were trained (``keep_aspect`` is
@@ -97,7 +118,8 @@ class ClipPreprocessing:
         return self
 
     def read(self, path: Path) -> tuple[Tensor, Tensor]:
-        """A video file's sampled frames (T, H, W, 3) uint8 and the model's input; the other frames are not kept.
+        """A video file's sampled frames (T, H, W, 3) uint8 and the model's input (3, T, h, w), all its windows'
+        frames with a ``stride``; the other frames are not kept.
 
         Raises:
             InputLoadError: The file is no readable video.
@@ -107,9 +129,12 @@ class ClipPreprocessing:
 
     def indices(self, total: int) -> list[int]:
         """The frames taken from a clip of ``total`` frames: ``frames`` of them, evenly spaced from the first to
-        the last (repeated where the clip is shorter)."""
+        the last (repeated where the clip is shorter); with a ``stride``, every frame of a clip of at least
+        ``frames``."""
         if total < 1:
             raise ExplainError("a clip without frames")
+        if self.stride is not None and total >= self.frames:
+            return list(range(total))
         return torch.linspace(0, total - 1, self.frames).round().long().tolist()
 
     def __call__(self, frames: Tensor | np.ndarray) -> Tensor:
