@@ -838,3 +838,57 @@ def test_a_volume_too_small_for_the_model_fails_alone_in_one_line(tmp_path) -> N
     assert error.startswith(str(scans / "thin.nii.gz")) and "\n" not in error and "Kernel size" in error
     assert (tmp_path / "out" / "big.gradcam.nii.gz").is_file()
     assert not list((tmp_path / "out").glob("thin*"))
+
+
+class VideoViT(nn.Module):
+    """A ViT over a clip's tubelets: a Conv3d patch embedding of 2x8x8, a class token, three timm blocks (their
+    attention computed unfused, so that the test can read its probabilities), the class token's head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from timm.models.vision_transformer import Block
+
+        self.patch = nn.Conv3d(3, 32, (2, 8, 8), stride=(2, 8, 8))
+        self.cls = nn.Parameter(0.02 * torch.randn(1, 1, 32))
+        self.blocks = nn.Sequential(*[Block(32, 4) for _ in range(3)])
+        for block in self.blocks:
+            block.attn.fused_attn = False
+        self.norm, self.head = nn.LayerNorm(32), nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.patch(x).flatten(2).transpose(1, 2)
+        tokens = self.blocks(torch.cat([self.cls.expand(len(x), -1, -1), tokens], dim=1))
+        return self.head(self.norm(tokens)[:, 0])
+
+
+def test_the_rollouts_of_a_video_transformer_lie_on_its_tubelet_grid() -> None:
+    """Attention Rollout and gradient rollout of a video ViT, on its (t, h, w) tubelet grid, against both rollouts
+    written here from the probabilities the attention computes (and their gradients by autograd); a video
+    transformer whose attention pools its tokens (MViT) is refused in one line."""
+    torch.manual_seed(0)
+    model = VideoViT().eval()
+    x = torch.randn(2, 3, 4, 32, 32)
+    probabilities: list[torch.Tensor] = []
+    handles = [b.attn.attn_drop.register_forward_hook(lambda m, i, o: probabilities.append(o)) for b in model.blocks]
+    try:
+        gradients = torch.autograd.grad(model(x)[:, 1].sum(), probabilities)
+    finally:
+        for handle in handles:
+            handle.remove()
+    a, g = torch.stack(probabilities, dim=1).double(), torch.stack(gradients, dim=1).double()  # (N, L, H, T, T)
+    eye = torch.eye(a.shape[-1], dtype=torch.float64)
+    plain = a.mean(dim=2) + eye
+    plain = plain / plain.sum(dim=-1, keepdim=True)
+    rolled = plain[:, 2] @ plain[:, 1] @ plain[:, 0]
+    weighted, by_gradient = (g * a).clamp(min=0).mean(dim=2), eye.expand(2, -1, -1)
+    for layer in range(3):
+        by_gradient = by_gradient + weighted[:, layer] @ by_gradient
+    for method, expected in ((explain.AttentionRollout, rolled), (explain.GradientRollout, by_gradient)):
+        result = method(model)(x, 1, resize=False, normalize=False)
+        reference = expected[:, 0, 1:].reshape(2, 2, 4, 4)
+        assert result.raw.shape == (2, 2, 4, 4) and reference.abs().max() > 0
+        torch.testing.assert_close(result.raw.double(), reference, rtol=1e-4, atol=1e-6)
+        assert method(model)(x, 1).cams.shape == (2, 4, 32, 32)  # upsampled trilinearly to the clip
+    assert hook_count(model) == 0
+    with pytest.raises(explain.LayerError, match="reads the attention of nn.MultiheadAttention"):
+        explain.AttentionRollout(small_mvit())(torch.randn(1, 3, 4, 32, 32))

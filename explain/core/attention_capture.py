@@ -167,6 +167,16 @@ class AttentionRecorder:
         missing = [name for name in self.modules if name not in self._probabilities]
         if missing:
             raise LayerError(f"attention {missing[0]!r} did not run during the forward pass")
+        first = next(iter(self.modules))
+        expected = (len(x), *self._probabilities[first].shape[1:])
+        for name in self.modules:
+            found = self._probabilities[name].shape
+            if tuple(found) != expected:
+                raise LayerError(
+                    f"attention {name!r} gives probabilities {tuple(found)}, {first!r} {expected}: the rollout "
+                    "multiplies one (tokens x tokens) matrix per image and layer, which attention that pools its "
+                    "tokens (MViT) or attends within windows (Swin) does not give; use a gradient method at a layer"
+                )
         self.activations = {self.name: torch.stack([self._probabilities[n] for n in self.modules], dim=1)}
         return output
 

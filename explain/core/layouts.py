@@ -48,11 +48,12 @@ class Geometry:
     Attributes:
         size: The spatial size of the input the network sees, (L,), (H, W) or (D, H, W) (for a detector,
             its padded canvas).
-        grid: The (h, w) grid of the model's patch embedding in this pass, or None without one.
+        grid: The grid of the model's patch embedding in this pass, one side per spatial axis of the input, or
+            None without one.
     """
 
     size: tuple[int, ...]
-    grid: tuple[int, int] | None = None
+    grid: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -170,13 +171,13 @@ def find_layout(
         raise LayerError(f"layer {name!r} outputs {shape}, not a map of {_MAP[rank]}; {WAY_OUT}")
     if traced:
         return _token_layout(name, shape, geometry, observed.tokens.get(name))
-    if geometry.grid is not None and rank == 2:
-        cells = geometry.grid[0] * geometry.grid[1]
+    if geometry.grid is not None and len(geometry.grid) == rank:
+        cells = math.prod(geometry.grid)
         if 0 <= shape[0] - cells <= MAX_PREFIX_TOKENS:
             return Layout("tokens", prefix=shape[0] - cells, grid=geometry.grid)
         raise LayerError(
             f"layer {name!r} outputs {shape[0]} tokens, which do not fit the model's "
-            f"{geometry.grid[0]}x{geometry.grid[1]} patch grid; {WAY_OUT}"
+            f"{'x'.join(map(str, geometry.grid))} patch grid; {WAY_OUT}"
         )
     raise LayerError(f"layer {name!r} outputs {shape}: tokens without a patch embedding to lay them out; {WAY_OUT}")
 
@@ -235,22 +236,24 @@ def _grid_layout(name: str, shape: tuple[int, ...], geometry: Geometry, feature_
 
 
 def patch_embedding(model: nn.Module) -> nn.Module | None:
-    """The model's patch embedding: its first convolution, if that cuts the image into patches
-    (kernel equal to stride, larger than 1)."""
-    first = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
+    """The model's patch embedding: its first convolution (of any rank: a signal's, an image's, a clip's
+    tubelets), if that cuts the input into patches (kernel equal to stride, larger than 1)."""
+    convolutions = (m for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd) and not m.transposed)
+    first = next(convolutions, None)
     if first is None or first.kernel_size != first.stride or max(first.stride) < 2:
         return None
     return first
 
 
 @contextmanager
-def grids_recorded(model: nn.Module) -> Iterator[list[tuple[int, int]]]:
-    """For the block, record the (h, w) grid of the model's patch embedding at each forward (none without one)."""
-    grids: list[tuple[int, int]] = []
+def grids_recorded(model: nn.Module) -> Iterator[list[tuple[int, ...]]]:
+    """For the block, record the grid of the model's patch embedding at each forward, every spatial axis of its
+    output ((h, w) for an image, (t, h, w) for a clip); none without one."""
+    grids: list[tuple[int, ...]] = []
     embedding = patch_embedding(model)
 
     def record(module: nn.Module, inputs: Any, output: Tensor) -> None:
-        grids.append(tuple(output.shape[-2:]))
+        grids.append(tuple(output.shape[2:]))
 
     with Hooks() as hooks:
         if embedding is not None:

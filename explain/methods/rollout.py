@@ -4,6 +4,7 @@ the layers, on the patch grid. The probabilities are captured by
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -83,11 +84,12 @@ class Rollout(CAM):
         raise NotImplementedError
 
     def compute(self, capture: Capture) -> Tensor:
-        """The class token's row of the rolled-out attention over the patch tokens, on the patch grid: (N, h, w)."""
+        """The class token's row of the rolled-out attention over the patch tokens, on the patch grid: (N, h, w)
+        for an image, (N, t, h, w) for a clip's tubelets, (N, l) for a signal's patches."""
         tokens, grid = capture.activations.shape[-1], capture.geometry.grid
-        prefix = tokens - grid[0] * grid[1] if grid else -1
+        prefix = tokens - math.prod(grid) if grid else -1
         if grid is None or prefix < 1:
-            found = "no patch embedding" if grid is None else f"{tokens} tokens on a {grid[0]}x{grid[1]} grid"
+            found = "no patch embedding" if grid is None else f"{tokens} tokens on a {'x'.join(map(str, grid))} grid"
             raise LayerError(f"{type(self).__name__} reads the class token's row; the model has {found}")
         return self.rolled_out(capture)[:, 0, prefix:].reshape(-1, *grid)
 
