@@ -284,7 +284,7 @@ def reached_rows(
     skipped = set(skip)
     try:
         with Hooks() as hooks:
-            for name, module in model.named_modules():
+            for name, module in model.named_modules() if sequences is None or sequences else ():
                 if module in skipped or (sequences is not None and name not in sequences):
                     continue
                 if _positionwise(module):
