@@ -90,6 +90,11 @@ METHOD_CATALOG: tuple[MethodEntry, ...] = (
     MethodEntry("random", "RandomCAM", "random channel weights, a baseline", fast=False),
     MethodEntry("attention_rollout", "AttentionRollout", "Attention Rollout (Abnar & Zuidema 2020)", fast=False),
     MethodEntry("gradient_rollout", "GradientRollout", "Gradient-weighted rollout (Chefer et al. 2021)", fast=False),
+    MethodEntry("saliency", "Saliency", "Saliency, the input's gradient (Simonyan et al. 2014)"),
+    MethodEntry("input_x_gradient", "InputXGradient", "Input x Gradient (Shrikumar et al. 2016)"),
+    MethodEntry(
+        "integrated_gradients", "IntegratedGradients", "Integrated Gradients (Sundararajan et al. 2017)", fast=False
+    ),
 )
 
 METHOD_NAMES = [entry.name for entry in METHOD_CATALOG]

@@ -890,5 +890,5 @@ def test_the_rollouts_of_a_video_transformer_lie_on_its_tubelet_grid() -> None:
         torch.testing.assert_close(result.raw.double(), reference, rtol=1e-4, atol=1e-6)
         assert method(model)(x, 1).cams.shape == (2, 4, 32, 32)  # upsampled trilinearly to the clip
     assert hook_count(model) == 0
-    with pytest.raises(explain.LayerError, match="reads the attention of nn.MultiheadAttention"):
+    with pytest.raises(explain.LayerError, match=r"reads the attention of nn\.MultiheadAttention"):
         explain.AttentionRollout(small_mvit())(torch.randn(1, 3, 4, 32, 32))

@@ -60,6 +60,8 @@ class CAMResult:
         layer: Dotted name of the target layer (names joined by ``+`` when fused).
         method: Name of the CAM method.
         target: The target as bound on the call's plain pass (it scores any output of the call's images).
+        completeness: For Integrated Gradients, how far the attributions' sum is from the score's change along
+            the path, per image (and target): sum(R) - (S(x) - S(baseline)); None for other methods.
     """
 
     cams: Tensor
@@ -71,6 +73,7 @@ class CAMResult:
     layer: str
     method: str
     target: BoundTarget
+    completeness: Tensor | None = None
 
 
 INPUTS = "signals (N, C, L), images (N, C, H, W) or volumes and clips (N, C, D, H, W)"
@@ -315,6 +318,7 @@ class CAM:
     needs_gradients = True  # a method that needs no gradient skips the backward pass
     relu = True
     map_of_input = False  # the map comes from the input and its gradient, not from a layer (guided methods)
+    input_gradient = False  # the pass takes the target's gradient at the input (guided methods, Saliency)
 
     def __init__(
         self,
@@ -519,11 +523,11 @@ class CAM:
         hooked = {name: module for name, module in self._layers if module is not None}
         traced = traced_layers(self.model, x, model_kwargs) if hooked and self.reshape is None else {}
         recording = self.recorder(hooked)
-        if self.map_of_input:  # the whole network is recorded, for the gradient at the input
+        if self.input_gradient:  # the whole network is recorded, for the gradient at the input
             x = x.detach().requires_grad_(True)
         with (
             running(self.model),
-            torch.enable_grad() if self.needs_gradients or self.map_of_input else torch.no_grad(),
+            torch.enable_grad() if self.needs_gradients or self.input_gradient else torch.no_grad(),
             self.backward_rule(),
             canvas_recorded(self.model) as canvases,
             grids_recorded(self.model) as grids,
@@ -538,7 +542,8 @@ class CAM:
             layouts = {name: self.layout(name, a, geometry, traced) for name, a in recorder.activations.items()}
             bound = bound_on(goal, output, self.labels)
             scores = target_scores(bound, output, x)
-            gradients = [self._gradients(recorder, scores[:, k].sum(), x, layouts) for k in range(scores.shape[1])]
+            count = scores.shape[1]
+            gradients = [self._gradients(recorder, scores[:, k].sum(), x, layouts, k + 1 < count) for k in range(count)]
             if plain and self.needs_gradients:
                 self._check_reached(gradients, bound, automatic=self._requested is None)
             activations = {name: layouts[name](a).float() for name, a in recorder.activations.items()}
@@ -627,11 +632,17 @@ class CAM:
         return info.layout
 
     def _gradients(
-        self, recorder: ActivationGradientRecorder, score: Tensor, x: Tensor, layouts: Mapping[str, Layout]
+        self,
+        recorder: ActivationGradientRecorder,
+        score: Tensor,
+        x: Tensor,
+        layouts: Mapping[str, Layout],
+        more: bool,
     ) -> dict[str, Tensor]:
         """The gradient of one summed score at each layer, as a map like the layer's activation, and at the input
-        for a method whose map is the input's."""
+        for a method that takes it there; the whole network's graph, which that needs, is kept only when ``more``
+        scores follow."""
         found = {name: layouts[name](g) for name, g in recorder.backward(score).items()} if self.needs_gradients else {}
-        if self.map_of_input:
-            found[INPUT] = torch.autograd.grad(score, x, retain_graph=True)[0]
+        if self.input_gradient:
+            found[INPUT] = torch.autograd.grad(score, x, retain_graph=more or self.needs_gradients)[0]
         return found

@@ -2,8 +2,8 @@
 
 Files: ``gradient.py`` (maps from activations and gradients), ``activation.py``
 (activations alone), ``perturbation.py`` (scores of masked or ablated inputs),
-``guided.py`` (input-resolution guided gradients), ``attention.py`` (vision
-transformers' attention rolled out through the layers).
+``guided.py`` (input-resolution guided gradients), ``attribution.py`` (pixel attributions of the input's
+gradient), ``rollout.py`` (vision transformers' attention rolled out through the layers).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from ..core.layers import LayerSpec
 from ..errors import ExplainError
 from ..targets import TargetLike
 from .activation import EigenCAM, OriginalCAM, RandomCAM
+from .attribution import InputXGradient, IntegratedGradients, Saliency
 from .gradient import EigenGradCAM, GradCAM, GradCAMElementWise, GradCAMPlusPlus, HiResCAM, LayerCAM, XGradCAM
 from .guided import GuidedBackprop, GuidedGradCAM
 from .perturbation import ISCAM, SSCAM, AblationCAM, ScoreCAM
@@ -99,7 +100,8 @@ def cam(
             forward the method runs (see :meth:`explain.core.engine.CAM.__call__`).
         **options: The method's options: ``fuse``, ``aug_smooth``, ``eigen_smooth``,
             ``smooth_samples``, ``smooth_sigma``, ``batch_size``, ``seed`` (see
-            :class:`explain.core.engine.CAM`), and ``samples``/``sigma`` for SS-CAM and IS-CAM.
+            :class:`explain.core.engine.CAM`), ``samples``/``sigma`` for SS-CAM and IS-CAM, and ``steps``, ``rule``
+            and ``baseline`` for Integrated Gradients.
 
     Returns:
         float32 heatmaps (N, *spatial) on x's device, (N, H, W) for images; maps shaped as x for the guided
@@ -146,10 +148,13 @@ __all__ = [
     "GuidedBackprop",
     "GuidedGradCAM",
     "HiResCAM",
+    "InputXGradient",
+    "IntegratedGradients",
     "LayerCAM",
     "Method",
     "OriginalCAM",
     "RandomCAM",
+    "Saliency",
     "ScoreCAM",
     "XGradCAM",
     "cam",

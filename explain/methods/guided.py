@@ -56,6 +56,7 @@ class GuidedBackprop(CAM):
     name = "guided_backprop"
     needs_gradients = False  # no layer's: the input's
     map_of_input = True
+    input_gradient = True
 
     def __init__(self, model: nn.Module, layer: LayerSpec = None, *, labels: Sequence[str] | None = None) -> None:
         super().__init__(model, None, labels=labels)
