@@ -156,7 +156,8 @@ class IntegratedGradients(InputAttribution):
             or ``"riemann_trapezoid"``.
         baseline: The baseline: a number (0: a black image after normalization is not 0; give the normalized
             black value to mean black) or a tensor broadcast to the input.
-        smooth_samples, smooth_sigma, seed, batch_size: As for :class:`InputAttribution`.
+        **options: ``smooth_samples``, ``smooth_sigma``, ``seed`` and ``batch_size``, as for
+            :class:`InputAttribution`.
     """
 
     name = "integrated_gradients"
@@ -171,19 +172,9 @@ class IntegratedGradients(InputAttribution):
         steps: int = 50,
         rule: Rule = "gausslegendre",
         baseline: float | Tensor = 0.0,
-        smooth_samples: int = 0,
-        smooth_sigma: float = 0.15,
-        seed: int | None = None,
-        batch_size: int = 16,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            model,
-            labels=labels,
-            smooth_samples=smooth_samples,
-            smooth_sigma=smooth_sigma,
-            seed=seed,
-            batch_size=batch_size,
-        )
+        super().__init__(model, labels=labels, **options)
         if rule not in RULES:
             raise ExplainError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
         if steps < 1:
