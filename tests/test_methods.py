@@ -108,6 +108,40 @@ def test_activation_methods_match_reference(name: str, layer: str, side: int) ->
     assert_close_maps(got, (expected * a).sum(1).clamp(min=0))
 
 
+@pytest.mark.parametrize("kernel", ["sigmoid", "rbf"])
+def test_kpca_cam_is_pytorch_grad_cam_s_kernel_pca(kernel: str) -> None:
+    """KPCA-CAM against pytorch-grad-cam's projection (scikit-learn's KernelPCA) of the same activations, each
+    image's sign fixed by explain's rule (the principal component's sign is arbitrary), then the ReLU."""
+    from pytorch_grad_cam.utils.svd_on_activations import get_2d_projection_kernel
+
+    model = seeded("resnet18", num_classes=10)
+    x = inputs(96)
+    a, _ = capture(model, x, "layer3", TARGETS)
+    peer = torch.from_numpy(get_2d_projection_kernel(a.float().numpy(), kernel)).double()  # (N, h, w)
+    total = a.sum(dim=1)
+    agreement = (peer * (total - total.mean(dim=(1, 2), keepdim=True))).sum(dim=(1, 2))
+    peer = torch.where(agreement[:, None, None] < 0, -peer, peer).clamp(min=0)
+    got = explain.cam(model, x, "kpcacam", "layer3", TARGETS, resize=False, normalize=False, kernel=kernel)
+    assert peer.abs().max() > 0
+    assert (got.double() - peer).abs().max() <= 1e-4 * peer.abs().max()
+
+
+def test_fem_is_pytorch_grad_cam_s() -> None:
+    """FEM against pytorch-grad-cam's formula on the same activations (its k = 2), then the ReLU."""
+    from pytorch_grad_cam import FEM
+
+    model = seeded("resnet18", num_classes=10)
+    x = inputs(96)
+    a, _ = capture(model, x, "layer3", TARGETS)
+    peer = FEM(model=model, target_layers=[model.layer3]).get_cam_image(x, None, None, a.float().numpy(), None, False)
+    expected = torch.from_numpy(peer).double().clamp(min=0)
+    got = explain.cam(model, x, "fem", "layer3", TARGETS, resize=False, normalize=False)
+    assert expected.abs().max() > 0
+    assert_close_maps(got, expected)
+    half = explain.cam(model, x, "fem", "layer3", TARGETS, resize=False, normalize=False, k=0.5)
+    assert not torch.allclose(half, got)  # k moves the threshold
+
+
 def test_original_cam_uses_the_classifier_row_without_relu() -> None:
     model = seeded("resnet18", num_classes=10)
     x = inputs(64)

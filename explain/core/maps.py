@@ -91,7 +91,48 @@ def principal_projection(weighted: Tensor) -> Tensor:
     else:
         _, vectors = torch.linalg.eigh(centred.transpose(1, 2) @ centred)
         projection = (centred @ vectors[..., -1:])[..., 0]
+    return _signed(projection, rows).reshape(len(weighted), *weighted.shape[2:]).to(weighted.dtype)
+
+
+def _signed(projection: Tensor, rows: Tensor) -> Tensor:
+    """Projections (N, positions) with each image's sign chosen so that it correlates positively with the channel
+    sum of ``rows`` (N, positions, C); + where that correlation is 0."""
     total = rows.sum(dim=2)
     agreement = (projection * (total - total.mean(dim=1, keepdim=True))).sum(dim=1, keepdim=True)
-    projection = torch.where(agreement < 0, -projection, projection)
-    return projection.reshape(len(weighted), *weighted.shape[2:]).to(weighted.dtype)
+    return torch.where(agreement < 0, -projection, projection)
+
+
+KERNELS = ("sigmoid", "rbf", "poly", "linear", "cosine")
+
+
+def kernel_projection(activations: Tensor, kernel: str = "sigmoid", gamma: float | None = None) -> Tensor:
+    """Project each image's activations (N, C, *spatial) on the first component of a kernel PCA: (N, *spatial).
+
+    The positions are the samples and the channels the variables, centred over positions. The kernel between two
+    positions' vectors x, y: ``"sigmoid"`` tanh(γ x·y + 1), ``"rbf"`` exp(-γ |x - y|²), ``"poly"`` (γ x·y + 1)³,
+    ``"linear"`` x·y (plain PCA) or ``"cosine"``; γ defaults to 1/C. The kernel matrix is centred in feature space,
+    and the projection is its first eigenvector times the square root of its eigenvalue (scikit-learn's
+    ``KernelPCA.fit_transform``), in float64, its sign chosen as :func:`principal_projection` chooses it.
+    """
+    rows = activations.flatten(2).transpose(1, 2).double()  # (N, positions, C)
+    x = rows - rows.mean(dim=1, keepdim=True)
+    gamma = 1.0 / x.shape[2] if gamma is None else gamma
+    dots = x @ x.transpose(1, 2)
+    if kernel == "sigmoid":
+        k = torch.tanh(gamma * dots + 1.0)
+    elif kernel == "rbf":
+        squared = dots.diagonal(dim1=1, dim2=2)
+        k = torch.exp(-gamma * (squared[:, :, None] + squared[:, None, :] - 2 * dots).clamp_min(0))
+    elif kernel == "poly":
+        k = (gamma * dots + 1.0) ** 3
+    elif kernel == "linear":
+        k = dots
+    elif kernel == "cosine":
+        norms = x.norm(dim=2).clamp_min(torch.finfo(x.dtype).tiny)
+        k = dots / (norms[:, :, None] * norms[:, None, :])
+    else:
+        raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    centred = k - k.mean(dim=1, keepdim=True) - k.mean(dim=2, keepdim=True) + k.mean(dim=(1, 2), keepdim=True)
+    values, vectors = torch.linalg.eigh(centred)
+    projection = vectors[..., -1] * values[..., -1:].clamp_min(0).sqrt()
+    return _signed(projection, rows).reshape(len(activations), *activations.shape[2:]).to(activations.dtype)

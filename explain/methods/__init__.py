@@ -19,7 +19,7 @@ from ..core.engine import CAM
 from ..core.layers import LayerSpec
 from ..errors import ExplainError
 from ..targets import TargetLike
-from .activation import EigenCAM, OriginalCAM, RandomCAM
+from .activation import FEM, KPCACAM, EigenCAM, OriginalCAM, RandomCAM
 from .attribution import InputXGradient, IntegratedGradients, Saliency
 from .gradient import EigenGradCAM, GradCAM, GradCAMElementWise, GradCAMPlusPlus, HiResCAM, LayerCAM, XGradCAM
 from .guided import GuidedBackprop, GuidedGradCAM
@@ -134,7 +134,9 @@ def gradcam(
 
 __all__ = [
     "FAST_METHODS",
+    "FEM",
     "ISCAM",
+    "KPCACAM",
     "METHODS",
     "SSCAM",
     "AblationCAM",

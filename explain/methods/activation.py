@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..core.engine import CAM, Capture
-from ..core.layers import classifier
-from ..core.maps import principal_projection
-from ..errors import LayerError, TargetError
+from ..core.layers import LayerSpec, classifier
+from ..core.maps import KERNELS, kernel_projection, principal_projection
+from ..errors import ExplainError, LayerError, TargetError
 
 
 class OriginalCAM(CAM):
@@ -72,3 +74,78 @@ class RandomCAM(CAM):
         shape = capture.activations.shape[:2]
         device = capture.activations.device
         return 2 * torch.rand(shape, device=device, generator=capture.generator) - 1
+
+
+class KPCACAM(EigenCAM):
+    r"""KPCA-CAM: Karmani et al., "KPCA-CAM: Visual Explainability of Deep Computer Vision Models using Kernel
+    PCA", MMSP 2024 (arXiv:2410.00267).
+
+    Eigen-CAM with a kernel PCA: the projection of the centred activations on the first component of a kernel
+    PCA over positions (:func:`explain.core.maps.kernel_projection`), class-agnostic.
+
+    Args:
+        model: Any model explain explains; left as it was.
+        layer: The target layer(s) (None: automatic).
+        labels: Class names, to accept a class name as target.
+        kernel: ``"sigmoid"`` (the paper's and pytorch-grad-cam's default), ``"rbf"``, ``"poly"``, ``"linear"``
+            (Eigen-CAM) or ``"cosine"``.
+        gamma: The kernel's scale; None: 1 / channels.
+        **options: The engine's options (see :class:`explain.core.engine.CAM`).
+    """
+
+    name = "kpcacam"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layer: LayerSpec | Sequence[str | nn.Module] = None,
+        *,
+        labels: Sequence[str] | None = None,
+        kernel: str = "sigmoid",
+        gamma: float | None = None,
+        **options: object,
+    ) -> None:
+        super().__init__(model, layer, labels=labels, **options)
+        if kernel not in KERNELS:
+            raise ExplainError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+        self.kernel, self.gamma = kernel, gamma
+
+    def combine(self, weighted: Tensor) -> Tensor:
+        return kernel_projection(weighted, self.kernel, self.gamma)
+
+
+class FEM(CAM):
+    r"""FEM, the Feature Explanation Method: Fuad et al., "Features Understanding in 3D CNNs for Actions
+    Recognition in Video", IPTA 2020.
+
+    Each channel's weight is the share of its positions that stand out, above its mean by ``k`` standard
+    deviations (both over the positions): :math:`w_c = \mathrm{mean}\,[A_c > \mu_c + k\sigma_c]`,
+    :math:`\mathrm{cam} = \mathrm{ReLU}(\sum_c w_c A_c)`; class-agnostic, as pytorch-grad-cam's.
+
+    Args:
+        model: Any model explain explains; left as it was.
+        layer: The target layer(s) (None: automatic).
+        labels: Class names, to accept a class name as target.
+        k: How many standard deviations above the mean a position stands out.
+        **options: The engine's options (see :class:`explain.core.engine.CAM`).
+    """
+
+    name = "fem"
+    needs_gradients = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layer: LayerSpec | Sequence[str | nn.Module] = None,
+        *,
+        labels: Sequence[str] | None = None,
+        k: float = 2.0,
+        **options: object,
+    ) -> None:
+        super().__init__(model, layer, labels=labels, **options)
+        self.k = k
+
+    def weights(self, capture: Capture) -> Tensor:
+        a = capture.activations
+        std, mean = torch.std_mean(a, dim=capture.spatial, correction=0, keepdim=True)
+        return (a > mean + self.k * std).float().mean(dim=capture.spatial)
