@@ -97,6 +97,7 @@ METHOD_CATALOG: tuple[MethodEntry, ...] = (
     MethodEntry(
         "integrated_gradients", "IntegratedGradients", "Integrated Gradients (Sundararajan et al. 2017)", fast=False
     ),
+    MethodEntry("occlusion", "Occlusion", "Occlusion, sliding windows (Zeiler & Fergus 2014)", fast=False),
 )
 
 METHOD_NAMES = [entry.name for entry in METHOD_CATALOG]

@@ -100,3 +100,19 @@ def test_attributions_of_a_volume_and_a_signal_are_maps_of_their_input() -> None
             result = explain.create_method(method, net)(volume, 2)
             assert result.cams.shape == (shape[0], *shape[2:]) and result.raw.shape == shape
             assert float(result.cams.min()) >= 0 and float(result.cams.max()) <= 1
+
+
+@pytest.mark.parametrize(("window", "stride"), [(16, 8), (12, 9)])
+def test_occlusion_is_captum_s_with_a_window_over_every_channel(model, x, window, stride) -> None:
+    """Occlusion against Captum's with the window over all three channels (12 with stride 9: the last placement
+    cut at the edge). A stride larger than the window, which would leave positions no window covers, is refused."""
+    result = explain.Occlusion(model, window=window, stride=stride, baseline=0.1, batch_size=7)(x, TARGETS)
+    theirs = captum.Occlusion(model).attribute(
+        x, sliding_window_shapes=(3, window, window), strides=(3, stride, stride), baselines=0.1, target=TARGETS
+    )
+    assert torch.allclose(theirs[:, 0], theirs[:, 2]) and theirs.abs().max() > 0
+    torch.testing.assert_close(result.raw, theirs[:, 0], rtol=1e-4, atol=1e-5)
+    assert result.cams.shape == (2, 48, 48) and float(result.cams.amax()) == 1.0
+    assert hook_count(model) == 0
+    with pytest.raises(explain.ExplainError, match="stride 13 is larger than the window 12"):
+        explain.Occlusion(model, window=12, stride=13)(x, TARGETS)

@@ -3,7 +3,8 @@
 Files: ``gradient.py`` (maps from activations and gradients), ``activation.py``
 (activations alone), ``perturbation.py`` (scores of masked or ablated inputs),
 ``guided.py`` (input-resolution guided gradients), ``attribution.py`` (pixel attributions of the input's
-gradient), ``rollout.py`` (vision transformers' attention rolled out through the layers).
+gradient), ``occlusion.py`` (the scores of the input with windows of it hidden), ``rollout.py`` (vision
+transformers' attention rolled out through the layers).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .activation import FEM, KPCACAM, EigenCAM, OriginalCAM, RandomCAM
 from .attribution import InputXGradient, IntegratedGradients, Saliency
 from .gradient import EigenGradCAM, GradCAM, GradCAMElementWise, GradCAMPlusPlus, HiResCAM, LayerCAM, XGradCAM
 from .guided import GuidedBackprop, GuidedGradCAM
+from .occlusion import Occlusion
 from .perturbation import ISCAM, SSCAM, AblationCAM, ScoreCAM
 from .rollout import AttentionRollout, GradientRollout
 
@@ -154,6 +156,7 @@ __all__ = [
     "IntegratedGradients",
     "LayerCAM",
     "Method",
+    "Occlusion",
     "OriginalCAM",
     "RandomCAM",
     "Saliency",
