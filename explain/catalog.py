@@ -98,6 +98,7 @@ METHOD_CATALOG: tuple[MethodEntry, ...] = (
         "integrated_gradients", "IntegratedGradients", "Integrated Gradients (Sundararajan et al. 2017)", fast=False
     ),
     MethodEntry("occlusion", "Occlusion", "Occlusion, sliding windows (Zeiler & Fergus 2014)", fast=False),
+    MethodEntry("rise", "RISE", "RISE, random masks (Petsiuk et al. 2018)", fast=False),
 )
 
 METHOD_NAMES = [entry.name for entry in METHOD_CATALOG]

@@ -116,3 +116,31 @@ def test_occlusion_is_captum_s_with_a_window_over_every_channel(model, x, window
     assert hook_count(model) == 0
     with pytest.raises(explain.ExplainError, match="stride 13 is larger than the window 12"):
         explain.Occlusion(model, window=12, stride=13)(x, TARGETS)
+
+
+def test_rise_is_the_papers_score_weighted_sum_of_its_masks(model, x) -> None:
+    """RISE against the paper's formula written here: the masks drawn as documented (the grids, then one shift
+    per axis, from the call's seed), upsampled bilinearly to (cells + 1) cells and cut at the shift; the copies
+    scored one by one; R = sum_i S(x M_i) M_i / (N p)."""
+    import math
+
+    import torch.nn.functional as F
+
+    result = explain.RISE(model, masks=24, cells=4, p=0.5, baseline=0.0, batch_size=7, seed=3)(x, TARGETS)
+    generator = torch.Generator().manual_seed(3)
+    grids = (torch.rand(24, 1, 4, 4, generator=generator) < 0.5).float()
+    cell = math.ceil(48 / 4)
+    shifts = torch.stack([torch.randint(0, cell, (24,), generator=generator) for _ in range(2)], dim=1)
+    large = F.interpolate(grids, size=(5 * cell, 5 * cell), mode="bilinear", align_corners=False)[:, 0]
+    masks = torch.stack([large[i, r : r + 48, c : c + 48] for i, (r, c) in enumerate(shifts.tolist())])
+    expected = torch.zeros(2, 48, 48)
+    with torch.no_grad():
+        for image, target in enumerate(TARGETS):
+            for mask in masks:
+                expected[image] += model((x[image] * mask)[None])[0, target] * mask
+    expected /= 24 * 0.5
+    assert expected.abs().max() > 0
+    torch.testing.assert_close(result.raw, expected, rtol=1e-4, atol=1e-5)
+    again = explain.RISE(model, masks=24, cells=4, batch_size=5, seed=3)(x, TARGETS)
+    torch.testing.assert_close(again.raw, result.raw, rtol=1e-5, atol=1e-6)  # seeded, whatever the batch
+    assert hook_count(model) == 0

@@ -367,7 +367,7 @@ def test_method_names_and_options_are_checked() -> None:
         explain.cam(model, x, "gradcam", ["layer3", "layer4"], fuse="median")
     slow = {
         "scorecam", "sscam", "iscam", "ablationcam", "random", "attention_rollout", "gradient_rollout",
-        "integrated_gradients", "occlusion",
+        "integrated_gradients", "occlusion", "rise",
     }  # fmt: skip
     assert set(explain.FAST_METHODS) == set(explain.METHODS) - slow
 
@@ -377,11 +377,11 @@ def test_catalogue_names_every_method_class_once() -> None:
     import inspect
 
     from explain.catalog import METHOD_CATALOG
-    from explain.methods import activation, attribution, gradient, guided, occlusion, perturbation, rollout
+    from explain.methods import activation, attribution, gradient, guided, masking, perturbation, rollout
 
     classes = {
         cls
-        for module in (activation, attribution, rollout, gradient, guided, occlusion, perturbation)
+        for module in (activation, attribution, rollout, gradient, guided, masking, perturbation)
         for _, cls in inspect.getmembers(module, inspect.isclass)
         if cls.__module__ == module.__name__ and "name" in cls.__dict__
     }

@@ -3,7 +3,7 @@
 Files: ``gradient.py`` (maps from activations and gradients), ``activation.py``
 (activations alone), ``perturbation.py`` (scores of masked or ablated inputs),
 ``guided.py`` (input-resolution guided gradients), ``attribution.py`` (pixel attributions of the input's
-gradient), ``occlusion.py`` (the scores of the input with windows of it hidden), ``rollout.py`` (vision
+gradient), ``masking.py`` (the scores of the input with parts of it masked), ``rollout.py`` (vision
 transformers' attention rolled out through the layers).
 """
 
@@ -24,7 +24,7 @@ from .activation import FEM, KPCACAM, EigenCAM, OriginalCAM, RandomCAM
 from .attribution import InputXGradient, IntegratedGradients, Saliency
 from .gradient import EigenGradCAM, GradCAM, GradCAMElementWise, GradCAMPlusPlus, HiResCAM, LayerCAM, XGradCAM
 from .guided import GuidedBackprop, GuidedGradCAM
-from .occlusion import Occlusion
+from .masking import RISE, Occlusion
 from .perturbation import ISCAM, SSCAM, AblationCAM, ScoreCAM
 from .rollout import AttentionRollout, GradientRollout
 
@@ -140,6 +140,7 @@ __all__ = [
     "ISCAM",
     "KPCACAM",
     "METHODS",
+    "RISE",
     "SSCAM",
     "AblationCAM",
     "AttentionRollout",

@@ -1,0 +1,248 @@
+"""Black-box attributions from the scores of masked copies of the input: Occlusion's sliding windows and RISE's
+random masks, at the input's resolution.
+
+A mask keeps the input where it is 1 and puts the baseline where it is 0. The copies of every image under every
+mask are scored ``batch_size`` per forward under ``torch.no_grad()``, with the call's bound target; each method's
+formula weighs each mask's region by the score and normalizes the sum. ``raw`` keeps the signed attribution;
+the map is its positive part, normalized.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..core.engine import CAM, Capture
+from ..core.layers import LayerSpec
+from ..core.maps import INTERPOLATION, postprocess
+from ..core.model_state import running
+from ..errors import ExplainError
+
+
+def _per_axis(value: int | Sequence[int], rank: int, what: str) -> tuple[int, ...]:
+    """One value per spatial axis: an int for all, or a sequence of ``rank``."""
+    values = (value,) * rank if isinstance(value, int) else tuple(value)
+    if len(values) != rank or min(values) < 1:
+        raise ExplainError(f"{what} must be a positive int or one per spatial axis ({rank}), got {value!r}")
+    return values
+
+
+class Masking(CAM):
+    """Base of the masking methods: ``count`` masks of the input (:meth:`keep`), the region each one's score is
+    credited to (:meth:`region`), and how the credits are normalized (:meth:`normalized`).
+
+    Args:
+        model: Any model explain explains; left as it was.
+        layer: Not used (the map is at the input); accepted so every method takes the same arguments.
+        labels: Class names, to accept a class name as target.
+        baseline: The value a masked position takes (in the normalized input's units).
+        batch_size: Masked copies per forward.
+        seed: Seed of random masks.
+    """
+
+    needs_gradients = False
+    map_of_input = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layer: LayerSpec = None,
+        *,
+        labels: Sequence[str] | None = None,
+        baseline: float = 0.0,
+        batch_size: int = 16,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__(model, None, labels=labels, batch_size=batch_size, seed=seed)
+        self.baseline = baseline
+
+    def count(self, capture: Capture) -> int:
+        """How many masks the call scores per image (drawing random ones with the call's generator)."""
+        raise NotImplementedError
+
+    def keep(self, indices: Sequence[int], spatial: Sequence[int], device: torch.device) -> Tensor:
+        """Masks ``indices``, (len(indices), *spatial) in [0, 1]: 1 keeps the input, 0 puts the baseline."""
+        raise NotImplementedError
+
+    def credit(self, score: Tensor, plain: Tensor, keep: Tensor) -> Tensor:
+        """What each masked copy adds to the attribution of each position, (rows, *spatial)."""
+        raise NotImplementedError
+
+    def normalized(self, total: Tensor, keeps: Tensor) -> Tensor:
+        """The attribution from the summed credits (N, *spatial) and the masks' sum (*spatial)."""
+        raise NotImplementedError
+
+    def compute(self, capture: Capture) -> Tensor:
+        x = capture.x
+        spatial, device = x.shape[2:], x.device
+        count = self.count(capture)
+        total = x.new_zeros(len(x), *spatial, dtype=torch.float32)
+        keeps = x.new_zeros(*spatial, dtype=torch.float32)
+        rows = list(itertools.product(range(len(x)), range(count)))  # (image, mask)
+        with torch.no_grad(), running(self.model):
+            for start in range(0, len(rows), self.batch_size):
+                chunk = rows[start : start + self.batch_size]
+                images = torch.tensor([i for i, _ in chunk], device=device)
+                keep = self.keep([m for _, m in chunk], spatial, device).float()
+                copies = keep[:, None] * x[images] + (1 - keep[:, None]) * self.baseline
+                score = capture.score_rows(self.model(copies.to(x.dtype), **capture.model_kwargs), images).float()
+                total.index_add_(0, images, self.credit(score, capture.scores[images].float(), keep))
+                keeps += keep[images == 0].sum(dim=0)  # each mask once: the first image has them all
+        return self.normalized(total, keeps)
+
+    def finish(self, raw: Tensor, rank: int, size: Sequence[int] | None, normalize: bool) -> Tensor:
+        return postprocess(raw.clamp(min=0), rank, size, normalize)
+
+
+def window_starts(size: int, window: int, stride: int) -> list[int]:
+    """Where a window of ``window`` starts along an axis of ``size``: every ``stride``, until the axis is covered
+    (the last window cut at the edge), as Captum's ``Occlusion`` slides it.
+
+    Raises:
+        ExplainError: The window is larger than the axis, or the stride larger than the window (positions between
+            two placements would have no attribution).
+    """
+    if window > size:
+        raise ExplainError(f"an occlusion window of {window} is larger than the input's side of {size}")
+    if stride > window:
+        raise ExplainError(
+            f"an occlusion stride {stride} is larger than the window {window}: positions between two placements "
+            "would be covered by none"
+        )
+    return [k * stride for k in range(math.ceil((size - window) / stride) + 1)]
+
+
+class Occlusion(Masking):
+    r"""Occlusion: Zeiler & Fergus, "Visualizing and Understanding Convolutional Networks", ECCV 2014
+    (arXiv:1311.2901).
+
+    A window of ``window`` positions (every channel) slides over the input every ``stride``; each placement
+    replaces it by ``baseline`` and scores the copy. A position's attribution is the mean, over the placements
+    that cover it, of the score's drop, :math:`R_p = \mathrm{mean}_{w \ni p}\,[S(x) - S(x_{w \leftarrow b})]`, as
+    Captum's ``Occlusion`` gives it with a window over all channels.
+
+    Args:
+        model: Any model explain explains; left as it was.
+        layer: Not used (the map is at the input); accepted so every method takes the same arguments.
+        labels: Class names, to accept a class name as target.
+        window: The window's side, one for all spatial axes or one per axis.
+        stride: How far the window moves, likewise; at most the window.
+        baseline: The value an occluded position takes (in the normalized input's units).
+        batch_size: Occluded copies per forward.
+    """
+
+    name = "occlusion"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layer: LayerSpec = None,
+        *,
+        labels: Sequence[str] | None = None,
+        window: int | Sequence[int] = 16,
+        stride: int | Sequence[int] = 8,
+        baseline: float = 0.0,
+        batch_size: int = 16,
+    ) -> None:
+        super().__init__(model, labels=labels, baseline=baseline, batch_size=batch_size)
+        self.window, self.stride = window, stride
+        self._placements: list[tuple[slice, ...]] = []
+
+    def count(self, capture: Capture) -> int:
+        spatial = capture.x.shape[2:]
+        rank = len(spatial)
+        window, stride = _per_axis(self.window, rank, "window"), _per_axis(self.stride, rank, "stride")
+        per_axis = [
+            [slice(s, s + w) for s in window_starts(size, w, st)] for size, w, st in zip(spatial, window, stride)
+        ]
+        self._placements = list(itertools.product(*per_axis))
+        return len(self._placements)
+
+    def keep(self, indices: Sequence[int], spatial: Sequence[int], device: torch.device) -> Tensor:
+        keep = torch.ones(len(indices), *spatial, device=device)
+        for row, index in enumerate(indices):
+            keep[(row, *self._placements[index])] = 0
+        return keep
+
+    def credit(self, score: Tensor, plain: Tensor, keep: Tensor) -> Tensor:
+        return (plain - score).view(-1, *(1,) * (keep.dim() - 1)) * (1 - keep)
+
+    def normalized(self, total: Tensor, keeps: Tensor) -> Tensor:
+        return total / (len(self._placements) - keeps)  # each position: the placements that hide it
+
+
+class RISE(Masking):
+    r"""RISE: Petsiuk, Das & Saenko, "RISE: Randomized Input Sampling for Explanation of Black-box Models", BMVC
+    2018 (arXiv:1806.07421).
+
+    ``masks`` random masks: each a grid of ``cells`` cells per axis, each cell kept with probability ``p``,
+    upsampled (bilinearly, trilinearly for volumes) to ``cells + 1`` times the input's cell size and cut at a random
+    shift within one cell. The attribution is the score-weighted sum of the masks, normalized by the mask's
+    expectation: :math:`R = \frac{1}{N p} \sum_i S(x \odot M_i)\, M_i`, with the masked positions at ``baseline``.
+    The masks are drawn with the call's generator (``seed``), and scored ``batch_size`` per forward.
+
+    Args:
+        model: Any model explain explains; left as it was.
+        layer: Not used (the map is at the input).
+        labels: Class names, to accept a class name as target.
+        masks: How many random masks.
+        cells: The grid's cells per spatial axis.
+        p: The probability that a cell is kept.
+        baseline: The value a masked position takes (in the normalized input's units).
+        batch_size: Masked copies per forward.
+        seed: Seed of the masks; None uses PyTorch's global generator.
+    """
+
+    name = "rise"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layer: LayerSpec = None,
+        *,
+        labels: Sequence[str] | None = None,
+        masks: int = 2000,
+        cells: int = 7,
+        p: float = 0.5,
+        baseline: float = 0.0,
+        batch_size: int = 16,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__(model, labels=labels, baseline=baseline, batch_size=batch_size, seed=seed)
+        if masks < 1 or cells < 1 or not 0 < p <= 1:
+            raise ExplainError(f"RISE needs masks >= 1, cells >= 1 and 0 < p <= 1; got {masks}, {cells}, {p}")
+        self.masks, self.cells, self.p = masks, cells, p
+        self._grids, self._shifts = torch.zeros(0), torch.zeros(0)
+
+    def count(self, capture: Capture) -> int:
+        x, generator = capture.x, capture.generator
+        rank = x.dim() - 2
+        shape = (self.masks, 1, *(self.cells,) * rank)
+        self._grids = (torch.rand(shape, device=x.device, generator=generator) < self.p).float()
+        cell = [math.ceil(side / self.cells) for side in x.shape[2:]]
+        self._shifts = torch.stack(
+            [torch.randint(0, c, (self.masks,), device=x.device, generator=generator) for c in cell], dim=1
+        )
+        return self.masks
+
+    def keep(self, indices: Sequence[int], spatial: Sequence[int], device: torch.device) -> Tensor:
+        cell = [math.ceil(side / self.cells) for side in spatial]
+        large = [(self.cells + 1) * c for c in cell]
+        grids = self._grids[list(indices)]
+        upsampled = F.interpolate(grids, size=large, mode=INTERPOLATION[len(spatial)], align_corners=False)[:, 0]
+        masks = []
+        for row, index in enumerate(indices):
+            shift = self._shifts[index].tolist()
+            masks.append(upsampled[(row, *(slice(s, s + side) for s, side in zip(shift, spatial)))])
+        return torch.stack(masks)
+
+    def credit(self, score: Tensor, plain: Tensor, keep: Tensor) -> Tensor:
+        return score.view(-1, *(1,) * (keep.dim() - 1)) * keep
+
+    def normalized(self, total: Tensor, keeps: Tensor) -> Tensor:
+        return total / (self.masks * self.p)
