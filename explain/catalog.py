@@ -85,6 +85,7 @@ METHOD_CATALOG: tuple[MethodEntry, ...] = (
     MethodEntry("cam", "OriginalCAM", "CAM (Zhou et al. 2016)"),
     MethodEntry("guided_backprop", "GuidedBackprop", "Guided Backprop (Springenberg et al. 2015)"),
     MethodEntry("guided_gradcam", "GuidedGradCAM", "Guided Grad-CAM (Selvaraju et al. 2017)"),
+    MethodEntry("deconvolution", "Deconvolution", "Deconvolution (Zeiler & Fergus 2014)"),
     MethodEntry("scorecam", "ScoreCAM", "Score-CAM (Wang et al. 2020)", fast=False),
     MethodEntry("sscam", "SSCAM", "SS-CAM (Wang et al. 2020)", fast=False),
     MethodEntry("iscam", "ISCAM", "IS-CAM (Naidu et al. 2020)", fast=False),

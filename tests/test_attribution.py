@@ -144,3 +144,14 @@ def test_rise_is_the_papers_score_weighted_sum_of_its_masks(model, x) -> None:
     again = explain.RISE(model, masks=24, cells=4, batch_size=5, seed=3)(x, TARGETS)
     torch.testing.assert_close(again.raw, result.raw, rtol=1e-5, atol=1e-6)  # seeded, whatever the batch
     assert hook_count(model) == 0
+
+
+def test_deconvolution_is_captum_s(model, x) -> None:
+    """Deconvolution against Captum's: every ReLU passes back the positive part of the gradient it receives; the
+    model's in-place ReLUs are restored after."""
+    result = explain.Deconvolution(model)(x, TARGETS, normalize=False)
+    theirs = captum.Deconvolution(model).attribute(x.clone().requires_grad_(True), target=TARGETS)
+    guided = explain.GuidedBackprop(model)(x, TARGETS, normalize=False)
+    assert theirs.abs().max() > 0 and not torch.allclose(result.raw, guided.raw)
+    torch.testing.assert_close(result.raw, theirs, rtol=1e-4, atol=1e-6)
+    assert all(m.inplace for m in model.modules() if isinstance(m, nn.ReLU)) and hook_count(model) == 0

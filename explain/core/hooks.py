@@ -300,22 +300,32 @@ def output_replaced(module: nn.Module, value: Tensor, name: str) -> Iterator[Non
         yield
 
 
-def _guide(module: nn.Module, grad_input: tuple[Tensor | None, ...], grad_output: tuple[Tensor, ...]) -> tuple:
-    """Full-backward hook of a ReLU for Guided Backpropagation: pass on only positive gradients."""
+def _guided(module: nn.Module, grad_input: tuple[Tensor | None, ...], grad_output: tuple[Tensor, ...]) -> tuple:
+    """Guided Backpropagation's rule: the gradient a ReLU passes on to its input, positive part only."""
     return tuple(None if g is None else g.clamp(min=0) for g in grad_input)
 
 
-@contextmanager
-def guided_relus(model: nn.Module) -> Iterator[int]:
-    """Guide the backward pass of every ``nn.ReLU`` and ``nn.ReLU6`` module of the model, for the block.
+def _deconvolved(module: nn.Module, grad_input: tuple[Tensor | None, ...], grad_output: tuple[Tensor, ...]) -> tuple:
+    """Deconvolution's rule: a ReLU passes back the positive part of the gradient it receives, wherever its
+    input was (the forward's mask left out)."""
+    return tuple(None if g is None else o.clamp(min=0) for g, o in zip(grad_input, grad_output))
 
-    Each ReLU gets a full-backward hook that clamps the gradient it passes on to
-    its input at zero. In-place ReLUs are made out-of-place for the block (PyTorch
-    refuses a full-backward hook on a module that modifies its input in place);
-    their flags are restored on exit.
+
+RELU_RULES = {"guided": _guided, "deconvolution": _deconvolved}
+
+
+@contextmanager
+def relu_rule(model: nn.Module, rule: str = "guided") -> Iterator[int]:
+    """For the block, every ``nn.ReLU`` and ``nn.ReLU6`` module of the model passes gradients back by ``rule``:
+    ``"guided"`` (Guided Backpropagation: positive gradients where the input was positive) or
+    ``"deconvolution"`` (positive gradients everywhere).
+
+    Each ReLU gets a full-backward hook that applies the rule. In-place ReLUs are made out-of-place for the block
+    (PyTorch refuses a full-backward hook on a module that modifies its input in place); their flags are restored
+    on exit.
 
     Yields:
-        The number of modules guided; ReLUs applied as functions are not.
+        The number of modules ruled; ReLUs applied as functions are not.
     """
     relus = [m for m in model.modules() if isinstance(m, (nn.ReLU, nn.ReLU6))]
     inplace = [m.inplace for m in relus]
@@ -323,7 +333,7 @@ def guided_relus(model: nn.Module) -> Iterator[int]:
         with Hooks() as hooks:
             for relu in relus:
                 relu.inplace = False
-                hooks.full_backward(relu, _guide)
+                hooks.full_backward(relu, RELU_RULES[rule])
             yield len(relus)
     finally:
         for relu, flag in zip(relus, inplace):

@@ -23,7 +23,7 @@ from ..targets import TargetLike
 from .activation import FEM, KPCACAM, EigenCAM, OriginalCAM, RandomCAM
 from .attribution import InputXGradient, IntegratedGradients, Saliency
 from .gradient import EigenGradCAM, GradCAM, GradCAMElementWise, GradCAMPlusPlus, HiResCAM, LayerCAM, XGradCAM
-from .guided import GuidedBackprop, GuidedGradCAM
+from .guided import Deconvolution, GuidedBackprop, GuidedGradCAM
 from .masking import RISE, Occlusion
 from .perturbation import ISCAM, SSCAM, AblationCAM, ScoreCAM
 from .rollout import AttentionRollout, GradientRollout
@@ -144,6 +144,7 @@ __all__ = [
     "SSCAM",
     "AblationCAM",
     "AttentionRollout",
+    "Deconvolution",
     "EigenCAM",
     "EigenGradCAM",
     "GradCAM",

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ..core.engine import CAM, Capture
-from ..core.hooks import guided_relus
+from ..core.hooks import relu_rule
 from ..core.layers import LayerSpec
 from ..core.maps import map_axes
 from ..errors import LayerError
@@ -42,7 +42,7 @@ class GuidedBackprop(CAM):
     passes back only positive gradients (at positions where its input was
     positive): :math:`R_{l} = \mathrm{ReLU}(R_{l+1}) \cdot [x_l > 0]`. The rule is
     full-backward hooks on the ``nn.ReLU`` and ``nn.ReLU6`` modules around the engine's
-    forward and backward (see :func:`explain.core.hooks.guided_relus`); ReLUs applied as
+    forward and backward (see :func:`explain.core.hooks.relu_rule`); ReLUs applied as
     functions are not guided. Fails the model-randomization sanity check (Adebayo et
     al. 2018): see this module's notes. Maps are shaped as the input, (N, C, *spatial); ``normalize``
     shows them as :func:`visible` does.
@@ -61,11 +61,13 @@ class GuidedBackprop(CAM):
     def __init__(self, model: nn.Module, layer: LayerSpec = None, *, labels: Sequence[str] | None = None) -> None:
         super().__init__(model, None, labels=labels)
 
+    rule = "guided"  # how the ReLUs pass gradients back (see relu_rule)
+
     @contextmanager
     def backward_rule(self) -> Iterator[None]:
-        with guided_relus(self.model) as guided:
-            if not guided:
-                raise LayerError("Guided Backpropagation needs nn.ReLU or nn.ReLU6 modules; this model has none")
+        with relu_rule(self.model, self.rule) as ruled:
+            if not ruled:
+                raise LayerError(f"{type(self).__name__} needs nn.ReLU or nn.ReLU6 modules; this model has none")
             yield
 
     def compute(self, capture: Capture) -> Tensor:
@@ -107,3 +109,22 @@ class GuidedGradCAM(GuidedBackprop):
         )
         one = cam if cam.dim() == capture.x.dim() - 1 else cam[:, capture.k]  # (N, *spatial): the K axis dropped
         return capture.gradients * one[:, None]
+
+
+class Deconvolution(GuidedBackprop):
+    r"""Deconvolution: Zeiler & Fergus, "Visualizing and Understanding Convolutional Networks", ECCV 2014
+    (arXiv:1311.2901).
+
+    The target score's gradient with respect to the input, where every ReLU passes back the positive part of the
+    gradient it receives, wherever its input was: :math:`R_l = \mathrm{ReLU}(R_{l+1})` (Guided Backpropagation
+    also keeps the forward's mask). As Captum's ``Deconvolution``; maps shaped as the input, shown as
+    :func:`visible` shows them. Like Guided Backpropagation it mostly reconstructs the image's edges.
+
+    Args:
+        model: A classifier with ``nn.ReLU`` or ``nn.ReLU6`` modules; left as it was.
+        layer: Not used (the map is at the input).
+        labels: Class names, to accept a class name as target.
+    """
+
+    name = "deconvolution"
+    rule = "deconvolution"
