@@ -80,6 +80,7 @@ METHOD_CATALOG: tuple[MethodEntry, ...] = (
     MethodEntry("layercam", "LayerCAM", "LayerCAM (Jiang et al. 2021)"),
     MethodEntry("eigencam", "EigenCAM", "Eigen-CAM (Muhammad & Yeasin 2020)"),
     MethodEntry("eigengradcam", "EigenGradCAM", "Eigen-Grad-CAM, principal component of g*A"),
+    MethodEntry("segeigencam", "SegEigenCAM", "Seg-Eigen-CAM, principal component of |g|*A (Chung & Ying 2025)"),
     MethodEntry("kpcacam", "KPCACAM", "KPCA-CAM, kernel principal component (Karmani et al. 2024)"),
     MethodEntry("fem", "FEM", "FEM, channels' outstanding positions (Fuad et al. 2020)"),
     MethodEntry("cam", "OriginalCAM", "CAM (Zhou et al. 2016)"),

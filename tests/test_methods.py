@@ -126,6 +126,22 @@ def test_kpca_cam_is_pytorch_grad_cam_s_kernel_pca(kernel: str) -> None:
     assert (got.double() - peer).abs().max() <= 1e-4 * peer.abs().max()
 
 
+def test_seg_eigen_cam_is_pytorch_grad_cam_s() -> None:
+    """Seg-Eigen-CAM against pytorch-grad-cam's projection of |g| * A with the paper's sign correction, on the
+    same activations and gradients, then the ReLU."""
+    from pytorch_grad_cam import SegEigenCAM
+
+    model = seeded("resnet18", num_classes=10)
+    x = inputs(96)
+    a, g = capture(model, x, "layer3", TARGETS)
+    peer = SegEigenCAM(model=model, target_layers=[model.layer3])
+    expected = peer.get_cam_image(x, None, None, a.float().numpy(), g.float().numpy(), False)
+    expected = torch.from_numpy(expected).double().clamp(min=0)
+    got = explain.cam(model, x, "segeigencam", "layer3", TARGETS, resize=False, normalize=False)
+    assert expected.abs().max() > 0
+    assert (got.double() - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
 def test_fem_is_pytorch_grad_cam_s() -> None:
     """FEM against pytorch-grad-cam's formula on the same activations (its k = 2), then the ReLU."""
     from pytorch_grad_cam import FEM

@@ -22,7 +22,16 @@ from ..errors import ExplainError
 from ..targets import TargetLike
 from .activation import FEM, KPCACAM, EigenCAM, OriginalCAM, RandomCAM
 from .attribution import InputXGradient, IntegratedGradients, Saliency
-from .gradient import EigenGradCAM, GradCAM, GradCAMElementWise, GradCAMPlusPlus, HiResCAM, LayerCAM, XGradCAM
+from .gradient import (
+    EigenGradCAM,
+    GradCAM,
+    GradCAMElementWise,
+    GradCAMPlusPlus,
+    HiResCAM,
+    LayerCAM,
+    SegEigenCAM,
+    XGradCAM,
+)
 from .guided import Deconvolution, GuidedBackprop, GuidedGradCAM
 from .masking import RISE, Occlusion
 from .perturbation import ISCAM, SSCAM, AblationCAM, ScoreCAM
@@ -163,6 +172,7 @@ __all__ = [
     "RandomCAM",
     "Saliency",
     "ScoreCAM",
+    "SegEigenCAM",
     "XGradCAM",
     "cam",
     "create_method",

@@ -118,3 +118,24 @@ class EigenGradCAM(CAM):
 
     def combine(self, weighted: Tensor) -> Tensor:
         return principal_projection(weighted)
+
+
+class SegEigenCAM(CAM):
+    r"""Seg-Eigen-CAM: Chung & Ying, "Seg-Eigen-CAM: Eigen-Value-Based Visual Explanations for Semantic
+    Segmentation Models", Applied Sciences 15(13), 2025 (doi:10.3390/app15137562).
+
+    The first principal component of :math:`|g| \odot A` (the gradient's magnitude weighs each position), its sign
+    fixed as the paper's eq. 13 fixes it: flipped where its most negative value is larger in magnitude than its
+    most positive; then the ReLU. Made for a segmenter's region (``SegmentationTarget``), it takes any target.
+    """
+
+    name = "segeigencam"
+
+    def weighted_activations(self, capture: Capture) -> Tensor:
+        return capture.gradients.abs() * capture.activations
+
+    def combine(self, weighted: Tensor) -> Tensor:
+        projection = principal_projection(weighted)
+        axes = tuple(range(1, projection.dim()))
+        flipped = projection.amin(dim=axes, keepdim=True).abs() > projection.amax(dim=axes, keepdim=True).abs()
+        return torch.where(flipped, -projection, projection)
