@@ -470,7 +470,13 @@ class CAM:
         size = x.shape[2:]
         raw = self._fused(maps, size) if self.fused or self.aug_smooth else maps[0]
         cams = self.finish(raw, len(size), size if resize else None, normalize)
-        return make_result(cams, raw, plain.output, plain.scores, plain.bound, self.layer, self.name)
+        result = make_result(cams, raw, plain.output, plain.scores, plain.bound, self.layer, self.name)
+        return self.completed(result, x, model_kwargs)
+
+    def completed(self, result: CAMResult, x: Tensor, model_kwargs: Mapping[str, Any]) -> CAMResult:
+        """The call's result, with what a method adds to it from ``x`` (Integrated Gradients' completeness);
+        default: as it is."""
+        return result
 
     def _views(self) -> list[tuple[bool, float]]:
         """The (flip, scale) of each view of the input the call averages over: the plain one first."""

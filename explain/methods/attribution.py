@@ -23,7 +23,6 @@ from ..core.layers import LayerSpec
 from ..core.maps import postprocess
 from ..core.model_state import running, untouched
 from ..errors import ExplainError
-from ..targets import TargetLike
 
 
 class InputAttribution(CAM):
@@ -205,22 +204,12 @@ class IntegratedGradients(InputAttribution):
                 total.index_add_(0, images[rows], gradient * weights[rows].view(shape))
         return (x - baseline) * total
 
-    def __call__(
-        self,
-        x: Tensor,
-        target: TargetLike = None,
-        *,
-        topk: int | None = None,
-        resize: bool = True,
-        normalize: bool = True,
-        model_kwargs: Mapping[str, Any] | None = None,
-    ) -> CAMResult:
-        """Explain a batch (see :meth:`explain.core.engine.CAM.__call__`); the result's ``completeness`` is
-        :math:`\\sum R - (S(x) - S(x'))` per image (and target, with a K axis)."""
-        result = super().__call__(x, target, topk=topk, resize=resize, normalize=normalize, model_kwargs=model_kwargs)
+    def completed(self, result: CAMResult, x: Tensor, model_kwargs: Mapping[str, Any]) -> CAMResult:
+        """The result with its ``completeness``: :math:`\\sum R - (S(x) - S(x'))` per image (and target, with a K
+        axis), from one forward of the baseline."""
         with untouched(self.model), running(self.model), torch.no_grad():
             baseline = self.baseline_for(x.detach())
-            output = self.model(baseline, **dict(model_kwargs or {}))
+            output = self.model(baseline, **model_kwargs)
             at_baseline = result.target.score(output, torch.arange(len(x), device=x.device))
         raw = result.raw if result.target.keeps_k else result.raw[:, None]
         total = raw.flatten(2).double().sum(dim=2)  # over channels and positions: (N, K)

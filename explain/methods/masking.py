@@ -65,7 +65,7 @@ class Masking(CAM):
         """How many masks the call scores per image (drawing random ones with the call's generator)."""
         raise NotImplementedError
 
-    def keep(self, indices: Sequence[int], spatial: Sequence[int], device: torch.device) -> Tensor:
+    def keep(self, indices: Tensor, spatial: Sequence[int]) -> Tensor:
         """Masks ``indices``, (len(indices), *spatial) in [0, 1]: 1 keeps the input, 0 puts the baseline."""
         raise NotImplementedError
 
@@ -83,12 +83,12 @@ class Masking(CAM):
         count = self.count(capture)
         total = x.new_zeros(len(x), *spatial, dtype=torch.float32)
         keeps = x.new_zeros(*spatial, dtype=torch.float32)
-        rows = list(itertools.product(range(len(x)), range(count)))  # (image, mask)
+        all_images = torch.arange(len(x), device=device).repeat_interleave(count)  # row r: image r // count
+        all_masks = torch.arange(count, device=device).repeat(len(x))  # and its mask r % count
         with torch.no_grad(), running(self.model):
-            for start in range(0, len(rows), self.batch_size):
-                chunk = rows[start : start + self.batch_size]
-                images = torch.tensor([i for i, _ in chunk], device=device)
-                keep = self.keep([m for _, m in chunk], spatial, device).float()
+            for start in range(0, len(all_images), self.batch_size):
+                images = all_images[start : start + self.batch_size]
+                keep = self.keep(all_masks[start : start + self.batch_size], spatial).float()
                 copies = keep[:, None] * x[images] + (1 - keep[:, None]) * self.baseline
                 score = capture.score_rows(self.model(copies.to(x.dtype), **capture.model_kwargs), images).float()
                 total.index_add_(0, images, self.credit(score, capture.scores[images].float(), keep))
@@ -151,29 +151,30 @@ class Occlusion(Masking):
     ) -> None:
         super().__init__(model, labels=labels, baseline=baseline, batch_size=batch_size)
         self.window, self.stride = window, stride
-        self._placements: list[tuple[slice, ...]] = []
+        self._starts, self._windows = torch.zeros(0, dtype=torch.long), ()
 
     def count(self, capture: Capture) -> int:
         spatial = capture.x.shape[2:]
         rank = len(spatial)
         window, stride = _per_axis(self.window, rank, "window"), _per_axis(self.stride, rank, "stride")
-        per_axis = [
-            [slice(s, s + w) for s in window_starts(size, w, st)] for size, w, st in zip(spatial, window, stride)
-        ]
-        self._placements = list(itertools.product(*per_axis))
-        return len(self._placements)
+        starts = [window_starts(size, w, st) for size, w, st in zip(spatial, window, stride)]
+        self._starts = torch.tensor(list(itertools.product(*starts)), device=capture.x.device)  # (placements, rank)
+        self._windows = window
+        return len(self._starts)
 
-    def keep(self, indices: Sequence[int], spatial: Sequence[int], device: torch.device) -> Tensor:
-        keep = torch.ones(len(indices), *spatial, device=device)
-        for row, index in enumerate(indices):
-            keep[(row, *self._placements[index])] = 0
-        return keep
+    def keep(self, indices: Tensor, spatial: Sequence[int]) -> Tensor:
+        hidden = torch.ones(len(indices), *spatial, dtype=torch.bool, device=indices.device)
+        for axis, (size, side) in enumerate(zip(spatial, self._windows)):
+            start = self._starts[indices, axis].view(-1, *(1,) * len(spatial))
+            position = torch.arange(size, device=indices.device).view(-1, *(1,) * (len(spatial) - axis - 1))
+            hidden &= (position >= start) & (position < start + side)  # inside the window along this axis
+        return (~hidden).float()
 
     def credit(self, score: Tensor, plain: Tensor, keep: Tensor) -> Tensor:
         return (plain - score).view(-1, *(1,) * (keep.dim() - 1)) * (1 - keep)
 
     def normalized(self, total: Tensor, keeps: Tensor) -> Tensor:
-        return total / (len(self._placements) - keeps)  # each position: the placements that hide it
+        return total / (len(self._starts) - keeps)  # each position: the placements that hide it
 
 
 class RISE(Masking):
@@ -230,16 +231,17 @@ class RISE(Masking):
         )
         return self.masks
 
-    def keep(self, indices: Sequence[int], spatial: Sequence[int], device: torch.device) -> Tensor:
-        cell = [math.ceil(side / self.cells) for side in spatial]
-        large = [(self.cells + 1) * c for c in cell]
-        grids = self._grids[list(indices)]
-        upsampled = F.interpolate(grids, size=large, mode=INTERPOLATION[len(spatial)], align_corners=False)[:, 0]
-        masks = []
-        for row, index in enumerate(indices):
-            shift = self._shifts[index].tolist()
-            masks.append(upsampled[(row, *(slice(s, s + side) for s, side in zip(shift, spatial)))])
-        return torch.stack(masks)
+    def keep(self, indices: Tensor, spatial: Sequence[int]) -> Tensor:
+        rank = len(spatial)
+        large = [(self.cells + 1) * math.ceil(side / self.cells) for side in spatial]
+        upsampled = F.interpolate(self._grids[indices], size=large, mode=INTERPOLATION[rank], align_corners=False)
+        rows = torch.arange(len(indices), device=indices.device).view(-1, *(1,) * rank)
+        cut = [
+            torch.arange(size, device=indices.device).view(-1, *(1,) * (rank - axis - 1))
+            + self._shifts[indices, axis].view(-1, *(1,) * rank)
+            for axis, size in enumerate(spatial)
+        ]  # each mask's positions, shifted, along each axis
+        return upsampled[:, 0][(rows, *cut)]
 
     def credit(self, score: Tensor, plain: Tensor, keep: Tensor) -> Tensor:
         return score.view(-1, *(1,) * (keep.dim() - 1)) * keep
