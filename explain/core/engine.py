@@ -14,8 +14,8 @@ device.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Collection, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..catalog import FUSIONS
 from ..errors import ExplainError, LayerError, TargetError
 from ..targets import BoundTarget, Target, TargetLike, as_target, bound_on
 from ..targets.base import spatial_axes
@@ -162,6 +163,8 @@ class Capture:
         k: Which of its K targets per image this capture explains.
         to_input: Brings maps (..., h, w) at the layer's resolution onto the input's
             (H, W): upsampled, and for a detector, its canvas's padding cut off first.
+        curvature: The Hessian of the score with respect to the activations times the activations, H·A, shaped
+            like them, for a method that asks for it (``curvature = True``); else None.
         generator: The call's random number generator (from ``seed``), or None for
             PyTorch's global one.
         model_kwargs: The call's further keyword arguments of the model's forward.
@@ -179,6 +182,7 @@ class Capture:
     target: BoundTarget
     k: int
     to_input: Callable[[Tensor], Tensor]
+    curvature: Tensor | None
     generator: torch.Generator | None
     model_kwargs: Mapping[str, Any]
     shared: dict[str, Any]
@@ -221,6 +225,8 @@ class PassRecord:
             is the input's).
         gradients: For each of the K targets, each layer's gradient as a map like its activation (empty maps for
             a method without gradients).
+        curvatures: For each of the K targets, each layer's Hessian-vector product H·A as a map (empty maps for a
+            method that asks for none).
         layouts: How each layer's output became its map.
         canvas: A detector's canvas (its maps are brought onto the image), or None.
         geometry: The picture the pass's layers saw, and the patch grid.
@@ -232,6 +238,7 @@ class PassRecord:
     scores: Tensor
     activations: dict[str, Tensor]
     gradients: list[dict[str, Tensor]]
+    curvatures: list[dict[str, Tensor]]
     layouts: dict[str, Layout]
     canvas: Canvas | None
     geometry: Geometry
@@ -293,7 +300,8 @@ class CAM:
             name is an error that lists the layers with spatial outputs.
         labels: Class names, to accept a class name as target.
         fuse: How the maps of several layers become one, each upsampled to the
-            input and normalized first: ``"mean"`` or ``"max"``.
+            input and normalized first: ``"mean"``, ``"max"`` or ``"product"`` (RefineCAM's: a position must
+            stand out at every layer).
         aug_smooth: Average the maps of the horizontally flipped and unflipped
             input at scales 0.9, 1.0 and 1.1, each mapped back to the input's
             geometry and normalized (six passes). The flips and scales are of the
@@ -319,6 +327,7 @@ class CAM:
     relu = True
     map_of_input = False  # the map comes from the input and its gradient, not from a layer (guided methods)
     input_gradient = False  # the pass takes the target's gradient at the input (guided methods, Saliency)
+    curvature = False  # the pass also takes the Hessian-vector product H·A at each layer (ShapleyCAM)
 
     def __init__(
         self,
@@ -326,7 +335,7 @@ class CAM:
         layer: LayerSpec | Sequence[str | nn.Module] = None,
         *,
         labels: Sequence[str] | None = None,
-        fuse: Literal["mean", "max"] = "mean",
+        fuse: Literal["mean", "max", "product"] = "mean",
         aug_smooth: bool = False,
         eigen_smooth: bool = False,
         smooth_samples: int = 0,
@@ -335,8 +344,8 @@ class CAM:
         seed: int | None = None,
         reshape: Reshape | None = None,
     ) -> None:
-        if fuse not in ("mean", "max"):
-            raise ExplainError(f"fuse must be 'mean' or 'max', got {fuse!r}")
+        if fuse not in FUSIONS:
+            raise ExplainError(f"fuse must be one of {', '.join(map(repr, FUSIONS))}, got {fuse!r}")
         if smooth_samples < 0 or smooth_sigma < 0 or batch_size < 1:
             raise ExplainError("smooth_samples and smooth_sigma must be >= 0 and batch_size >= 1")
         self.model = model
@@ -451,7 +460,7 @@ class CAM:
         check_images(x)
         check_rank(self.model, x)
         model_kwargs = dict(model_kwargs or {})
-        goal = as_target(target, topk)
+        goal = self.target_for(target, topk)
         if self.aug_smooth and isinstance(goal, Target) and goal.geometric:
             raise TargetError(f"aug_smooth flips and rescales the input, which would misplace a {type(goal).__name__}")
         if self.aug_smooth and x.dim() == 3:
@@ -468,10 +477,15 @@ class CAM:
             plain = self._record(images, goal, model_kwargs, plain=True)
             maps = self._averaged(images, plain, generator, model_kwargs)
         size = x.shape[2:]
-        raw = self._fused(maps, size) if self.fused or self.aug_smooth else maps[0]
+        raw = self.fused_maps(maps, size) if self.fused or self.aug_smooth else maps[0]
         cams = self.finish(raw, len(size), size if resize else None, normalize)
         result = make_result(cams, raw, plain.output, plain.scores, plain.bound, self.layer, self.name)
         return self.completed(result, x, model_kwargs)
+
+    def target_for(self, target: TargetLike, topk: int | None) -> Target | BoundTarget:
+        """The call's target object from what the caller gave (see :func:`explain.targets.as_target`); a method
+        whose formula is a target of its own (Finer-CAM's contrast) builds it here."""
+        return as_target(target, topk)
 
     def completed(self, result: CAMResult, x: Tensor, model_kwargs: Mapping[str, Any]) -> CAMResult:
         """The call's result, with what a method adds to it from ``x`` (Integrated Gradients' completeness);
@@ -513,11 +527,14 @@ class CAM:
         spread = x.amax(dim=axes, keepdim=True) - x.amin(dim=axes, keepdim=True)
         return x + self.smooth_sigma * spread * torch.randn(x.shape, device=x.device, generator=generator)
 
-    def _fused(self, maps: list[Tensor], size: Sequence[int]) -> Tensor:
-        """One map from each layer's: each upsampled to ``size`` and normalized, then their mean or maximum. A
-        layer whose maps are all zero (a pyramid level no detection reaches) adds zeros without being resized."""
-        reached = [m for m in maps if bool(m.any())] or maps[:1]
+    def fused_maps(self, maps: list[Tensor], size: Sequence[int]) -> Tensor:
+        """One map from each layer's: each upsampled to ``size`` and normalized, then their mean, maximum or product.
+        For the mean and the maximum, a layer whose maps are all zero (a pyramid level no detection reaches) adds
+        zeros without being resized."""
+        reached = maps if self.fuse == "product" else [m for m in maps if bool(m.any())] or maps[:1]
         stacked = torch.stack([normalize_maps(upsample(m, size), len(size)) for m in reached])
+        if self.fuse == "product":
+            return stacked.prod(dim=0)
         return stacked.sum(dim=0) / len(maps) if self.fuse == "mean" else stacked.amax(dim=0)
 
     def _record(
@@ -537,9 +554,7 @@ class CAM:
             self.backward_rule(),
             canvas_recorded(self.model) as canvases,
             grids_recorded(self.model) as grids,
-            sparse_box_heads(self.model),
-            reached_rows(self.model, skip=recording.modules.values(), sequences=_sequences(traced)),
-            windowed_heads(self.model, skip=recording.modules.values()),
+            self._partial_backward(recording.modules.values(), traced),
             recording as recorder,
         ):
             output = recorder.forward(partial(self.model, **model_kwargs), x)
@@ -549,13 +564,29 @@ class CAM:
             bound = bound_on(goal, output, self.labels)
             scores = target_scores(bound, output, x)
             count = scores.shape[1]
-            gradients = [self._gradients(recorder, scores[:, k].sum(), x, layouts, k + 1 < count) for k in range(count)]
+            derivatives = [
+                self._gradients(recorder, scores[:, k].sum(), x, layouts, k + 1 < count) for k in range(count)
+            ]
+            gradients, curvatures = [first for first, _ in derivatives], [second for _, second in derivatives]
             if plain and self.needs_gradients:
                 self._check_reached(gradients, bound, automatic=self._requested is None)
             activations = {name: layouts[name](a).float() for name, a in recorder.activations.items()}
         if self.map_of_input:
             activations[INPUT] = x.detach().float()
-        return PassRecord(x.detach(), output, bound, scores, activations, gradients, layouts, canvas, geometry)
+        return PassRecord(
+            x.detach(), output, bound, scores, activations, gradients, curvatures, layouts, canvas, geometry
+        )
+
+    def _partial_backward(self, hooked: Collection[nn.Module], traced: Mapping[str, LayerInfo]) -> ExitStack:
+        """The contexts that differentiate parts of the model only where the score reaches (a detector's kept
+        boxes, a sequence's reached rows, a YOLO head's windows), around one pass. A method that differentiates
+        the gradient again (``curvature``) gets none: their recomputed backward is not itself differentiable."""
+        stack = ExitStack()
+        if not self.curvature:
+            stack.enter_context(sparse_box_heads(self.model))
+            stack.enter_context(reached_rows(self.model, skip=hooked, sequences=_sequences(traced)))
+            stack.enter_context(windowed_heads(self.model, skip=hooked))
+        return stack
 
     def _maps(
         self, recorded: PassRecord, generator: torch.Generator | None, model_kwargs: Mapping[str, Any]
@@ -569,8 +600,8 @@ class CAM:
         maps, shared = [], {}
         for name, module in self._layers:
             per_target = []
-            for k, gradients in enumerate(recorded.gradients):
-                gradient = gradients.get(name)
+            for k, (gradients, curvatures) in enumerate(zip(recorded.gradients, recorded.curvatures)):
+                gradient, curvature = gradients.get(name), curvatures.get(name)
                 capture = Capture(
                     x=x,
                     activations=recorded.activations[name],
@@ -581,6 +612,7 @@ class CAM:
                     target=recorded.bound,
                     k=k,
                     to_input=to_input,
+                    curvature=None if curvature is None else curvature.float(),
                     generator=generator,
                     model_kwargs=model_kwargs,
                     shared=shared,
@@ -644,11 +676,16 @@ class CAM:
         x: Tensor,
         layouts: Mapping[str, Layout],
         more: bool,
-    ) -> dict[str, Tensor]:
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """The gradient of one summed score at each layer, as a map like the layer's activation, and at the input
         for a method that takes it there; the whole network's graph, which that needs, is kept only when ``more``
-        scores follow."""
-        found = {name: layouts[name](g) for name, g in recorder.backward(score).items()} if self.needs_gradients else {}
+        scores follow. Second: each layer's Hessian-vector product, for a method that asks for it (else empty)."""
+        found, curved = {}, {}
+        if self.needs_gradients:
+            raw = recorder.backward(score, create_graph=self.curvature)
+            if self.curvature:
+                curved = {name: layouts[name](h) for name, h in recorder.curvature(raw).items()}
+            found = {name: layouts[name](g.detach()) for name, g in raw.items()}
         if self.input_gradient:
             found[INPUT] = torch.autograd.grad(score, x, retain_graph=more or self.needs_gradients)[0]
-        return found
+        return found, curved

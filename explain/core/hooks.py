@@ -258,10 +258,11 @@ class ActivationGradientRecorder:
                 raise LayerError(f"layer {name!r} did not run during the forward pass")
         return output
 
-    def backward(self, score: Tensor) -> dict[str, Tensor]:
+    def backward(self, score: Tensor, create_graph: bool = False) -> dict[str, Tensor]:
         """Record the gradient of the scalar ``score`` with respect to each layer's output.
 
-        The graph is kept, so several scores of one forward can be explained. Of several
+        The graph is kept, so several scores of one forward can be explained; with ``create_graph`` the
+        gradients are themselves differentiable (see :meth:`curvature`). Of several
         layers, one the score does not reach gets a zero gradient (a feature pyramid's
         level that a box was not assigned to); the score must reach at least one.
 
@@ -277,13 +278,39 @@ class ActivationGradientRecorder:
         # Expected by design: the layer's inputs never require grad, so PyTorch fires the hook with the output
         # gradient alone, which is all a CAM needs.
         with warning_filter("ignore", message="Full backward hook is firing when gradients are computed"):
-            torch.autograd.grad(score, list(self._leaves.values()), retain_graph=True, allow_unused=True)
+            torch.autograd.grad(
+                score, list(self._leaves.values()), retain_graph=True, create_graph=create_graph, allow_unused=True
+            )
         missing = [name for name in self.modules if name not in self.gradients]
         if len(missing) == len(self.modules):
             raise LayerError(f"the target score does not depend on layer(s) {', '.join(missing)}")
         for name in missing:
             self.gradients[name] = torch.zeros_like(self.activations[name])
         return dict(self.gradients)
+
+    def curvature(self, gradients: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Each layer's Hessian-vector product H·A: the derivative of its gradient (from :meth:`backward` with
+        ``create_graph``) along its own output A. A gradient that does not depend on the output (a score linear
+        in it) gives zeros."""
+        products = {}
+        for name, gradient in gradients.items():
+            leaf = self._leaves[name]
+            product = None
+            if gradient.requires_grad:
+                try:
+                    with warning_filter("ignore", message="Full backward hook is firing when gradients are computed"):
+                        (product,) = torch.autograd.grad(
+                            gradient, leaf, grad_outputs=leaf.detach(), retain_graph=True, allow_unused=True
+                        )
+                except RuntimeError as err:
+                    if "derivative for" not in str(err):
+                        raise
+                    raise LayerError(
+                        f"the Hessian at layer {name!r} cannot be computed: between it and the score, {err} in "
+                        "PyTorch (no second derivative); choose a later layer, or a first-order method"
+                    ) from None
+            products[name] = torch.zeros_like(leaf) if product is None else product
+        return products
 
 
 @contextmanager

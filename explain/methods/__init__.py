@@ -24,12 +24,16 @@ from .activation import FEM, KPCACAM, EigenCAM, OriginalCAM, RandomCAM
 from .attribution import InputXGradient, IntegratedGradients, Saliency
 from .gradient import (
     EigenGradCAM,
+    FinerCAM,
+    FullGrad,
     GradCAM,
     GradCAMElementWise,
     GradCAMPlusPlus,
     HiResCAM,
     LayerCAM,
+    RefineCAM,
     SegEigenCAM,
+    ShapleyCAM,
     XGradCAM,
 )
 from .guided import Deconvolution, GuidedBackprop, GuidedGradCAM
@@ -156,6 +160,8 @@ __all__ = [
     "Deconvolution",
     "EigenCAM",
     "EigenGradCAM",
+    "FinerCAM",
+    "FullGrad",
     "GradCAM",
     "GradCAMElementWise",
     "GradCAMPlusPlus",
@@ -170,9 +176,11 @@ __all__ = [
     "Occlusion",
     "OriginalCAM",
     "RandomCAM",
+    "RefineCAM",
     "Saliency",
     "ScoreCAM",
     "SegEigenCAM",
+    "ShapleyCAM",
     "XGradCAM",
     "cam",
     "create_method",

@@ -6,11 +6,17 @@ image, three for a volume or a clip (``capture.spatial``).
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
-from ..core.engine import CAM, Capture
-from ..core.maps import principal_projection
+import torch
+from torch import Tensor, nn
+
+from ..core.engine import CAM, INPUT, Capture
+from ..core.layers import LayerSpec, traced_layers
+from ..core.maps import normalize_maps, principal_projection, upsample
+from ..errors import ExplainError, LayerError, TargetError
+from ..targets import BoundTarget, ClassTarget, ContrastTarget, Target, TargetLike, as_target
 
 
 class GradCAM(CAM):
@@ -139,3 +145,185 @@ class SegEigenCAM(CAM):
         axes = tuple(range(1, projection.dim()))
         flipped = projection.amin(dim=axes, keepdim=True).abs() > projection.amax(dim=axes, keepdim=True).abs()
         return torch.where(flipped, -projection, projection)
+
+
+class ShapleyCAM(CAM):
+    r"""ShapleyCAM: Cai et al., "CAMs as Shapley Value-based Explainers", The Visual Computer 2025
+    (arXiv:2501.06261).
+
+    A second-order estimate of each activation's Shapley value weighs the channels: the gradient corrected by half
+    the Hessian-vector product along the activations,
+
+    .. math:: w_c = \frac{1}{hw} \sum_{ij} \big(g - \tfrac{1}{2} H A\big)_{c,ij}, \qquad
+              \mathrm{cam} = \mathrm{ReLU}\Big(\sum_c w_c A_c\Big),
+
+    with :math:`H` the Hessian of the score with respect to the layer's output. Where the score is linear in
+    the layer (a ReLU network's last stage before pooling and a linear head) :math:`HA = 0` and ShapleyCAM is
+    Grad-CAM. The Hessian-vector product costs a second backward through the head, and needs the head's
+    operations to be twice differentiable.
+    """
+
+    name = "shapleycam"
+    curvature = True
+
+    def weights(self, capture: Capture) -> Tensor:
+        return (capture.gradients - 0.5 * capture.curvature).mean(dim=capture.spatial)
+
+
+class RefineCAM(GradCAMPlusPlus):
+    r"""RefineCAM (as pytorch-grad-cam's, arXiv:2605.14641): Grad-CAM++ at several layers, each map upsampled to
+    the input and normalized to [0, 1], multiplied together: a position stands out only where it stands out at
+    every layer, which takes the noise out of early layers' maps. It is Grad-CAM++ with ``fuse="product"``; give
+    ``layer`` a list of layers (the automatic layer alone gives its plain Grad-CAM++ map).
+    """
+
+    name = "refinecam"
+
+    def __init__(self, model: nn.Module, layer: LayerSpec | Sequence[str | nn.Module] = None, **options: Any) -> None:
+        super().__init__(model, layer, **{"fuse": "product", **options})
+
+
+BIASED = (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm)  # FullGrad's layers: spatial maps with a bias
+Scaling = Literal["map", "channel"]
+
+
+class FullGrad(CAM):
+    r"""FullGrad: Srinivas & Fleuret, "Full-Gradient Representation for Neural Network Visualization", NeurIPS 2019
+    (arXiv:1905.00780).
+
+    The score's full-gradient decomposition: the input-gradient term plus, for every layer with a bias, the bias
+    times its gradient. Each term is post-processed by :math:`\psi` (absolute value, rescaled to [0, 1],
+    upsampled), and the channels and layers are summed:
+
+    .. math:: \mathrm{FullGrad} = \psi(\nabla_x S \odot x) + \sum_l \sum_c \psi(b_{l,c}\, \nabla_{z_l} S_c).
+
+    The layers are its own: every convolution and batch norm of the model's rank with a bias (an eval-mode batch
+    norm's bias is :math:`\beta - \gamma\mu / \sqrt{\sigma^2 + \epsilon}`); ``layer`` is not used. A batch norm
+    in training mode has no fixed bias (its statistics are the batch's): refused. ``scaling="map"`` rescales each
+    term over all its channels at once, as the paper's code does; ``"channel"`` rescales each channel alone, as
+    pytorch-grad-cam does. Upsampling is linear with half-pixel centres (the paper's code aligns corners).
+
+    Args:
+        model: Any model explain explains; left as it was.
+        layer: Not used.
+        labels: Class names, to accept a class name as target.
+        scaling: ``"map"`` or ``"channel"``, as above.
+        **options: As for :class:`explain.core.engine.CAM` (``smooth_samples``, ``aug_smooth``, ...).
+    """
+
+    name = "fullgrad"
+    map_of_input = True
+    input_gradient = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layer: LayerSpec | Sequence[str | nn.Module] = None,
+        *,
+        labels: Sequence[str] | None = None,
+        scaling: Scaling = "map",
+        **options: Any,
+    ) -> None:
+        super().__init__(model, None, labels=labels, **options)
+        if scaling not in ("map", "channel"):
+            raise ExplainError(f"scaling must be 'map' or 'channel', got {scaling!r}")
+        self.scaling = scaling
+
+    @property
+    def layer(self) -> str | None:
+        """The input and how many bias layers."""
+        return f"{INPUT}+{len(self._layers) - 1} bias layers" if self._layers else None
+
+    def target_layers(
+        self, x: Tensor, model_kwargs: Mapping[str, Any], target: TargetLike = None
+    ) -> list[tuple[str, nn.Module | None]]:
+        """The input, then every module with a bias whose output is a channels-first map of the input.
+
+        Raises:
+            LayerError: Such a module runs more than once in a forward (its gradient would mix the calls).
+        """
+        traced = traced_layers(self.model, x, model_kwargs)
+        layers: list[tuple[str, nn.Module | None]] = [(INPUT, None)]
+        for name, module in self.model.named_modules():
+            info = traced.get(name)
+            if not isinstance(module, BIASED) or module.bias is None or info is None or info.layout is None:
+                continue
+            if info.calls > 1:
+                raise LayerError(f"FullGrad needs every bias once per forward; layer {name!r} runs {info.calls} times")
+            if info.layout.kind == "channels_first":
+                layers.append((name, module))
+        return layers
+
+    @staticmethod
+    def bias(module: nn.Module) -> Tensor:
+        """A layer's bias per output channel; a batch norm's in eval mode folds its running statistics in.
+
+        Raises:
+            LayerError: A batch norm normalizes with the batch's statistics (training mode, or none kept).
+        """
+        if not isinstance(module, nn.modules.batchnorm._BatchNorm):
+            return module.bias.detach()
+        if module.training or module.running_mean is None:
+            raise LayerError(
+                f"FullGrad: the {type(module).__name__} normalizes with the batch's statistics (training mode), so "
+                "it has no fixed bias to decompose the score by; call model.eval() first"
+            )
+        scale = module.weight.detach() / torch.sqrt(module.running_var + module.eps)
+        return module.bias.detach() - module.running_mean * scale
+
+    def compute(self, capture: Capture) -> Tensor:
+        if capture.module is None:  # the input-gradient term
+            term = capture.x * capture.gradients
+        else:
+            bias = self.bias(capture.module).float()
+            term = bias.view(1, -1, *(1,) * len(capture.spatial)) * capture.gradients
+        term = term.abs()
+        rank = len(capture.spatial)
+        scaled = normalize_maps(term, rank) if self.scaling == "channel" else normalize_maps(term.flatten(1), 1)
+        return scaled.view_as(term).sum(dim=1)
+
+    def fused_maps(self, maps: list[Tensor], size: Sequence[int]) -> Tensor:
+        """The terms' sum, each upsampled to ``size`` (they are rescaled already)."""
+        return torch.stack([upsample(m, size) for m in maps]).sum(dim=0)
+
+
+class FinerCAM(GradCAM):
+    r"""Finer-CAM: Zhang et al., "Finer-CAM: Spotting the Difference Reveals Finer Details for Visual
+    Explanation", CVPR 2025 (arXiv:2501.11309).
+
+    Grad-CAM of the explained class against the classes it is most easily taken for: the score is
+    :class:`explain.targets.ContrastTarget`'s, :math:`\sum_j p_j (y_c - \alpha y_j) / \sum_j p_j`. The call's
+    target (None, a class, one per image, ``topk``) gives the explained classes; a ``ContrastTarget`` is taken as
+    it is. Any other method explains a contrast too, given a ``ContrastTarget``.
+
+    Args:
+        model: A classifier; left as it was.
+        layer: As for :class:`explain.core.engine.CAM`.
+        against: The comparison classes (see :class:`explain.targets.ContrastTarget`); None: the look-alikes.
+        nearest: How many look-alikes when ``against`` is None.
+        alpha: How strongly the comparison classes are subtracted.
+        **options: As for :class:`explain.core.engine.CAM`.
+    """
+
+    name = "finercam"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layer: LayerSpec | Sequence[str | nn.Module] = None,
+        *,
+        against: Any = None,
+        nearest: int = 3,
+        alpha: float = 1.0,
+        **options: Any,
+    ) -> None:
+        super().__init__(model, layer, **options)
+        self.contrast = {"against": against, "nearest": nearest, "alpha": alpha}
+
+    def target_for(self, target: TargetLike, topk: int | None) -> Target | BoundTarget:
+        goal = as_target(target, topk)
+        if isinstance(goal, (ContrastTarget, BoundTarget)):
+            return goal
+        if not isinstance(goal, ClassTarget):
+            raise TargetError(f"Finer-CAM contrasts a classifier's classes; a {type(goal).__name__} is none")
+        return ContrastTarget(goal, **self.contrast)

@@ -18,7 +18,7 @@ from .base import (
     ragged,
     read_output,
 )
-from .classification import ClassScore, ClassTarget, RegressionTarget, SimilarityTarget, TopK
+from .classification import ClassScore, ClassTarget, ContrastTarget, RegressionTarget, SimilarityTarget, TopK
 from .detection import DetectionTarget, InstanceTarget, box_iou
 from .segmentation import SegmentationTarget
 from .shorthand import as_target
@@ -28,6 +28,7 @@ __all__ = [
     "CallableTarget",
     "ClassScore",
     "ClassTarget",
+    "ContrastTarget",
     "DetectionTarget",
     "InstanceTarget",
     "OutputPicker",

@@ -4,6 +4,7 @@ similarity to a reference."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -168,3 +169,80 @@ class SimilarityTarget(Target):
             return similarity[:, None]
 
         return BoundTarget(score=score)
+
+
+class ContrastTarget(Target):
+    r"""A class against the classes it is most easily taken for: Finer-CAM's score (Zhang et al., "Finer-CAM:
+    Spotting the Difference Reveals Finer Details for Visual Explanation", CVPR 2025, arXiv:2501.11309).
+
+    .. math:: S = \frac{\sum_j p_j\,(y_c - \alpha\, y_j)}{\sum_j p_j + 10^{-9}}
+
+    over the comparison classes j, each weighed by its softmax probability :math:`p_j` (differentiated with the
+    rest, as in the authors' code in pytorch-grad-cam). The map then shows what tells class c apart from them.
+
+    Args:
+        classes: The explained classes: a :class:`ClassTarget` or :class:`TopK`, or a class shorthand (None for
+            each image's top class, an index or name, one per image).
+        against: The comparison classes: one class or a list of classes for every image, or one list per image;
+            None for each explained class's ``nearest`` look-alikes, the classes whose logits are closest to its.
+        nearest: How many look-alikes when ``against`` is None.
+        alpha: How strongly the comparison classes are subtracted; 0 leaves the class's own logit.
+        output: See :class:`Target`.
+    """
+
+    def __init__(
+        self,
+        classes: Any = None,
+        against: Any = None,
+        nearest: int = 3,
+        alpha: float = 1.0,
+        *,
+        output: OutputPicker = None,
+    ) -> None:
+        given = isinstance(classes, ClassTarget)
+        super().__init__(classes.output if given and output is None else output)
+        self.main = classes if given else ClassTarget(classes, output=output)
+        if nearest < 1:
+            raise TargetError(f"nearest must be at least 1, got {nearest}")
+        self.against = against
+        self.nearest = nearest
+        self.alpha = alpha
+
+    def comparisons(self, logits: Tensor, classes: Tensor, labels: Sequence[str] | None) -> Tensor:
+        """The (N, K, M) comparison classes of the (N, K) explained ones."""
+        n, num_classes = logits.shape
+        if self.against is None:
+            if num_classes <= self.nearest:
+                raise TargetError(f"nearest={self.nearest} look-alikes need more than {self.nearest} classes")
+            distance = (logits[:, None, :] - logits.gather(1, classes)[..., None]).abs()  # (N, K, classes)
+            distance.scatter_(2, classes[..., None], float("inf"))  # never the class itself
+            return distance.topk(self.nearest, dim=2, largest=False).indices
+        shared = isinstance(self.against, (int, str)) or (
+            isinstance(self.against, Sequence) and all(isinstance(c, (int, str)) for c in self.against)
+        )
+        per_image_lists = [self.against] * n if shared else per_image(self.against, n, "comparison class lists")
+        rows = [
+            [class_index(c, labels, num_classes) for c in ([g] if isinstance(g, (int, str)) else g)]
+            for g in per_image_lists
+        ]
+        if len({len(r) for r in rows}) != 1 or not rows[0]:
+            raise TargetError("give every image the same, non-zero number of comparison classes")
+        chosen = torch.tensor(rows, device=logits.device)[:, None, :].expand(n, classes.shape[1], -1)
+        if bool((chosen == classes[..., None]).any()):
+            raise TargetError("a comparison class is the explained class itself")
+        return chosen
+
+    def bind(self, output: Any, labels: Sequence[str] | None) -> BoundTarget:
+        bound = self.main.bind(output, labels)
+        logits = self.read(output).detach()
+        against = self.comparisons(logits, bound.classes, labels)
+        read, classes, alpha = self.read, bound.classes, self.alpha
+
+        def score(out: Any, images: Tensor) -> Tensor:
+            y = read(out)
+            theirs = against[images].flatten(1)  # (rows, K * M)
+            p = y.softmax(dim=1).gather(1, theirs).view(against[images].shape)
+            differences = y.gather(1, classes[images])[..., None] - alpha * y.gather(1, theirs).view(p.shape)
+            return (p * differences).sum(dim=2) / (p.sum(dim=2) + 1e-9)
+
+        return replace(bound, score=score)
