@@ -105,6 +105,8 @@ METHOD_CATALOG: tuple[MethodEntry, ...] = (
     MethodEntry(
         "integrated_gradients", "IntegratedGradients", "Integrated Gradients (Sundararajan et al. 2017)", fast=False
     ),
+    MethodEntry("gradient_shap", "GradientSHAP", "GradientSHAP, expected gradients (Lundberg & Lee 2017)", fast=False),
+    MethodEntry("sobel", "SobelCAM", "Sobel-CAM, the input's edges: a baseline", fast=False),
     MethodEntry("occlusion", "Occlusion", "Occlusion, sliding windows (Zeiler & Fergus 2014)", fast=False),
     MethodEntry("rise", "RISE", "RISE, random masks (Petsiuk et al. 2018)", fast=False),
 )

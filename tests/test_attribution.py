@@ -4,6 +4,7 @@ real model; SmoothGrad against a loop written here; and the maps in every rank."
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import ASSETS, hook_count, seeded
@@ -76,18 +77,99 @@ def test_integrated_gradients_is_complete_on_the_bundled_model(lite0) -> None:
     assert float(result.completeness[0]) == pytest.approx(float(total - change), abs=1e-3)
 
 
-def test_smoothgrad_averages_the_gradients_of_noisy_copies(model, x) -> None:
+@pytest.mark.parametrize("smooth_type", ["smoothgrad", "smoothgrad_sq", "vargrad"])
+def test_smoothgrad_and_vargrad_are_the_statistics_of_noisy_copies_gradients(model, x, smooth_type) -> None:
     """Saliency with smooth_samples: the gradients of the noisy copies (noise of 0.2 of each image's value range,
-    drawn as the engine draws it) averaged, then the largest channel magnitude."""
-    result = explain.Saliency(model, smooth_samples=4, smooth_sigma=0.2, seed=11)(x, TARGETS, normalize=False)
+    drawn as the engine draws it), their mean (SmoothGrad), mean square or variance (VarGrad), before the largest
+    channel magnitude."""
+    method = explain.Saliency(model, smooth_samples=4, smooth_sigma=0.2, smooth_type=smooth_type, seed=11)
+    result = method(x, TARGETS, normalize=False)
     generator = torch.Generator().manual_seed(11)
     spread = x.amax(dim=(1, 2, 3), keepdim=True) - x.amin(dim=(1, 2, 3), keepdim=True)
-    total = torch.zeros_like(x)
+    gradients = []
     for _ in range(4):
         noisy = (x + 0.2 * spread * torch.randn(x.shape, generator=generator)).requires_grad_(True)
         score = model(noisy).gather(1, torch.tensor(TARGETS)[:, None]).sum()
-        total += torch.autograd.grad(score, noisy)[0]
-    torch.testing.assert_close(result.raw, total / 4, rtol=1e-4, atol=1e-7)
+        gradients.append(torch.autograd.grad(score, noisy)[0].double())
+    stacked = torch.stack(gradients)
+    expected = {
+        "smoothgrad": stacked.mean(0),
+        "smoothgrad_sq": stacked.pow(2).mean(0),
+        "vargrad": stacked.var(0, unbiased=False),
+    }[smooth_type]
+    assert expected.abs().max() > 0
+    torch.testing.assert_close(result.raw.double(), expected, rtol=1e-3, atol=1e-3 * float(expected.abs().max()))
+    torch.testing.assert_close(
+        result.cams.double(), expected.abs().amax(dim=1), rtol=1e-3, atol=1e-3 * float(expected.abs().max())
+    )
+
+
+def reference_gradient_shap(model, x, baselines, samples, stdev, seed) -> torch.Tensor:
+    """GradientSHAP written from its formula, the draws made in the documented order (the baselines' indices,
+    the alphas, the noise, each of all draws at once), each draw's gradient taken alone, float64 sum."""
+    generator = torch.Generator().manual_seed(seed)
+    count = samples * len(x)
+    chosen = torch.randint(len(baselines), (count,), generator=generator)
+    alphas = torch.rand(count, generator=generator)
+    noise = stdev * torch.randn((count, *x.shape[1:]), generator=generator)
+    total = torch.zeros_like(x, dtype=torch.float64)
+    for r in range(count):
+        i = r % len(x)
+        end, start = x[i] + noise[r], baselines[chosen[r]]
+        point = (start + alphas[r] * (end - start))[None].requires_grad_(True)
+        (gradient,) = torch.autograd.grad(model(point)[0, TARGETS[i]], point)
+        total[i] += (gradient[0] * (end - start)).double() / samples
+    return total
+
+
+def test_gradient_shap_is_its_formula_and_converges_to_captum_s(model, x) -> None:
+    """GradientSHAP against its formula with the same draws, exactly; and with many draws, against Captum's
+    GradientShap with many draws (both estimate one expectation: they agree as their noise allows)."""
+    torch.manual_seed(5)
+    baselines = torch.randn(3, *x.shape[1:]) * 0.5
+    method = explain.GradientSHAP(model, baselines=baselines, samples=6, stdev=0.1, seed=4, batch_size=5)
+    result = method(x, TARGETS, normalize=False)
+    expected = reference_gradient_shap(model, x, baselines, 6, 0.1, 4)
+    assert expected.abs().max() > 0
+    torch.testing.assert_close(result.raw.double(), expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+
+    tiny = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+                         nn.Linear(16, 3)).eval()  # fmt: skip
+    small = x[:, :, :12, :12]
+    ours = explain.GradientSHAP(tiny, baselines=baselines[:, :, :12, :12], samples=3000, batch_size=1000, seed=0)
+    mine = ours(small, [0, 2], normalize=False).raw
+    torch.manual_seed(0)
+    theirs = captum.GradientShap(tiny).attribute(
+        small, baselines=baselines[:, :, :12, :12], n_samples=3000, target=[0, 2]
+    )
+    for a, b in zip(mine.flatten(1), theirs.flatten(1)):
+        assert torch.corrcoef(torch.stack([a, b]))[0, 1] >= 0.99
+
+
+def test_sobel_cam_is_pytorch_grad_cam_s_on_a_picture() -> None:
+    """Sobel-CAM on an 8-bit photo against pytorch-grad-cam's sobel_cam (OpenCV's grey and Sobel), where no edge
+    saturates its 8 bits: given OpenCV's 8-bit grey, within the rounding of its 8-bit result; given the colours,
+    its grey is OpenCV's within that rounding. A signal's map is its one derivative."""
+    import cv2
+    from PIL import Image
+    from pytorch_grad_cam.sobel_cam import sobel_cam
+
+    photo = np.asarray(Image.open(ASSETS / "chelsea.png").convert("RGB").resize((64, 48)))
+    photo = (photo // 4 + 64).astype(np.uint8)  # a quarter of the contrast: no derivative past 255
+    expected = torch.from_numpy(sobel_cam(photo)).double()
+    assert 0 < expected.max() < 255
+    grey = torch.from_numpy(cv2.cvtColor(photo, cv2.COLOR_RGB2GRAY))[None, None].float()
+    reads_grey = nn.Sequential(nn.Conv2d(1, 2, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())  # the model is not used
+    got = explain.SobelCAM(reads_grey)(grey, 0, normalize=False).cams[0].double()
+    assert torch.corrcoef(torch.stack([got.flatten(), expected.flatten()]))[0, 1] >= 0.999
+    assert (got - expected).abs().max() <= 1.0  # OpenCV rounds each magnitude and their mean to 8 bits
+    sobel = explain.SobelCAM(seeded("resnet18", num_classes=10))
+    colours = sobel(torch.from_numpy(photo).permute(2, 0, 1)[None].float(), normalize=False).cams[0].double()
+    assert torch.corrcoef(torch.stack([colours.flatten(), expected.flatten()]))[0, 1] >= 0.99
+    signal = explain.SobelCAM(nn.Sequential(nn.Conv1d(1, 2, 3), nn.AdaptiveAvgPool1d(1), nn.Flatten()))
+    ramp = torch.cat([torch.zeros(10), torch.ones(10)])[None, None]
+    edges = signal(ramp, 0, normalize=False).cams[0]
+    assert edges.argmax() in (9, 10) and edges[:8].abs().max() == 0
 
 
 def test_attributions_of_a_volume_and_a_signal_are_maps_of_their_input() -> None:

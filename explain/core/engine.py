@@ -328,6 +328,7 @@ class CAM:
     map_of_input = False  # the map comes from the input and its gradient, not from a layer (guided methods)
     input_gradient = False  # the pass takes the target's gradient at the input (guided methods, Saliency)
     curvature = False  # the pass also takes the Hessian-vector product H·A at each layer (ShapleyCAM)
+    smooth_statistic = "mean"  # what the passes' maps become: their "mean", mean "square" or "variance" (VarGrad)
 
     def __init__(
         self,
@@ -502,8 +503,10 @@ class CAM:
         self, images: Tensor, plain: PassRecord, generator: torch.Generator | None, model_kwargs: Mapping[str, Any]
     ) -> list[Tensor]:
         """Each layer's (N, K, h, w) maps averaged over the call's passes: the plain pass, its flipped and rescaled
-        views (``aug_smooth``), each as ``smooth_samples`` noisy copies (the plain pass then only binds)."""
+        views (``aug_smooth``), each as ``smooth_samples`` noisy copies (the plain pass then only binds). Averaged
+        as ``smooth_statistic`` says: the maps' mean, the mean of their squares, or their variance."""
         total: list[Tensor] = []
+        squares: list[Tensor] = []
         passes = 0
         for flip, scale in self._views():
             for _ in range(max(1, self.smooth_samples)):
@@ -518,8 +521,16 @@ class CAM:
                 if self.aug_smooth:
                     maps = [_deaugment(m, flip, images.shape[2:]) for m in maps]
                 total = maps if not total else [t + m for t, m in zip(total, maps)]
+                if self.smooth_statistic != "mean":
+                    squares = [m * m for m in maps] if not squares else [q + m * m for q, m in zip(squares, maps)]
                 passes += 1
-        return [t / passes for t in total]
+        means = [t / passes for t in total]
+        if self.smooth_statistic == "mean":
+            return means
+        mean_squares = [q / passes for q in squares]
+        if self.smooth_statistic == "square":
+            return mean_squares
+        return [q - m * m for q, m in zip(mean_squares, means)]
 
     def _noisy(self, x: Tensor, generator: torch.Generator | None) -> Tensor:
         """x plus Gaussian noise of ``smooth_sigma`` times each image's value range."""

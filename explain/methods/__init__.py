@@ -21,7 +21,7 @@ from ..core.layers import LayerSpec
 from ..errors import ExplainError
 from ..targets import TargetLike
 from .activation import FEM, KPCACAM, EigenCAM, OriginalCAM, RandomCAM
-from .attribution import InputXGradient, IntegratedGradients, Saliency
+from .attribution import GradientSHAP, InputXGradient, IntegratedGradients, Saliency, SobelCAM
 from .gradient import (
     EigenGradCAM,
     FinerCAM,
@@ -166,6 +166,7 @@ __all__ = [
     "GradCAMElementWise",
     "GradCAMPlusPlus",
     "GradientRollout",
+    "GradientSHAP",
     "GuidedBackprop",
     "GuidedGradCAM",
     "HiResCAM",
@@ -181,6 +182,7 @@ __all__ = [
     "ScoreCAM",
     "SegEigenCAM",
     "ShapleyCAM",
+    "SobelCAM",
     "XGradCAM",
     "cam",
     "create_method",

@@ -5,17 +5,21 @@ Each method's formula gives a signed attribution per input channel, (N, C, *spat
 the result's ``cams``, combines the channels as the method's paper shows it, and is normalized like every map, so
 that the renderers and the faithfulness metrics take it as they take a CAM. SmoothGrad (Smilkov et al. 2017,
 arXiv:1706.03825) is any of them with ``smooth_samples``: the attributions of noisy copies of the input averaged,
-as the paper averages the gradients, before the channels are combined.
+as the paper averages the gradients, before the channels are combined; ``smooth_type="vargrad"`` takes their
+variance instead (VarGrad: Adebayo et al., "Local Explanation Methods for Deep Neural Networks Lack Sensitivity to
+Parameter Values", ICLR 2018 workshop, arXiv:1810.03307), ``"smoothgrad_sq"`` the mean of their squares (Hooker
+et al. 2019), as Captum's ``NoiseTunnel`` names them. Sobel-CAM, a baseline, is the input's edges alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.engine import CAM, CAMResult, Capture
@@ -23,6 +27,9 @@ from ..core.layers import LayerSpec
 from ..core.maps import postprocess
 from ..core.model_state import running, untouched
 from ..errors import ExplainError
+
+SmoothType = Literal["smoothgrad", "smoothgrad_sq", "vargrad"]
+SMOOTH_STATISTICS = {"smoothgrad": "mean", "smoothgrad_sq": "square", "vargrad": "variance"}
 
 
 class InputAttribution(CAM):
@@ -35,7 +42,10 @@ class InputAttribution(CAM):
         labels: Class names, to accept a class name as target.
         smooth_samples: SmoothGrad: average the attributions of this many noisy copies of the input (0: off).
         smooth_sigma: The noise's standard deviation, as a fraction of each input's value range.
-        seed: Seed of the noise.
+        smooth_type: What the noisy copies' attributions become: ``"smoothgrad"`` (their mean),
+            ``"smoothgrad_sq"`` (the mean of their squares) or ``"vargrad"`` (their variance).
+        seed: Seed of the noise (and of a method's own random draws): a generator on the input's device, from
+            which each noisy copy takes one ``torch.randn`` of the input's shape, in turn.
         batch_size: Most inputs per extra forward pass (Integrated Gradients' steps).
     """
 
@@ -52,6 +62,7 @@ class InputAttribution(CAM):
         labels: Sequence[str] | None = None,
         smooth_samples: int = 0,
         smooth_sigma: float = 0.15,
+        smooth_type: SmoothType = "smoothgrad",
         seed: int | None = None,
         batch_size: int = 16,
     ) -> None:
@@ -64,6 +75,9 @@ class InputAttribution(CAM):
             seed=seed,
             batch_size=batch_size,
         )
+        if smooth_type not in SMOOTH_STATISTICS:
+            raise ExplainError(f"smooth_type must be one of {', '.join(SMOOTH_STATISTICS)}, got {smooth_type!r}")
+        self.smooth_statistic = SMOOTH_STATISTICS[smooth_type]
 
     def attribution(self, capture: Capture) -> Tensor:
         """The signed attribution of each input channel, (N, C, *spatial)."""
@@ -72,6 +86,20 @@ class InputAttribution(CAM):
     def combined(self, attribution: Tensor, rank: int) -> Tensor:
         """One map from the channels (axis ``-rank - 1``): by default the absolute value of their sum."""
         return attribution.sum(dim=-rank - 1).abs()
+
+    def gradient_sum(self, capture: Capture, count: int, point: PointMaker) -> Tensor:
+        r""":math:`\sum_r f_r \odot \partial S(p_r) / \partial p_r` per image, over ``count`` points p_r scored in
+        forwards of ``batch_size``, with the call's bound target: ``point(rows)`` gives the rows' points, the image
+        each stands for, and the factors f_r."""
+        total = torch.zeros_like(capture.x)
+        with torch.enable_grad(), running(self.model):
+            for start in range(0, count, self.batch_size):
+                points, images, factors = point(slice(start, start + self.batch_size))
+                points = points.detach().requires_grad_(True)
+                score = capture.score_rows(self.model(points, **capture.model_kwargs), images)
+                (gradient,) = torch.autograd.grad(score.sum(), points)
+                total.index_add_(0, images, gradient * factors)
+        return total
 
     def compute(self, capture: Capture) -> Tensor:
         return self.attribution(capture)
@@ -109,6 +137,14 @@ class InputXGradient(InputAttribution):
 
     def attribution(self, capture: Capture) -> Tensor:
         return capture.x * capture.gradients
+
+
+PointMaker = Callable[[slice], tuple[Tensor, Tensor, Tensor]]  # rows -> points, their images, their factors
+
+
+def along_rows(values: Tensor, like: Tensor) -> Tensor:
+    """One value per row (R,) shaped (R, 1, ...) to broadcast over rows of ``like``'s inputs."""
+    return values.view(-1, *(1,) * (like.dim() - 1))
 
 
 Rule = Literal["riemann_left", "riemann_right", "riemann_middle", "riemann_trapezoid", "gausslegendre"]
@@ -190,19 +226,14 @@ class IntegratedGradients(InputAttribution):
         baseline = self.baseline_for(x)
         n = len(x)
         images = torch.arange(n, device=x.device).repeat(len(self.alphas))  # row r: image r % n
-        alphas = self.alphas.to(x.device, x.dtype).repeat_interleave(n)
-        weights = self.step_weights.to(x.device, x.dtype).repeat_interleave(n)
-        total = torch.zeros_like(x)
-        with torch.enable_grad(), running(self.model):
-            for start in range(0, len(images), self.batch_size):
-                rows = slice(start, start + self.batch_size)
-                shape = (-1, *(1,) * (x.dim() - 1))
-                points = baseline[images[rows]] + alphas[rows].view(shape) * (x - baseline)[images[rows]]
-                points.requires_grad_(True)
-                score = capture.score_rows(self.model(points, **capture.model_kwargs), images[rows])
-                (gradient,) = torch.autograd.grad(score.sum(), points)
-                total.index_add_(0, images[rows], gradient * weights[rows].view(shape))
-        return (x - baseline) * total
+        alphas = along_rows(self.alphas.to(x.device, x.dtype).repeat_interleave(n), x)
+        weights = along_rows(self.step_weights.to(x.device, x.dtype).repeat_interleave(n), x)
+
+        def point(rows: slice) -> tuple[Tensor, Tensor, Tensor]:
+            start = baseline[images[rows]]
+            return start + alphas[rows] * (x[images[rows]] - start), images[rows], weights[rows]
+
+        return (x - baseline) * self.gradient_sum(capture, len(images), point)
 
     def completed(self, result: CAMResult, x: Tensor, model_kwargs: Mapping[str, Any]) -> CAMResult:
         """The result with its ``completeness``: :math:`\\sum R - (S(x) - S(x'))` per image (and target, with a K
@@ -216,3 +247,119 @@ class IntegratedGradients(InputAttribution):
         scores = result.scores if result.target.keeps_k else result.scores[:, None]
         gap = (total - (scores.double() - at_baseline.double())).float()
         return replace(result, completeness=gap if result.target.keeps_k else gap[:, 0])
+
+
+class GradientSHAP(InputAttribution):
+    r"""GradientSHAP: Lundberg & Lee, "A Unified Approach to Interpreting Model Predictions", NeurIPS 2017
+    (arXiv:1705.07874), as expected gradients (Erion et al. 2021, arXiv:1906.10670) and Captum's
+    ``GradientShap``.
+
+    The expectation of Input × Gradient from a random baseline along a random point of the path:
+
+    .. math:: R = \mathbb{E}_{x' \sim B,\ \epsilon \sim \mathcal{N}(0, \sigma^2),\ lpha \sim U(0, 1)}
+              \Big[(	ilde x - x') \odot rac{\partial S}{\partial x}\Big|_{x' + lpha (	ilde x - x')}\Big],
+              \quad 	ilde x = x + \epsilon,
+
+    estimated with ``samples`` draws per image (seeded by ``seed``: per draw, in turn, the baseline's index, α and
+    the noise, ``torch.randint``, ``torch.rand`` and ``torch.randn`` of all draws at once), scored as batched
+    forwards of ``batch_size``. It approximates the SHAP values of a model linear between the baselines and the
+    input. The map is the absolute value of the channels' sum.
+
+    Args:
+        model: Any model explain explains; left as it was.
+        layer: Not used.
+        labels: Class names, to accept a class name as target.
+        baselines: The baseline distribution: a number, or a tensor of baselines (B, C, *spatial), or one input
+            (C, *spatial).
+        samples: Draws per image.
+        stdev: The standard deviation of the noise added to the input, in the input's units (Captum's ``stdevs``).
+        **options: ``seed`` and ``batch_size``, as for :class:`InputAttribution`.
+    """
+
+    name = "gradient_shap"
+    input_gradient = False  # the plain pass only binds the target: the draws give the gradients
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layer: LayerSpec = None,
+        *,
+        labels: Sequence[str] | None = None,
+        baselines: float | Tensor = 0.0,
+        samples: int = 20,
+        stdev: float = 0.0,
+        **options: Any,
+    ) -> None:
+        super().__init__(model, labels=labels, **options)
+        if samples < 1 or stdev < 0:
+            raise ExplainError(f"samples must be at least 1 and stdev at least 0, got {samples} and {stdev}")
+        self.baselines, self.samples, self.stdev = baselines, samples, stdev
+
+    def baselines_for(self, x: Tensor) -> Tensor:
+        """The baselines as (B, C, *spatial), typed as ``x``.
+
+        Raises:
+            ExplainError: A tensor of baselines that is not shaped as one input or a batch of them.
+        """
+        baselines = torch.as_tensor(self.baselines, dtype=x.dtype, device=x.device)
+        if baselines.dim() == 0:
+            return baselines.expand(1, *x.shape[1:])
+        if baselines.shape[-x.dim() + 1 :] != x.shape[1:] or baselines.dim() not in (x.dim() - 1, x.dim()):
+            raise ExplainError(
+                f"baselines of shape {tuple(baselines.shape)} for inputs {tuple(x.shape[1:])}: give one input "
+                "or a batch (B, *input shape)"
+            )
+        return baselines.reshape(-1, *x.shape[1:])
+
+    def attribution(self, capture: Capture) -> Tensor:
+        x, generator = capture.x, capture.generator
+        baselines = self.baselines_for(x)
+        count = self.samples * len(x)
+        images = torch.arange(len(x), device=x.device).repeat(self.samples)  # row r: image r % n
+        chosen = torch.randint(len(baselines), (count,), device=x.device, generator=generator)
+        alphas = along_rows(torch.rand(count, device=x.device, dtype=x.dtype, generator=generator), x)
+        noise = self.stdev * torch.randn((count, *x.shape[1:]), device=x.device, dtype=x.dtype, generator=generator)
+
+        def point(rows: slice) -> tuple[Tensor, Tensor, Tensor]:
+            start, end = baselines[chosen[rows]], x[images[rows]] + noise[rows]
+            return start + alphas[rows] * (end - start), images[rows], (end - start) / self.samples
+
+        return self.gradient_sum(capture, count, point)
+
+
+LUMA = (0.299, 0.587, 0.114)  # ITU-R BT.601's weights of R, G and B, as OpenCV's RGB-to-grey
+
+
+class SobelCAM(InputAttribution):
+    r"""Sobel-CAM, as pytorch-grad-cam's ``sobel_cam``: a baseline that knows nothing of the model, the edges of
+    the input. A method that localizes no better than this is drawing the picture's edges.
+
+    The input in grey (BT.601's luma for three channels, their mean otherwise), its Sobel derivative along each
+    spatial axis (the central difference along it, smoothed by [1, 2, 1] along the others, borders reflected), and
+    the mean of their magnitudes, :math:`rac{1}{2}(|G_x| + |G_y|)` for an image. On the input as the model gets
+    it: a per-channel normalization weighs the channels differently from the image's own grey (pytorch-grad-cam
+    takes the 8-bit picture, and saturates at 255). Any rank: a signal's one derivative, a volume's three.
+    """
+
+    name = "sobel"
+    input_gradient = False
+
+    def attribution(self, capture: Capture) -> Tensor:
+        x = capture.x
+        rank = x.dim() - 2
+        if x.shape[1] == 3:
+            grey = torch.einsum("nc...,c->n...", x, x.new_tensor(LUMA))[:, None]
+        else:
+            grey = x.mean(dim=1, keepdim=True)
+        padded = F.pad(grey, (1, 1) * rank, mode="reflect")
+        derivative, smoothing = x.new_tensor([-1.0, 0.0, 1.0]), x.new_tensor([1.0, 2.0, 1.0])
+        magnitude = torch.zeros_like(grey)
+        convolve = (F.conv1d, F.conv2d, F.conv3d)[rank - 1]
+        for axis in range(rank):
+            kernel = x.new_ones((3,) * rank)  # the outer product: the derivative along axis, smoothing elsewhere
+            for other in range(rank):
+                shape = [1] * rank
+                shape[other] = 3
+                kernel = kernel * (derivative if other == axis else smoothing).view(shape)
+            magnitude += convolve(padded, kernel[None, None]).abs()
+        return magnitude / rank
