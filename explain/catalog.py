@@ -89,6 +89,7 @@ METHOD_CATALOG: tuple[MethodEntry, ...] = (
     MethodEntry("finercam", "FinerCAM", "Finer-CAM, a class against its look-alikes (Zhang et al. 2025)"),
     MethodEntry("refinecam", "RefineCAM", "RefineCAM, Grad-CAM++ maps of layers multiplied"),
     MethodEntry("fullgrad", "FullGrad", "FullGrad, input and bias gradients (Srinivas & Fleuret 2019)"),
+    MethodEntry("dff", "DeepFeatureFactorization", "Deep Feature Factorization, NMF concepts (Collins et al. 2018)"),
     MethodEntry("cam", "OriginalCAM", "CAM (Zhou et al. 2016)"),
     MethodEntry("guided_backprop", "GuidedBackprop", "Guided Backprop (Springenberg et al. 2015)"),
     MethodEntry("guided_gradcam", "GuidedGradCAM", "Guided Grad-CAM (Selvaraju et al. 2017)"),

@@ -574,3 +574,59 @@ def test_fullgrad_is_the_paper_s_sum_and_pytorch_grad_cam_s_with_channel_scaling
     assert_same_picture(explain.cam(model, x, "fullgrad", None, TARGETS, scaling="channel"), peer)
     with pytest.raises(explain.LayerError, match=r"call model\.eval"):
         explain.cam(model.train(), x, "fullgrad", None, TARGETS)
+
+
+def test_nmf_is_scikit_learn_s_multiplicative_updates() -> None:
+    from sklearn.decomposition import NMF
+
+    generator = torch.Generator().manual_seed(0)
+    v = torch.rand(12, 40, generator=generator, dtype=torch.float64)
+    w0, h0 = (
+        torch.rand(12, 3, generator=generator, dtype=torch.float64),
+        torch.rand(3, 40, generator=generator, dtype=torch.float64),
+    )
+    w, h = explain.core.maps.nmf(v, w0, h0, 50)
+    peer = NMF(n_components=3, init="custom", solver="mu", max_iter=50, tol=0.0)
+    theirs_w = peer.fit_transform(v.numpy(), W=w0.numpy().copy(), H=h0.numpy().copy())
+    torch.testing.assert_close(w, torch.from_numpy(theirs_w), rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(h, torch.from_numpy(peer.components_), rtol=1e-8, atol=1e-10)
+
+
+def test_deep_feature_factorization_factorizes_the_batch_like_pytorch_grad_cam() -> None:
+    """DFF's concepts: their vectors and maps rebuild the shifted activations as well as pytorch-grad-cam's (its
+    scikit-learn coordinate descent) do; the head scores the vectors; as a method, each image's map is the concept
+    that ranks its class highest; the figure draws every concept."""
+    from pytorch_grad_cam import DeepFeatureFactorization
+
+    model = seeded("resnet18", num_classes=10)
+    x = inputs(64)
+    a, _ = capture(model, x, "layer4", TARGETS)
+    shifted = a.transpose(0, 1).reshape(a.shape[1], -1)
+    shifted = shifted - shifted.amin(dim=1, keepdim=True)
+
+    method = explain.METHODS["dff"](model, "layer4", concepts=4, iterations=400, seed=0)
+    found = method.concepts(x)
+    assert found.maps.shape == (2, 4, 64, 64) and found.vectors.shape == (4, 512) and found.scores.shape == (4, 10)
+    torch.testing.assert_close(found.scores, model.fc(found.vectors))
+    raw = method.factorized(a.float(), "layer4", torch.Generator().manual_seed(0))
+    assert torch.equal(found.vectors, raw.vectors)
+
+    peer_concepts, _ = DeepFeatureFactorization(model=model, target_layer=model.layer4)(x, n_components=4)[:2]
+    offset = a.transpose(0, 1).reshape(a.shape[1], -1).amin(dim=1).numpy()
+
+    def error(vectors: np.ndarray) -> float:  # the best maps for given vectors, by least squares (non-negative)
+        from scipy.optimize import nnls
+
+        basis = vectors - offset[:, None]
+        residuals = [nnls(basis, column)[1] for column in shifted.numpy().T]
+        return float(np.sqrt(np.sum(np.square(residuals))))
+
+    assert error(found.vectors.double().numpy().T) <= 1.05 * error(peer_concepts)
+    maps = explain.cam(model, x, "dff", "layer4", TARGETS, concepts=4, iterations=400, seed=0, resize=False)
+    best = raw.scores[:, TARGETS].argmax(dim=0)
+    torch.testing.assert_close(maps, raw.maps[[0, 1], best])
+
+    from explain.io.render import concept_figure
+
+    picture = concept_figure(np.zeros((64, 64, 3), np.uint8), found.maps[0], [f"c{k}" for k in range(4)], "DFF")
+    assert picture.size[0] > 64 and len(np.unique(np.asarray(picture).reshape(-1, 3), axis=0)) > 4

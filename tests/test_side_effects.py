@@ -115,7 +115,7 @@ ROLLOUTS = ["attention_rollout", "gradient_rollout"]  # for transformers: tested
 def test_every_method_leaves_model_unchanged_on_success_and_failure(method: str, train: bool) -> None:
     model = prepared("resnet18", train)  # in-place ReLUs, which Guided Backpropagation switches for its call
     assert any(m.inplace for m in model.modules() if isinstance(m, nn.ReLU))
-    layer = "layer4" if method == "cam" else "layer2"  # CAM needs the layer the classifier reads
+    layer = "layer4" if method in ("cam", "dff") else "layer2"  # CAM and DFF need the layer the classifier reads
     before = snapshot(model)
     if method == "fullgrad":  # a batch norm in training mode (one is, either way) has the batch's bias: refused
         with pytest.raises(explain.LayerError, match=r"call model\.eval"):

@@ -231,3 +231,36 @@ def grid(
     pictures = {name: picture(pixels, cam, alpha, colormap) for name, cam in cams.items()}
     panels = {"image": mark(Image.fromarray(pixels)), **{name: mark(p) for name, p in pictures.items()}}
     return rendered(panel_figure(panels, title, columns=min(columns, len(panels))))
+
+
+def concept_figure(
+    image: Image.Image | np.ndarray, maps: Tensor | np.ndarray, names: list[str], title: str, alpha: float = 0.6
+) -> Image.Image:
+    """Concepts on one image (Deep Feature Factorization's): each pixel in the colour of the concept whose map is
+    highest there, blended by that map's value, with a legend naming each concept (its top classes, say).
+
+    Args:
+        image: The picture.
+        maps: The concepts' maps on it, (K, h, w), in [0, 1].
+        names: One legend entry per concept.
+        title: The figure's title.
+        alpha: The blend at a map's value 1.
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    pixels = rgb_array(image)
+    height, width = pixels.shape[:2]
+    values = np.stack([resize_map(m, height, width) for m in maps]).clip(0.0, 1.0)  # (K, H, W)
+    colours = matplotlib.colormaps["tab10"](np.arange(len(values)) % 10)[:, :3]
+    winner = values.argmax(axis=0)
+    strength = alpha * values.max(axis=0)[..., None]
+    blended = (1 - strength) * pixels / 255.0 + strength * colours[winner]
+    fig = Figure(figsize=(6, 6 * height / width + 1.2), dpi=100, layout="constrained")
+    axes = fig.add_subplot(1, 1, 1)
+    axes.imshow(blended)
+    axes.axis("off")
+    axes.set_title(title)
+    handles = [Patch(color=colours[k], label=name) for k, name in enumerate(names)]
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(names), 3), fontsize="small")
+    return rendered(fig)

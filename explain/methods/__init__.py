@@ -4,7 +4,7 @@ Files: ``gradient.py`` (maps from activations and gradients), ``activation.py``
 (activations alone), ``perturbation.py`` (scores of masked or ablated inputs),
 ``guided.py`` (input-resolution guided gradients), ``attribution.py`` (pixel attributions of the input's
 gradient), ``masking.py`` (the scores of the input with parts of it masked), ``rollout.py`` (vision
-transformers' attention rolled out through the layers).
+transformers' attention rolled out through the layers), ``factorization.py`` (concepts factorized out of a layer).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from ..errors import ExplainError
 from ..targets import TargetLike
 from .activation import FEM, KPCACAM, EigenCAM, OriginalCAM, RandomCAM
 from .attribution import GradientSHAP, InputXGradient, IntegratedGradients, Saliency, SobelCAM
+from .factorization import Concepts, DeepFeatureFactorization
 from .gradient import (
     EigenGradCAM,
     FinerCAM,
@@ -157,7 +158,9 @@ __all__ = [
     "SSCAM",
     "AblationCAM",
     "AttentionRollout",
+    "Concepts",
     "Deconvolution",
+    "DeepFeatureFactorization",
     "EigenCAM",
     "EigenGradCAM",
     "FinerCAM",

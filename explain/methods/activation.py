@@ -13,6 +13,22 @@ from ..core.maps import KERNELS, kernel_projection, principal_projection
 from ..errors import ExplainError, LayerError, TargetError
 
 
+def classifier_over(model: nn.Module, channels: int, method: str) -> nn.Linear:
+    """The model's classifier: its last linear layer, which must read the target layer's ``channels`` (a model
+    ending in global pooling and one linear layer).
+
+    Raises:
+        LayerError: The last linear layer reads another number of features.
+    """
+    name, head = classifier(model)
+    if head.in_features != channels:
+        raise LayerError(
+            f"{method} needs a model ending in global pooling and one linear layer over the target layer's "
+            f"{channels} channels; the last linear layer {name!r} reads {head.in_features} (use Grad-CAM)"
+        )
+    return head
+
+
 class OriginalCAM(CAM):
     r"""CAM: Zhou et al., "Learning Deep Features for Discriminative Localization",
     CVPR 2016 (arXiv:1512.04150).
@@ -34,13 +50,7 @@ class OriginalCAM(CAM):
                 "CAM weighs channels by a class's row of the classifier; this target is not a classifier's class "
                 "(use Grad-CAM or another method)"
             )
-        channels = capture.activations.shape[1]
-        name, head = classifier(self.model)
-        if head.in_features != channels:
-            raise LayerError(
-                f"CAM needs a model ending in global pooling and one linear layer over the target layer's "
-                f"{channels} channels; the last linear layer {name!r} reads {head.in_features} (use Grad-CAM)"
-            )
+        head = classifier_over(self.model, capture.activations.shape[1], "CAM")
         return head.weight.detach().float()[capture.classes]
 
 
