@@ -110,6 +110,9 @@ METHOD_CATALOG: tuple[MethodEntry, ...] = (
     MethodEntry("sobel", "SobelCAM", "Sobel-CAM, the input's edges: a baseline", fast=False),
     MethodEntry("occlusion", "Occlusion", "Occlusion, sliding windows (Zeiler & Fergus 2014)", fast=False),
     MethodEntry("rise", "RISE", "RISE, random masks (Petsiuk et al. 2018)", fast=False),
+    MethodEntry("feature_ablation", "FeatureAblation", "Feature Ablation over superpixels", fast=False),
+    MethodEntry("lime", "LIME", "LIME over superpixels (Ribeiro et al. 2016)", fast=False),
+    MethodEntry("kernel_shap", "KernelSHAP", "Kernel SHAP over superpixels (Lundberg & Lee 2017)", fast=False),
 )
 
 METHOD_NAMES = [entry.name for entry in METHOD_CATALOG]

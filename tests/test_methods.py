@@ -384,7 +384,8 @@ def test_method_names_and_options_are_checked() -> None:
         explain.cam(model, x, "gradcam", ["layer3", "layer4"], fuse="median")
     slow = {
         "scorecam", "sscam", "iscam", "ablationcam", "random", "attention_rollout", "gradient_rollout",
-        "integrated_gradients", "occlusion", "rise", "gradient_shap", "sobel",
+        "integrated_gradients", "occlusion", "rise", "gradient_shap", "sobel", "feature_ablation", "lime",
+        "kernel_shap",
     }  # fmt: skip
     assert set(explain.FAST_METHODS) == set(explain.METHODS) - slow
 

@@ -3,7 +3,8 @@
 Files: ``gradient.py`` (maps from activations and gradients), ``activation.py``
 (activations alone), ``perturbation.py`` (scores of masked or ablated inputs),
 ``guided.py`` (input-resolution guided gradients), ``attribution.py`` (pixel attributions of the input's
-gradient), ``masking.py`` (the scores of the input with parts of it masked), ``rollout.py`` (vision
+gradient), ``masking.py`` (the scores of the input with parts of it masked), ``superpixels.py`` (the scores of the input
+with superpixels left out), ``rollout.py`` (vision
 transformers' attention rolled out through the layers), ``factorization.py`` (concepts factorized out of a layer).
 """
 
@@ -41,6 +42,7 @@ from .guided import Deconvolution, GuidedBackprop, GuidedGradCAM
 from .masking import RISE, Occlusion
 from .perturbation import ISCAM, SSCAM, AblationCAM, ScoreCAM
 from .rollout import AttentionRollout, GradientRollout
+from .superpixels import LIME, FeatureAblation, KernelSHAP
 
 Method = CAM  # every method, the guided ones included, is a CAM subclass called the same way
 
@@ -153,6 +155,7 @@ __all__ = [
     "FEM",
     "ISCAM",
     "KPCACAM",
+    "LIME",
     "METHODS",
     "RISE",
     "SSCAM",
@@ -163,6 +166,7 @@ __all__ = [
     "DeepFeatureFactorization",
     "EigenCAM",
     "EigenGradCAM",
+    "FeatureAblation",
     "FinerCAM",
     "FullGrad",
     "GradCAM",
@@ -175,6 +179,7 @@ __all__ = [
     "HiResCAM",
     "InputXGradient",
     "IntegratedGradients",
+    "KernelSHAP",
     "LayerCAM",
     "Method",
     "Occlusion",
