@@ -106,6 +106,7 @@ METHOD_CATALOG: tuple[MethodEntry, ...] = (
     MethodEntry(
         "integrated_gradients", "IntegratedGradients", "Integrated Gradients (Sundararajan et al. 2017)", fast=False
     ),
+    MethodEntry("deeplift", "DeepLift", "DeepLift, the rescale rule (Shrikumar et al. 2017)"),
     MethodEntry("gradient_shap", "GradientSHAP", "GradientSHAP, expected gradients (Lundberg & Lee 2017)", fast=False),
     MethodEntry("sobel", "SobelCAM", "Sobel-CAM, the input's edges: a baseline", fast=False),
     MethodEntry("occlusion", "Occlusion", "Occlusion, sliding windows (Zeiler & Fergus 2014)", fast=False),

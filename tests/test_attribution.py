@@ -237,3 +237,45 @@ def test_deconvolution_is_captum_s(model, x) -> None:
     assert theirs.abs().max() > 0 and not torch.allclose(result.raw, guided.raw)
     torch.testing.assert_close(result.raw, theirs, rtol=1e-4, atol=1e-6)
     assert all(m.inplace for m in model.modules() if isinstance(m, nn.ReLU)) and hook_count(model) == 0
+
+
+class Reused(nn.Module):
+    """Convolutions, a batch norm and smooth and piecewise-linear nonlinearities, one ReLU module called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(6)
+        self.conv1, self.bn, self.conv2 = nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.Conv2d(6, 6, 3)
+        self.relu, self.tanh, self.sigmoid = nn.ReLU(inplace=True), nn.Tanh(), nn.Sigmoid()
+        self.head = nn.Linear(6 * 4, 10)
+        self.bn.eval()
+        nn.init.normal_(self.bn.running_mean, std=0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.bn(self.conv1(x)))
+        x = self.tanh(self.conv2(x)) + self.relu(self.conv2(x))
+        return self.head(self.sigmoid(nn.functional.adaptive_avg_pool2d(x, 2)).flatten(1))
+
+
+def test_deeplift_is_captum_s_and_sums_to_the_score_s_change() -> None:
+    """DeepLift (rescale) against Captum's on a network of distinct nonlinearity modules, then on one whose ReLU
+    module is called twice (Captum's hooks would mix the calls): there the attributions sum to the score's change
+    from the baseline, DeepLift's summation-to-delta, as its completeness reports."""
+    torch.manual_seed(2)
+    net = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 6, 3), nn.Tanh(), nn.Conv2d(6, 4, 3),
+                        nn.Sigmoid(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(16, 10), nn.ReLU()).eval()  # fmt: skip
+    x = torch.randn(2, 3, 12, 12)
+    baseline = 0.1 * torch.randn(2, 3, 12, 12)
+    result = explain.DeepLift(net, baseline=baseline)(x, TARGETS, normalize=False)
+    theirs = captum.DeepLift(net).attribute(x, baselines=baseline, target=TARGETS)
+    assert theirs.abs().max() > 0
+    torch.testing.assert_close(result.raw, theirs, rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(result.raw, explain.InputXGradient(net)(x - baseline, TARGETS, normalize=False).raw)
+
+    model = Reused().eval()
+    result = explain.DeepLift(model, baseline=-0.2)(x, TARGETS, normalize=False)
+    with torch.no_grad():
+        change = model(x)[[0, 1], TARGETS] - model(torch.full_like(x, -0.2))[[0, 1], TARGETS]
+    torch.testing.assert_close(result.raw.sum(dim=(1, 2, 3)), change, rtol=1e-4, atol=1e-5)
+    assert result.completeness.abs().max() <= 1e-4 * change.abs().max()
+    assert model.relu.inplace and hook_count(model) == 0

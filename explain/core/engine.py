@@ -61,8 +61,8 @@ class CAMResult:
         layer: Dotted name of the target layer (names joined by ``+`` when fused).
         method: Name of the CAM method.
         target: The target as bound on the call's plain pass (it scores any output of the call's images).
-        completeness: For Integrated Gradients, how far the attributions' sum is from the score's change along
-            the path, per image (and target): sum(R) - (S(x) - S(baseline)); None for other methods.
+        completeness: For Integrated Gradients and DeepLift, how far the attributions' sum is from the score's
+            change from the baseline, per image (and target): sum(R) - (S(x) - S(baseline)); None for other methods.
     """
 
     cams: Tensor

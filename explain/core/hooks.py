@@ -355,13 +355,77 @@ def relu_rule(model: nn.Module, rule: str = "guided") -> Iterator[int]:
         The number of modules ruled; ReLUs applied as functions are not.
     """
     relus = [m for m in model.modules() if isinstance(m, (nn.ReLU, nn.ReLU6))]
-    inplace = [m.inplace for m in relus]
+    with out_of_place(relus), Hooks() as hooks:
+        for relu in relus:
+            hooks.full_backward(relu, RELU_RULES[rule])
+        yield len(relus)
+
+
+@contextmanager
+def out_of_place(modules: list[nn.Module]) -> Iterator[None]:
+    """For the block, the modules that modify their input in place (``inplace=True``) do not: PyTorch refuses a
+    full-backward hook on such a module. Their flags are restored on exit."""
+    flags = [getattr(m, "inplace", None) for m in modules]
     try:
-        with Hooks() as hooks:
-            for relu in relus:
-                relu.inplace = False
-                hooks.full_backward(relu, RELU_RULES[rule])
-            yield len(relus)
+        for module, flag in zip(modules, flags):
+            if flag:
+                module.inplace = False
+        yield
     finally:
-        for relu, flag in zip(relus, inplace):
-            relu.inplace = flag
+        for module, flag in zip(modules, flags):
+            if flag is not None:
+                module.inplace = flag
+
+
+# Element-wise nonlinearities: DeepLift's rescale rule replaces their gradient (see rescale_rule).
+ELEMENTWISE = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish, nn.Sigmoid, nn.Tanh,
+    nn.Softplus, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh,
+)  # fmt: skip
+RESCALE_EPSILON = 1e-10  # a smaller input difference keeps the plain gradient (Captum's eps)
+
+
+class _Rescaled(torch.autograd.Function):
+    """Gives back an element-wise nonlinearity's output y = f(x) whose gradient reaches x times the secant
+    dy/dx between each of the first ``rows`` inputs and its reference (the ``rows`` that follow, and the same
+    secant for those), where the two differ by at least :data:`RESCALE_EPSILON`; elsewhere through y's own graph,
+    with the plain slope."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, y: Tensor, rows: int) -> Tensor:
+        twice = (2, *(1,) * (x.dim() - 1))
+        dx, dy = (x[:rows] - x[rows:]).repeat(twice), (y[:rows] - y[rows:]).repeat(twice)
+        far = dx.abs() >= RESCALE_EPSILON
+        ctx.save_for_backward(torch.where(far, dy / torch.where(far, dx, 1.0), 0.0), far)
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        secant, far = ctx.saved_tensors
+        return grad * secant, torch.where(far, 0.0, grad), None
+
+
+@contextmanager
+def rescale_rule(model: nn.Module, rows: int) -> Iterator[int]:
+    r"""For the block, DeepLift's rescale rule: the model runs on a batch of ``rows`` inputs followed by their
+    ``rows`` references, and every call of an element-wise nonlinearity module (:data:`ELEMENTWISE`) passes back
+    its gradient times its secant instead of its slope, :math:`\Delta y / \Delta x` between each input and its
+    reference (the plain slope where :math:`|\Delta x| <` :data:`RESCALE_EPSILON`). A forward hook joins each
+    call's output to its input by :class:`_Rescaled`, so a module called twice in a forward (a ResNet block's
+    ReLU) is ruled at each call with its own values.
+
+    Yields:
+        The number of modules ruled; nonlinearities applied as functions keep their gradient.
+    """
+    found = [m for m in model.modules() if isinstance(m, ELEMENTWISE)]
+
+    def rescaled(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor | None:
+        x = inputs[0]
+        if not (x.requires_grad or output.requires_grad) or len(x) != 2 * rows:
+            return None
+        return _Rescaled.apply(x, output, rows)
+
+    with out_of_place(found), Hooks() as hooks:
+        for module in found:
+            hooks.forward(module, rescaled)
+        yield len(found)

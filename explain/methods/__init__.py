@@ -22,7 +22,7 @@ from ..core.layers import LayerSpec
 from ..errors import ExplainError
 from ..targets import TargetLike
 from .activation import FEM, KPCACAM, EigenCAM, OriginalCAM, RandomCAM
-from .attribution import GradientSHAP, InputXGradient, IntegratedGradients, Saliency, SobelCAM
+from .attribution import DeepLift, GradientSHAP, InputXGradient, IntegratedGradients, Saliency, SobelCAM
 from .factorization import Concepts, DeepFeatureFactorization
 from .gradient import (
     EigenGradCAM,
@@ -164,6 +164,7 @@ __all__ = [
     "Concepts",
     "Deconvolution",
     "DeepFeatureFactorization",
+    "DeepLift",
     "EigenCAM",
     "EigenGradCAM",
     "FeatureAblation",

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.engine import CAM, CAMResult, Capture
+from ..core.hooks import rescale_rule
 from ..core.layers import LayerSpec
 from ..core.maps import postprocess
 from ..core.model_state import running, untouched
@@ -171,7 +172,31 @@ def path_points(steps: int, rule: Rule) -> tuple[Tensor, Tensor]:
     return (k + offset) / steps, torch.full((steps,), 1.0 / steps, dtype=torch.float64)
 
 
-class IntegratedGradients(InputAttribution):
+class FromBaseline(InputAttribution):
+    """Base of the attributions of the input's difference from a baseline (Integrated Gradients, DeepLift),
+    which sum to the score's change from the baseline: the result's ``completeness`` says how far they are."""
+
+    baseline: float | Tensor = 0.0
+
+    def baseline_for(self, x: Tensor) -> Tensor:
+        """The baseline, shaped and typed as ``x``."""
+        return torch.as_tensor(self.baseline, dtype=x.dtype, device=x.device).expand_as(x)
+
+    def completed(self, result: CAMResult, x: Tensor, model_kwargs: Mapping[str, Any]) -> CAMResult:
+        """The result with its ``completeness``: :math:`\\sum R - (S(x) - S(x'))` per image (and target, with a K
+        axis), from one forward of the baseline."""
+        with untouched(self.model), running(self.model), torch.no_grad():
+            baseline = self.baseline_for(x.detach())
+            output = self.model(baseline, **model_kwargs)
+            at_baseline = result.target.score(output, torch.arange(len(x), device=x.device))
+        raw = result.raw if result.target.keeps_k else result.raw[:, None]
+        total = raw.flatten(2).double().sum(dim=2)  # over channels and positions: (N, K)
+        scores = result.scores if result.target.keeps_k else result.scores[:, None]
+        gap = (total - (scores.double() - at_baseline.double())).float()
+        return replace(result, completeness=gap if result.target.keeps_k else gap[:, 0])
+
+
+class IntegratedGradients(FromBaseline):
     r"""Integrated Gradients: Sundararajan, Taly & Yan, "Axiomatic Attribution for Deep Networks", ICML 2017
     (arXiv:1703.01365).
 
@@ -217,10 +242,6 @@ class IntegratedGradients(InputAttribution):
         self.alphas, self.step_weights = path_points(steps, rule)
         self.baseline = baseline
 
-    def baseline_for(self, x: Tensor) -> Tensor:
-        """The baseline, shaped and typed as ``x``."""
-        return torch.as_tensor(self.baseline, dtype=x.dtype, device=x.device).expand_as(x)
-
     def attribution(self, capture: Capture) -> Tensor:
         x = capture.x
         baseline = self.baseline_for(x)
@@ -234,19 +255,6 @@ class IntegratedGradients(InputAttribution):
             return start + alphas[rows] * (x[images[rows]] - start), images[rows], weights[rows]
 
         return (x - baseline) * self.gradient_sum(capture, len(images), point)
-
-    def completed(self, result: CAMResult, x: Tensor, model_kwargs: Mapping[str, Any]) -> CAMResult:
-        """The result with its ``completeness``: :math:`\\sum R - (S(x) - S(x'))` per image (and target, with a K
-        axis), from one forward of the baseline."""
-        with untouched(self.model), running(self.model), torch.no_grad():
-            baseline = self.baseline_for(x.detach())
-            output = self.model(baseline, **model_kwargs)
-            at_baseline = result.target.score(output, torch.arange(len(x), device=x.device))
-        raw = result.raw if result.target.keeps_k else result.raw[:, None]
-        total = raw.flatten(2).double().sum(dim=2)  # over channels and positions: (N, K)
-        scores = result.scores if result.target.keeps_k else result.scores[:, None]
-        gap = (total - (scores.double() - at_baseline.double())).float()
-        return replace(result, completeness=gap if result.target.keeps_k else gap[:, 0])
 
 
 class GradientSHAP(InputAttribution):
@@ -363,3 +371,51 @@ class SobelCAM(InputAttribution):
                 kernel = kernel * (derivative if other == axis else smoothing).view(shape)
             magnitude += convolve(padded, kernel[None, None]).abs()
         return magnitude / rank
+
+
+class DeepLift(FromBaseline):
+    r"""DeepLift with the rescale rule: Shrikumar, Greenside & Kundaje, "Learning Important Features Through
+    Propagating Activation Differences", ICML 2017 (arXiv:1704.02685), as Captum's ``DeepLift``.
+
+    The input and a reference :math:`x'` run as one batch; the gradient is taken with every element-wise
+    nonlinearity's slope replaced by its secant between the two,
+    :math:`m = \Delta y / \Delta x` (see :func:`explain.core.hooks.rescale_rule`), and
+    :math:`R = (x - x') \odot \partial^{\mathrm{rescale}} S / \partial x`. For a network of linear layers and
+    element-wise nonlinearities the attributions sum to :math:`S(x) - S(x')` (the result's ``completeness`` is
+    the difference). Max pooling passes its plain gradient (Captum has a rule of its own for it); nonlinearities
+    applied as functions rather than modules keep their slope; every layer must keep the batch axis first. The
+    map is the absolute value of the channels' sum.
+
+    Args:
+        model: Any model explain explains; left as it was.
+        layer: Not used.
+        labels: Class names, to accept a class name as target.
+        baseline: The reference: a number or a tensor broadcast to the input.
+        **options: ``smooth_samples``, ``smooth_sigma``, ``seed``, as for :class:`InputAttribution`.
+    """
+
+    name = "deeplift"
+    input_gradient = False  # the plain pass only binds the target: the joint pass gives the gradients
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layer: LayerSpec = None,
+        *,
+        labels: Sequence[str] | None = None,
+        baseline: float | Tensor = 0.0,
+        **options: Any,
+    ) -> None:
+        super().__init__(model, labels=labels, **options)
+        self.baseline = baseline
+
+    def attribution(self, capture: Capture) -> Tensor:
+        x = capture.x
+        n, baseline = len(x), self.baseline_for(x)
+        joint = torch.cat([x, baseline]).requires_grad_(True)
+        with torch.enable_grad(), running(self.model), rescale_rule(self.model, n):
+            output = self.model(joint, **capture.model_kwargs)
+            images = torch.arange(n, device=x.device).repeat(2)
+            score = capture.score_rows(output, images)[:n]
+            (gradient,) = torch.autograd.grad(score.sum(), joint)
+        return (x - baseline) * gradient[:n]
