@@ -262,8 +262,10 @@ def test_deeplift_is_captum_s_and_sums_to_the_score_s_change() -> None:
     module is called twice (Captum's hooks would mix the calls): there the attributions sum to the score's change
     from the baseline, DeepLift's summation-to-delta, as its completeness reports."""
     torch.manual_seed(2)
-    net = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 6, 3), nn.Tanh(), nn.Conv2d(6, 4, 3),
-                        nn.Sigmoid(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(16, 10), nn.ReLU()).eval()  # fmt: skip
+    net = nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 6, 3), nn.Tanh(), nn.Conv2d(6, 4, 3), nn.Sigmoid(),
+        nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(16, 10), nn.ReLU(),
+    ).eval()  # fmt: skip
     x = torch.randn(2, 3, 12, 12)
     baseline = 0.1 * torch.randn(2, 3, 12, 12)
     result = explain.DeepLift(net, baseline=baseline)(x, TARGETS, normalize=False)
