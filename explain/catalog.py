@@ -106,6 +106,7 @@ METHOD_CATALOG: tuple[MethodEntry, ...] = (
     MethodEntry(
         "integrated_gradients", "IntegratedGradients", "Integrated Gradients (Sundararajan et al. 2017)", fast=False
     ),
+    MethodEntry("lrp", "LRP", "Layer-wise relevance propagation, zennit's composites (Bach et al. 2015)"),
     MethodEntry("deeplift", "DeepLift", "DeepLift, the rescale rule (Shrikumar et al. 2017)"),
     MethodEntry("gradient_shap", "GradientSHAP", "GradientSHAP, expected gradients (Lundberg & Lee 2017)", fast=False),
     MethodEntry("sobel", "SobelCAM", "Sobel-CAM, the input's edges: a baseline", fast=False),

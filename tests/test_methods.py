@@ -392,14 +392,20 @@ def test_method_names_and_options_are_checked() -> None:
 
 def test_catalogue_names_every_method_class_once() -> None:
     """The torch-free catalogue (``--method list``) and the classes agree on every name."""
+    import importlib
     import inspect
+    import pkgutil
 
+    import explain.methods
     from explain.catalog import METHOD_CATALOG
-    from explain.methods import activation, attribution, gradient, guided, masking, perturbation, rollout
 
+    files = [
+        importlib.import_module(f"explain.methods.{info.name}")
+        for info in pkgutil.iter_modules(explain.methods.__path__)
+    ]
     classes = {
         cls
-        for module in (activation, attribution, rollout, gradient, guided, masking, perturbation)
+        for module in files
         for _, cls in inspect.getmembers(module, inspect.isclass)
         if cls.__module__ == module.__name__ and "name" in cls.__dict__
     }

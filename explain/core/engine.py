@@ -329,6 +329,7 @@ class CAM:
     input_gradient = False  # the pass takes the target's gradient at the input (guided methods, Saliency)
     curvature = False  # the pass also takes the Hessian-vector product H·A at each layer (ShapleyCAM)
     smooth_statistic = "mean"  # what the passes' maps become: their "mean", mean "square" or "variance" (VarGrad)
+    whole_backward = False  # the pass differentiates every module as it ran (a backward rule that replaces gradients)
 
     def __init__(
         self,
@@ -404,8 +405,9 @@ class CAM:
         cam = self.combine(self.weighted_activations(capture))
         return torch.relu(cam) if self.relu else cam
 
-    def backward_rule(self) -> AbstractContextManager[Any]:
-        """A context around each pass's forward and backward that changes how gradients flow; default none."""
+    def backward_rule(self, x: Tensor) -> AbstractContextManager[Any]:
+        """A context around each pass's forward and backward over ``x`` that changes how gradients flow; default
+        none."""
         return nullcontext()
 
     def finish(self, raw: Tensor, rank: int, size: Sequence[int] | None, normalize: bool) -> Tensor:
@@ -562,7 +564,7 @@ class CAM:
         with (
             running(self.model),
             torch.enable_grad() if self.needs_gradients or self.input_gradient else torch.no_grad(),
-            self.backward_rule(),
+            self.backward_rule(x),
             canvas_recorded(self.model) as canvases,
             grids_recorded(self.model) as grids,
             self._partial_backward(recording.modules.values(), traced),
@@ -591,9 +593,10 @@ class CAM:
     def _partial_backward(self, hooked: Collection[nn.Module], traced: Mapping[str, LayerInfo]) -> ExitStack:
         """The contexts that differentiate parts of the model only where the score reaches (a detector's kept
         boxes, a sequence's reached rows, a YOLO head's windows), around one pass. A method that differentiates
-        the gradient again (``curvature``) gets none: their recomputed backward is not itself differentiable."""
+        the gradient again (``curvature``) or that replaces the modules' gradients by rules (``whole_backward``) gets
+        none: their recomputed backward is neither differentiable nor ruled."""
         stack = ExitStack()
-        if not self.curvature:
+        if not (self.curvature or self.whole_backward):
             stack.enter_context(sparse_box_heads(self.model))
             stack.enter_context(reached_rows(self.model, skip=hooked, sequences=_sequences(traced)))
             stack.enter_context(windowed_heads(self.model, skip=hooked))

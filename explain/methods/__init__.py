@@ -2,7 +2,7 @@
 
 Files: ``gradient.py`` (maps from activations and gradients), ``activation.py``
 (activations alone), ``perturbation.py`` (scores of masked or ablated inputs),
-``guided.py`` (input-resolution guided gradients), ``attribution.py`` (pixel attributions of the input's
+``guided.py`` (input-resolution guided gradients), ``lrp.py`` (relevance propagated by rules), ``attribution.py`` (pixel attributions of the input's
 gradient), ``masking.py`` (the scores of the input with parts of it masked), ``superpixels.py`` (the scores of the input
 with superpixels left out), ``rollout.py`` (vision
 transformers' attention rolled out through the layers), ``factorization.py`` (concepts factorized out of a layer).
@@ -39,6 +39,7 @@ from .gradient import (
     XGradCAM,
 )
 from .guided import Deconvolution, GuidedBackprop, GuidedGradCAM
+from .lrp import LRP
 from .masking import RISE, Occlusion
 from .perturbation import ISCAM, SSCAM, AblationCAM, ScoreCAM
 from .rollout import AttentionRollout, GradientRollout
@@ -156,6 +157,7 @@ __all__ = [
     "ISCAM",
     "KPCACAM",
     "LIME",
+    "LRP",
     "METHODS",
     "RISE",
     "SSCAM",

@@ -64,7 +64,7 @@ class GuidedBackprop(CAM):
     rule = "guided"  # how the ReLUs pass gradients back (see relu_rule)
 
     @contextmanager
-    def backward_rule(self) -> Iterator[None]:
+    def backward_rule(self, x: Tensor) -> Iterator[None]:
         with relu_rule(self.model, self.rule) as ruled:
             if not ruled:
                 raise LayerError(f"{type(self).__name__} needs nn.ReLU or nn.ReLU6 modules; this model has none")
