@@ -1,11 +1,11 @@
 """The CAM methods, by name: each supplies only its formula; :class:`explain.core.engine.CAM` does the rest.
 
-Files: ``gradient.py`` (maps from activations and gradients), ``activation.py``
-(activations alone), ``perturbation.py`` (scores of masked or ablated inputs),
-``guided.py`` (input-resolution guided gradients), ``lrp.py`` (relevance propagated by rules), ``attribution.py`` (pixel attributions of the input's
-gradient), ``masking.py`` (the scores of the input with parts of it masked), ``superpixels.py`` (the scores of the input
-with superpixels left out), ``rollout.py`` (vision
-transformers' attention rolled out through the layers), ``factorization.py`` (concepts factorized out of a layer).
+Files: ``gradient.py`` (maps from activations and gradients), ``activation.py`` (activations alone),
+``factorization.py`` (concepts factorized out of a layer), ``perturbation.py`` (scores of masked or ablated
+inputs), ``guided.py`` (input-resolution guided gradients), ``attribution.py`` (pixel attributions of the input's
+gradient), ``lrp.py`` (relevance propagated back by rules), ``masking.py`` (the scores of the input with parts of it
+masked), ``superpixels.py`` (the scores of the input with superpixels left out), ``rollout.py`` (vision
+transformers' attention rolled out through the layers).
 """
 
 from __future__ import annotations
