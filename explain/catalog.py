@@ -101,6 +101,9 @@ METHOD_CATALOG: tuple[MethodEntry, ...] = (
     MethodEntry("random", "RandomCAM", "random channel weights, a baseline", fast=False),
     MethodEntry("attention_rollout", "AttentionRollout", "Attention Rollout (Abnar & Zuidema 2020)", fast=False),
     MethodEntry("gradient_rollout", "GradientRollout", "Gradient-weighted rollout (Chefer et al. 2021)", fast=False),
+    MethodEntry(
+        "legrad", "LeGrad", "LeGrad, each block's read-out at its attention (Bousselham et al. 2024)", fast=False
+    ),
     MethodEntry("saliency", "Saliency", "Saliency, the input's gradient (Simonyan et al. 2014)"),
     MethodEntry("input_x_gradient", "InputXGradient", "Input x Gradient (Shrikumar et al. 2016)"),
     MethodEntry(

@@ -107,7 +107,7 @@ def test_train_mode_uses_batch_statistics_but_restores_running_stats() -> None:
     assert model.bn1.num_batches_tracked.item() == 0
 
 
-ROLLOUTS = ["attention_rollout", "gradient_rollout"]  # for transformers: tested below
+ROLLOUTS = ["attention_rollout", "gradient_rollout", "legrad"]  # for transformers: tested below
 
 
 @pytest.mark.parametrize("train", [False, True])

@@ -180,15 +180,34 @@ class AttentionRecorder:
         self.activations = {self.name: torch.stack([self._probabilities[n] for n in self.modules], dim=1)}
         return output
 
-    def backward(self, score: Tensor) -> dict[str, Tensor]:
+    def backward(self, score: Tensor, create_graph: bool = False) -> dict[str, Tensor]:
         """The gradient of the scalar ``score`` with respect to every module's probabilities, stacked like
-        them: ``{name: dS/dA}``, (N, layers, heads, T, T)."""
+        them: ``{name: dS/dA}``, (N, layers, heads, T, T).
+
+        Raises:
+            LayerError: ``create_graph``: the probabilities' gradient is not differentiated again.
+        """
+        if create_graph:
+            raise LayerError("the attention probabilities' gradient cannot be differentiated again")
         tensors = [self._gradient_of[name][0] for name in self.modules]
-        grads = torch.autograd.grad(score, tensors, retain_graph=True, allow_unused=True)
-        per_layer = [
-            self._gradient_of[name][1](torch.zeros_like(tensor) if grad is None else grad)
-            for name, tensor, grad in zip(self.modules, tensors, grads)
+        grads = torch.autograd.grad(score, tensors, retain_graph=True, allow_unused=True)  # one backward for all
+        return self._stacked(grads)
+
+    def backward_each(self, scores: list[Tensor]) -> dict[str, Tensor]:
+        """Like :meth:`backward`, each module's gradient of its own score (one per module, in order), each
+        backward only as deep as its module: a score a module's probabilities do not reach gives zeros."""
+        grads = [
+            torch.autograd.grad(score, self._gradient_of[name][0], retain_graph=True, allow_unused=True)[0]
+            for score, name in zip(scores, self.modules)
         ]
+        return self._stacked(grads)
+
+    def _stacked(self, grads: list[Tensor | None]) -> dict[str, Tensor]:
+        """Each module's gradient at its recorded tensor turned into the gradient at its probabilities, stacked."""
+        per_layer = []
+        for name, grad in zip(self.modules, grads):
+            tensor, to_probabilities = self._gradient_of[name]
+            per_layer.append(to_probabilities(torch.zeros_like(tensor) if grad is None else grad))
         return {self.name: torch.stack(per_layer, dim=1)}
 
 

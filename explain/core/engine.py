@@ -139,6 +139,11 @@ def make_result(
     )
 
 
+def summed_score(bound: BoundTarget, k: int, images: Tensor, output: Any) -> Tensor:
+    """The k-th target's score in an output whose row r stands for image ``images[r]``, summed over the rows."""
+    return bound.score(output, images)[:, k].sum()
+
+
 def target_scores(bound: BoundTarget, output: Any, x: Tensor) -> Tensor:
     """The (N, K) scores of a bound target in the output of a pass over the call's N images ``x``."""
     scores = bound.score(output, torch.arange(x.shape[0], device=x.device))
@@ -576,9 +581,10 @@ class CAM:
             layouts = {name: self.layout(name, a, geometry, traced) for name, a in recorder.activations.items()}
             bound = bound_on(goal, output, self.labels)
             scores = target_scores(bound, output, x)
-            count = scores.shape[1]
+            count, images = scores.shape[1], torch.arange(len(x), device=x.device)
             derivatives = [
-                self._gradients(recorder, scores[:, k].sum(), x, layouts, k + 1 < count) for k in range(count)
+                self._gradients(recorder, partial(summed_score, bound, k, images), scores[:, k].sum(), x, layouts, more)
+                for k, more in zip(range(count), [True] * (count - 1) + [False])
             ]
             gradients, curvatures = [first for first, _ in derivatives], [second for _, second in derivatives]
             if plain and self.needs_gradients:
@@ -683,9 +689,16 @@ class CAM:
             raise LayerError(info.refusal or f"layer {name!r} outputs {info.shape}, not a map of the image")
         return info.layout
 
+    def layer_gradients(self, recorder: Any, score: Tensor, rescore: Callable[[Any], Tensor]) -> dict[str, Tensor]:
+        """The recorded layers' gradients of one target's summed score, by name: by default of ``score`` at every
+        layer. ``rescore`` scores another output of the pass's images the same way (LeGrad scores each layer's
+        own read-out)."""
+        return recorder.backward(score, create_graph=self.curvature)
+
     def _gradients(
         self,
         recorder: ActivationGradientRecorder,
+        rescore: Callable[[Any], Tensor],
         score: Tensor,
         x: Tensor,
         layouts: Mapping[str, Layout],
@@ -696,7 +709,7 @@ class CAM:
         scores follow. Second: each layer's Hessian-vector product, for a method that asks for it (else empty)."""
         found, curved = {}, {}
         if self.needs_gradients:
-            raw = recorder.backward(score, create_graph=self.curvature)
+            raw = self.layer_gradients(recorder, score, rescore)
             if self.curvature:
                 curved = {name: layouts[name](h) for name, h in recorder.curvature(raw).items()}
             found = {name: layouts[name](g.detach()) for name, g in raw.items()}

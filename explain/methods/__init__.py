@@ -5,7 +5,7 @@ Files: ``gradient.py`` (maps from activations and gradients), ``activation.py`` 
 inputs), ``guided.py`` (input-resolution guided gradients), ``attribution.py`` (pixel attributions of the input's
 gradient), ``lrp.py`` (relevance propagated back by rules), ``masking.py`` (the scores of the input with parts of it
 masked), ``superpixels.py`` (the scores of the input with superpixels left out), ``rollout.py`` (vision
-transformers' attention rolled out through the layers).
+transformers' attention rolled out through the layers), ``legrad.py`` (each block's read-out at its attention).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from .gradient import (
     XGradCAM,
 )
 from .guided import Deconvolution, GuidedBackprop, GuidedGradCAM
+from .legrad import LeGrad
 from .lrp import LRP
 from .masking import RISE, Occlusion
 from .perturbation import ISCAM, SSCAM, AblationCAM, ScoreCAM
@@ -184,6 +185,7 @@ __all__ = [
     "IntegratedGradients",
     "KernelSHAP",
     "LayerCAM",
+    "LeGrad",
     "Method",
     "Occlusion",
     "OriginalCAM",

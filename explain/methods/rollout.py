@@ -83,14 +83,23 @@ class Rollout(CAM):
         """The attention rolled out through the layers, (N, T, T)."""
         raise NotImplementedError
 
-    def compute(self, capture: Capture) -> Tensor:
-        """The class token's row of the rolled-out attention over the patch tokens, on the patch grid: (N, h, w)
-        for an image, (N, t, h, w) for a clip's tubelets, (N, l) for a signal's patches."""
+    def patch_grid(self, capture: Capture) -> tuple[tuple[int, ...], int]:
+        """The patch grid and the number of tokens before the patch tokens (class, distillation, registers).
+
+        Raises:
+            LayerError: The model has no patch embedding, or no token before its patches.
+        """
         tokens, grid = capture.activations.shape[-1], capture.geometry.grid
         prefix = tokens - math.prod(grid) if grid else -1
         if grid is None or prefix < 1:
             found = "no patch embedding" if grid is None else f"{tokens} tokens on a {'x'.join(map(str, grid))} grid"
             raise LayerError(f"{type(self).__name__} reads the class token's row; the model has {found}")
+        return grid, prefix
+
+    def compute(self, capture: Capture) -> Tensor:
+        """The class token's row of the rolled-out attention over the patch tokens, on the patch grid: (N, h, w)
+        for an image, (N, t, h, w) for a clip's tubelets, (N, l) for a signal's patches."""
+        grid, prefix = self.patch_grid(capture)
         return self.rolled_out(capture)[:, 0, prefix:].reshape(-1, *grid)
 
 
