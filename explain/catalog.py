@@ -102,6 +102,9 @@ METHOD_CATALOG: tuple[MethodEntry, ...] = (
     MethodEntry("attention_rollout", "AttentionRollout", "Attention Rollout (Abnar & Zuidema 2020)", fast=False),
     MethodEntry("gradient_rollout", "GradientRollout", "Gradient-weighted rollout (Chefer et al. 2021)", fast=False),
     MethodEntry(
+        "chefer", "CheferRelevance", "Chefer 2021a, relevance and gradient rolled out (Chefer et al. 2021)", fast=False
+    ),
+    MethodEntry(
         "legrad", "LeGrad", "LeGrad, each block's read-out at its attention (Bousselham et al. 2024)", fast=False
     ),
     MethodEntry("saliency", "Saliency", "Saliency, the input's gradient (Simonyan et al. 2014)"),

@@ -5,7 +5,8 @@ Files: ``gradient.py`` (maps from activations and gradients), ``activation.py`` 
 inputs), ``guided.py`` (input-resolution guided gradients), ``attribution.py`` (pixel attributions of the input's
 gradient), ``lrp.py`` (relevance propagated back by rules), ``masking.py`` (the scores of the input with parts of it
 masked), ``superpixels.py`` (the scores of the input with superpixels left out), ``rollout.py`` (vision
-transformers' attention rolled out through the layers), ``legrad.py`` (each block's read-out at its attention).
+transformers' attention rolled out through the layers), ``legrad.py`` (each block's read-out at its attention),
+``chefer.py`` (relevance through a transformer's blocks).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..errors import ExplainError
 from ..targets import TargetLike
 from .activation import FEM, KPCACAM, EigenCAM, OriginalCAM, RandomCAM
 from .attribution import DeepLift, GradientSHAP, InputXGradient, IntegratedGradients, Saliency, SobelCAM
+from .chefer import CheferRelevance
 from .factorization import Concepts, DeepFeatureFactorization
 from .gradient import (
     EigenGradCAM,
@@ -164,6 +166,7 @@ __all__ = [
     "SSCAM",
     "AblationCAM",
     "AttentionRollout",
+    "CheferRelevance",
     "Concepts",
     "Deconvolution",
     "DeepFeatureFactorization",

@@ -146,8 +146,12 @@ class GradientRollout(Rollout):
 
     name = "gradient_rollout"
 
+    def weighted(self, capture: Capture) -> Tensor:
+        """Each layer's weighted attention, averaged over heads: (N, layers, T, T)."""
+        return (capture.gradients.double() * capture.activations.double()).clamp(min=0).mean(dim=2)
+
     def rolled_out(self, capture: Capture) -> Tensor:
-        weighted = (capture.gradients.double() * capture.activations.double()).clamp(min=0).mean(dim=2)
+        weighted = self.weighted(capture)
         rolled = _identity_like(weighted)
         for layer in weighted.unbind(dim=1):
             rolled = rolled + layer @ rolled
