@@ -88,6 +88,7 @@ METHOD_CATALOG: tuple[MethodEntry, ...] = (
     MethodEntry("shapleycam", "ShapleyCAM", "ShapleyCAM, gradient and Hessian (Cai et al. 2025)"),
     MethodEntry("finercam", "FinerCAM", "Finer-CAM, a class against its look-alikes (Zhang et al. 2025)"),
     MethodEntry("refinecam", "RefineCAM", "RefineCAM, Grad-CAM++ maps of layers multiplied"),
+    MethodEntry("sess", "SESS", "SESS, a method over scaled, slid windows (Tyagi et al. 2022)", fast=False),
     MethodEntry("fullgrad", "FullGrad", "FullGrad, input and bias gradients (Srinivas & Fleuret 2019)"),
     MethodEntry("dff", "DeepFeatureFactorization", "Deep Feature Factorization, NMF concepts (Collins et al. 2018)"),
     MethodEntry("cam", "OriginalCAM", "CAM (Zhou et al. 2016)"),

@@ -385,7 +385,7 @@ def test_method_names_and_options_are_checked() -> None:
     slow = {
         "scorecam", "sscam", "iscam", "ablationcam", "random", "attention_rollout", "gradient_rollout",
         "integrated_gradients", "occlusion", "rise", "gradient_shap", "sobel", "feature_ablation", "lime",
-        "kernel_shap", "legrad", "chefer",
+        "kernel_shap", "legrad", "chefer", "sess",
     }  # fmt: skip
     assert set(explain.FAST_METHODS) == set(explain.METHODS) - slow
 
@@ -637,3 +637,22 @@ def test_deep_feature_factorization_factorizes_the_batch_like_pytorch_grad_cam()
 
     picture = concept_figure(np.zeros((64, 64, 3), np.uint8), found.maps[0], [f"c{k}" for k in range(4)], "DFF")
     assert picture.size[0] > 64 and len(np.unique(np.asarray(picture).reshape(-1, 3), axis=0)) > 4
+
+
+def test_sess_is_pytorch_grad_cam_s_over_scaled_and_slid_windows() -> None:
+    """SESS with Grad-CAM against pytorch-grad-cam's on a non-square image: its scales, overlapping windows, score
+    weights, mean fusion above theta and blur; and refused for a target that is not a class."""
+    from pytorch_grad_cam import SESS, GradCAM
+    from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
+
+    model = seeded("resnet18", num_classes=10)
+    with torch.no_grad():
+        model.fc.weight.mul_(10)  # class probabilities that differ between windows
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 48, 64)
+    peer = SESS(model, [model.layer3], base_method=GradCAM, window_size=32, step_size=16, scales=[32, 48, 64])
+    expected = torch.from_numpy(peer(input_tensor=x, targets=[ClassifierOutputTarget(t) for t in TARGETS])).float()
+    got = explain.cam(model, x, "sess", "layer3", TARGETS, window=32, step=16, scales=[32, 48, 64])
+    assert_same_picture(got, expected)
+    with pytest.raises(explain.TargetError, match="classifier's class"):
+        explain.cam(model, x, "sess", "layer3", lambda out: out[:, 0], window=32, scales=[32])

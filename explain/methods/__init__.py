@@ -6,7 +6,7 @@ inputs), ``guided.py`` (input-resolution guided gradients), ``attribution.py`` (
 gradient), ``lrp.py`` (relevance propagated back by rules), ``masking.py`` (the scores of the input with parts of it
 masked), ``superpixels.py`` (the scores of the input with superpixels left out), ``rollout.py`` (vision
 transformers' attention rolled out through the layers), ``legrad.py`` (each block's read-out at its attention),
-``chefer.py`` (relevance through a transformer's blocks).
+``chefer.py`` (relevance through a transformer's blocks), ``scales.py`` (a method over rescaled, slid windows).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from .lrp import LRP
 from .masking import RISE, Occlusion
 from .perturbation import ISCAM, SSCAM, AblationCAM, ScoreCAM
 from .rollout import AttentionRollout, GradientRollout
+from .scales import SESS
 from .superpixels import LIME, FeatureAblation, KernelSHAP
 
 Method = CAM  # every method, the guided ones included, is a CAM subclass called the same way
@@ -163,6 +164,7 @@ __all__ = [
     "LRP",
     "METHODS",
     "RISE",
+    "SESS",
     "SSCAM",
     "AblationCAM",
     "AttentionRollout",
