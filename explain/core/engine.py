@@ -334,7 +334,8 @@ class CAM:
     input_gradient = False  # the pass takes the target's gradient at the input (guided methods, Saliency)
     curvature = False  # the pass also takes the Hessian-vector product H·A at each layer (ShapleyCAM)
     smooth_statistic = "mean"  # what the passes' maps become: their "mean", mean "square" or "variance" (VarGrad)
-    whole_backward = False  # the pass differentiates every module as it ran (a backward rule that replaces gradients)
+    whole_backward = False  # differentiate every module as it ran: a backward rule replaces gradients (LRP), or
+    # scores read every token (LeGrad), where differentiating a sequence's reached rows alone only recomputes them
 
     def __init__(
         self,

@@ -82,6 +82,7 @@ class LeGrad(Rollout):
     """
 
     name = "legrad"
+    whole_backward = True  # every block's read-out reads every token: no rows to spare
 
     def __init__(
         self,

@@ -2,7 +2,8 @@
 random masks, at the input's resolution.
 
 A mask keeps the input where it is 1 and puts the baseline where it is 0. The copies of every image under every
-mask are scored ``batch_size`` per forward under ``torch.no_grad()``, with the call's bound target; each method's
+mask are scored ``batch_size`` per forward under ``torch.no_grad()`` (on the CPU by a copy of the model with its batch
+norms folded, channels-last: :class:`explain.core.folding.ScoringForwards`), with the call's bound target; each method's
 formula weighs each mask's region by the score and normalizes the sum. ``raw`` keeps the signed attribution;
 the map is its positive part, normalized.
 """
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.engine import CAM, Capture
+from ..core.folding import ScoringForwards
 from ..core.layers import LayerSpec
 from ..core.maps import INTERPOLATION, postprocess
 from ..core.model_state import running
@@ -85,12 +87,13 @@ class Masking(CAM):
         keeps = x.new_zeros(*spatial, dtype=torch.float32)
         all_images = torch.arange(len(x), device=device).repeat_interleave(count)  # row r: image r // count
         all_masks = torch.arange(count, device=device).repeat(len(x))  # and its mask r % count
+        forwards = capture.once("scoring", lambda: ScoringForwards(self.model, device))
         with torch.no_grad(), running(self.model):
             for start in range(0, len(all_images), self.batch_size):
                 images = all_images[start : start + self.batch_size]
                 keep = self.keep(all_masks[start : start + self.batch_size], spatial).float()
                 copies = keep[:, None] * x[images] + (1 - keep[:, None]) * self.baseline
-                score = capture.score_rows(self.model(copies.to(x.dtype), **capture.model_kwargs), images).float()
+                score = capture.score_rows(forwards(copies.to(x.dtype), **capture.model_kwargs), images).float()
                 total.index_add_(0, images, self.credit(score, capture.scores[images].float(), keep))
                 keeps += keep[images == 0].sum(dim=0)  # each mask once: the first image has them all
         return self.normalized(total, keeps)

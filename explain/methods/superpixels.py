@@ -4,7 +4,8 @@ the others set to a baseline, their scores, and one value per segment from each 
 The segments are the caller's (``segments=`` a label map, Captum's ``feature_mask``) or SLIC's (Achanta et al.
 2012, from scikit-image, an optional extra: ``pip install "explain[superpixels]"``) on each image rescaled to [0, 1]
 per channel; a signal is cut into equal runs. A coalition z says which segments a copy keeps; the copies of every
-image are scored ``batch_size`` per forward under ``torch.no_grad()``, with the call's bound target. ``raw`` is
+image are scored ``batch_size`` per forward under ``torch.no_grad()`` (on the CPU by a copy of the model with its batch
+norms folded, channels-last: :class:`explain.core.folding.ScoringForwards`), with the call's bound target. ``raw`` is
 each position's segment's value, signed; the map is its positive part, normalized.
 """
 
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ..core.engine import CAM, Capture
+from ..core.folding import ScoringForwards
 from ..core.layers import LayerSpec
 from ..core.maps import postprocess
 from ..core.model_state import running
@@ -117,13 +119,14 @@ class Superpixels(CAM):
         per_image = [self.coalitions(int(labels[n].max()) + 1, capture.generator, x.device) for n in range(len(x))]
         rows = [(n, z) for n, coalitions in enumerate(per_image) for z in coalitions]
         scores = torch.empty(len(rows), device=x.device)
+        forwards = capture.once("scoring", lambda: ScoringForwards(self.model, x.device))
         with torch.no_grad(), running(self.model):
             for start in range(0, len(rows), self.batch_size):
                 chunk = rows[start : start + self.batch_size]
                 images = torch.tensor([n for n, _ in chunk], device=x.device)
                 keep = torch.stack([z[labels[n]] for n, z in chunk]).to(x.dtype)[:, None]
                 copies = keep * x[images] + (1 - keep) * self.baseline
-                output = self.model(copies, **capture.model_kwargs)
+                output = forwards(copies, **capture.model_kwargs)
                 scores[start : start + len(chunk)] = capture.score_rows(output, images).float()
         values, first = [], 0
         for n, coalitions in enumerate(per_image):
