@@ -29,7 +29,8 @@ from explain.export.inputs import collect_inputs
 from explain.methods import method_options
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
-SKIPPED = {"attention_rollout", "gradient_rollout"}  # transformers' methods; the bundled model is a CNN
+SKIPPED = {"attention_rollout", "gradient_rollout", "legrad", "chefer"}  # transformers' methods; the model is a CNN
+LAYERS = {"refinecam": ["blocks.4", "blocks.5", "bn2"]}  # a method of several layers: these, multiplied
 
 
 def saliency(cams: torch.Tensor) -> torch.Tensor:
@@ -69,6 +70,8 @@ def main() -> None:
         label = entry.name
         if args.samples and "samples" in options:
             seeded["samples"], label = args.samples, f"{entry.name} (samples={args.samples})"
+        if entry.name in LAYERS:
+            seeded["layer"], label = LAYERS[entry.name], f"{entry.name} ({', '.join(LAYERS[entry.name])})"
         sanity = metrics.sanity_check(model, x, entry.name, classes, init_seed=0, depths=(1, depth), **seeded)
         maps = saliency(sanity.trained.cams)  # the trained model's maps, which the sanity check computed
         deletion = metrics.deletion(model, x, maps, classes).auc.mean()

@@ -411,9 +411,9 @@ class CAM:
         cam = self.combine(self.weighted_activations(capture))
         return torch.relu(cam) if self.relu else cam
 
-    def backward_rule(self, x: Tensor) -> AbstractContextManager[Any]:
-        """A context around each pass's forward and backward over ``x`` that changes how gradients flow; default
-        none."""
+    def backward_rule(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> AbstractContextManager[Any]:
+        """A context around each pass's forward and backward over ``x`` (with the call's ``model_kwargs``) that
+        changes how gradients flow; default none."""
         return nullcontext()
 
     def finish(self, raw: Tensor, rank: int, size: Sequence[int] | None, normalize: bool) -> Tensor:
@@ -570,7 +570,7 @@ class CAM:
         with (
             running(self.model),
             torch.enable_grad() if self.needs_gradients or self.input_gradient else torch.no_grad(),
-            self.backward_rule(x),
+            self.backward_rule(x, model_kwargs),
             canvas_recorded(self.model) as canvases,
             grids_recorded(self.model) as grids,
             self._partial_backward(recording.modules.values(), traced),

@@ -387,45 +387,59 @@ RESCALE_EPSILON = 1e-10  # a smaller input difference keeps the plain gradient (
 
 class _Rescaled(torch.autograd.Function):
     """Gives back an element-wise nonlinearity's output y = f(x) whose gradient reaches x times the secant
-    dy/dx between each of the first ``rows`` inputs and its reference (the ``rows`` that follow, and the same
-    secant for those), where the two differ by at least :data:`RESCALE_EPSILON`; elsewhere through y's own graph,
-    with the plain slope."""
+    (y - y') / (x - x') to the reference's values x', y' of the same call, where x and x' differ by at least
+    :data:`RESCALE_EPSILON`; elsewhere through y's own graph, with the plain slope."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, y: Tensor, rows: int) -> Tensor:
-        twice = (2, *(1,) * (x.dim() - 1))
-        dx, dy = (x[:rows] - x[rows:]).repeat(twice), (y[:rows] - y[rows:]).repeat(twice)
+    def forward(ctx: Any, x: Tensor, y: Tensor, x_ref: Tensor, y_ref: Tensor) -> Tensor:
+        dx, dy = x - x_ref, y - y_ref
         far = dx.abs() >= RESCALE_EPSILON
         ctx.save_for_backward(torch.where(far, dy / torch.where(far, dx, 1.0), 0.0), far)
         return y.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
         secant, far = ctx.saved_tensors
-        return grad * secant, torch.where(far, 0.0, grad), None
+        return grad * secant, torch.where(far, 0.0, grad), None, None
 
 
 @contextmanager
-def rescale_rule(model: nn.Module, rows: int) -> Iterator[int]:
-    r"""For the block, DeepLift's rescale rule: the model runs on a batch of ``rows`` inputs followed by their
-    ``rows`` references, and every call of an element-wise nonlinearity module (:data:`ELEMENTWISE`) passes back
-    its gradient times its secant instead of its slope, :math:`\Delta y / \Delta x` between each input and its
-    reference (the plain slope where :math:`|\Delta x| <` :data:`RESCALE_EPSILON`). A forward hook joins each
-    call's output to its input by :class:`_Rescaled`, so a module called twice in a forward (a ResNet block's
-    ReLU) is ruled at each call with its own values.
+def rescale_rule(model: nn.Module, reference: Callable[[], Any]) -> Iterator[int]:
+    r"""For the block, DeepLift's rescale rule against the reference input that ``reference()`` runs the model on
+    (at the block's start, without autograd): every call of an element-wise nonlinearity module
+    (:data:`ELEMENTWISE`) in the block's forwards passes back its gradient times its secant instead of its slope,
+    :math:`\Delta y / \Delta x` between the input's values and the reference's at the same call (the plain slope
+    where :math:`|\Delta x| <` :data:`RESCALE_EPSILON`). Calls are matched in order, so a module called twice
+    in a forward (a ResNet block's ReLU) is ruled at each call with its own values.
+
+    Raises:
+        LayerError: The block's forward runs a nonlinearity more often than the reference's did.
 
     Yields:
         The number of modules ruled; nonlinearities applied as functions keep their gradient.
     """
     found = [m for m in model.modules() if isinstance(m, ELEMENTWISE)]
+    seen: dict[nn.Module, list[tuple[Tensor, Tensor]]] = {m: [] for m in found}
+
+    def record(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+        seen[module].append((inputs[0].detach(), output.detach()))
 
     def rescaled(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor | None:
-        x = inputs[0]
-        if not (x.requires_grad or output.requires_grad) or len(x) != 2 * rows:
+        if not seen[module]:
+            raise LayerError(
+                f"DeepLift: a {type(module).__name__} runs more often for the input than for the reference"
+            )
+        x_ref, y_ref = seen[module].pop(0)
+        if not (inputs[0].requires_grad or output.requires_grad):
             return None
-        return _Rescaled.apply(x, output, rows)
+        return _Rescaled.apply(inputs[0], output, x_ref, y_ref)
 
-    with out_of_place(found), Hooks() as hooks:
-        for module in found:
-            hooks.forward(module, rescaled)
-        yield len(found)
+    with out_of_place(found):
+        with Hooks() as hooks, torch.no_grad():
+            for module in found:
+                hooks.forward(module, record)
+            reference()
+        with Hooks() as hooks:
+            for module in found:
+                hooks.forward(module, rescaled)
+            yield len(found)

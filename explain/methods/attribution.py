@@ -14,6 +14,7 @@ et al. 2019), as Captum's ``NoiseTunnel`` names them. Sobel-CAM, a baseline, is 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -377,14 +378,14 @@ class DeepLift(FromBaseline):
     r"""DeepLift with the rescale rule: Shrikumar, Greenside & Kundaje, "Learning Important Features Through
     Propagating Activation Differences", ICML 2017 (arXiv:1704.02685), as Captum's ``DeepLift``.
 
-    The input and a reference :math:`x'` run as one batch; the gradient is taken with every element-wise
-    nonlinearity's slope replaced by its secant between the two,
+    The reference :math:`x'` runs first, without autograd; then the input's gradient is taken with every
+    element-wise nonlinearity's slope replaced by its secant between the two,
     :math:`m = \Delta y / \Delta x` (see :func:`explain.core.hooks.rescale_rule`), and
     :math:`R = (x - x') \odot \partial^{\mathrm{rescale}} S / \partial x`. For a network of linear layers and
     element-wise nonlinearities the attributions sum to :math:`S(x) - S(x')` (the result's ``completeness`` is
     the difference). Max pooling passes its plain gradient (Captum has a rule of its own for it); nonlinearities
-    applied as functions rather than modules keep their slope; every layer must keep the batch axis first. The
-    map is the absolute value of the channels' sum.
+    applied as functions rather than modules keep their slope. The map is the absolute value of the channels'
+    sum.
 
     Args:
         model: Any model explain explains; left as it was.
@@ -395,7 +396,7 @@ class DeepLift(FromBaseline):
     """
 
     name = "deeplift"
-    input_gradient = False  # the plain pass only binds the target: the joint pass gives the gradients
+    whole_backward = True  # the rule replaces the nonlinearities' slopes wherever the gradient goes
 
     def __init__(
         self,
@@ -409,13 +410,9 @@ class DeepLift(FromBaseline):
         super().__init__(model, labels=labels, **options)
         self.baseline = baseline
 
+    def backward_rule(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> AbstractContextManager[Any]:
+        reference = self.baseline_for(x.detach())
+        return rescale_rule(self.model, lambda: self.model(reference, **model_kwargs))
+
     def attribution(self, capture: Capture) -> Tensor:
-        x = capture.x
-        n, baseline = len(x), self.baseline_for(x)
-        joint = torch.cat([x, baseline]).requires_grad_(True)
-        with torch.enable_grad(), running(self.model), rescale_rule(self.model, n):
-            output = self.model(joint, **capture.model_kwargs)
-            images = torch.arange(n, device=x.device).repeat(2)
-            score = capture.score_rows(output, images)[:n]
-            (gradient,) = torch.autograd.grad(score.sum(), joint)
-        return (x - baseline) * gradient[:n]
+        return (capture.x - self.baseline_for(capture.x)) * capture.gradients

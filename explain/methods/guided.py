@@ -11,8 +11,9 @@ evidence of what the model relies on; the CAM methods pass that check.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -64,7 +65,7 @@ class GuidedBackprop(CAM):
     rule = "guided"  # how the ReLUs pass gradients back (see relu_rule)
 
     @contextmanager
-    def backward_rule(self, x: Tensor) -> Iterator[None]:
+    def backward_rule(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> Iterator[None]:
         with relu_rule(self.model, self.rule) as ruled:
             if not ruled:
                 raise LayerError(f"{type(self).__name__} needs nn.ReLU or nn.ReLU6 modules; this model has none")

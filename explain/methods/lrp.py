@@ -288,7 +288,7 @@ class LRP(InputAttribution):
         return rule_for
 
     @contextmanager
-    def backward_rule(self, x: Tensor) -> Iterator[None]:
+    def backward_rule(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> Iterator[None]:
         with relevance_rules(self.model, self.rule_map(x)) as ruled:
             if not ruled:
                 raise LayerError("LRP found no module its composite has a rule for (convolutions, linear layers)")
