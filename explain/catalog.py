@@ -85,12 +85,14 @@ METHOD_CATALOG: tuple[MethodEntry, ...] = (
     MethodEntry("segeigencam", "SegEigenCAM", "Seg-Eigen-CAM, principal component of |g|*A (Chung & Ying 2025)"),
     MethodEntry("kpcacam", "KPCACAM", "KPCA-CAM, kernel principal component (Karmani et al. 2024)"),
     MethodEntry("fem", "FEM", "FEM, channels' outstanding positions (Fuad et al. 2020)"),
-    MethodEntry("shapleycam", "ShapleyCAM", "ShapleyCAM, gradient and Hessian (Cai et al. 2025)"),
+    MethodEntry("shapleycam", "ShapleyCAM", "ShapleyCAM, gradient and Hessian (Cai et al. 2025)", fast=False),
     MethodEntry("finercam", "FinerCAM", "Finer-CAM, a class against its look-alikes (Zhang et al. 2025)"),
-    MethodEntry("refinecam", "RefineCAM", "RefineCAM, Grad-CAM++ maps of layers multiplied"),
+    MethodEntry("refinecam", "RefineCAM", "RefineCAM, Grad-CAM++ maps of layers multiplied", fast=False),
     MethodEntry("sess", "SESS", "SESS, a method over scaled, slid windows (Tyagi et al. 2022)", fast=False),
-    MethodEntry("fullgrad", "FullGrad", "FullGrad, input and bias gradients (Srinivas & Fleuret 2019)"),
-    MethodEntry("dff", "DeepFeatureFactorization", "Deep Feature Factorization, NMF concepts (Collins et al. 2018)"),
+    MethodEntry("fullgrad", "FullGrad", "FullGrad, input and bias gradients (Srinivas & Fleuret 2019)", fast=False),
+    MethodEntry(
+        "dff", "DeepFeatureFactorization", "Deep Feature Factorization, NMF concepts (Collins et al. 2018)", fast=False
+    ),
     MethodEntry("cam", "OriginalCAM", "CAM (Zhou et al. 2016)"),
     MethodEntry("guided_backprop", "GuidedBackprop", "Guided Backprop (Springenberg et al. 2015)"),
     MethodEntry("guided_gradcam", "GuidedGradCAM", "Guided Grad-CAM (Selvaraju et al. 2017)"),
@@ -114,7 +116,7 @@ METHOD_CATALOG: tuple[MethodEntry, ...] = (
         "integrated_gradients", "IntegratedGradients", "Integrated Gradients (Sundararajan et al. 2017)", fast=False
     ),
     MethodEntry("lrp", "LRP", "Layer-wise relevance propagation, zennit's composites (Bach et al. 2015)"),
-    MethodEntry("deeplift", "DeepLift", "DeepLift, the rescale rule (Shrikumar et al. 2017)"),
+    MethodEntry("deeplift", "DeepLift", "DeepLift, the rescale rule (Shrikumar et al. 2017)", fast=False),
     MethodEntry("gradient_shap", "GradientSHAP", "GradientSHAP, expected gradients (Lundberg & Lee 2017)", fast=False),
     MethodEntry("sobel", "SobelCAM", "Sobel-CAM, the input's edges: a baseline", fast=False),
     MethodEntry("occlusion", "Occlusion", "Occlusion, sliding windows (Zeiler & Fergus 2014)", fast=False),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 import subprocess
 import sys
@@ -365,7 +366,8 @@ def test_method_all_writes_one_comparison_grid_per_image(tmp_path) -> None:
     assert [Path(top(r)["output"]).name for r in records] == ["chelsea.all.jpg", "coffee.all.jpg"]
     assert [top(r)["class_name"] for r in records] == ["Egyptian cat", "espresso"] and records[0]["method"] == "all"
     grid = np.asarray(Image.open(out / top(records[0])["output"]).convert("RGB")).astype(int)
-    assert grid.shape[1] > grid.shape[0] > 3 * 300  # 4 rows of 4 panels of the 451 x 300 photo: it and 13 methods
+    rows = math.ceil((1 + len(explain.FAST_METHODS)) / 4)  # panels of the 451 x 300 photo: it and every fast method
+    assert grid.shape[1] == 1600 and grid.shape[0] > rows * 4 * 100 * 300 / 451  # 4 columns of 4 inches at 100 dpi
     assert grid.std() > 30  # photos and heatmaps, not a blank canvas
 
 

@@ -30,6 +30,26 @@ LITE0 = ["--model", "efficientnet_lite0"]
 PHOTOS = sorted(p for p in ASSETS.iterdir() if p.suffix in (".png", ".jpg"))
 
 
+def same_records(found: bytes, expected: bytes) -> bool:
+    """Whether two manifests hold the same records in the same order, each record's scores equal to 1e-5: images
+    redone in a smaller batch may round the last printed digit otherwise (the batch's convolutions sum in another
+    order)."""
+
+    def scoreless(line: bytes) -> tuple[dict, list[float]]:
+        record = json.loads(line)
+        scores = [target.pop("score") for target in record.get("targets") or []]
+        return record, scores
+
+    pairs = list(zip(found.splitlines(), expected.splitlines()))
+    if len(pairs) != len(expected.splitlines()) or len(found.splitlines()) != len(pairs):
+        return False
+    for a, b in pairs:
+        (ra, sa), (rb, sb) = scoreless(a), scoreless(b)
+        if ra != rb or len(sa) != len(sb) or any(abs(x - y) > 1e-5 for x, y in zip(sa, sb)):
+            return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
     """24 JPEGs of 160x120 in two folders: four crops of each of the six photos in assets/."""
@@ -103,7 +123,7 @@ def test_a_second_run_is_refused_and_resume_redoes_only_what_is_missing(dataset,
     assert main([str(dataset), "-o", str(out), *LITE0, "--format", "jpg", "--resume", "--quiet"]) == 0
     after = outputs(out)
     assert sorted(after) == sorted(before) and all(after[n] == before[n] for n in before if n not in lost)
-    assert (out / "manifest.jsonl").read_bytes() == first  # in input order, as if never interrupted
+    assert same_records((out / "manifest.jsonl").read_bytes(), first)  # in input order, as if never interrupted
     assert not list(out.rglob("*.part"))
 
     # --overwrite starts afresh: the earlier run's outputs, manifest and gallery go, and nothing else. Here the

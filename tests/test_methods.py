@@ -385,7 +385,7 @@ def test_method_names_and_options_are_checked() -> None:
     slow = {
         "scorecam", "sscam", "iscam", "ablationcam", "random", "attention_rollout", "gradient_rollout",
         "integrated_gradients", "occlusion", "rise", "gradient_shap", "sobel", "feature_ablation", "lime",
-        "kernel_shap", "legrad", "chefer", "sess",
+        "kernel_shap", "legrad", "chefer", "sess", "shapleycam", "refinecam", "fullgrad", "dff", "deeplift",
     }  # fmt: skip
     assert set(explain.FAST_METHODS) == set(explain.METHODS) - slow
 
