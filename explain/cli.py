@@ -306,23 +306,17 @@ def _probe(spec: ModelSpec, size: str) -> torch.Tensor:
 
 def layer_table(spec: ModelSpec, x: torch.Tensor) -> str:
     """The model's layers with spatial outputs at x's size, the automatic choice marked."""
-    from .core.layers import choose_auto_layers, trace_layers
+    from .core.layers import layer_choices
 
-    infos = trace_layers(spec.model, x)  # one trace serves the list and the automatic choice
-    candidates = [info for info in infos if info.candidate]
+    candidates, automatic = layer_choices(spec.model, x, spec.labels)
     if not candidates:
         return f"{spec.name} at {x.shape[-2]}x{x.shape[-1]}: no layer outputs a spatial map"
-    automatic = choose_auto_layers(spec.model, infos, x, labels=spec.labels)
     mark = "  <- automatic choice" + (" (fused)" if len(automatic) > 1 else "")
     width = max(len(info.name) for info in candidates)
     lines = [f"{spec.name} at {x.shape[-2]}x{x.shape[-1]}: layers whose output is a map (C x H x W), in order"]
     for info in candidates:
-        shape = "x".join(map(str, info.map_shape))
-        notes = [info.layout.describe()] if info.layout.kind != "channels_first" else []
-        notes += ["constant: no map of the image"] * (not info.varies) + ["the model's head"] * info.head
-        layout = f" ({'; '.join(notes)})" if notes else ""
         chosen = mark if info.name in automatic else ""
-        lines.append(f"  {info.name:{width}}  {info.kind:24} {shape}{layout}{chosen}")
+        lines.append(f"  {info.name:{width}}  {info.kind:24} {info.describe()}{chosen}")
     return "\n".join(lines)
 
 
@@ -524,9 +518,47 @@ def _os_error(err: OSError, out: Path) -> str:
     return f"cannot {'write' if writing else 'read'} {path}: {err.strerror or err}"
 
 
+APP = "app"  # ``explain app ...``: the interactive explorer (a file named app is ``./app``)
+
+
+def build_app_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``explain app``."""
+    parser = _Parser(
+        prog="explain app",
+        description="The interactive explorer: a local web page to drop images in and switch the class, the method "
+        'and the layer of their heatmaps (needs Gradio: pip install "explain[app]").',
+    )
+    parser.add_argument("--model", default=BUNDLED_MODEL, help=f"the model (default {BUNDLED_MODEL}: offline)")
+    parser.add_argument("--weights", help="a checkpoint of the model")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (default 127.0.0.1: this "
+        "machine only; 0.0.0.0 lets anyone on the network use it)",
+    )
+    parser.add_argument("--port", type=int, default=7860, help="the port (default 7860)")
+    parser.add_argument("--device", help="where the model runs (default: cuda if available, else cpu)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print warnings only")
+    return parser
+
+
+def _app(argv: Sequence[str]) -> int:
+    """``explain app``: serve the explorer until interrupted."""
+    args = build_app_parser().parse_args(argv)
+    from .explorer.web import gradio, serve
+
+    gradio()  # a missing extra is named before the model loads
+    serve(args.model, args.weights, args.host, args.port, _device(args.device), args.quiet)
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status (0 all written, 1 some inputs failed, 2 usage error)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = None
     try:
+        if argv[:1] == [APP]:
+            return _app(argv[1:])
         args = build_parser().parse_args(argv)
         if args.method == "list":
             print(method_table())
@@ -537,7 +569,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"explain: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as err:
-        print(f"explain: error: {_os_error(err, args.out)}", file=sys.stderr)
+        print(f"explain: error: {_os_error(err, args.out if args else Path.cwd())}", file=sys.stderr)
         return EXIT_SOME_FAILED
     except KeyboardInterrupt:
         print("explain: interrupted; what was written is complete and recorded: --resume continues", file=sys.stderr)

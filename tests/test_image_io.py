@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 import explain
-from explain.core.warning_filters import warning_filter
 from explain.io.images import input_size, load_image, save_image, to_tensor
+from explain.warning_filters import warning_filter
 
 
 def test_exif_orientation_is_applied(tmp_path) -> None:

@@ -34,48 +34,9 @@ from .layers import BACKBONE, LayerInfo, LayerSpec, auto_layers, resolve_layer, 
 from .layouts import Geometry, Layout, Reshape, find_layout, grids_recorded
 from .maps import INTERPOLATION, Canvas, normalize_maps, postprocess, principal_projection, upsample
 from .model_state import exclusive, running, untouched
+from .result import CAMResult, make_result
 from .rows import reached_rows
 from .windows import windowed_heads
-
-
-@dataclass(frozen=True)
-class CAMResult:
-    """What one CAM call found.
-
-    With ``topk=K`` every per-target field gains a K axis after the batch axis.
-
-    Attributes:
-        cams: Heatmaps, (N, H, W) float32 for images, (N, *spatial) for signals,
-            volumes and clips, post-processed as asked (resized to the input and/or
-            min-max normalized to [0, 1]). Guided Backpropagation gives maps shaped
-            as the input instead, (N, C, H, W).
-        raw: The maps before resizing and normalization: at feature resolution,
-            (N, h, w); at input resolution when several layers are fused or
-            ``aug_smooth`` is on (each part is then normalized before combining).
-        class_indices: The explained class per image, (N,), or None for a callable target.
-        scores: The explained score (model output) per image, (N,).
-        probabilities: Softmax probability of the explained class, (N,), or None for a
-            callable target.
-        logits: The model output, (N, classes), or None when it is not a tensor (a
-            callable target read it).
-        layer: Dotted name of the target layer (names joined by ``+`` when fused).
-        method: Name of the CAM method.
-        target: The target as bound on the call's plain pass (it scores any output of the call's images).
-        completeness: For Integrated Gradients and DeepLift, how far the attributions' sum is from the score's
-            change from the baseline, per image (and target): sum(R) - (S(x) - S(baseline)); None for other methods.
-    """
-
-    cams: Tensor
-    raw: Tensor
-    class_indices: Tensor | None
-    scores: Tensor
-    probabilities: Tensor | None
-    logits: Tensor | None
-    layer: str
-    method: str
-    target: BoundTarget
-    completeness: Tensor | None = None
-
 
 INPUTS = "signals (N, C, L), images (N, C, H, W) or volumes and clips (N, C, D, H, W)"
 
@@ -116,27 +77,6 @@ def check_rank(model: nn.Module, x: Tensor) -> None:
             f"{first[0]!r} is a {type(first[1]).__name__}, which reads images or volumes: an image needs its batch "
             "axis, x[None]"
         )
-
-
-def make_result(
-    cams: Tensor, raw: Tensor, output: Any, scores: Tensor, bound: BoundTarget, layer: str | None, method: str
-) -> CAMResult:
-    """A :class:`CAMResult` from per-target (N, K, ...) tensors; the K axis is dropped unless the target keeps it."""
-
-    def per_target(t: Tensor | None) -> Tensor | None:
-        return t if t is None or bound.keeps_k else t[:, 0]
-
-    return CAMResult(
-        cams=per_target(cams),
-        raw=per_target(raw),
-        class_indices=per_target(bound.classes),
-        scores=per_target(scores.detach()),
-        probabilities=per_target(bound.probabilities),
-        logits=output.detach() if isinstance(output, Tensor) else None,
-        layer=layer or "",
-        method=method,
-        target=bound,
-    )
 
 
 def summed_score(bound: BoundTarget, k: int, images: Tensor, output: Any) -> Tensor:
@@ -488,7 +428,7 @@ class CAM:
         size = x.shape[2:]
         raw = self.fused_maps(maps, size) if self.fused or self.aug_smooth else maps[0]
         cams = self.finish(raw, len(size), size if resize else None, normalize)
-        result = make_result(cams, raw, plain.output, plain.scores, plain.bound, self.layer, self.name)
+        result = make_result(cams, raw, plain.output, plain.scores, plain.bound, self.layer, self.name, x, self.labels)
         return self.completed(result, x, model_kwargs)
 
     def target_for(self, target: TargetLike, topk: int | None) -> Target | BoundTarget:

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import LayerError
-from .warning_filters import warning_filter
+from ..warning_filters import warning_filter
 
 _INPLACE_CLASH = "BackwardHookFunction"  # in PyTorch's error for an in-place change of the output
 

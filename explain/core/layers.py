@@ -114,6 +114,14 @@ class LayerInfo:
         the image plane (the last two; a signal's one): a clip's map may have one frame."""
         return self.map_shape is not None and min(self.map_shape[1:][-2:]) > 1
 
+    def describe(self) -> str:
+        """Its map's shape, C x H x W, with how the output was laid out as a map and why it is no automatic
+        choice (a constant, the model's head), where either applies."""
+        shape = "x".join(map(str, self.map_shape)) if self.map_shape else "no map"
+        notes = [self.layout.describe()] if self.layout is not None and self.layout.kind != "channels_first" else []
+        notes += ["constant: no map of the image"] * (not self.varies) + ["the model's head"] * self.head
+        return f"{shape} ({'; '.join(notes)})" if notes else shape
+
     @property
     def candidate(self) -> bool:
         """Whether a CAM can explain the layer: its output is a map of the image, and it runs once per forward."""
@@ -303,6 +311,20 @@ def candidate_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any
     whose output is a map of the image (see :mod:`explain.core.layouts`) with h, w > 1, in the order
     they finish (two forward passes)."""
     return [info for info in trace_layers(model, x, model_kwargs) if info.candidate]
+
+
+def layer_choices(
+    model: nn.Module, x: Tensor, labels: Sequence[str] | None = None
+) -> tuple[list[LayerInfo], list[str]]:
+    """The layers a CAM can use at x's input size (see :func:`candidate_layers`) and the names of the automatic
+    choice among them (see :func:`find_auto_layers`; none when no layer qualifies), from one trace."""
+    infos = list(traced_layers(model, x).values())
+    candidates = [info for info in infos if info.candidate]
+    try:
+        automatic = choose_auto_layers(model, infos, x, labels=labels)
+    except LayerError:
+        automatic = []
+    return candidates, automatic
 
 
 BACKBONE = "backbone"  # torchvision's detectors and segmenters: the module whose dict of maps feeds the heads

@@ -58,22 +58,21 @@ from .settings import ExportOptions
 BACKGROUND = "__background__"  # the name of class 0 of torchvision's segmenters and detectors
 
 
-def task_target(spec: ModelSpec, options: ExportOptions) -> Target:
-    """What the export explains, from the model's task.
+def task_target(
+    spec: ModelSpec, target: int | str | None = None, score_threshold: float = 0.5, topk: int | None = None
+) -> Target:
+    """What a model's maps explain by default, from its task.
 
-    - classification: ``options.target`` for every image, else each image's top class
-      (or its ``topk`` top classes);
-    - segmentation: ``options.target`` over the pixels it wins, else every class that wins
-      a pixel, background left out;
-    - detection: every detection scoring at least ``options.score_threshold`` (only those
-      of class ``options.target``, if given).
+    - classification: ``target`` for every image, else each image's top class (or its ``topk`` top classes);
+    - segmentation: ``target`` over the pixels it wins, else every class that wins a pixel, background left out;
+    - detection: every detection scoring at least ``score_threshold`` (only those of class ``target``, if given).
     """
     if spec.task == "segmentation":
         background = 0 if spec.labels[0] == BACKGROUND else None
-        return SegmentationTarget(options.target, background=background)
+        return SegmentationTarget(target, background=background)
     if spec.task == "detection":
-        return DetectionTarget(labels=options.target, score_threshold=options.score_threshold)
-    return TopK(options.topk) if options.topk else ClassTarget(options.target)
+        return DetectionTarget(labels=target, score_threshold=score_threshold)
+    return TopK(topk) if topk else ClassTarget(target)
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -163,7 +162,7 @@ class _Explainer:
             )
             for name in selection.names
         }
-        self.target = task_target(spec, options)
+        self.target = task_target(spec, options.target, options.score_threshold, options.topk)
 
     def results(self, x: torch.Tensor) -> dict[str, CAMResult]:
         """Each method's result for a group; the grid leaves out a method that does not fit the model (CAM)."""

@@ -10,8 +10,8 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torch import Tensor
 
-from ..core.warning_filters import warning_filter
 from ..errors import ImageLoadError
+from ..warning_filters import warning_filter
 from .atomic import write_atomically
 
 

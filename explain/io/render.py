@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import functools
+import html
+import io
 import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
@@ -99,6 +102,63 @@ def picture(
     if np.ndim(cam) == 3:
         return gradient_image(cam, *pixels.shape[:2])
     return overlay(pixels, cam, alpha, colormap)
+
+
+def input_picture(x: Tensor) -> np.ndarray:
+    """An input image (C, H, W) of any normalization as HxWx3 uint8 RGB: each channel min-max scaled; an input
+    of another channel count than three drawn grey, as the mean of its channels."""
+    values = x.detach().cpu().float()
+    if values.shape[0] != 3:
+        values = values.mean(dim=0, keepdim=True).expand(3, -1, -1)
+    low = values.amin(dim=(1, 2), keepdim=True)
+    spread = (values.amax(dim=(1, 2), keepdim=True) - low).clamp_min(1e-12)
+    return ((values - low) / spread * 255 + 0.5).to(torch.uint8).permute(1, 2, 0).numpy()
+
+
+BAND_HEIGHT = 32  # a signal's map drawn as a band of this many pixels
+
+
+def map_picture(
+    cam: Tensor | np.ndarray, x: Tensor | None = None, alpha: float = 0.5, colormap: str = "jet"
+) -> Image.Image:
+    """One map as a picture, on its input where given (see :meth:`explain.CAMResult.pictures`).
+
+    Args:
+        cam: A heatmap (*spatial) in [0, 1], or a guided map (C, *spatial) when ``x`` is given.
+        x: The input it explains, (C, *spatial), or None.
+        alpha: Weight of the heatmap over the input.
+        colormap: A matplotlib colormap name.
+    """
+    values = torch.as_tensor(cam).detach().cpu().float()
+    guided = x is not None and values.dim() == x.dim()
+    if guided and values.shape[0] != 3:  # a guided map of other than three channels: its channels' mean
+        values, guided = values.mean(dim=0), False
+    if values.dim() - guided == 3:  # a volume or a clip: the slice or frame of the map's peak
+        heat = values.abs().sum(dim=0) if guided else values
+        depth = int(heat.flatten(1).amax(dim=1).argmax())
+        values = values[:, depth] if guided else values[depth]
+        x = None if x is None else x[:, depth]
+    if values.dim() == 1:  # a signal
+        return Image.fromarray(colorize(values[None].expand(BAND_HEIGHT, -1).numpy(), colormap))
+    if x is None:
+        return Image.fromarray(colorize(values.numpy(), colormap))
+    return picture(input_picture(x), values, alpha, colormap)
+
+
+def html_grid(pictures: list[Image.Image], captions: list[str], width: int = 224) -> str:
+    """Pictures in a wrapping grid, each ``width`` pixels wide over its caption: an HTML fragment with the
+    pictures inline as PNG."""
+    figures = []
+    for shown, caption in zip(pictures, captions):
+        buffer = io.BytesIO()
+        shown.save(buffer, format="PNG")
+        data = base64.b64encode(buffer.getvalue()).decode("ascii")
+        text = html.escape(caption)
+        figures.append(
+            f'<figure style="margin:4px;width:{width}px"><img src="data:image/png;base64,{data}" alt="{text}" '
+            f'style="width:100%"><figcaption style="font-size:12px">{text}</figcaption></figure>'
+        )
+    return f'<div class="explain-result" style="display:flex;flex-wrap:wrap">{"".join(figures)}</div>'
 
 
 BOX_COLOUR = (255, 255, 255)  # white: distinct from every colour of the jet map that it is drawn over

@@ -7,6 +7,7 @@ from .checkpoints import lite0_state_to_timm, read_state_dict
 from .loaders import TIMM_PREFIX, available_models, imagenet_labels, load_model, load_user_model
 from .query_models import QueryDetector, QuerySegmenter
 from .spec import (
+    IMAGENET_PREPROCESSING,
     ClipPreprocessing,
     ImageLike,
     InputPreprocessing,
@@ -19,6 +20,7 @@ from .spec import (
 from .yolo import YoloDetector, load_yolo
 
 __all__ = [
+    "IMAGENET_PREPROCESSING",
     "TIMM_PREFIX",
     "ClipPreprocessing",
     "ImageLike",

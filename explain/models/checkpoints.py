@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..core.warning_filters import warning_filter
 from ..errors import ModelLoadError, first_line
+from ..warning_filters import warning_filter
 
 STATE_DICT_EXPECTED = "expected a state_dict: a file written by torch.save(model.state_dict(), path), or .safetensors"
 

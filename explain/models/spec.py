@@ -68,6 +68,10 @@ class Preprocessing:
         return asdict(self) | {"mean": list(self.mean), "std": list(self.std), "resample": int(self.resample)}
 
 
+# ImageNet's usual preprocessing: 224 x 224, torchvision's mean and std (the default for a user's bare classifier)
+IMAGENET_PREPROCESSING = Preprocessing(224, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+
+
 @dataclass(frozen=True)
 class ClipPreprocessing:
     """How a video's frames become a video classifier's input, (3, T, h, w): ``frames`` frames taken uniformly over

@@ -1,0 +1,431 @@
+"""The explorer's state, without a user interface: one model, the photos given to it, and their maps, kept.
+
+A map is computed once per photo and view (method, layers, target, smoothing): drawing it again with another
+alpha or colormap runs no model. The web app (:mod:`explain.explorer.web`) and the notebook explorer
+(:mod:`explain.notebook`) are two faces of one :class:`Explorer`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+from ..catalog import METHOD_CATALOG, check_method
+from ..core.engine import CAMResult
+from ..core.layers import LayerInfo, layer_choices
+from ..errors import ExplainError
+from ..export.manifest import record
+from ..export.reports import image_metrics
+from ..export.run import task_target
+from ..io.atomic import write_atomically
+from ..io.images import load_image, rgb_array
+from ..io.render import annotate, picture
+from ..methods import create_method
+from ..metrics import sanity_check
+from ..models import ModelSpec
+from ..targets import ClassTarget
+
+PHOTOS = Path(__file__).resolve().parent.parent / "data" / "photos"
+TOP_CLASSES = 5  # a classifier's classes listed per photo
+SLOW = {entry.name for entry in METHOD_CATALOG if not entry.fast}
+
+
+BUNDLED_PHOTOS = ("chelsea.jpg", "coffee.jpg", "astronaut.jpg")  # the cat first: its class is known
+
+
+def bundled_photos() -> list[Path]:
+    """The sample photos shipped with the package (``explain/data/photos``), the first shown first."""
+    return [PHOTOS / name for name in BUNDLED_PHOTOS]
+
+
+def method_choices() -> list[tuple[str, str]]:
+    """Every method as (what a menu shows, its name): its title, the slow ones marked with their cost."""
+    return [
+        (f"{entry.name}: {entry.title}" + (" [slow: many passes]" if entry.name in SLOW else ""), entry.name)
+        for entry in METHOD_CATALOG
+    ]
+
+
+@dataclass(frozen=True)
+class Photo:
+    """One photo the explorer was given.
+
+    Attributes:
+        name: Its name in the explorer: the file's name, made unique.
+        image: The photo, RGB, at its own resolution: what maps are drawn on.
+        x: The model's input, (1, C, H, W) on the model's device.
+    """
+
+    name: str
+    image: Image.Image
+    x: Tensor
+
+
+@dataclass(frozen=True)
+class View:
+    """What a map shows, bar how it is drawn: with the photo, the key of the explorer's cache.
+
+    Attributes:
+        method: A name of ``explain.METHODS``.
+        layers: The target layers; several are fused; none: the automatic choice.
+        target: A classifier's class, or a detection's or region's place in :meth:`Explorer.entries`; None: the
+            top class, or the first entry.
+        fuse: How several layers' maps become one (``explain.catalog.FUSIONS``).
+        aug_smooth: Average over flipped and scaled copies of the input.
+        eigen_smooth: The first principal component of the weighted activations.
+    """
+
+    method: str = "gradcam"
+    layers: tuple[str, ...] = ()
+    target: int | None = None
+    fuse: str = "mean"
+    aug_smooth: bool = False
+    eigen_smooth: bool = False
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One thing of a photo a map can explain: a classifier's class, a detection or a segmenter's region.
+
+    Attributes:
+        index: What a :class:`View`'s target names it by: the class for a classifier, the place in the list for
+            a detector or a segmenter.
+        class_index: The class.
+        class_name: Its name.
+        probability: The model's probability of it (a detection's score).
+        box: A detection's box in the photo's pixels, or None.
+        region: A segmenter's region, a mask at the model's output resolution, or None.
+    """
+
+    index: int
+    class_index: int
+    class_name: str
+    probability: float
+    box: tuple[float, float, float, float] | None = None
+    region: Tensor | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def label(self) -> str:
+        """How a list shows it: ``tabby, tabby cat 62.3%``, a detection's place first."""
+        place = "" if self.box is None and self.region is None else f"#{self.index} "
+        return f"{place}{self.class_name} {self.probability:.1%}"
+
+
+@dataclass(frozen=True)
+class Shown:
+    """One map of one photo, ready to draw.
+
+    Attributes:
+        photo: The photo.
+        view: What the map shows, its target resolved.
+        entry: What it explains.
+        cam: The map at the model's input resolution, (H, W) in [0, 1], or a guided map (3, H, W); on the CPU.
+        layer: The layer it was computed at.
+    """
+
+    photo: Photo
+    view: View
+    entry: Entry
+    cam: Tensor
+    layer: str
+
+    def picture(self, alpha: float = 0.5, colormap: str = "jet") -> Image.Image:
+        """The map on the photo at the photo's resolution, a detection's box or a region's outline drawn."""
+        drawn = picture(self.photo.image, self.cam, alpha, colormap)
+        if self.entry.box is None and self.entry.region is None:
+            return drawn
+        return annotate(drawn, self.entry.label, self.entry.box, self.entry.region)
+
+    def record(self, alpha: float, colormap: str, model: str, raw: str | None = None) -> dict[str, Any]:
+        """The view as a manifest record (see :func:`explain.export.manifest.record`), with how it was drawn."""
+        target = {
+            "class_index": self.entry.class_index,
+            "class_name": self.entry.class_name,
+            "score": round(self.entry.probability, 6),
+            "box": None if self.entry.box is None else [round(v, 1) for v in self.entry.box],
+        }
+        view = {**asdict(self.view), "layers": list(self.view.layers), "alpha": alpha, "colormap": colormap}
+        return {
+            **record(self.photo.name, model, self.view.method, targets=[target], layer=self.layer, raw=raw),
+            "view": view,
+        }
+
+
+@dataclass(frozen=True)
+class Faithfulness:
+    """How faithful a shown map is (see :mod:`explain.metrics`).
+
+    Attributes:
+        deletion: The model's probability as the most important pixels are removed first (lower area: better).
+        insertion: The probability as they are inserted into a blurred photo first (higher area: better).
+        deletion_auc: The area under ``deletion``.
+        insertion_auc: The area under ``insertion``.
+        average_drop: The probability's drop, in %, on the photo masked by the map (lower: better).
+        sanity: The cascading randomization's verdict for the method on this photo: ``"passes"`` (the map
+            changes when the output block is random) or ``"fails"``.
+    """
+
+    deletion: list[float]
+    insertion: list[float]
+    deletion_auc: float
+    insertion_auc: float
+    average_drop: float
+    sanity: str
+
+
+@dataclass(frozen=True)
+class _Maps:
+    """What one explanation call gave for one photo: the maps of its entries, in order."""
+
+    cams: Tensor  # (K, ...) on the CPU
+    entries: list[Entry]
+    layer: str
+    result: CAMResult
+
+
+class Explorer:
+    """One model and the photos it is shown, with their maps and top classes kept.
+
+    Calls from several threads (a web server's) run the model one at a time.
+
+    Args:
+        spec: The model, its preprocessing and class names (see :func:`explain.load_model`).
+        cache_size: How many explanation calls are kept, the least recently used dropped first.
+    """
+
+    def __init__(self, spec: ModelSpec, cache_size: int = 64) -> None:
+        if spec.preprocessing.kind != "image":
+            raise ExplainError(
+                f"the explorer shows images; {spec.name} reads {spec.preprocessing.kind}s: export them with "
+                "explain INPUTS --model ... and browse the result with --gallery"
+            )
+        self.spec = spec
+        self.photos: dict[str, Photo] = {}
+        self.cache_size = cache_size
+        self._maps: OrderedDict[tuple[str, View], _Maps] = OrderedDict()
+        self._top: dict[str, list[Entry]] = {}
+        self._digests: dict[str, str] = {}
+        self._lock = threading.RLock()
+
+    @property
+    def task(self) -> str:
+        """What the model does: ``classification``, ``detection`` or ``segmentation``."""
+        return self.spec.task
+
+    def add(self, source: str | Path | Image.Image | np.ndarray, name: str | None = None) -> Photo:
+        """Take a photo: a file (read as :func:`explain.load_image` reads it), a PIL image or an RGB array.
+
+        The same picture given twice is one photo. Another picture under a taken name gets a suffix.
+
+        Raises:
+            ImageLoadError: A file that is no readable image, or too large (its message names the file).
+        """
+        if isinstance(source, (str, Path)):
+            image, name = load_image(source), name or Path(source).name
+        else:
+            image, name = Image.fromarray(rgb_array(source)), name or "image"
+        digest = hashlib.sha256(np.asarray(image).tobytes() + repr(image.size).encode()).hexdigest()
+        with self._lock:
+            if digest in self._digests:
+                return self.photos[self._digests[digest]]
+            unique, count = name, 1
+            while unique in self.photos:
+                count += 1
+                unique = f"{Path(name).stem} ({count}){Path(name).suffix}"
+            photo = Photo(unique, image, self.spec.preprocess(image))
+            self.photos[unique] = photo
+            self._digests[digest] = unique
+            return photo
+
+    def layers(self, photo: str) -> tuple[list[LayerInfo], list[str]]:
+        """The layers a CAM can use on the photo, and the automatic choice (see
+        :func:`explain.core.layers.layer_choices`)."""
+        with self._lock:
+            return layer_choices(self.spec.model, self.photos[photo].x, self.spec.labels)
+
+    def layer_menu(self, photo: str) -> list[tuple[str, str]]:
+        """The photo's candidate layers as (what a menu shows, the name): the map's shape, the automatic choice
+        marked."""
+        candidates, automatic = self.layers(photo)
+        return [
+            (f"{info.name}  {info.describe()}" + ("  [automatic]" if info.name in automatic else ""), info.name)
+            for info in candidates
+        ]
+
+    def entry_menu(self, photo: str) -> list[tuple[str, int]]:
+        """The photo's entries (see :meth:`entries`) as (what a list shows, the view's target)."""
+        return [(entry.label, entry.index) for entry in self.entries(photo)]
+
+    def entries(self, photo: str, view: View | None = None) -> list[Entry]:
+        """What the photo's maps can explain: a classifier's top classes with their probabilities, or a detector's
+        detections, or a segmenter's regions (those of the first view's call, ``view`` where none was made)."""
+        with self._lock:
+            if photo not in self._top:
+                self.show(photo, replace_target(view or View(), None))
+            return self._top[photo]
+
+    def show(self, photo: str, view: View) -> Shown:
+        """The photo's map for the view, computed once (one explanation call) and then kept.
+
+        Raises:
+            ExplainError: The view does not fit the model (a layer without a map, a method for another kind of
+                model, a target out of range); the message names the way out.
+        """
+        check_method(view.method)
+        with self._lock:
+            maps = self._explained(photo, view)
+            if self.task == "classification":
+                return Shown(self.photos[photo], self._resolved(photo, view), maps.entries[0], maps.cams[0], maps.layer)
+            place = 0 if view.target is None else view.target
+            if not 0 <= place < len(maps.entries):
+                raise ExplainError(f"{photo} has {len(maps.entries)} entries to explain; there is no #{place}")
+            return Shown(
+                self.photos[photo], replace_target(view, place), maps.entries[place], maps.cams[place], maps.layer
+            )
+
+    def faithfulness(self, shown: Shown, batch_size: int = 32) -> Faithfulness:
+        """The faithfulness metrics of a shown map of a classifier's class, on demand: deletion and insertion
+        (RISE's, 20 steps each), Average Drop, and the sanity check's verdict (the method's maps on a copy of the
+        model whose output block is random).
+
+        Raises:
+            ExplainError: The model is no classifier: the metrics score a class's probability.
+        """
+        if self.task != "classification":
+            raise ExplainError(
+                f"the faithfulness metrics score a classifier's class; {self.spec.name} is a {self.task} model"
+            )
+        with self._lock:
+            result = self._explained(shown.photo.name, shown.view).result
+            x, model = shown.photo.x, self.spec.model
+            values, curves = image_metrics(
+                ["deletion", "insertion", "drop"], model, x, result.cams, result.target, batch_size
+            )
+            checked = sanity_check(
+                model,
+                x,
+                shown.view.method,
+                shown.entry.class_index,
+                layer=list(shown.view.layers) or None,
+                depths=[1],
+                **self._options(shown.view),
+            )
+        return Faithfulness(
+            curves["deletion"][0].tolist(),
+            curves["insertion"][0].tolist(),
+            float(values["deletion"][0]),
+            float(values["insertion"][0]),
+            float(values["drop"][0]),
+            "fails" if checked.insensitive() else "passes",
+        )
+
+    def save(self, shown: Shown, folder: Path, alpha: float = 0.5, colormap: str = "jet") -> list[Path]:
+        """Write the view's overlay (PNG), its map (``.npy``, at the model's input resolution) and its manifest
+        record (JSON) into ``folder``, each whole or not at all; returns their paths."""
+        stem = f"{Path(shown.photo.name).stem}.{shown.view.method}.{shown.entry.class_index}"
+        overlay_path, raw_path, record_path = (folder / f"{stem}{suffix}" for suffix in (".png", ".npy", ".json"))
+        write_atomically(overlay_path, lambda p: shown.picture(alpha, colormap).save(p, format="PNG"))
+        write_atomically(raw_path, lambda p: np.save(p.open("wb"), shown.cam.numpy()))
+        view_record = shown.record(alpha, colormap, self.spec.name, raw=raw_path.name)
+        write_atomically(record_path, lambda p: p.write_text(json.dumps(view_record, indent=1) + "\n"))
+        return [overlay_path, raw_path, record_path]
+
+    def _options(self, view: View) -> dict[str, Any]:
+        options: dict[str, Any] = {"fuse": view.fuse} if len(view.layers) > 1 else {}
+        if view.aug_smooth:
+            options["aug_smooth"] = True
+        if view.eigen_smooth:
+            options["eigen_smooth"] = True
+        return options
+
+    def _resolved(self, photo: str, view: View) -> View:
+        """A classifier's view with its target named: the top class for None."""
+        if self.task != "classification" or view.target is not None or photo not in self._top:
+            return view
+        return replace_target(view, self._top[photo][0].class_index)
+
+    def _explained(self, photo: str, view: View) -> _Maps:
+        """The maps of one explanation call, from the cache or computed."""
+        if photo not in self.photos:
+            raise ExplainError(f"no photo named {photo!r}; add it first")
+        view = self._resolved(photo, view)
+        key_view = view if self.task == "classification" else replace_target(view, None)
+        key = (photo, key_view)
+        if key in self._maps:
+            self._maps.move_to_end(key)
+            return self._maps[key]
+        maps = self._computed(self.photos[photo], view)
+        if self.task == "classification" and view.target is None:  # now the top class is known: keep it by name
+            key = (photo, replace_target(view, maps.entries[0].class_index))
+        self._maps[key] = maps
+        while len(self._maps) > self.cache_size:
+            self._maps.popitem(last=False)
+        return maps
+
+    def _computed(self, photo: Photo, view: View) -> _Maps:
+        """One explanation call for a view of a photo."""
+        method = create_method(
+            view.method, self.spec.model, list(view.layers) or None, labels=self.spec.labels, **self._options(view)
+        )
+        if self.task == "classification":
+            result = method(photo.x, None if view.target is None else ClassTarget(view.target))
+            if photo.name not in self._top:
+                self._top[photo.name] = self._top_classes(result)
+            entry = self._class_entry(result)
+            return _Maps(result.cams.detach().cpu(), [entry], result.layer, result)
+        result = method(photo.x, task_target(self.spec))
+        entries = self._listed(photo, result)
+        self._top.setdefault(photo.name, entries)
+        keep = [j for j, _ in result.shown()]
+        return _Maps(result.cams[0, keep].detach().cpu(), entries, result.layer, result)
+
+    def _top_classes(self, result: CAMResult) -> list[Entry]:
+        probabilities = result.logits.float().softmax(dim=1)[0]
+        top = probabilities.topk(min(TOP_CLASSES, len(probabilities)))
+        return [
+            Entry(int(c), int(c), self.spec.labels[int(c)], float(p))
+            for p, c in zip(top.values.tolist(), top.indices.tolist())
+        ]
+
+    def _class_entry(self, result: CAMResult) -> Entry:
+        index = int(result.class_indices[0])
+        return Entry(index, index, self.spec.labels[index], float(result.probabilities[0]))
+
+    def _listed(self, photo: Photo, result: CAMResult) -> list[Entry]:
+        """A detector's detections or a segmenter's regions of one call, in its order."""
+        bound = result.target
+        width, height = photo.image.size
+        scale = torch.tensor([width / photo.x.shape[-1], height / photo.x.shape[-2]] * 2)
+        entries = []
+        for place, (_, j) in enumerate(result.shown()):
+            index = int(result.class_indices[0, j])
+            box = None if bound.boxes is None else tuple((bound.boxes[0, j].cpu() * scale).tolist())
+            region = None if bound.regions is None else bound.regions[0, j].cpu()
+            entries.append(Entry(place, index, self.spec.labels[index], float(result.probabilities[0, j]), box, region))
+        if not entries:
+            raise ExplainError(f"{photo.name}: the model finds nothing to explain (no detection or region)")
+        return entries
+
+
+def replace_target(view: View, target: int | None) -> View:
+    """The view with another target."""
+    return replace(view, target=target)
+
+
+def explorer_for(spec: ModelSpec, photos: Sequence[str | Path] = ()) -> Explorer:
+    """An explorer of a model with photos added (the bundled ones where none are given)."""
+    explorer = Explorer(spec)
+    for path in photos or bundled_photos():
+        explorer.add(path)
+    return explorer

@@ -1,0 +1,312 @@
+"""The explorer as a local web app, with Gradio: ``explain app [--model NAME] [--host H] [--port P]``.
+
+Every control calls one function, :meth:`App.draw`, with the whole view. The explorer keeps the maps, so a
+change of alpha or colormap only draws the kept map again. The endpoint ``/explain`` scripts the app:
+``gradio_client.Client(url).predict(image, model, method, target, api_name="/explain")``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from ..catalog import FUSIONS
+from ..errors import ExplainError
+from ..models import ModelSpec, load_model
+from ..targets import class_index
+from .session import Explorer, Shown, View, bundled_photos, method_choices
+
+COLORMAPS = ("jet", "turbo", "viridis", "inferno", "magma", "gray")
+LOCAL = "127.0.0.1"
+MAX_FILE_SIZE = "100mb"  # an upload larger than this is refused before it is read
+
+
+def gradio() -> Any:
+    """The ``gradio`` module, imported on first use, its analytics off (the app works offline)."""
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    try:
+        import gradio as gr
+    except ImportError:
+        raise ExplainError('the app needs Gradio: pip install "explain[app]"') from None
+    return gr
+
+
+def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Show an :class:`ExplainError` of a handler in the page as its one line, never a traceback."""
+
+    @functools.wraps(fn)
+    def shown(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except ExplainError as err:
+            raise gradio().Error(str(err)) from None
+
+    return shown
+
+
+class App:
+    """The app's state: one model's explorer at a time, and the handlers the page calls.
+
+    Args:
+        spec: The model to start with.
+        load: Builds another model by name (for the endpoint's ``model``); the old one is dropped first.
+    """
+
+    def __init__(self, spec: ModelSpec, load: Callable[[str], ModelSpec]) -> None:
+        self.explorer = Explorer(spec)
+        self.load = load
+        self.downloads = Path(tempfile.mkdtemp(prefix="explain-app-"))
+        self._switch = threading.Lock()
+        for path in bundled_photos():
+            self.explorer.add(path)
+
+    def explorer_for(self, model: str) -> Explorer:
+        """The explorer of the named model (empty: the current one), its photos kept: one model in memory."""
+        with self._switch:
+            if model and model != self.explorer.spec.name:
+                photos = list(self.explorer.photos.values())
+                self.explorer = None  # type: ignore[assignment]  # the old model goes before the new one loads
+                self.explorer = Explorer(self.load(model))
+                for photo in photos:
+                    self.explorer.add(photo.image, photo.name)
+            return self.explorer
+
+    def target(self, text: str) -> int | None:
+        """A typed target: a class name or number for a classifier, an entry's number for a detector or a
+        segmenter; empty: the top one."""
+        text = text.strip().lstrip("#")
+        if not text:
+            return None
+        spec = self.explorer.spec
+        if self.explorer.task == "classification":
+            return class_index(int(text) if text.isdigit() else text, spec.labels, len(spec.labels))
+        if not text.isdigit():
+            raise ExplainError(f"target {text!r}: a {spec.task} model's targets are its entries' numbers, #0, #1, ...")
+        return int(text)
+
+    def add(self, files: list[str] | None) -> tuple[Any, str]:
+        """Uploaded files as photos: the photo menu, the last one chosen, and the problems of those that are no
+        images (each one line, naming its file; the others are kept)."""
+        gr = gradio()
+        added, problems = [], []
+        for path in files or []:
+            name = Path(path).name
+            try:
+                added.append(self.explorer.add(path, name).name)
+            except ExplainError as err:
+                problems.append(str(err).replace(str(path), name))
+        if problems and not added:
+            raise gr.Error("; ".join(problems))
+        for problem in problems:
+            gr.Warning(problem)
+        photos = list(self.explorer.photos)
+        return gr.Dropdown(choices=photos, value=added[-1] if added else None), "\n".join(problems)
+
+    def opened(self, photo: str) -> tuple[Any, Any, Any, int | None]:
+        """A photo's entries to click, its layers to pick from, the entries again for the compared overlay, and the
+        target: its first entry."""
+        gr = gradio()
+        menu = self.explorer.entry_menu(photo) if photo else []
+        first = menu[0][1] if menu else None
+        layers = self.explorer.layer_menu(photo) if photo else []
+        return (
+            gr.Radio(choices=menu, value=first),
+            gr.Dropdown(choices=layers, value=[]),
+            gr.Dropdown(choices=menu, value=first),
+            first,
+        )
+
+    def view(
+        self, method: str, layers: list[str] | None, target: int | None, fuse: str, aug: bool, eigen: bool
+    ) -> View:
+        """The view the controls describe."""
+        return View(method or "gradcam", tuple(layers or ()), target, fuse or "mean", bool(aug), bool(eigen))
+
+    def draw(
+        self,
+        photo: str,
+        method: str,
+        layers: list[str] | None,
+        target: int | None,
+        fuse: str,
+        aug: bool,
+        eigen: bool,
+        alpha: float,
+        colormap: str,
+    ) -> tuple[Image.Image | None, str]:
+        """The overlay of the view and its caption; the model runs only for a view not seen before."""
+        if not photo:
+            return None, ""
+        shown = self.explorer.show(photo, self.view(method, layers, target, fuse, aug, eigen))
+        return shown.picture(alpha, colormap or "jet"), self.caption(shown)
+
+    def caption(self, shown: Shown) -> str:
+        """What a shown map is: class, probability, method and layer."""
+        return f"{shown.entry.label} · {shown.view.method} · layer {shown.layer}"
+
+    def metrics(self, photo: str, *view: Any) -> tuple[Any, str]:
+        """The faithfulness of the shown map: the deletion and insertion curves as a figure, and the values."""
+        from matplotlib.figure import Figure
+
+        shown = self.explorer.show(photo, self.view(*view))
+        found = self.explorer.faithfulness(shown)
+        fig = Figure(figsize=(6, 3), layout="constrained")
+        axes = fig.add_subplot(1, 1, 1)
+        for name, curve in (("deletion", found.deletion), ("insertion", found.insertion)):
+            axes.plot([i / (len(curve) - 1) for i in range(len(curve))], curve, label=name)
+        axes.set_xlabel("fraction of pixels removed (deletion) or inserted (insertion)")
+        axes.set_ylabel(f"p({shown.entry.class_name})")
+        axes.legend()
+        text = (
+            f"deletion AUC **{found.deletion_auc:.3f}** (lower is better) · insertion AUC "
+            f"**{found.insertion_auc:.3f}** (higher is better) · Average Drop **{found.average_drop:.1f}%** · "
+            f"sanity check: {shown.view.method} **{found.sanity}** (its map changes when the output block is random)"
+        )
+        return fig, text
+
+    def save(self, photo: str, *controls: Any) -> list[str]:
+        """The shown view's overlay, raw map and manifest record as files to download."""
+        *view, alpha, colormap = controls
+        shown = self.explorer.show(photo, self.view(*view))
+        return [str(path) for path in self.explorer.save(shown, self.downloads, alpha, colormap or "jet")]
+
+    def explain(self, image: str, model: str, method: str, target: str) -> tuple[Image.Image, dict[str, float], str]:
+        """The endpoint ``/explain``: one image's overlay, its top classes (or entries) with their probabilities,
+        and the layer used."""
+        explorer = self.explorer_for((model or "").strip())
+        if not image:
+            raise ExplainError("no image given")
+        photo = explorer.add(image, Path(image).name)
+        view = View(method=(method or "").strip() or "gradcam", target=self.target(target or ""))
+        shown = explorer.show(photo.name, view)
+        top = {
+            entry.label if entry.box is not None or entry.region is not None else entry.class_name: entry.probability
+            for entry in explorer.entries(photo.name)
+        }
+        return shown.picture(), top, shown.layer
+
+
+def build(app: App) -> Any:
+    """The page: photos and their entries on the left, the overlay and a second one to compare in the middle and
+    on the right, the faithfulness metrics and the downloads below."""
+    gr = gradio()
+    explorer = app.explorer
+    photos = list(explorer.photos)
+    first = photos[0] if photos else None
+    classifier = explorer.task == "classification"
+    with gr.Blocks(title=f"explain: {explorer.spec.name}") as page:
+        gr.Markdown(f"### explain · {explorer.spec.name} ({explorer.task})")
+        with gr.Row():
+            with gr.Column(scale=1):
+                files = gr.File(file_count="multiple", label="Images: drop, paste or click to upload", height=120)
+                photo = gr.Dropdown(choices=photos, value=first, label="Photo", elem_id="photo")
+                entries = gr.Radio(
+                    label="Top classes: click one to explain it" if classifier else "Entries", elem_id="entries"
+                )
+                typed = gr.Dropdown(
+                    choices=[(name, i) for i, name in enumerate(explorer.spec.labels)],
+                    value=None,
+                    label="Or type a class",
+                    filterable=True,
+                    visible=classifier,
+                    elem_id="typed",
+                )
+                method = gr.Dropdown(method_choices(), value="gradcam", label="Method", elem_id="method")
+                layers = gr.Dropdown(
+                    multiselect=True, label="Layers (none: the automatic one; several: fused)", elem_id="layers"
+                )
+                with gr.Row():
+                    fuse = gr.Dropdown(list(FUSIONS), value="mean", label="Fusion")
+                    colormap = gr.Dropdown(list(COLORMAPS), value="jet", label="Colormap")
+                with gr.Row():
+                    aug = gr.Checkbox(label="aug smooth")
+                    eigen = gr.Checkbox(label="eigen smooth")
+                alpha = gr.Slider(0.0, 1.0, value=0.5, step=0.05, label="Alpha", elem_id="alpha")
+            with gr.Column(scale=2):
+                overlay = gr.Image(label="Overlay", type="pil", format="png", interactive=False, elem_id="overlay")
+                caption = gr.Markdown(elem_id="caption")
+            with gr.Column(scale=2):
+                with gr.Row():
+                    method_b = gr.Dropdown(method_choices(), value="layercam", label="Compare: method")
+                    target_b = gr.Dropdown(label="Compare: class" if classifier else "Compare: entry")
+                overlay_b = gr.Image(label="Compared", type="pil", format="png", interactive=False)
+                caption_b = gr.Markdown()
+        with gr.Row():
+            measure = gr.Button("Faithfulness of the overlay")
+            download = gr.Button("Download overlay, map and record")
+        curves = gr.Plot(label="Deletion and insertion")
+        scores = gr.Markdown()
+        saved = gr.File(label="Files", file_count="multiple", interactive=False)
+        problems = gr.Markdown(elem_id="problems")
+        with gr.Row(visible=False):  # the endpoint's own fields
+            api_image = gr.Image(type="filepath")
+            api_model, api_method, api_target = gr.Textbox(), gr.Textbox(), gr.Textbox()
+            api_overlay = gr.Image(type="pil", format="png")
+            api_classes, api_layer = gr.Label(), gr.Textbox()
+            api_call = gr.Button()
+
+        target = gr.State()
+        view = [method, layers, target, fuse, aug, eigen]
+        drawn = [photo, *view, alpha, colormap]
+        drawn_b = [photo, method_b, layers, target_b, fuse, aug, eigen, alpha, colormap]
+        draw, opened = user_errors(app.draw), user_errors(app.opened)
+        chosen = [entries, layers, target_b, target]
+
+        files.upload(user_errors(app.add), files, [photo, problems])
+        photo.change(opened, photo, chosen)
+        entries.input(lambda picked: picked, entries, target)
+        typed.input(lambda picked: picked, typed, target)
+        for control in (target, method, layers, fuse, aug, eigen, alpha, colormap):
+            control.change(draw, drawn, [overlay, caption], trigger_mode="always_last")
+        for control in (target_b, method_b, layers, fuse, aug, eigen, alpha, colormap):
+            control.change(draw, drawn_b, [overlay_b, caption_b], trigger_mode="always_last")
+        measure.click(user_errors(app.metrics), [photo, *view], [curves, scores])
+        download.click(user_errors(app.save), drawn, saved)
+        api_call.click(
+            user_errors(app.explain),
+            [api_image, api_model, api_method, api_target],
+            [api_overlay, api_classes, api_layer],
+            api_name="explain",
+        )
+        page.load(opened, photo, chosen)
+    return page
+
+
+def serve(
+    model: str,
+    weights: str | None = None,
+    host: str = LOCAL,
+    port: int = 7860,
+    device: str = "cpu",
+    quiet: bool = False,
+) -> None:
+    """Start the app and serve until interrupted.
+
+    Args:
+        model: The model's name (see :func:`explain.load_model`).
+        weights: A checkpoint of it, or None.
+        host: The address to listen on; anything but 127.0.0.1 lets others on the network use it (a warning says so).
+        port: The port.
+        device: Where the model runs.
+        quiet: Print nothing but warnings.
+    """
+    gr = gradio()
+    app = App(load_model(model, weights, device=device), lambda name: load_model(name, device=device))
+    if host != LOCAL:
+        print(
+            f"explain app: warning: listening on {host}: anyone who can reach this machine can use the app and "
+            "its model",
+            file=sys.stderr,
+        )
+    theme = gr.themes.Default(font=["system-ui", "sans-serif"], font_mono=["monospace"])  # no web fonts: offline
+    build(app).launch(
+        server_name=host, server_port=port, quiet=quiet, theme=theme, max_file_size=MAX_FILE_SIZE, footer_links=["api"]
+    )

@@ -1,0 +1,237 @@
+"""The explorer in Jupyter, with ipywidgets: ``explain.notebook.explore(model, image)``.
+
+The same controls as the web app (``explain app``) over the same :class:`explain.explorer.Explorer`: the photo,
+its top classes to click or a class to type, the method, the layers, fusion, smoothing, alpha and colormap, a
+second overlay to compare, the faithfulness metrics and the files of a view. A change of alpha or colormap
+draws the kept map again; only a new view runs the model.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .catalog import FUSIONS
+from .errors import ExplainError
+from .explorer.session import Explorer, Shown, View, method_choices
+from .explorer.web import COLORMAPS
+from .models import IMAGENET_PREPROCESSING, ImageLike, ModelSpec, Preprocessing
+
+
+def widgets() -> Any:
+    """The ``ipywidgets`` module, imported on first use."""
+    try:
+        import ipywidgets
+    except ImportError:
+        raise ExplainError('the notebook explorer needs ipywidgets: pip install "explain[notebook]"') from None
+    return ipywidgets
+
+
+def png(shown: Shown, alpha: float, colormap: str) -> bytes:
+    """A shown map's overlay as PNG bytes, what an image widget shows."""
+    buffer = io.BytesIO()
+    shown.picture(alpha, colormap).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+class NotebookExplorer:
+    """The widgets of :func:`explore` and the explorer behind them; Jupyter shows it as its widgets.
+
+    Attributes:
+        explorer: The model, its photos and their kept maps.
+        controls: Each control by name: ``photo``, ``entries``, ``typed``, ``method``, ``layers``, ``fuse``,
+            ``aug_smooth``, ``eigen_smooth``, ``alpha``, ``colormap``, ``method_b``, ``target_b``.
+        overlay: The overlay's image widget, and ``overlay_b`` the compared one's.
+        caption: What the overlay shows, and ``caption_b`` what the compared one does.
+        widget: The whole, a ``VBox``.
+    """
+
+    def __init__(self, explorer: Explorer, folder: Path) -> None:
+        w = widgets()
+        self.explorer, self.folder = explorer, folder
+        classifier = explorer.task == "classification"
+        labels = explorer.spec.labels
+        self.controls: dict[str, Any] = {
+            "photo": w.Dropdown(options=list(explorer.photos), description="photo"),
+            "entries": w.ToggleButtons(description="top classes" if classifier else "entries"),
+            "typed": w.Combobox(
+                options=labels,
+                placeholder="type a class",
+                ensure_option=True,
+                description="class",
+                layout=w.Layout(display=None if classifier else "none"),
+            ),
+            "method": w.Dropdown(options=method_choices(), value="gradcam", description="method"),
+            "layers": w.SelectMultiple(description="layers", rows=6),
+            "fuse": w.Dropdown(options=list(FUSIONS), value="mean", description="fusion"),
+            "aug_smooth": w.Checkbox(description="aug smooth"),
+            "eigen_smooth": w.Checkbox(description="eigen smooth"),
+            "alpha": w.FloatSlider(value=0.5, min=0.0, max=1.0, step=0.05, description="alpha"),
+            "colormap": w.Dropdown(options=list(COLORMAPS), value="jet", description="colormap"),
+            "method_b": w.Dropdown(options=method_choices(), value="layercam", description="compare"),
+            "target_b": w.Dropdown(description="its class" if classifier else "its entry"),
+        }
+        self.overlay, self.overlay_b = w.Image(format="png"), w.Image(format="png")
+        self.caption, self.caption_b = w.Label(), w.Label()
+        self.problem = w.HTML()
+        self.shown: Shown | None = None  # what the overlay shows
+        self._opening = False
+        self.metrics_output = w.Output()
+        measure = w.Button(description="faithfulness")
+        save = w.Button(description="save view")
+        measure.on_click(lambda _: self.measure())
+        save.on_click(lambda _: self.save())
+        c = self.controls
+        self.widget = w.VBox(
+            [
+                w.HBox(
+                    [
+                        w.VBox([c[name] for name in ("photo", "entries", "typed", "method", "layers", "fuse")]),
+                        w.VBox(
+                            [
+                                c["aug_smooth"],
+                                c["eigen_smooth"],
+                                c["alpha"],
+                                c["colormap"],
+                                c["method_b"],
+                                c["target_b"],
+                            ]
+                        ),
+                    ]
+                ),
+                w.HBox([w.VBox([self.overlay, self.caption]), w.VBox([self.overlay_b, self.caption_b])]),
+                w.HBox([measure, save]),
+                self.problem,
+                self.metrics_output,
+            ]
+        )
+        c["photo"].observe(lambda _: self.opened(), names="value")
+        c["typed"].observe(self._typed, names="value")
+        for name in ("entries", "method", "layers", "fuse", "aug_smooth", "eigen_smooth", "alpha", "colormap"):
+            c[name].observe(lambda _: self.draw(), names="value")
+        for name in ("method_b", "target_b", "layers", "fuse", "aug_smooth", "eigen_smooth", "alpha", "colormap"):
+            c[name].observe(lambda _: self.draw_b(), names="value")
+        self.opened()
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def view(self, method: str, target: int | None) -> View:
+        """The view the controls describe, with a method and target of its own."""
+        c = self.controls
+        return View(
+            method, tuple(c["layers"].value), target, c["fuse"].value, c["aug_smooth"].value, c["eigen_smooth"].value
+        )
+
+    def opened(self) -> None:
+        """A photo chosen: its entries and layers listed, the first entry explained."""
+        c, photo = self.controls, self.controls["photo"].value
+        menu = self.explorer.entry_menu(photo)
+        self._opening = True  # the menus' own changes draw nothing
+        try:
+            c["layers"].options = self.explorer.layer_menu(photo)
+            for name in ("entries", "target_b"):
+                c[name].options = menu
+                c[name].value = menu[0][1]
+        finally:
+            self._opening = False
+        self.draw()
+        self.draw_b()
+
+    def _typed(self, change: dict[str, Any]) -> None:
+        name = change["new"]
+        if name in self.explorer.spec.labels:
+            self.show(self.explorer.spec.labels.index(name))
+
+    def draw(self) -> None:
+        """The overlay of the controls' view."""
+        self.show(self.controls["entries"].value)
+
+    def show(self, target: int | None) -> None:
+        """The overlay of the controls' view for a target."""
+        c = self.controls
+        self.shown = self._shown(self.view(c["method"].value, target), self.overlay, self.caption) or self.shown
+
+    def draw_b(self) -> None:
+        """The compared overlay."""
+        c = self.controls
+        self._shown(self.view(c["method_b"].value, c["target_b"].value), self.overlay_b, self.caption_b)
+
+    def _shown(self, view: View, image: Any, caption: Any) -> Shown | None:
+        """Draw a view into an image widget and its caption; a view that does not fit the model shows its error."""
+        c = self.controls
+        if self._opening:
+            return None
+        try:
+            shown = self.explorer.show(c["photo"].value, view)
+        except ExplainError as err:
+            self.problem.value = f"<b>{err}</b>"
+            return None
+        self.problem.value = ""
+        image.value = png(shown, c["alpha"].value, c["colormap"].value)
+        caption.value = f"{shown.entry.label} · {shown.view.method} · layer {shown.layer}"
+        return shown
+
+    def measure(self) -> None:
+        """The faithfulness of the overlay, shown below it."""
+        found = self.explorer.faithfulness(self.shown)
+        self.metrics_output.clear_output()
+        with self.metrics_output:
+            print(
+                f"deletion AUC {found.deletion_auc:.3f} (lower is better), insertion AUC {found.insertion_auc:.3f} "
+                f"(higher is better), Average Drop {found.average_drop:.1f}%, sanity check: {found.sanity}"
+            )
+
+    def save(self) -> list[Path]:
+        """Write the overlay, its map and its record into the explorer's folder."""
+        c = self.controls
+        return self.explorer.save(self.shown, self.folder, c["alpha"].value, c["colormap"].value)
+
+
+def explore(
+    model: ModelSpec | nn.Module,
+    image: ImageLike | Sequence[ImageLike],
+    *,
+    labels: Sequence[str] | None = None,
+    preprocessing: Preprocessing = IMAGENET_PREPROCESSING,
+    folder: str | Path = "explain_views",
+) -> NotebookExplorer:
+    """Explore a model's maps of one or several images with widgets; the notebook cell's last value shows them.
+
+    Args:
+        model: A :class:`explain.ModelSpec` (from :func:`explain.load_model`), or a classifier returning
+            (N, classes) scores, left as it was.
+        image: A path, PIL image or RGB array, or a sequence of them.
+        labels: A bare classifier's class names; default ``class 0``, ``class 1``, ...
+        preprocessing: How a bare classifier's images become its input; default ImageNet's.
+        folder: Where "save view" writes a view's overlay, map and record.
+
+    Raises:
+        ExplainError: ipywidgets is not installed (its ``pip install`` named), or an image is unreadable.
+    """
+    widgets()
+    if not isinstance(model, ModelSpec):
+        count = None if labels is not None else _class_count(model, preprocessing)
+        names = list(labels) if labels is not None else [f"class {i}" for i in range(count)]
+        model = ModelSpec(model, type(model).__name__, names, preprocessing)
+    explorer = Explorer(model)
+    single = isinstance(image, (str, Path)) or not isinstance(image, Sequence)
+    for item in [image] if single else image:
+        explorer.add(item)
+    return NotebookExplorer(explorer, Path(folder))
+
+
+def _class_count(model: nn.Module, preprocessing: Preprocessing) -> int:
+    """A bare classifier's class count: its output's width on one blank input."""
+    import torch
+
+    from .core.model_state import untouched
+
+    size = preprocessing.input_size or 224
+    device = next(model.parameters()).device
+    with untouched(model), torch.no_grad():
+        return int(model(torch.zeros(1, 3, size, size, device=device)).shape[1])
