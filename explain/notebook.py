@@ -31,10 +31,11 @@ def widgets() -> Any:
     return ipywidgets
 
 
-def png(shown: Shown, alpha: float, colormap: str) -> bytes:
-    """A shown map's overlay as PNG bytes, what an image widget shows."""
+def png(shown: Shown, alpha: float, colormap: str, index: int | None = None) -> bytes:
+    """A shown map's overlay as PNG bytes, what an image widget shows (a clip's frame or a scan's slice
+    ``index``, None: the peak's)."""
     buffer = io.BytesIO()
-    shown.picture(alpha, colormap).save(buffer, format="PNG")
+    shown.picture(alpha, colormap, index).save(buffer, format="PNG")
     return buffer.getvalue()
 
 
@@ -44,7 +45,8 @@ class NotebookExplorer:
     Attributes:
         explorer: The model, its photos and their kept maps.
         controls: Each control by name: ``photo``, ``entries``, ``typed``, ``method``, ``layers``, ``fuse``,
-            ``aug_smooth``, ``eigen_smooth``, ``alpha``, ``colormap``, ``method_b``, ``target_b``.
+            ``aug_smooth``, ``eigen_smooth``, ``alpha``, ``colormap``, ``index`` (a clip's frame or a scan's
+            slice, shown for those), ``method_b``, ``target_b``.
         overlay: The overlay's image widget, and ``overlay_b`` the compared one's.
         caption: What the overlay shows, and ``caption_b`` what the compared one does.
         widget: The whole, a ``VBox``.
@@ -72,6 +74,11 @@ class NotebookExplorer:
             "eigen_smooth": w.Checkbox(description="eigen smooth"),
             "alpha": w.FloatSlider(value=0.5, min=0.0, max=1.0, step=0.05, description="alpha"),
             "colormap": w.Dropdown(options=list(COLORMAPS), value="jet", description="colormap"),
+            "index": w.IntSlider(
+                min=0,
+                description="frame" if explorer.spec.preprocessing.kind == "video" else "slice",
+                layout=w.Layout(display=None if explorer.spec.preprocessing.kind in ("video", "volume") else "none"),
+            ),
             "method_b": w.Dropdown(options=method_choices(), value="layercam", description="compare"),
             "target_b": w.Dropdown(description="its class" if classifier else "its entry"),
         }
@@ -79,6 +86,7 @@ class NotebookExplorer:
         self.caption, self.caption_b = w.Label(), w.Label()
         self.problem = w.HTML()
         self.shown: Shown | None = None  # what the overlay shows
+        self.index: int | None = None  # the frame or slice drawn; None: the map's peak
         self._opening = False
         self.metrics_output = w.Output()
         measure = w.Button(description="faithfulness")
@@ -97,6 +105,7 @@ class NotebookExplorer:
                                 c["eigen_smooth"],
                                 c["alpha"],
                                 c["colormap"],
+                                c["index"],
                                 c["method_b"],
                                 c["target_b"],
                             ]
@@ -111,6 +120,7 @@ class NotebookExplorer:
         )
         c["photo"].observe(lambda _: self.opened(), names="value")
         c["typed"].observe(self._typed, names="value")
+        c["index"].observe(self._moved, names="value")
         for name in ("entries", "method", "layers", "fuse", "aug_smooth", "eigen_smooth", "alpha", "colormap"):
             c[name].observe(lambda _: self.draw(), names="value")
         for name in ("method_b", "target_b", "layers", "fuse", "aug_smooth", "eigen_smooth", "alpha", "colormap"):
@@ -130,17 +140,26 @@ class NotebookExplorer:
     def opened(self) -> None:
         """A photo chosen: its entries and layers listed, the first entry explained."""
         c, photo = self.controls, self.controls["photo"].value
-        menu = self.explorer.entry_menu(photo)
-        self._opening = True  # the menus' own changes draw nothing
+        self._opening, self.index = True, None  # the menus' own changes draw nothing; the peak is drawn
         try:
             c["layers"].options = self.explorer.layer_menu(photo)
+            menu = self.explorer.entry_menu(photo)
             for name in ("entries", "target_b"):
                 c[name].options = menu
                 c[name].value = menu[0][1]
+        except ExplainError as err:  # no automatic layer, say: the layers are listed to pick one
+            self.problem.value = f"<b>{err}</b>"
+            return
         finally:
             self._opening = False
         self.draw()
         self.draw_b()
+
+    def _moved(self, change: dict[str, Any]) -> None:
+        if not self._opening:
+            self.index = change["new"]
+            self.draw()
+            self.draw_b()
 
     def _typed(self, change: dict[str, Any]) -> None:
         name = change["new"]
@@ -172,8 +191,15 @@ class NotebookExplorer:
             self.problem.value = f"<b>{err}</b>"
             return None
         self.problem.value = ""
-        image.value = png(shown, c["alpha"].value, c["colormap"].value)
+        index = shown.peak if self.index is None else self.index
+        image.value = png(shown, c["alpha"].value, c["colormap"].value, index)
         caption.value = f"{shown.entry.label} · {shown.view.method} · layer {shown.layer}"
+        if shown.photo.depth is not None and image is self.overlay:  # the slider follows what is drawn
+            self._opening = True
+            try:
+                c["index"].max, c["index"].value = shown.photo.depth - 1, index
+            finally:
+                self._opening = False
         return shown
 
     def measure(self) -> None:
@@ -189,7 +215,7 @@ class NotebookExplorer:
     def save(self) -> list[Path]:
         """Write the overlay, its map and its record into the explorer's folder."""
         c = self.controls
-        return self.explorer.save(self.shown, self.folder, c["alpha"].value, c["colormap"].value)
+        return self.explorer.save(self.shown, self.folder, c["alpha"].value, c["colormap"].value, self.index)
 
 
 def explore(
@@ -205,7 +231,8 @@ def explore(
     Args:
         model: A :class:`explain.ModelSpec` (from :func:`explain.load_model`), or a classifier returning
             (N, classes) scores, left as it was.
-        image: A path, PIL image or RGB array, or a sequence of them.
+        image: A path, PIL image or RGB array, or a sequence of them; for a ModelSpec of clips, scans or signals,
+            files of those.
         labels: A bare classifier's class names; default ``class 0``, ``class 1``, ...
         preprocessing: How a bare classifier's images become its input; default ImageNet's.
         folder: Where "save view" writes a view's overlay, map and record.

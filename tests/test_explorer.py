@@ -120,7 +120,10 @@ def test_faithfulness_of_a_view_is_the_metrics_of_its_map(lite0) -> None:
     assert found.deletion_auc == pytest.approx(float(deleted.auc[0]), abs=1e-4)
     assert found.deletion == pytest.approx(deleted.curve[0].tolist(), abs=1e-4)
     assert found.insertion_auc > found.deletion_auc  # a faithful map: the class returns fast, leaves fast
-    assert found.sanity == "passes"
+    checked = explain.metrics.sanity_check(lite0.model, x, "gradcam", depths=[1])
+    assert found.sanity == ("fails" if float(checked.spearman[0, 0]) >= 0.5 else "passes")
+    eigen = explorer.faithfulness(explorer.show(photo.name, View("eigencam")))
+    assert eigen.sanity == "fails"  # Eigen-CAM never reads the classifier: its map stays when it is random
 
 
 def test_a_detector_lists_its_detections_and_explains_each(tmp_path) -> None:
@@ -253,26 +256,26 @@ def test_app_page_in_a_browser(app_url, tmp_path) -> None:
 
     try:
         browser.get(app_url)
-        wait.until(lambda _: "Egyptian cat" in caption() and overlay())
+        wait.until(lambda _: "Egyptian cat" in caption() and overlay(), "the first photo explained")
         shown = overlay()
         browser.find_elements(By.CSS_SELECTOR, "input[type=file]")[0].send_keys(str(COFFEE))
-        wait.until(lambda _: "espresso" in caption() and overlay() != shown)
+        wait.until(lambda _: "espresso" in caption() and overlay() != shown, "the upload explained")
         shown = overlay()
         second = browser.find_elements(By.CSS_SELECTOR, "#entries label")[1]
         name = second.text.rsplit(" ", 1)[0]
         second.click()
-        wait.until(lambda _: caption().startswith(name) and overlay() != shown)
+        wait.until(lambda _: caption().startswith(name) and overlay() != shown, "the clicked class explained")
         shown = overlay()
         method = browser.find_element(By.CSS_SELECTOR, "#method input")
         method.click()
         method.send_keys(Keys.CONTROL, "a")
-        method.send_keys("hirescam")
+        method.send_keys("gradcampp")  # not hirescam: on this head its maps are Grad-CAM's
         method.send_keys(Keys.ENTER)
-        wait.until(lambda _: "hirescam" in caption() and overlay() != shown)
+        wait.until(lambda _: "gradcampp" in caption() and overlay() != shown, "the other method shown")
         notes = tmp_path / "notes.txt"
         notes.write_text("not an image")
         browser.find_elements(By.CSS_SELECTOR, "input[type=file]")[0].send_keys(str(notes))
-        wait.until(lambda _: "notes.txt: not an image" in browser.find_element(By.TAG_NAME, "body").text)
+        wait.until(lambda _: "notes.txt: not an image" in browser.find_element(By.TAG_NAME, "body").text, "the error")
         errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
         assert not errors, errors
     finally:
@@ -322,3 +325,101 @@ def test_tutorial_notebook_runs_top_to_bottom(notebook, tmp_path) -> None:
 
 def test_there_are_two_tutorials() -> None:
     assert [p.name for p in TUTORIALS] == ["classifier.ipynb", "vit_and_detector.ipynb"]
+
+
+def test_a_scan_is_browsed_slice_by_slice_without_the_model(tmp_path) -> None:
+    from test_volumes import peak_model
+
+    from explain.io.volumes import Volume, montage
+    from explain.models import ModelSpec, VolumePreprocessing
+
+    data = np.zeros((10, 16, 12), np.float32)
+    data[6, 5, 7] = 5.0  # the peak model's Grad-CAM is one-hot at the brightest voxel
+    np.save(tmp_path / "scan.npy", data)
+    spec = ModelSpec(peak_model(), "peak", ["peak"], VolumePreprocessing(mean=0.0, std=1.0))
+    calls = counted(spec.model)
+    explorer = Explorer(spec)
+    photo = explorer.add(tmp_path / "scan.npy")
+    assert (photo.kind, photo.depth, tuple(photo.x.shape)) == ("volume", 10, (1, 1, 10, 16, 12))
+    shown = explorer.show(photo.name, View(layers=("1",)))
+    assert shown.cam.shape == data.shape and shown.peak == 6
+    first = len(calls)
+    at_peak = np.asarray(shown.picture(0.4, "jet"))
+    sheet = np.asarray(montage(Volume(data, np.eye(4)), shown.cam, 0.4, "jet"))
+    assert np.array_equal(at_peak, sheet[:, :12])  # the montage's axial panel is the slice through the peak
+    assert not np.array_equal(np.asarray(shown.picture(0.4, "jet", index=2)), at_peak)
+    with pytest.raises(explain.ExplainError, match="scan.npy has 10 slices; no 10"):
+        shown.picture(index=10)
+    overlay, raw, record = explorer.save(shown, tmp_path / "out", 0.4, "jet", index=2)
+    assert json.loads(record.read_text())["view"]["index"] == 2 and np.load(raw).shape == data.shape
+    assert len(calls) == first  # slices, alpha and saving run no model
+    app = App(spec, explain.load_model)
+    assert list(app.explorer.photos) == []  # no bundled photos for a model of scans
+    app.explorer.add(tmp_path / "scan.npy")
+    picture, caption, slider = app.draw("scan.npy", "gradcam", ["1"], None, "mean", False, False, 0.4, "jet", None)
+    assert caption.endswith("slice 6 of 10 (the peak)") and slider.value == 6 and slider.maximum == 9
+    drawn = len(calls)
+    _, caption, _ = app.draw("scan.npy", "gradcam", ["1"], None, "mean", False, False, 0.4, "jet", 3)
+    assert caption.endswith("slice 3 of 10") and len(calls) == drawn
+
+
+def test_a_clip_is_scrubbed_frame_by_frame(tmp_path) -> None:
+    import torchvision
+    from test_volumes import make_video
+
+    from explain.models import ClipPreprocessing, ModelSpec
+
+    frames = np.zeros((20, 48, 64, 3), np.uint8)
+    for t in range(20):
+        frames[t, 10:30, 2 * t : 2 * t + 16] = (220, 180, 40)
+    make_video(tmp_path / "clip.mkv", frames, 10)
+    torch.manual_seed(0)
+    model = torchvision.models.video.r3d_18(num_classes=3).eval()
+    preprocessing = ClipPreprocessing(8, (48, 64), (48, 64), (0.45, 0.45, 0.45), (0.225, 0.225, 0.225))
+    explorer = Explorer(ModelSpec(model, "r3d", ["a", "b", "c"], preprocessing))
+    photo = explorer.add(tmp_path / "clip.mkv")
+    sampled = frames[np.linspace(0, 19, 8).round().astype(int)]
+    assert photo.depth == 8 and np.array_equal(photo.image.numpy(), sampled)  # lossless: the frames as written
+    shown = explorer.show(photo.name, View())
+    direct = explain.GradCAM(model)(preprocessing(sampled)[None])
+    torch.testing.assert_close(shown.cam, direct.cams[0], atol=1e-5, rtol=0)
+    assert shown.peak == int(direct.cams[0].flatten(1).amax(dim=1).argmax())
+    for t in (0, 5):
+        expected = np.asarray(explain.overlay(sampled[t], direct.cams[0, t], 0.5, "jet"))
+        assert np.array_equal(np.asarray(shown.picture(index=t)), expected)
+    with pytest.raises(explain.ExplainError, match="clip.mkv has 8 frames; no 8"):
+        shown.picture(index=8)
+
+
+def test_a_signal_is_drawn_over_its_map() -> None:
+    from test_volumes import signal_net
+
+    from explain.io.signals import plot_signal
+    from explain.models import ModelSpec, SignalPreprocessing
+
+    signal = np.stack([np.sin(np.arange(120) / 6), np.cos(np.arange(120) / 9)]).astype(np.float32)
+    explorer = Explorer(ModelSpec(signal_net(), "net", ["a", "b", "c"], SignalPreprocessing()))
+    with pytest.raises(explain.ExplainError, match="net reads signal files; give a file's path"):
+        explorer.add(signal)
+
+
+def test_the_notebook_explorer_has_a_slice_slider_for_scans(tmp_path) -> None:
+    from test_volumes import peak_model, volume_net
+
+    from explain.models import ModelSpec, VolumePreprocessing
+    from explain.notebook import explore
+
+    data = torch.rand(10, 16, 12).numpy()
+    np.save(tmp_path / "scan.npy", data)
+    spec = ModelSpec(volume_net(), "net", list("abcd"), VolumePreprocessing())
+    calls = counted(spec.model)
+    seen = explore(spec, tmp_path / "scan.npy", folder=tmp_path / "views")
+    x = spec.preprocessing.standardized(torch.from_numpy(data))[None, None]
+    peak = int(explain.GradCAM(spec.model)(x).cams[0].flatten(1).amax(dim=1).argmax())
+    assert seen.controls["index"].value == peak and seen.controls["index"].max == 9  # the peak's slice first
+    first, before = len(calls), seen.overlay.value
+    seen.controls["index"].value = (peak + 5) % 10
+    assert seen.overlay.value != before and len(calls) == first
+    assert json.loads(seen.save()[2].read_text())["view"]["index"] == (peak + 5) % 10
+    bare = explore(ModelSpec(peak_model(), "peak", ["peak"], VolumePreprocessing()), tmp_path / "scan.npy")
+    assert "pass layer=" in bare.problem.value and bare.controls["layers"].options  # pick one of the listed

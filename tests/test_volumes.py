@@ -771,6 +771,26 @@ def test_volumes_and_signals_are_exported_with_their_manifest_and_resume(tmp_pat
     assert header["header"]["preprocessing"] == {"mean": None, "std": None}
 
 
+def test_a_volume_export_scores_its_maps_voxel_by_voxel(tmp_path) -> None:
+    """--metrics on volumes: the record's deletion AUC is that of the map computed directly, (N, D, H, W) read as
+    one map per scan (not as a guided method's channels)."""
+    from explain import export_heatmaps
+    from explain.export.settings import ExportOptions
+    from explain.models import ModelSpec, VolumePreprocessing
+
+    torch.manual_seed(0)
+    data = torch.rand(8, 12, 12).numpy()
+    (tmp_path / "scans").mkdir()
+    np.save(tmp_path / "scans" / "a.npy", data)
+    spec = ModelSpec(volume_net(), "net", list("abcd"), VolumePreprocessing())
+    summary = export_heatmaps(spec, [tmp_path / "scans"], tmp_path / "out", ExportOptions(metrics=("deletion",)))
+    (record,) = summary.records
+    x = spec.preprocessing.standardized(torch.from_numpy(data))[None, None]
+    result = explain.GradCAM(spec.model)(x)
+    expected = explain.metrics.deletion(spec.model, x, result.cams, result.target)
+    assert record["targets"][0]["metrics"]["deletion"] == pytest.approx(float(expected.auc[0]), abs=1e-5)
+
+
 def test_the_command_line_takes_a_model_of_the_users_own_code(tmp_path, capsys) -> None:
     """`--model net.py:build`: the user's file gives an explain.ModelSpec of a 3-D network with its preprocessing;
     its kind (volumes) decides the inputs, `--weights` loads strictly into it, and the heatmap's peak is the scan's

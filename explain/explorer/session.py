@@ -1,7 +1,8 @@
-"""The explorer's state, without a user interface: one model, the photos given to it, and their maps, kept.
+"""The explorer's state, without a user interface: one model, the inputs given to it, and their maps, kept.
 
-A map is computed once per photo and view (method, layers, target, smoothing): drawing it again with another
-alpha or colormap runs no model. The web app (:mod:`explain.explorer.web`) and the notebook explorer
+An input is a photo, or for a model that reads them a video clip, a scan or a signal (called a photo all the
+same). A map is computed once per photo and view (method, layers, target, smoothing): drawing it again with
+another alpha, colormap, frame or slice runs no model. The web app (:mod:`explain.explorer.web`) and the notebook explorer
 (:mod:`explain.notebook`) are two faces of one :class:`Explorer`.
 """
 
@@ -11,7 +12,6 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,9 @@ from ..export.reports import image_metrics
 from ..export.run import task_target
 from ..io.atomic import write_atomically
 from ..io.images import load_image, rgb_array
-from ..io.render import annotate, picture
+from ..io.render import annotate, overlay, picture
+from ..io.signals import plot_signal
+from ..io.volumes import slice_picture
 from ..methods import create_method
 from ..metrics import sanity_check
 from ..models import ModelSpec
@@ -59,17 +61,25 @@ def method_choices() -> list[tuple[str, str]]:
 
 @dataclass(frozen=True)
 class Photo:
-    """One photo the explorer was given.
+    """One input the explorer was given.
 
     Attributes:
         name: Its name in the explorer: the file's name, made unique.
-        image: The photo, RGB, at its own resolution: what maps are drawn on.
-        x: The model's input, (1, C, H, W) on the model's device.
+        image: What maps are drawn on: a photo (RGB, at its own resolution); a clip's sampled frames (T, H, W, 3)
+            uint8; a scan's voxels (D, H, W); a signal (C, L).
+        x: The model's input, (1, C, *spatial) on the model's device.
+        kind: ``"image"``, ``"video"``, ``"volume"`` or ``"signal"``.
     """
 
     name: str
-    image: Image.Image
+    image: Image.Image | Tensor
     x: Tensor
+    kind: str = "image"
+
+    @property
+    def depth(self) -> int | None:
+        """A clip's frames or a scan's slices, what a slider browses; None for a photo or a signal."""
+        return len(self.image) if self.kind in ("video", "volume") else None
 
 
 @dataclass(frozen=True)
@@ -130,8 +140,12 @@ class Shown:
         photo: The photo.
         view: What the map shows, its target resolved.
         entry: What it explains.
-        cam: The map at the model's input resolution, (H, W) in [0, 1], or a guided map (3, H, W); on the CPU.
+        cam: The map at the model's input resolution, (*spatial) in [0, 1], or a guided map (C, *spatial); on the
+            CPU.
         layer: The layer it was computed at.
+        canvas: The heatmap on what it is drawn on: ``cam`` itself, but for a clip the map placed on the region of
+            its frames the model's crop saw, and for a guided map of a clip, scan or signal each point's largest
+            absolute channel, scaled to [0, 1].
     """
 
     photo: Photo
@@ -139,16 +153,44 @@ class Shown:
     entry: Entry
     cam: Tensor
     layer: str
+    canvas: Tensor
 
-    def picture(self, alpha: float = 0.5, colormap: str = "jet") -> Image.Image:
-        """The map on the photo at the photo's resolution, a detection's box or a region's outline drawn."""
-        drawn = picture(self.photo.image, self.cam, alpha, colormap)
+    @property
+    def peak(self) -> int | None:
+        """The frame or slice where the map is highest, the one drawn by default; None for a photo or a signal."""
+        if self.photo.depth is None:
+            return None
+        return int(self.canvas.flatten(1).amax(dim=1).argmax())
+
+    def picture(self, alpha: float = 0.5, colormap: str = "jet", index: int | None = None) -> Image.Image:
+        """The map on the photo at the photo's resolution, a detection's box or a region's outline drawn.
+
+        A clip's frame or a scan's slice ``index`` is drawn (None: the :attr:`peak`'s); a signal is drawn over its
+        map as a coloured band (``alpha`` aside).
+
+        Raises:
+            ExplainError: ``index`` is no frame or slice of the photo.
+        """
+        kind, image, canvas = self.photo.kind, self.photo.image, self.canvas
+        if kind == "signal":
+            return plot_signal(image, canvas, colormap)
+        if kind in ("video", "volume"):
+            depth, index = len(image), self.peak if index is None else index
+            if not 0 <= index < depth:
+                raise ExplainError(f"{self.photo.name} has {depth} {'frames' if kind == 'video' else 'slices'}; no {index}")
+            if kind == "volume":
+                return slice_picture(image.numpy(), canvas, index, alpha, colormap)
+            return overlay(image[index].numpy(), canvas[index], alpha, colormap)
+        drawn = picture(image, canvas, alpha, colormap)
         if self.entry.box is None and self.entry.region is None:
             return drawn
         return annotate(drawn, self.entry.label, self.entry.box, self.entry.region)
 
-    def record(self, alpha: float, colormap: str, model: str, raw: str | None = None) -> dict[str, Any]:
-        """The view as a manifest record (see :func:`explain.export.manifest.record`), with how it was drawn."""
+    def record(
+        self, alpha: float, colormap: str, model: str, raw: str | None = None, index: int | None = None
+    ) -> dict[str, Any]:
+        """The view as a manifest record (see :func:`explain.export.manifest.record`), with how it was drawn (and
+        a clip's frame or a scan's slice)."""
         target = {
             "class_index": self.entry.class_index,
             "class_name": self.entry.class_name,
@@ -156,6 +198,8 @@ class Shown:
             "box": None if self.entry.box is None else [round(v, 1) for v in self.entry.box],
         }
         view = {**asdict(self.view), "layers": list(self.view.layers), "alpha": alpha, "colormap": colormap}
+        if self.photo.depth is not None:
+            view["index"] = self.peak if index is None else index
         return {
             **record(self.photo.name, model, self.view.method, targets=[target], layer=self.layer, raw=raw),
             "view": view,
@@ -202,17 +246,19 @@ class Explorer:
     Args:
         spec: The model, its preprocessing and class names (see :func:`explain.load_model`).
         cache_size: How many explanation calls are kept, the least recently used dropped first.
+        score_threshold: A detector's least score of a listed detection.
     """
 
-    def __init__(self, spec: ModelSpec, cache_size: int = 64) -> None:
-        if spec.preprocessing.kind != "image":
+    def __init__(self, spec: ModelSpec, cache_size: int = 64, score_threshold: float = 0.5) -> None:
+        if getattr(spec.preprocessing, "stride", None) is not None:
             raise ExplainError(
-                f"the explorer shows images; {spec.name} reads {spec.preprocessing.kind}s: export them with "
-                "explain INPUTS --model ... and browse the result with --gallery"
+                f"the explorer explains one clip per video; {spec.name} takes sliding windows (a clip stride): "
+                "load it without one"
             )
         self.spec = spec
         self.photos: dict[str, Photo] = {}
         self.cache_size = cache_size
+        self.score_threshold = score_threshold
         self._maps: OrderedDict[tuple[str, View], _Maps] = OrderedDict()
         self._top: dict[str, list[Entry]] = {}
         self._digests: dict[str, str] = {}
@@ -224,26 +270,39 @@ class Explorer:
         return self.spec.task
 
     def add(self, source: str | Path | Image.Image | np.ndarray, name: str | None = None) -> Photo:
-        """Take a photo: a file (read as :func:`explain.load_image` reads it), a PIL image or an RGB array.
+        """Take a photo: a file (read as :func:`explain.load_image` reads it), a PIL image or an RGB array; for a
+        model of clips, scans or signals, a file of those (read as an export reads it).
 
-        The same picture given twice is one photo. Another picture under a taken name gets a suffix.
+        The same input given twice is one photo. Another input under a taken name gets a suffix.
 
         Raises:
             ImageLoadError: A file that is no readable image, or too large (its message names the file).
+            InputLoadError: A file that is no readable clip, scan or signal.
+            ExplainError: A picture given to a model of clips, scans or signals, which reads files.
         """
-        if isinstance(source, (str, Path)):
-            image, name = load_image(source), name or Path(source).name
+        kind = self.spec.preprocessing.kind
+        if kind != "image":
+            if not isinstance(source, (str, Path)):
+                raise ExplainError(f"{self.spec.name} reads {kind} files; give a file's path")
+            image, x = self.spec.preprocessing.read(Path(source))
+            image, x, name = image.contiguous(), x[None], name or Path(source).name
+            content = image.numpy().tobytes() + repr(tuple(image.shape)).encode()
+        elif isinstance(source, (str, Path)):
+            image, x, name = load_image(source), None, name or Path(source).name
         else:
-            image, name = Image.fromarray(rgb_array(source)), name or "image"
-        digest = hashlib.sha256(np.asarray(image).tobytes() + repr(image.size).encode()).hexdigest()
+            image, x, name = Image.fromarray(rgb_array(source)), None, name or "image"
+        if x is None:
+            content = np.asarray(image).tobytes() + repr(image.size).encode()
+            x = self.spec.preprocess(image)
+        digest = hashlib.sha256(content).hexdigest()
         with self._lock:
             if digest in self._digests:
                 return self.photos[self._digests[digest]]
             unique, count = name, 1
             while unique in self.photos:
                 count += 1
-                unique = f"{Path(name).stem} ({count}){Path(name).suffix}"
-            photo = Photo(unique, image, self.spec.preprocess(image))
+                unique = f"{_stem(name)} ({count}){name[len(_stem(name)):]}"
+            photo = Photo(unique, image, x.to(self.spec.device), kind)
             self.photos[unique] = photo
             self._digests[digest] = unique
             return photo
@@ -285,18 +344,16 @@ class Explorer:
         check_method(view.method)
         with self._lock:
             maps = self._explained(photo, view)
-            if self.task == "classification":
-                return Shown(self.photos[photo], self._resolved(photo, view), maps.entries[0], maps.cams[0], maps.layer)
-            place = 0 if view.target is None else view.target
+            place = 0 if view.target is None or self.task == "classification" else view.target
             if not 0 <= place < len(maps.entries):
                 raise ExplainError(f"{photo} has {len(maps.entries)} entries to explain; there is no #{place}")
-            return Shown(
-                self.photos[photo], replace_target(view, place), maps.entries[place], maps.cams[place], maps.layer
-            )
+            resolved = self._resolved(photo, view) if self.task == "classification" else replace_target(view, place)
+            shown, cam = self.photos[photo], maps.cams[place]
+            return Shown(shown, resolved, maps.entries[place], cam, maps.layer, self._canvas(shown, cam))
 
     def faithfulness(self, shown: Shown, batch_size: int = 32) -> Faithfulness:
         """The faithfulness metrics of a shown map of a classifier's class, on demand: deletion and insertion
-        (RISE's, 20 steps each), Average Drop, and the sanity check's verdict (the method's maps on a copy of the
+        (RISE's, 50 steps each), Average Drop, and the sanity check's verdict (the method's maps on a copy of the
         model whose output block is random).
 
         Raises:
@@ -330,16 +387,31 @@ class Explorer:
             "fails" if checked.insensitive() else "passes",
         )
 
-    def save(self, shown: Shown, folder: Path, alpha: float = 0.5, colormap: str = "jet") -> list[Path]:
-        """Write the view's overlay (PNG), its map (``.npy``, at the model's input resolution) and its manifest
-        record (JSON) into ``folder``, each whole or not at all; returns their paths."""
-        stem = f"{Path(shown.photo.name).stem}.{shown.view.method}.{shown.entry.class_index}"
+    def save(
+        self, shown: Shown, folder: Path, alpha: float = 0.5, colormap: str = "jet", index: int | None = None
+    ) -> list[Path]:
+        """Write the view's overlay (PNG; a clip's frame or a scan's slice ``index``, None: the peak's), its map
+        (``.npy``, at the model's input resolution) and its manifest record (JSON) into ``folder``, each whole or
+        not at all; returns their paths."""
+        stem = f"{_stem(shown.photo.name)}.{shown.view.method}.{shown.entry.class_index}"
         overlay_path, raw_path, record_path = (folder / f"{stem}{suffix}" for suffix in (".png", ".npy", ".json"))
-        write_atomically(overlay_path, lambda p: shown.picture(alpha, colormap).save(p, format="PNG"))
+        write_atomically(overlay_path, lambda p: shown.picture(alpha, colormap, index).save(p, format="PNG"))
         write_atomically(raw_path, lambda p: np.save(p.open("wb"), shown.cam.numpy()))
-        view_record = shown.record(alpha, colormap, self.spec.name, raw=raw_path.name)
+        view_record = shown.record(alpha, colormap, self.spec.name, raw=raw_path.name, index=index)
         write_atomically(record_path, lambda p: p.write_text(json.dumps(view_record, indent=1) + "\n"))
         return [overlay_path, raw_path, record_path]
+
+    def _canvas(self, photo: Photo, cam: Tensor) -> Tensor:
+        """A map as it is drawn on the photo (see :attr:`Shown.canvas`)."""
+        if photo.kind == "image":
+            return cam
+        if cam.dim() == photo.x.dim() - 1:  # a guided map (C, *spatial): each point's largest absolute channel
+            cam = cam.abs().amax(dim=0)
+            cam = cam / cam.max().clamp_min(1e-12)
+        if photo.kind == "video":
+            height, width = photo.image.shape[1:3]
+            return self.spec.preprocessing.on_frames(cam, height, width)
+        return cam
 
     def _options(self, view: View) -> dict[str, Any]:
         options: dict[str, Any] = {"fuse": view.fuse} if len(view.layers) > 1 else {}
@@ -384,10 +456,10 @@ class Explorer:
                 self._top[photo.name] = self._top_classes(result)
             entry = self._class_entry(result)
             return _Maps(result.cams.detach().cpu(), [entry], result.layer, result)
-        result = method(photo.x, task_target(self.spec))
+        result = method(photo.x, task_target(self.spec, score_threshold=self.score_threshold))
         entries = self._listed(photo, result)
         self._top.setdefault(photo.name, entries)
-        keep = [j for j, _ in result.shown()]
+        keep = [k for _, k in result.shown()]
         return _Maps(result.cams[0, keep].detach().cpu(), entries, result.layer, result)
 
     def _top_classes(self, result: CAMResult) -> list[Entry]:
@@ -418,14 +490,11 @@ class Explorer:
         return entries
 
 
+def _stem(name: str) -> str:
+    """A file name without its suffixes: ``scan`` of ``scan.nii.gz``, ``chelsea`` of ``chelsea.png``."""
+    return name.split(".", 1)[0] if not name.startswith(".") else name
+
+
 def replace_target(view: View, target: int | None) -> View:
     """The view with another target."""
     return replace(view, target=target)
-
-
-def explorer_for(spec: ModelSpec, photos: Sequence[str | Path] = ()) -> Explorer:
-    """An explorer of a model with photos added (the bundled ones where none are given)."""
-    explorer = Explorer(spec)
-    for path in photos or bundled_photos():
-        explorer.add(path)
-    return explorer

@@ -47,7 +47,7 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args)
         except ExplainError as err:
-            raise gradio().Error(str(err)) from None
+            raise gradio().Error(str(err), print_exception=False) from None
 
     return shown
 
@@ -65,18 +65,21 @@ class App:
         self.load = load
         self.downloads = Path(tempfile.mkdtemp(prefix="explain-app-"))
         self._switch = threading.Lock()
-        for path in bundled_photos():
-            self.explorer.add(path)
+        if spec.preprocessing.kind == "image":
+            for path in bundled_photos():
+                self.explorer.add(path)
 
     def explorer_for(self, model: str) -> Explorer:
-        """The explorer of the named model (empty: the current one), its photos kept: one model in memory."""
+        """The explorer of the named model (empty: the current one), one model in memory. Photos are kept from
+        one image model to the next; a model of another input starts without."""
         with self._switch:
             if model and model != self.explorer.spec.name:
                 photos = list(self.explorer.photos.values())
                 self.explorer = None  # type: ignore[assignment]  # the old model goes before the new one loads
                 self.explorer = Explorer(self.load(model))
-                for photo in photos:
-                    self.explorer.add(photo.image, photo.name)
+                if self.explorer.spec.preprocessing.kind == "image":
+                    for photo in photos if photos and photos[0].kind == "image" else []:
+                        self.explorer.add(photo.image, photo.name)
             return self.explorer
 
     def target(self, text: str) -> int | None:
@@ -104,24 +107,29 @@ class App:
             except ExplainError as err:
                 problems.append(str(err).replace(str(path), name))
         if problems and not added:
-            raise gr.Error("; ".join(problems))
+            raise gr.Error("; ".join(problems), print_exception=False)
         for problem in problems:
             gr.Warning(problem)
         photos = list(self.explorer.photos)
         return gr.Dropdown(choices=photos, value=added[-1] if added else None), "\n".join(problems)
 
-    def opened(self, photo: str) -> tuple[Any, Any, Any, int | None]:
-        """A photo's entries to click, its layers to pick from, the entries again for the compared overlay, and the
-        target: its first entry."""
+    def opened(self, photo: str) -> tuple[Any, Any, Any, int | None, None]:
+        """A photo's entries to click, its layers to pick from, the entries again for the compared overlay, the
+        target (its first entry), and the frame or slice drawn (None: the map's peak)."""
         gr = gradio()
-        menu = self.explorer.entry_menu(photo) if photo else []
-        first = menu[0][1] if menu else None
         layers = self.explorer.layer_menu(photo) if photo else []
+        try:
+            menu = self.explorer.entry_menu(photo) if photo else []
+        except ExplainError as err:  # no automatic layer, say: the layers are listed to pick one
+            gr.Warning(str(err))
+            menu = []
+        first = menu[0][1] if menu else None
         return (
             gr.Radio(choices=menu, value=first),
             gr.Dropdown(choices=layers, value=[]),
             gr.Dropdown(choices=menu, value=first),
             first,
+            None,
         )
 
     def view(
@@ -141,16 +149,34 @@ class App:
         eigen: bool,
         alpha: float,
         colormap: str,
-    ) -> tuple[Image.Image | None, str]:
-        """The overlay of the view and its caption; the model runs only for a view not seen before."""
+        index: int | None,
+    ) -> tuple[Image.Image | None, str, Any]:
+        """The overlay of the view, its caption, and the slider of a clip's frames or a scan's slices (hidden for
+        a photo), set to the one drawn (``index``; None: the map's peak). The model runs only for a view not
+        seen before."""
+        gr = gradio()
         if not photo:
-            return None, ""
+            return None, "", gr.Slider(visible=False)
         shown = self.explorer.show(photo, self.view(method, layers, target, fuse, aug, eigen))
-        return shown.picture(alpha, colormap or "jet"), self.caption(shown)
+        drawn = shown.peak if index is None else int(index)
+        depth = shown.photo.depth
+        slider = gr.Slider(
+            minimum=0,
+            maximum=max((depth or 1) - 1, 1),
+            value=drawn or 0,
+            step=1,
+            visible=depth is not None,
+            label="frame" if shown.photo.kind == "video" else "slice",
+        )
+        return shown.picture(alpha, colormap or "jet", drawn), self.caption(shown, drawn), slider
 
-    def caption(self, shown: Shown) -> str:
-        """What a shown map is: class, probability, method and layer."""
-        return f"{shown.entry.label} · {shown.view.method} · layer {shown.layer}"
+    def caption(self, shown: Shown, index: int | None = None) -> str:
+        """What a shown map is: class, probability, method and layer, and a clip's frame or a scan's slice."""
+        text = f"{shown.entry.label} · {shown.view.method} · layer {shown.layer}"
+        if shown.photo.depth is None or index is None:
+            return text
+        unit = "frame" if shown.photo.kind == "video" else "slice"
+        return f"{text} · {unit} {index} of {shown.photo.depth}" + (" (the peak)" if index == shown.peak else "")
 
     def metrics(self, photo: str, *view: Any) -> tuple[Any, str]:
         """The faithfulness of the shown map: the deletion and insertion curves as a figure, and the values."""
@@ -174,13 +200,15 @@ class App:
 
     def save(self, photo: str, *controls: Any) -> list[str]:
         """The shown view's overlay, raw map and manifest record as files to download."""
-        *view, alpha, colormap = controls
+        *view, alpha, colormap, index = controls
         shown = self.explorer.show(photo, self.view(*view))
-        return [str(path) for path in self.explorer.save(shown, self.downloads, alpha, colormap or "jet")]
+        saved = self.explorer.save(shown, self.downloads, alpha, colormap or "jet", index)
+        return [str(path) for path in saved]
 
     def explain(self, image: str, model: str, method: str, target: str) -> tuple[Image.Image, dict[str, float], str]:
         """The endpoint ``/explain``: one image's overlay, its top classes (or entries) with their probabilities,
-        and the layer used."""
+        and the layer used. For a model of clips, scans or signals, ``image`` is such a file, drawn at the map's
+        peak frame or slice."""
         explorer = self.explorer_for((model or "").strip())
         if not image:
             raise ExplainError("no image given")
@@ -230,6 +258,7 @@ def build(app: App) -> Any:
                     aug = gr.Checkbox(label="aug smooth")
                     eigen = gr.Checkbox(label="eigen smooth")
                 alpha = gr.Slider(0.0, 1.0, value=0.5, step=0.05, label="Alpha", elem_id="alpha")
+                frame = gr.Slider(0, 1, value=0, step=1, visible=False, label="frame", elem_id="index")
             with gr.Column(scale=2):
                 overlay = gr.Image(label="Overlay", type="pil", format="png", interactive=False, elem_id="overlay")
                 caption = gr.Markdown(elem_id="caption")
@@ -247,27 +276,28 @@ def build(app: App) -> Any:
         saved = gr.File(label="Files", file_count="multiple", interactive=False)
         problems = gr.Markdown(elem_id="problems")
         with gr.Row(visible=False):  # the endpoint's own fields
-            api_image = gr.Image(type="filepath")
+            api_image = gr.File(type="filepath")
             api_model, api_method, api_target = gr.Textbox(), gr.Textbox(), gr.Textbox()
             api_overlay = gr.Image(type="pil", format="png")
             api_classes, api_layer = gr.Label(), gr.Textbox()
             api_call = gr.Button()
 
-        target = gr.State()
+        target, index = gr.State(), gr.State()
         view = [method, layers, target, fuse, aug, eigen]
-        drawn = [photo, *view, alpha, colormap]
-        drawn_b = [photo, method_b, layers, target_b, fuse, aug, eigen, alpha, colormap]
+        drawn = [photo, *view, alpha, colormap, index]
+        drawn_b = [photo, method_b, layers, target_b, fuse, aug, eigen, alpha, colormap, index]
         draw, opened = user_errors(app.draw), user_errors(app.opened)
-        chosen = [entries, layers, target_b, target]
+        chosen = [entries, layers, target_b, target, index]
 
         files.upload(user_errors(app.add), files, [photo, problems])
         photo.change(opened, photo, chosen)
         entries.input(lambda picked: picked, entries, target)
         typed.input(lambda picked: picked, typed, target)
-        for control in (target, method, layers, fuse, aug, eigen, alpha, colormap):
-            control.change(draw, drawn, [overlay, caption], trigger_mode="always_last")
-        for control in (target_b, method_b, layers, fuse, aug, eigen, alpha, colormap):
-            control.change(draw, drawn_b, [overlay_b, caption_b], trigger_mode="always_last")
+        frame.input(lambda picked: picked, frame, index)  # the user's move only: drawing sets the slider too
+        for control in (target, method, layers, fuse, aug, eigen, alpha, colormap, index):
+            control.change(draw, drawn, [overlay, caption, frame], trigger_mode="always_last")
+        for control in (target_b, method_b, layers, fuse, aug, eigen, alpha, colormap, index):
+            control.change(lambda *a: draw(*a)[:2], drawn_b, [overlay_b, caption_b], trigger_mode="always_last")
         measure.click(user_errors(app.metrics), [photo, *view], [curves, scores])
         download.click(user_errors(app.save), drawn, saved)
         api_call.click(

@@ -51,8 +51,8 @@ def image_metrics(
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Each named metric's value per image (N,), and the deletion and insertion curves (N, steps + 1) among them,
     every metric scored by one scorer of the class's softmax probability (one plain forward for them all).
-    A guided method's images (N, 3, H, W) are scored as saliency maps: each pixel's largest absolute channel."""
-    if maps.dim() == 4:
+    A guided method's maps (N, C, *spatial) are scored as saliency maps: each point's largest absolute channel."""
+    if maps.dim() == x.dim():
         maps = maps.abs().amax(dim=1)
     scoring = scorer(model, x, target, "probability", "--metrics", batch_size, None)
     values: dict[str, Tensor] = {}

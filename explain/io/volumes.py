@@ -169,6 +169,31 @@ def _grey(slice_: np.ndarray, low: float, high: float) -> np.ndarray:
     return np.repeat((scaled * 255 + 0.5).astype(np.uint8)[..., None], 3, axis=-1)
 
 
+def _window(data: np.ndarray) -> tuple[float, float]:
+    """How a scan is shown grey: its values windowed to their 1st-99th percentile."""
+    low, high = np.percentile(data, [1, 99])
+    return float(low), float(high)
+
+
+def slice_picture(
+    data: np.ndarray, heatmap: Tensor | np.ndarray, index: int, alpha: float = 0.5, colormap: str = "jet"
+) -> Image.Image:
+    """Slice ``index`` of a scan's voxels (D, H, W), grey as in :func:`montage`, with its map's slice blended on:
+    what a slider through the volume shows.
+
+    Args:
+        data: The scan's voxels.
+        heatmap: Its map, (D, H, W) at the volume's size, values in [0, 1].
+        index: The slice, along the first axis.
+        alpha: Weight of the heatmap.
+        colormap: A matplotlib colormap name.
+    """
+    values = torch.as_tensor(heatmap).detach().cpu().float().numpy()
+    if values.shape != data.shape:
+        raise ValueError(f"the heatmap is {values.shape}, the volume {data.shape}: upsample it to the volume")
+    return overlay(_grey(data[index], *_window(data)), values[index], alpha, colormap)
+
+
 def montage(
     volume: Volume, heatmap: Tensor | np.ndarray, alpha: float = 0.5, colormap: str = "jet", gap: int = 4
 ) -> Image.Image:
@@ -186,11 +211,11 @@ def montage(
     if values.shape != volume.data.shape:
         raise ValueError(f"the heatmap is {values.shape}, the volume {volume.data.shape}: upsample it to the volume")
     peak = np.unravel_index(int(values.argmax()), values.shape)
-    low, high = np.percentile(volume.data, [1, 99])
+    low, high = _window(volume.data)
     pictures = []
     for axis in range(3):
         scan, heat = np.take(volume.data, peak[axis], axis=axis), np.take(values, peak[axis], axis=axis)
-        pictures.append(overlay(_grey(scan, float(low), float(high)), heat, alpha, colormap))
+        pictures.append(overlay(_grey(scan, low, high), heat, alpha, colormap))
     height = max(p.height for p in pictures)
     sheet = Image.new("RGB", (sum(p.width for p in pictures) + gap * 2, height))
     left = 0
