@@ -13,6 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import matplotlib
 import numpy as np
 import pytest
 import torch
@@ -59,6 +60,12 @@ def test_a_class_click_explains_once_and_alpha_runs_no_forward(lite0) -> None:
     assert len(calls) == first  # drawing again and the same view run no model
     assert len({p.tobytes() for p in pictures}) == len(pictures)
     assert pictures[0].shape[:2] == Image.open(CAT).size[::-1]
+    base, heat = shown.layers("viridis")
+    assert np.array_equal(base, np.asarray(Image.open(CAT).convert("RGB")))
+    height, width = base.shape[:2]
+    resized = torch.nn.functional.interpolate(shown.cam[None, None], (height, width), mode="bilinear")[0, 0]
+    colours = matplotlib.colormaps["viridis"](resized.numpy())[..., :3]
+    assert np.abs(heat / 255 - colours).max() < 2 / 255  # the heat layer: the map in the colormap's colours
     tabby = explorer.show(photo.name, View(target=281))
     assert len(calls) == first + 1  # a new class: one forward (and its backward)
     reference = explain.GradCAM(lite0.model, labels=lite0.labels)(lite0.preprocess(CAT), 281)
@@ -92,7 +99,7 @@ def test_the_same_photo_twice_is_one_photo_and_a_name_taken_gets_a_suffix(lite0,
     assert explorer.add(other).name == "chelsea (2).png"
     broken = tmp_path / "notes.txt"
     broken.write_text("not an image")
-    with pytest.raises(explain.ImageLoadError, match="notes.txt: not an image"):
+    with pytest.raises(explain.ImageLoadError, match=r"notes\.txt: not an image"):
         explorer.add(broken)
 
 
@@ -130,8 +137,13 @@ def test_a_detector_lists_its_detections_and_explains_each(tmp_path) -> None:
     from conftest import random_detector
 
     model = random_detector((160, 160))
-    spec = explain.ModelSpec(model, "detector", [f"c{i}" for i in range(91)], explain.models.Preprocessing(
-        None, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)), task="detection")
+    spec = explain.ModelSpec(
+        model,
+        "detector",
+        [f"c{i}" for i in range(91)],
+        explain.models.Preprocessing(None, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)),
+        task="detection",
+    )
     explorer = Explorer(spec)
     image = Image.open(CAT).convert("RGB").resize((160, 160))
     photo = explorer.add(image, "cat.png")
@@ -198,7 +210,9 @@ def app_url(tmp_path_factory):
     with open(log, "w") as out:
         server = subprocess.Popen(
             [sys.executable, "-m", "explain", "app", "--port", str(port), "--quiet"],
-            stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path_factory.mktemp("cwd"),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path_factory.mktemp("cwd"),
         )
     url = f"http://127.0.0.1:{port}/"
     try:
@@ -225,7 +239,9 @@ def test_app_api_explains_a_bundled_photo(app_url) -> None:
     overlay, classes, layer = client.predict(handle_file(str(CAT)), "", "gradcam", "", api_name="/explain")
     assert Image.open(overlay).size == Image.open(CAT).size
     assert classes["label"] == "Egyptian cat" and layer == "bn2"
-    _, classes, _ = client.predict(handle_file(str(CAT)), "efficientnet_lite0", "layercam", "tabby", api_name="/explain")
+    _, classes, _ = client.predict(
+        handle_file(str(CAT)), "efficientnet_lite0", "layercam", "tabby", api_name="/explain"
+    )
     assert classes["label"] == "Egyptian cat"  # the top classes, whatever is explained
     with pytest.raises(Exception, match="unknown method"):
         client.predict(handle_file(str(CAT)), "", "gradkam", "", api_name="/explain")
@@ -251,7 +267,7 @@ def test_app_page_in_a_browser(app_url, tmp_path) -> None:
         return browser.find_element(By.ID, "caption").text
 
     def overlay() -> str | None:
-        found = browser.find_elements(By.CSS_SELECTOR, "#overlay img")
+        found = browser.find_elements(By.CSS_SELECTOR, "#overlay img.heat")
         return found[0].get_attribute("src") if found else None
 
     try:
@@ -272,6 +288,13 @@ def test_app_page_in_a_browser(app_url, tmp_path) -> None:
         method.send_keys("gradcampp")  # not hirescam: on this head its maps are Grad-CAM's
         method.send_keys(Keys.ENTER)
         wait.until(lambda _: "gradcampp" in caption() and overlay() != shown, "the other method shown")
+        shown = overlay()
+        number = browser.find_element(By.CSS_SELECTOR, "#alpha input[type=number]")
+        number.send_keys(Keys.CONTROL, "a")
+        number.send_keys("0.8", Keys.ENTER)
+        heat = "#overlay img.heat"
+        wait.until(lambda _: browser.find_element(By.CSS_SELECTOR, heat).value_of_css_property("opacity") == "0.8")
+        assert overlay() == shown  # alpha is the heat layer's opacity in the page: nothing drawn again
         notes = tmp_path / "notes.txt"
         notes.write_text("not an image")
         browser.find_elements(By.CSS_SELECTOR, "input[type=file]")[0].send_keys(str(notes))
@@ -286,7 +309,9 @@ def test_app_warns_when_open_to_the_network(monkeypatch, capsys) -> None:
     from explain.explorer import web
 
     launched = {}
-    monkeypatch.setattr(web, "build", lambda app: type("Page", (), {"launch": lambda self, **kw: launched.update(kw)})())
+    monkeypatch.setattr(
+        web, "build", lambda app: type("Page", (), {"launch": lambda self, **kw: launched.update(kw)})()
+    )
     web.serve("efficientnet_lite0", host="0.0.0.0", port=7999)
     assert launched["server_name"] == "0.0.0.0" and launched["server_port"] == 7999
     assert "anyone who can reach this machine" in capsys.readouterr().err
@@ -317,7 +342,9 @@ def test_tutorial_notebook_runs_top_to_bottom(notebook, tmp_path) -> None:
     from nbclient import NotebookClient
 
     document = nbformat.read(notebook, as_version=4)
-    NotebookClient(document, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(
+        document, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     outputs = [output for cell in document.cells if cell.cell_type == "code" for output in cell.outputs]
     assert not [output for output in outputs if output.output_type == "error"]
     assert any("text/html" in output.get("data", {}) for output in outputs)  # a result shown as its overlays
@@ -348,15 +375,16 @@ def test_a_scan_is_browsed_slice_by_slice_without_the_model(tmp_path) -> None:
     sheet = np.asarray(montage(Volume(data, np.eye(4)), shown.cam, 0.4, "jet"))
     assert np.array_equal(at_peak, sheet[:, :12])  # the montage's axial panel is the slice through the peak
     assert not np.array_equal(np.asarray(shown.picture(0.4, "jet", index=2)), at_peak)
-    with pytest.raises(explain.ExplainError, match="scan.npy has 10 slices; no 10"):
+    with pytest.raises(explain.ExplainError, match=r"scan\.npy has 10 slices; no 10"):
         shown.picture(index=10)
-    overlay, raw, record = explorer.save(shown, tmp_path / "out", 0.4, "jet", index=2)
+    _, raw, record = explorer.save(shown, tmp_path / "out", 0.4, "jet", index=2)
     assert json.loads(record.read_text())["view"]["index"] == 2 and np.load(raw).shape == data.shape
     assert len(calls) == first  # slices, alpha and saving run no model
     app = App(spec, explain.load_model)
     assert list(app.explorer.photos) == []  # no bundled photos for a model of scans
     app.explorer.add(tmp_path / "scan.npy")
-    picture, caption, slider = app.draw("scan.npy", "gradcam", ["1"], None, "mean", False, False, 0.4, "jet", None)
+    page, caption, slider = app.draw("scan.npy", "gradcam", ["1"], None, "mean", False, False, 0.4, "jet", None)
+    assert page.count("data:image/jpeg;base64,") == 2 and "opacity:0.4" in page  # the slice and its map
     assert caption.endswith("slice 6 of 10 (the peak)") and slider.value == 6 and slider.maximum == 9
     drawn = len(calls)
     _, caption, _ = app.draw("scan.npy", "gradcam", ["1"], None, "mean", False, False, 0.4, "jet", 3)
@@ -387,18 +415,26 @@ def test_a_clip_is_scrubbed_frame_by_frame(tmp_path) -> None:
     for t in (0, 5):
         expected = np.asarray(explain.overlay(sampled[t], direct.cams[0, t], 0.5, "jet"))
         assert np.array_equal(np.asarray(shown.picture(index=t)), expected)
-    with pytest.raises(explain.ExplainError, match="clip.mkv has 8 frames; no 8"):
+    with pytest.raises(explain.ExplainError, match=r"clip\.mkv has 8 frames; no 8"):
         shown.picture(index=8)
 
 
-def test_a_signal_is_drawn_over_its_map() -> None:
+def test_a_signal_is_drawn_over_its_map(tmp_path) -> None:
     from test_volumes import signal_net
 
-    from explain.io.signals import plot_signal
     from explain.models import ModelSpec, SignalPreprocessing
 
     signal = np.stack([np.sin(np.arange(120) / 6), np.cos(np.arange(120) / 9)]).astype(np.float32)
-    explorer = Explorer(ModelSpec(signal_net(), "net", ["a", "b", "c"], SignalPreprocessing()))
+    np.save(tmp_path / "ecg.npy", signal)
+    spec = ModelSpec(signal_net(), "net", ["a", "b", "c"], SignalPreprocessing())
+    explorer = Explorer(spec)
+    photo = explorer.add(tmp_path / "ecg.npy")
+    shown = explorer.show(photo.name, View())
+    x = spec.preprocessing.standardized(torch.from_numpy(signal), axis=-1)[None]
+    torch.testing.assert_close(shown.cam, explain.GradCAM(spec.model)(x).cams[0], atol=1e-6, rtol=0)
+    base, heat = shown.layers()
+    assert heat is None and shown.peak is None  # one picture: the signal over its band, no slider
+    assert base.shape[1] == 1000 and base.shape[0] == 2 * 120 + 40  # two panels of 1.2 in, at 100 dpi
     with pytest.raises(explain.ExplainError, match="net reads signal files; give a file's path"):
         explorer.add(signal)
 

@@ -30,9 +30,9 @@ from ..export.reports import image_metrics
 from ..export.run import task_target
 from ..io.atomic import write_atomically
 from ..io.images import load_image, rgb_array
-from ..io.render import annotate, overlay, picture
+from ..io.render import annotate, blend, gradient_image, heat_layer
 from ..io.signals import plot_signal
-from ..io.volumes import slice_picture
+from ..io.volumes import grey, intensity_window
 from ..methods import create_method
 from ..metrics import sanity_check
 from ..models import ModelSpec
@@ -69,12 +69,14 @@ class Photo:
             uint8; a scan's voxels (D, H, W); a signal (C, L).
         x: The model's input, (1, C, *spatial) on the model's device.
         kind: ``"image"``, ``"video"``, ``"volume"`` or ``"signal"``.
+        window: A scan's grey window (see :func:`explain.io.volumes.intensity_window`), found once; else None.
     """
 
     name: str
     image: Image.Image | Tensor
     x: Tensor
     kind: str = "image"
+    window: tuple[float, float] | None = None
 
     @property
     def depth(self) -> int | None:
@@ -162,29 +164,47 @@ class Shown:
             return None
         return int(self.canvas.flatten(1).amax(dim=1).argmax())
 
-    def picture(self, alpha: float = 0.5, colormap: str = "jet", index: int | None = None) -> Image.Image:
-        """The map on the photo at the photo's resolution, a detection's box or a region's outline drawn.
+    def layers(self, colormap: str = "jet", index: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """The picture's two layers, HxWx3 uint8 at the photo's resolution: what the map is drawn on, and the
+        coloured map; :meth:`picture` blends them, a page can stack them (the map at the opacity alpha). A
+        detection's box or a region's outline is drawn on both. A guided map, or a signal drawn over its map as a
+        coloured band, is one layer (the second None).
 
-        A clip's frame or a scan's slice ``index`` is drawn (None: the :attr:`peak`'s); a signal is drawn over its
-        map as a coloured band (``alpha`` aside).
+        A clip's frame or a scan's slice ``index`` is drawn (None: the :attr:`peak`'s).
 
         Raises:
             ExplainError: ``index`` is no frame or slice of the photo.
         """
-        kind, image, canvas = self.photo.kind, self.photo.image, self.canvas
-        if kind == "signal":
-            return plot_signal(image, canvas, colormap)
-        if kind in ("video", "volume"):
-            depth, index = len(image), self.peak if index is None else index
+        photo, canvas = self.photo, self.canvas
+        if photo.kind == "signal":
+            return np.asarray(plot_signal(photo.image, canvas, colormap)), None
+        if photo.kind in ("video", "volume"):
+            depth, index = len(photo.image), self.peak if index is None else index
             if not 0 <= index < depth:
-                raise ExplainError(f"{self.photo.name} has {depth} {'frames' if kind == 'video' else 'slices'}; no {index}")
-            if kind == "volume":
-                return slice_picture(image.numpy(), canvas, index, alpha, colormap)
-            return overlay(image[index].numpy(), canvas[index], alpha, colormap)
-        drawn = picture(image, canvas, alpha, colormap)
+                unit = "frames" if photo.kind == "video" else "slices"
+                raise ExplainError(f"{photo.name} has {depth} {unit}; no {index}")
+            frame = photo.image[index].numpy()
+            base = frame if photo.kind == "video" else grey(frame, photo.window)
+            canvas = canvas[index]
+        else:
+            base = rgb_array(photo.image)
+        height, width = base.shape[:2]
+        if canvas.dim() == 3:  # a guided map of a photo: its own colours
+            return np.asarray(gradient_image(canvas, height, width)), None
+        heat = heat_layer(canvas, height, width, colormap)
         if self.entry.box is None and self.entry.region is None:
-            return drawn
-        return annotate(drawn, self.entry.label, self.entry.box, self.entry.region)
+            return base, heat
+        marked = (
+            annotate(Image.fromarray(layer), self.entry.label, self.entry.box, self.entry.region)
+            for layer in (base, heat)
+        )
+        return tuple(np.asarray(layer) for layer in marked)  # type: ignore[return-value]
+
+    def picture(self, alpha: float = 0.5, colormap: str = "jet", index: int | None = None) -> Image.Image:
+        """The map on the photo at the photo's resolution (see :meth:`layers`): the heat layer blended onto the
+        photo, a clip's frame or a scan's slice ``index``, with weight ``alpha``."""
+        base, heat = self.layers(colormap, index)
+        return Image.fromarray(base) if heat is None else blend(base, heat, alpha)
 
     def record(
         self, alpha: float, colormap: str, model: str, raw: str | None = None, index: int | None = None
@@ -261,6 +281,7 @@ class Explorer:
         self.score_threshold = score_threshold
         self._maps: OrderedDict[tuple[str, View], _Maps] = OrderedDict()
         self._top: dict[str, list[Entry]] = {}
+        self._layers: dict[tuple[int, ...], tuple[list[LayerInfo], list[str]]] = {}
         self._digests: dict[str, str] = {}
         self._lock = threading.RLock()
 
@@ -301,17 +322,22 @@ class Explorer:
             unique, count = name, 1
             while unique in self.photos:
                 count += 1
-                unique = f"{_stem(name)} ({count}){name[len(_stem(name)):]}"
-            photo = Photo(unique, image, x.to(self.spec.device), kind)
+                unique = f"{_stem(name)} ({count}){name[len(_stem(name)) :]}"
+            window = intensity_window(image.numpy()) if kind == "volume" else None
+            photo = Photo(unique, image, x.to(self.spec.device), kind, window)
             self.photos[unique] = photo
             self._digests[digest] = unique
             return photo
 
     def layers(self, photo: str) -> tuple[list[LayerInfo], list[str]]:
         """The layers a CAM can use on the photo, and the automatic choice (see
-        :func:`explain.core.layers.layer_choices`)."""
+        :func:`explain.core.layers.layer_choices`), found once per input shape."""
         with self._lock:
-            return layer_choices(self.spec.model, self.photos[photo].x, self.spec.labels)
+            x = self.photos[photo].x
+            shape = tuple(x.shape)
+            if shape not in self._layers:
+                self._layers[shape] = layer_choices(self.spec.model, x, self.spec.labels)
+            return self._layers[shape]
 
     def layer_menu(self, photo: str) -> list[tuple[str, str]]:
         """The photo's candidate layers as (what a menu shows, the name): the map's shape, the automatic choice

@@ -1,13 +1,15 @@
 """The explorer as a local web app, with Gradio: ``explain app [--model NAME] [--host H] [--port P]``.
 
 Every control calls one function, :meth:`App.draw`, with the whole view. The explorer keeps the maps, so a
-change of alpha or colormap only draws the kept map again. The endpoint ``/explain`` scripts the app:
+change of colormap, frame or slice only draws the kept map again; the alpha slider asks the server nothing (the
+page stacks the map's layers and changes the heat layer's opacity). The endpoint ``/explain`` scripts the app:
 ``gradio_client.Client(url).predict(image, model, method, target, api_name="/explain")``.
 """
 
 from __future__ import annotations
 
 import functools
+import html
 import os
 import sys
 import tempfile
@@ -20,6 +22,7 @@ from PIL import Image
 
 from ..catalog import FUSIONS
 from ..errors import ExplainError
+from ..io.render import data_uri
 from ..models import ModelSpec, load_model
 from ..targets import class_index
 from .session import Explorer, Shown, View, bundled_photos, method_choices
@@ -27,6 +30,7 @@ from .session import Explorer, Shown, View, bundled_photos, method_choices
 COLORMAPS = ("jet", "turbo", "viridis", "inferno", "magma", "gray")
 LOCAL = "127.0.0.1"
 MAX_FILE_SIZE = "100mb"  # an upload larger than this is refused before it is read
+SHOWN_FORMAT = "JPEG"  # how the page gets an overlay's layers: a tenth of PNG's encoding time; downloads are PNG
 
 
 def gradio() -> Any:
@@ -50,6 +54,27 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise gradio().Error(str(err), print_exception=False) from None
 
     return shown
+
+
+def stacked(shown: Shown, alpha: float, colormap: str, index: int | None = None) -> str:
+    """A shown map as the page draws it: its two layers (see :meth:`Shown.layers`) stacked, inline as JPEG, the
+    heat layer (class ``heat``) at opacity ``alpha``. The browser blends them as :meth:`Shown.picture` does, so
+    that moving the alpha slider changes one style in the page and asks the server nothing."""
+    base, heat = shown.layers(colormap, index)
+    text = html.escape(f"{shown.entry.class_name}: {shown.view.method}")
+    layers = f'<img class="base" src="{data_uri(base, SHOWN_FORMAT)}" alt="{text}" style="display:block;width:100%">'
+    if heat is not None:
+        layers += (
+            f'<img class="heat" src="{data_uri(heat, SHOWN_FORMAT)}" alt="" '
+            f'style="position:absolute;top:0;left:0;width:100%;opacity:{alpha}">'
+        )
+    return f'<div style="position:relative;max-width:{base.shape[1]}px">{layers}</div>'
+
+
+# Set the heat layers' opacity in the page: what the alpha slider does, without the server.
+OPACITY = """(alpha) => {
+  document.querySelectorAll("#overlay img.heat, #overlay_b img.heat").forEach((img) => { img.style.opacity = alpha; });
+}"""
 
 
 class App:
@@ -150,13 +175,13 @@ class App:
         alpha: float,
         colormap: str,
         index: int | None,
-    ) -> tuple[Image.Image | None, str, Any]:
-        """The overlay of the view, its caption, and the slider of a clip's frames or a scan's slices (hidden for
-        a photo), set to the one drawn (``index``; None: the map's peak). The model runs only for a view not
-        seen before."""
+    ) -> tuple[str, str, Any]:
+        """The overlay of the view (its layers stacked, see :func:`stacked`), its caption, and the slider of a
+        clip's frames or a scan's slices (hidden for a photo), set to the one drawn (``index``; None: the map's
+        peak). The model runs only for a view not seen before."""
         gr = gradio()
         if not photo:
-            return None, "", gr.Slider(visible=False)
+            return "", "", gr.Slider(visible=False)
         shown = self.explorer.show(photo, self.view(method, layers, target, fuse, aug, eigen))
         drawn = shown.peak if index is None else int(index)
         depth = shown.photo.depth
@@ -168,7 +193,7 @@ class App:
             visible=depth is not None,
             label="frame" if shown.photo.kind == "video" else "slice",
         )
-        return shown.picture(alpha, colormap or "jet", drawn), self.caption(shown, drawn), slider
+        return stacked(shown, alpha, colormap or "jet", drawn), self.caption(shown, drawn), slider
 
     def caption(self, shown: Shown, index: int | None = None) -> str:
         """What a shown map is: class, probability, method and layer, and a clip's frame or a scan's slice."""
@@ -260,13 +285,13 @@ def build(app: App) -> Any:
                 alpha = gr.Slider(0.0, 1.0, value=0.5, step=0.05, label="Alpha", elem_id="alpha")
                 frame = gr.Slider(0, 1, value=0, step=1, visible=False, label="frame", elem_id="index")
             with gr.Column(scale=2):
-                overlay = gr.Image(label="Overlay", type="pil", format="png", interactive=False, elem_id="overlay")
+                overlay = gr.HTML(elem_id="overlay")
                 caption = gr.Markdown(elem_id="caption")
             with gr.Column(scale=2):
                 with gr.Row():
                     method_b = gr.Dropdown(method_choices(), value="layercam", label="Compare: method")
                     target_b = gr.Dropdown(label="Compare: class" if classifier else "Compare: entry")
-                overlay_b = gr.Image(label="Compared", type="pil", format="png", interactive=False)
+                overlay_b = gr.HTML(elem_id="overlay_b")
                 caption_b = gr.Markdown()
         with gr.Row():
             measure = gr.Button("Faithfulness of the overlay")
@@ -287,17 +312,34 @@ def build(app: App) -> Any:
         drawn = [photo, *view, alpha, colormap, index]
         drawn_b = [photo, method_b, layers, target_b, fuse, aug, eigen, alpha, colormap, index]
         draw, opened = user_errors(app.draw), user_errors(app.opened)
-        chosen = [entries, layers, target_b, target, index]
+        shown, shown_b = [overlay, caption, frame], [overlay_b, caption_b]
+        live = {"trigger_mode": "always_last", "show_progress": "hidden", "queue": False}
 
+        def draw_b(*controls: Any) -> tuple[Any, ...]:
+            return draw(*controls)[:2]
+
+        def picked(slot: int) -> Callable[..., tuple[Any, ...]]:
+            """Draw with the value a user picked in the control at ``slot`` of ``drawn``, and keep it: one trip
+            to the server for a click."""
+            return lambda *controls: (*draw(*controls), controls[slot])
+
+        def reopen(event: Any) -> None:
+            """After a photo is opened, its first entry drawn, and compared."""
+            event.then(draw, drawn, shown, show_progress="hidden")
+            event.then(draw_b, drawn_b, shown_b, show_progress="hidden")
+
+        chosen = [entries, layers, target_b, target, index]
         files.upload(user_errors(app.add), files, [photo, problems])
-        photo.change(opened, photo, chosen)
-        entries.input(lambda picked: picked, entries, target)
-        typed.input(lambda picked: picked, typed, target)
-        frame.input(lambda picked: picked, frame, index)  # the user's move only: drawing sets the slider too
-        for control in (target, method, layers, fuse, aug, eigen, alpha, colormap, index):
-            control.change(draw, drawn, [overlay, caption, frame], trigger_mode="always_last")
-        for control in (target_b, method_b, layers, fuse, aug, eigen, alpha, colormap, index):
-            control.change(lambda *a: draw(*a)[:2], drawn_b, [overlay_b, caption_b], trigger_mode="always_last")
+        reopen(photo.change(opened, photo, chosen))
+        for control, slot, kept in ((entries, 3, target), (typed, 3, target), (frame, 9, index)):
+            inputs = [*drawn[:slot], control, *drawn[slot + 1 :]]
+            control.input(picked(slot), inputs, [*shown, kept], **live)
+        frame.input(draw_b, [*drawn_b[:9], frame], shown_b, **live)
+        for control in (method, layers, fuse, aug, eigen, colormap):
+            control.change(draw, drawn, shown, **live)
+        for control in (target_b, method_b, layers, fuse, aug, eigen, colormap):
+            control.change(draw_b, drawn_b, shown_b, **live)
+        alpha.change(None, alpha, None, js=OPACITY)
         measure.click(user_errors(app.metrics), [photo, *view], [curves, scores])
         download.click(user_errors(app.save), drawn, saved)
         api_call.click(
@@ -306,7 +348,7 @@ def build(app: App) -> Any:
             [api_overlay, api_classes, api_layer],
             api_name="explain",
         )
-        page.load(opened, photo, chosen)
+        reopen(page.load(opened, photo, chosen))
     return page
 
 

@@ -55,6 +55,25 @@ def colorize(cam: Tensor | np.ndarray, colormap: str = "jet") -> np.ndarray:
     return np.asarray(paletted.convert("RGB"))
 
 
+def heat_layer(cam: Tensor | np.ndarray, height: int, width: int, colormap: str = "jet") -> np.ndarray:
+    """A map upsampled bilinearly to (height, width) and coloured: the layer an overlay blends onto its image,
+    HxWx3 uint8 RGB."""
+    return colorize(resize_map(cam, height, width), colormap)
+
+
+def blend(pixels: np.ndarray, heat: np.ndarray, alpha: float = 0.5) -> Image.Image:
+    """``(1 - alpha) * pixels + alpha * heat``, rounded: two HxWx3 uint8 layers as one RGB image (what a browser
+    draws for the heat layer at opacity ``alpha`` over the pixels)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    blended = heat.astype(np.float32)
+    blended -= pixels  # in place: (1 - alpha) * pixels + alpha * heat, rounded, in four passes over memory
+    blended *= alpha
+    blended += pixels
+    blended += 0.5  # at most 255.5, which the cast truncates to 255
+    return Image.fromarray(blended.astype(np.uint8), mode="RGB")
+
+
 def overlay(
     image: Image.Image | np.ndarray,
     cam: Tensor | np.ndarray,
@@ -73,15 +92,8 @@ def overlay(
     Returns:
         The RGB overlay, same size as ``image``.
     """
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     pixels = rgb_array(image)
-    blended = colorize(resize_map(cam, *pixels.shape[:2]), colormap).astype(np.float32)
-    blended -= pixels  # in place: (1 - alpha) * pixels + alpha * heat, rounded, in four passes over memory
-    blended *= alpha
-    blended += pixels
-    blended += 0.5  # at most 255.5, which the cast truncates to 255
-    return Image.fromarray(blended.astype(np.uint8), mode="RGB")
+    return blend(pixels, heat_layer(cam, *pixels.shape[:2], colormap), alpha)
 
 
 def gradient_image(cam: Tensor | np.ndarray, height: int, width: int) -> Image.Image:
@@ -145,17 +157,21 @@ def map_picture(
     return picture(input_picture(x), values, alpha, colormap)
 
 
+def data_uri(image: Image.Image | np.ndarray, fmt: str = "PNG") -> str:
+    """A picture encoded inline, as an HTML ``src``: ``data:image/png;base64,...``."""
+    buffer = io.BytesIO()
+    (image if isinstance(image, Image.Image) else Image.fromarray(image)).save(buffer, format=fmt)
+    return f"data:image/{fmt.lower()};base64,{base64.b64encode(buffer.getvalue()).decode('ascii')}"
+
+
 def html_grid(pictures: list[Image.Image], captions: list[str], width: int = 224) -> str:
     """Pictures in a wrapping grid, each ``width`` pixels wide over its caption: an HTML fragment with the
     pictures inline as PNG."""
     figures = []
     for shown, caption in zip(pictures, captions):
-        buffer = io.BytesIO()
-        shown.save(buffer, format="PNG")
-        data = base64.b64encode(buffer.getvalue()).decode("ascii")
         text = html.escape(caption)
         figures.append(
-            f'<figure style="margin:4px;width:{width}px"><img src="data:image/png;base64,{data}" alt="{text}" '
+            f'<figure style="margin:4px;width:{width}px"><img src="{data_uri(shown)}" alt="{text}" '
             f'style="width:100%"><figcaption style="font-size:12px">{text}</figcaption></figure>'
         )
     return f'<div class="explain-result" style="display:flex;flex-wrap:wrap">{"".join(figures)}</div>'

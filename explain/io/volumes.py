@@ -163,35 +163,17 @@ def write_heatmap(heatmap: Tensor | np.ndarray, volume: Volume, path: Path) -> N
     write_atomically(path, lambda temp: temp.write_bytes(encoded))
 
 
-def _grey(slice_: np.ndarray, low: float, high: float) -> np.ndarray:
-    """A slice as an RGB uint8 image, its values windowed to [low, high]."""
-    scaled = np.clip((slice_ - low) / max(high - low, 1e-12), 0, 1)
-    return np.repeat((scaled * 255 + 0.5).astype(np.uint8)[..., None], 3, axis=-1)
-
-
-def _window(data: np.ndarray) -> tuple[float, float]:
+def intensity_window(data: np.ndarray) -> tuple[float, float]:
     """How a scan is shown grey: its values windowed to their 1st-99th percentile."""
     low, high = np.percentile(data, [1, 99])
     return float(low), float(high)
 
 
-def slice_picture(
-    data: np.ndarray, heatmap: Tensor | np.ndarray, index: int, alpha: float = 0.5, colormap: str = "jet"
-) -> Image.Image:
-    """Slice ``index`` of a scan's voxels (D, H, W), grey as in :func:`montage`, with its map's slice blended on:
-    what a slider through the volume shows.
-
-    Args:
-        data: The scan's voxels.
-        heatmap: Its map, (D, H, W) at the volume's size, values in [0, 1].
-        index: The slice, along the first axis.
-        alpha: Weight of the heatmap.
-        colormap: A matplotlib colormap name.
-    """
-    values = torch.as_tensor(heatmap).detach().cpu().float().numpy()
-    if values.shape != data.shape:
-        raise ValueError(f"the heatmap is {values.shape}, the volume {data.shape}: upsample it to the volume")
-    return overlay(_grey(data[index], *_window(data)), values[index], alpha, colormap)
+def grey(slice_: np.ndarray, window: tuple[float, float]) -> np.ndarray:
+    """A slice as an RGB uint8 image, its values windowed to [low, high] (see :func:`intensity_window`)."""
+    low, high = window
+    scaled = np.clip((slice_ - low) / max(high - low, 1e-12), 0, 1)
+    return np.repeat((scaled * 255 + 0.5).astype(np.uint8)[..., None], 3, axis=-1)
 
 
 def montage(
@@ -211,11 +193,11 @@ def montage(
     if values.shape != volume.data.shape:
         raise ValueError(f"the heatmap is {values.shape}, the volume {volume.data.shape}: upsample it to the volume")
     peak = np.unravel_index(int(values.argmax()), values.shape)
-    low, high = _window(volume.data)
+    window = intensity_window(volume.data)
     pictures = []
     for axis in range(3):
         scan, heat = np.take(volume.data, peak[axis], axis=axis), np.take(values, peak[axis], axis=axis)
-        pictures.append(overlay(_grey(scan, low, high), heat, alpha, colormap))
+        pictures.append(overlay(grey(scan, window), heat, alpha, colormap))
     height = max(p.height for p in pictures)
     sheet = Image.new("RGB", (sum(p.width for p in pictures) + gap * 2, height))
     left = 0
