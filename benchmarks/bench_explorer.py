@@ -37,8 +37,6 @@ from explain.explorer.web import COLORMAPS, App
 PHOTO = "chelsea.jpg"
 
 
-
-
 def handler_medians(rounds: int) -> dict[str, float]:
     """Median seconds of one explain call, and of a class click (the model runs) and a colormap change (the kept
     map drawn again) through the app's handler, the overlay's layers encoded as the page gets them."""
@@ -114,7 +112,8 @@ if (action === "click") {
   range.dispatchEvent(new PointerEvent("pointerup", {bubbles: true}));
   const heat = document.querySelector("#overlay img.heat");
   const painted = () => requestAnimationFrame(() => requestAnimationFrame(() => done(performance.now() - start)));
-  const applied = () => (Math.abs(parseFloat(heat.style.opacity) - parseFloat(value)) < 1e-6 ? painted() : setTimeout(applied, 1));
+  const close = () => Math.abs(parseFloat(heat.style.opacity) - parseFloat(value)) < 1e-6;
+  const applied = () => (close() ? painted() : setTimeout(applied, 1));
   applied();
 }
 """
@@ -180,7 +179,8 @@ def main() -> None:
         f"| one explain call (Grad-CAM, one class) | {1000 * base:.1f} | 1.00 | |",
         f"| class click → overlay, handler (`App.draw`, layers encoded) | {1000 * handler['class click']:.1f} | "
         f"{handler['class click'] / base:.2f} | ≤ 1.20× |",
-        f"| colormap change → overlay, handler (`App.draw`, layers encoded) | {1000 * handler['colormap change']:.1f} | "
+        "| colormap change → overlay, handler (`App.draw`, layers encoded) | "
+        f"{1000 * handler['colormap change']:.1f} | "
         f"{handler['colormap change'] / base:.2f} | |",
     ]
     if shutil.which("chromedriver") and (shutil.which("chromium") or shutil.which("chromium-browser")):

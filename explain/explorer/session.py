@@ -2,8 +2,8 @@
 
 An input is a photo, or for a model that reads them a video clip, a scan or a signal (called a photo all the
 same). A map is computed once per photo and view (method, layers, target, smoothing): drawing it again with
-another alpha, colormap, frame or slice runs no model. The web app (:mod:`explain.explorer.web`) and the notebook explorer
-(:mod:`explain.notebook`) are two faces of one :class:`Explorer`.
+another alpha, colormap, frame or slice runs no model. The web app (:mod:`explain.explorer.web`) and the notebook
+explorer (:mod:`explain.notebook`) are two faces of one :class:`Explorer`.
 """
 
 from __future__ import annotations
