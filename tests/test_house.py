@@ -56,20 +56,50 @@ MODULES = {
 }
 
 
+DRAWING = "explain.io.render"  # core/result.py draws a result in Jupyter with it, when asked, and with it alone
+
+
+def reached_from(module: str) -> set[str]:
+    """Every explain module imported from ``module``, directly or through others."""
+    seen, todo = set(), [module]
+    while todo:
+        for found in imported_modules(MODULES[todo.pop()]):
+            known = found if found in MODULES else found.rpartition(".")[0]
+            if known in MODULES and known not in seen:
+                seen.add(known)
+                todo.append(known)
+    return seen
+
+
 @pytest.mark.parametrize("low", ["core", "targets"])
 def test_core_and_targets_never_import_export_io_or_the_cli(low) -> None:
     for name, path in MODULES.items():
         if layer_of(name) != low:
             continue
-        reached = {layer_of(m) for m in imported_modules(path)}
+        imported = imported_modules(path)
+        if name == "explain.core.result":
+            imported -= {DRAWING, *reached_from(DRAWING)} | {m for m in imported if m.startswith(f"{DRAWING}.")}
+        reached = {layer_of(m) for m in imported}
         assert not reached & {"export", "io", "cli"}, f"{name} imports {sorted(reached & {'export', 'io', 'cli'})}"
 
 
-def test_only_the_cli_imports_export() -> None:
+def test_what_a_result_draws_with_reaches_no_engine_export_or_front_end() -> None:
+    """The one way from the core to I/O leads to drawing, which leads back to nothing above it."""
+    reached = reached_from(DRAWING)
+    assert {layer_of(m) for m in reached} <= {"io", "errors", "warning_filters"}, sorted(reached)
+    assert DRAWING in imported_modules(MODULES["explain.core.result"]) | {
+        m.rpartition(".")[0] for m in imported_modules(MODULES["explain.core.result"])
+    }
+
+
+FRONT_ENDS = {"cli", "__main__", "explorer", "notebook"}  # what a user runs: the command line, the app, the widgets
+
+
+def test_only_the_front_ends_import_export_and_none_imports_them() -> None:
     for name, path in MODULES.items():
-        if layer_of(name) in ("export", "cli") or name == "explain":  # the package's lazy names are strings
+        if layer_of(name) in {"export", *FRONT_ENDS} or name == "explain":  # the package's lazy names are strings
             continue
-        reached = {m for m in imported_modules(path) if layer_of(m) == "export"}
+        reached = {m for m in imported_modules(path) if layer_of(m) in {"export", *FRONT_ENDS}}
         assert not reached, f"{name} imports {sorted(reached)}"
 
 
@@ -84,6 +114,7 @@ def test_the_rules_are_read_from_real_imports() -> None:
     """The reader sees relative imports at every depth: the check above cannot pass by reading nothing."""
     assert "explain.core.engine" in imported_modules(PACKAGE / "methods" / "gradient.py")
     assert "explain.export.run" in imported_modules(PACKAGE / "cli.py")
+    assert "explain.explorer.session" in imported_modules(PACKAGE / "notebook.py")
     assert "explain.targets" in imported_modules(PACKAGE / "core" / "engine.py")
 
 

@@ -5,5 +5,5 @@ the recorder of activations and gradients), ``model_state.py`` (the user's model
 (map arithmetic), ``layers.py`` (layer resolution and the automatic choice), ``layouts.py`` (how an output
 becomes a map), ``rows.py`` (row-restricted backward), ``folding.py`` (batch norms folded for scoring
 forwards), ``attention_capture.py`` (attention probabilities recorded), ``detectors.py`` (detector internals),
-``warning_filters.py`` (thread-safe warning filters).
+``result.py`` (what a call returns; it shows itself in Jupyter, drawing with :mod:`explain.io.render` when asked).
 """
