@@ -1,7 +1,8 @@
 """Chefer et al. 2021a (explain.methods.chefer) on timm's ViT against the authors' algorithm written here: their
 relevance modules (RelProp's gradprop, the αβ linear rule, the normalized residual sum, the halved products) run
 image by image (their batch of one) over the blocks recomputed explicitly, each attention's gradient from timm's
-unfused path, and their rollout of I + E_h[(∇A ⊙ R_A)⁺]."""
+unfused path, and their rollout of I + E_h[(∇A ⊙ R_A)⁺]. torchvision's and HuggingFace's ViTs against their timm
+twins (the same weights in timm's blocks)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from conftest import hook_count
 from test_rollout import timm_attention, timm_vit
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
 
 import explain
 
@@ -114,8 +117,107 @@ def test_chefer_is_the_authors_algorithm_on_timm_s_vit() -> None:
     assert hook_count(model) == 0
 
 
-def test_chefer_refuses_the_transformers_its_rules_are_not_written_for() -> None:
+def timm_twin(depth: int, heads: int, width: int, mlp: int, **kwargs) -> nn.Module:
+    """A timm ViT of the test models' shape (64 px, 16 px patches, 10 classes), to copy another family into."""
+    return VisionTransformer(
+        img_size=64, patch_size=16, embed_dim=width, depth=depth, num_heads=heads, mlp_ratio=mlp / width,
+        num_classes=10, **kwargs,
+    ).eval()  # fmt: skip
+
+
+def copy_block(block, norm1, qkv_weight, qkv_bias, proj, norm2, fc1, fc2) -> None:
+    """One timm block's weights set from another family's parts."""
+    with torch.no_grad():
+        for mine, theirs in ((block.norm1, norm1), (block.attn.proj, proj), (block.norm2, norm2)):
+            mine.load_state_dict(theirs.state_dict())
+        block.mlp.fc1.load_state_dict(fc1.state_dict())
+        block.mlp.fc2.load_state_dict(fc2.state_dict())
+        block.attn.qkv.weight.copy_(qkv_weight)
+        block.attn.qkv.bias.copy_(qkv_bias)
+
+
+def timm_copy_of_torchvision(model) -> nn.Module:
+    layers = model.encoder.layers
+    twin = timm_twin(len(layers), layers[0].self_attention.num_heads, model.hidden_dim, layers[0].mlp[0].out_features)
+    with torch.no_grad():
+        twin.patch_embed.proj.load_state_dict(model.conv_proj.state_dict())
+        twin.cls_token.copy_(model.class_token)
+        twin.pos_embed.copy_(model.encoder.pos_embedding)
+        for block, layer in zip(twin.blocks, layers):
+            attn = layer.self_attention
+            copy_block(block, layer.ln_1, attn.in_proj_weight, attn.in_proj_bias, attn.out_proj, layer.ln_2,
+                       layer.mlp[0], layer.mlp[3])  # fmt: skip
+        twin.norm.load_state_dict(model.encoder.ln.state_dict())
+        twin.head.load_state_dict(model.heads.head.state_dict())
+    return twin
+
+
+def timm_copy_of_huggingface(model) -> nn.Module:
+    config, base = model.config, model.vit
+    twin = timm_twin(config.num_hidden_layers, config.num_attention_heads, config.hidden_size,
+                     config.intermediate_size)  # fmt: skip
+    with torch.no_grad():
+        twin.patch_embed.proj.load_state_dict(base.embeddings.patch_embeddings.projection.state_dict())
+        twin.cls_token.copy_(base.embeddings.cls_token)
+        twin.pos_embed.copy_(base.embeddings.position_embeddings)
+        for block, layer in zip(twin.blocks, base.layers):
+            attn = layer.attention
+            projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+            copy_block(block, layer.layernorm_before, torch.cat([p.weight for p in projections]),
+                       torch.cat([p.bias for p in projections]), attn.o_proj, layer.layernorm_after, layer.mlp.fc1,
+                       layer.mlp.fc2)  # fmt: skip
+        twin.norm.load_state_dict(base.layernorm.state_dict())
+        twin.head.load_state_dict(model.classifier.state_dict())
+    return twin
+
+
+def huggingface_vit() -> nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    config = ViTConfig(image_size=64, patch_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                       num_attention_heads=2, num_labels=10, layer_norm_eps=1e-6)  # fmt: skip
+    return ViTForImageClassification(config).eval()
+
+
+@pytest.mark.parametrize("family", ["torchvision", "huggingface"])
+def test_chefer_on_torchvision_s_and_huggingface_s_vit_is_the_timm_twin_s(family) -> None:
+    """Each family's ViT, its weights copied into a timm ViT: the two compute the same logits, and Chefer's map of
+    the family's model is the one of its timm twin (whose map is the authors' algorithm, tested above)."""
     from test_rollout import torchvision_vit
 
+    model = torchvision_vit() if family == "torchvision" else huggingface_vit()
+    twin = timm_copy_of_torchvision(model) if family == "torchvision" else timm_copy_of_huggingface(model)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        logits = model(x)
+        logits = logits if isinstance(logits, torch.Tensor) else logits.logits
+        assert torch.allclose(logits, twin(x), atol=1e-5)
+    expected = explain.CheferRelevance(twin)(x, TARGETS, resize=False, normalize=False).raw
+    got = explain.CheferRelevance(model)(x, TARGETS, resize=False, normalize=False).raw
+    assert expected.abs().max() > 0
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
+    assert hook_count(model) == 0
+
+
+def test_chefer_refuses_a_block_its_rules_do_not_describe() -> None:
+    """A post-norm block (x + norm(attention(x))) has the parts the rules read but computes something else: the
+    recomputed block differs from what the model computed, and the call refuses instead of drawing a map."""
+    from test_rollout import torchvision_vit
+    from torchvision.models.vision_transformer import EncoderBlock
+
+    class PostNorm(EncoderBlock):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            middle = x + self.ln_1(self.self_attention(x, x, x, need_weights=False)[0])
+            return middle + self.ln_2(self.mlp(middle))
+
+    model = torchvision_vit()
+    model.encoder.layers[1].__class__ = PostNorm
+    with pytest.raises(explain.LayerError, match="PostNorm does not compute what its rules read"):
+        explain.CheferRelevance(model)(torch.randn(1, 3, 64, 64))
+    assert hook_count(model) == 0
+
+
+def test_chefer_refuses_the_transformers_its_rules_are_not_written_for() -> None:
     with pytest.raises(explain.LayerError, match="gradient_rollout weighs the attention by its gradient alone"):
-        explain.CheferRelevance(torchvision_vit())(torch.randn(1, 3, 64, 64))
+        explain.CheferRelevance(timm_twin(2, 2, 32, 64, global_pool="avg"))(torch.randn(1, 3, 64, 64))

@@ -6,23 +6,28 @@ CVPR 2021, arXiv:2012.09838, section 3): linear layers by LRP-αβ with α = 1, 
 activations, dropout and the softmax pass relevance through; a residual sum u + v and the attention's two products
 (q kᵀ and A v) split it between their operands in proportion to their contributions, the sum renormalized so that
 each operand's share is its contribution's magnitude, and each product's halves divided by 2. Divisions by zero
-give zero (the authors' ``safe_divide``: b + 1e-9 in the denominator). It runs on timm's ViT and DeiT blocks
-(``Block`` with ``Attention``) with class-token pooling: the blocks' inputs are kept by the forward, and the pass
-recomputes each block from its input.
+give zero (the authors' ``safe_divide``: b + 1e-9 in the denominator).
+
+The rules read a pre-norm block (``x + attention(norm(x))``, then ``+ mlp(norm(.))``) and a class token pooled
+into a linear head; each family's parts are named in :func:`vit_parts` (timm's, torchvision's and HuggingFace's
+ViT and DeiT). The forward keeps each block's input and output; the pass recomputes each block from its input
+and refuses a model whose recomputed block or head does not give what the model computed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.attention_capture import AttentionRecorder
+from ..core.attention_capture import AttentionRecorder, attention_kind
 from ..core.engine import Capture
 from ..errors import LayerError
-from .rollout import GradientRollout
+from .rollout import ClassHead, GradientRollout, class_head
 
 
 def safe_divide(a: Tensor, b: Tensor) -> Tensor:
@@ -57,35 +62,188 @@ def split_product(a: Tensor, b: Tensor, relevance: Tensor) -> tuple[Tensor, Tens
     return a * (s @ b.transpose(-2, -1)) / 2, b * (a.transpose(-2, -1) @ s) / 2
 
 
-def attention_relevance(attention: nn.Module, tokens: Tensor, relevance: Tensor) -> tuple[Tensor, Tensor]:
-    """timm's ``Attention`` on ``tokens`` (N, T, C): the relevance of its input and of its probabilities
-    (N, heads, T, T), from its output's."""
-    n, t, c = tokens.shape
-    heads = attention.num_heads
-    q, k, v = attention.qkv(tokens).reshape(n, t, 3, heads, c // heads).permute(2, 0, 3, 1, 4).unbind(0)
-    q, k = attention.q_norm(q), attention.k_norm(k)
-    probabilities = (q * attention.scale @ k.transpose(-2, -1)).softmax(dim=-1)
-    merged = attention.norm((probabilities @ v).transpose(1, 2).reshape(n, t, c))
-    per_head = z_plus(merged, attention.proj.weight, relevance).reshape(n, t, heads, -1).transpose(1, 2)
+def _heads(z: Tensor, heads: int) -> Tensor:
+    """Tokens (N, T, C) split into heads (N, heads, T, C / heads)."""
+    n, t, _ = z.shape
+    return z.reshape(n, t, heads, -1).transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class BlockParts:
+    """One pre-norm transformer block as the rules read it: ``m = x + ls1(proj(A v))`` with A, q, k and v from
+    ``norm1(x)``, then ``m + ls2(fc2(activate(fc1(norm2(m)))))``.
+
+    Attributes:
+        block: The block, whose output the recomputation must give back.
+        attention: Its attention module (whose probabilities the recorder keeps).
+        norm1, norm2: The norms before the attention and before the MLP.
+        qkv: The normed tokens' q, k and v, (N, heads, T, d) each, with any q/k norm applied.
+        qkv_weight: The q, k and v projections' weights stacked, (3 C', C).
+        scale: What q kᵀ is multiplied by before the softmax.
+        merged_norm: Applied to the heads' merged outputs before the projection (timm's ``attn.norm``).
+        proj: The attention's output projection.
+        ls1, ls2: The layer scales of the two branches.
+        fc1, fc2: The MLP's two linear layers.
+        activate: What lies between them (activation, dropout, norm).
+    """
+
+    block: nn.Module
+    attention: nn.Module
+    norm1: nn.Module
+    qkv: Callable[[Tensor], tuple[Tensor, Tensor, Tensor]]
+    qkv_weight: Tensor
+    scale: float
+    merged_norm: Callable[[Tensor], Tensor]
+    proj: nn.Linear
+    ls1: Callable[[Tensor], Tensor]
+    norm2: nn.Module
+    fc1: nn.Linear
+    activate: Callable[[Tensor], Tensor]
+    fc2: nn.Linear
+    ls2: Callable[[Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class ViTParts:
+    """A class-token vision transformer as the rules read it: its blocks, and its head, which reads the class
+    token of the last block's output."""
+
+    blocks: list[BlockParts]
+    head: ClassHead
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
+def _timm_parts(model: nn.Module) -> list[BlockParts] | None:
+    if not (_is_timm(model, "VisionTransformer") and model.global_pool == "token" and model.attn_pool is None):
+        return None
+
+    def block_parts(block: nn.Module) -> BlockParts:
+        attn, mlp = block.attn, block.mlp
+
+        def qkv(t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+            q, k, v = (_heads(z, attn.num_heads) for z in attn.qkv(t).chunk(3, dim=-1))
+            return attn.q_norm(q), attn.k_norm(k), v
+
+        activate = lambda h: mlp.norm(mlp.drop1(mlp.act(h)))  # noqa: E731
+        return BlockParts(block, attn, block.norm1, qkv, attn.qkv.weight, attn.scale, attn.norm, attn.proj,
+                          block.ls1, block.norm2, mlp.fc1, activate, mlp.fc2, block.ls2)  # fmt: skip
+
+    return [block_parts(b) for b in model.blocks]
+
+
+def _torchvision_parts(model: nn.Module) -> list[BlockParts] | None:
+    if (type(model).__module__.split(".")[0], type(model).__name__) != ("torchvision", "VisionTransformer"):
+        return None
+
+    def block_parts(block: nn.Module) -> BlockParts:
+        attn, mlp = block.self_attention, block.mlp
+
+        def qkv(t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+            projected = F.linear(t, attn.in_proj_weight, attn.in_proj_bias).chunk(3, dim=-1)
+            return tuple(_heads(z, attn.num_heads) for z in projected)  # type: ignore[return-value]
+
+        scale = (attn.embed_dim // attn.num_heads) ** -0.5
+        return BlockParts(block, attn, block.ln_1, qkv, attn.in_proj_weight, scale, _identity, attn.out_proj,
+                          _identity, block.ln_2, mlp[0], lambda h: mlp[2](mlp[1](h)), mlp[3], _identity)  # fmt: skip
+
+    return [block_parts(b) for b in model.encoder.layers]
+
+
+def _huggingface_parts(model: nn.Module) -> list[BlockParts] | None:
+    blocks = getattr(getattr(model, "base_model", None), "layers", None)
+    if not isinstance(blocks, nn.ModuleList):
+        return None
+    if not all(attention_kind(getattr(b, "attention", None)) == "hf" for b in blocks):
+        return None
+
+    def block_parts(block: nn.Module) -> BlockParts:
+        attn, mlp = block.attention, block.mlp
+        heads = attn.num_attention_heads
+
+        def qkv(t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+            return tuple(_heads(p(t), heads) for p in (attn.q_proj, attn.k_proj, attn.v_proj))  # type: ignore[return-value]
+
+        weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        return BlockParts(block, attn, block.layernorm_before, qkv, weight, attn.scaling, _identity, attn.o_proj,
+                          _identity, block.layernorm_after, mlp.fc1, mlp.activation_fn, mlp.fc2, _identity)  # fmt: skip
+
+    return [block_parts(b) for b in blocks]
+
+
+PASSING = (nn.LayerNorm, nn.Dropout, nn.Identity)  # what lies before a head that relevance passes unchanged
+
+
+def vit_parts(model: nn.Module) -> ViTParts:
+    """The model's blocks and head as Chefer's rules read them: timm's ViT and DeiT, torchvision's ViT, and
+    HuggingFace's ViT and DeiT classifiers, each with class-token pooling and a linear head after norms.
+
+    Raises:
+        LayerError: Another model; it names gradient_rollout.
+    """
+    head = class_head(model)
+    if head is not None and all(isinstance(m, PASSING) for m in head.pre_head.modules() if m is not head.pre_head):
+        for family in (_timm_parts, _torchvision_parts, _huggingface_parts):
+            try:
+                blocks = family(model)
+            except AttributeError:  # a relative with other parts: no rules for it
+                blocks = None
+            if blocks:
+                return ViTParts(blocks, head)
+    raise LayerError(
+        f"Chefer 2021a's relevance rules are written for class-token vision transformers (timm's, torchvision's and "
+        f"HuggingFace's ViT and DeiT), not a {type(model).__name__}; gradient_rollout weighs the attention by its "
+        "gradient alone"
+    )
+
+
+def attention_relevance(parts: BlockParts, tokens: Tensor, relevance: Tensor) -> tuple[Tensor, Tensor]:
+    """A block's attention on its normed ``tokens`` (N, T, C): the relevance of its input and of its
+    probabilities (N, heads, T, T), from its output's."""
+    q, k, v = parts.qkv(tokens)
+    probabilities = (q * parts.scale @ k.transpose(-2, -1)).softmax(dim=-1)
+    merged = parts.merged_norm((probabilities @ v).transpose(1, 2).flatten(2))
+    per_head = _heads(z_plus(merged, parts.proj.weight, relevance), q.shape[1])
     of_probabilities, of_v = split_product(probabilities, v, per_head)
     of_q, of_k_transposed = split_product(q, k.transpose(-2, -1), of_probabilities)  # the softmax passes it
-    of_qkv = torch.stack([of_q, of_k_transposed.transpose(-2, -1), of_v]).permute(1, 3, 0, 2, 4).reshape(n, t, 3 * c)
-    return z_plus(tokens, attention.qkv.weight, of_qkv), of_probabilities
+    of_qkv = torch.cat([z.transpose(1, 2).flatten(2) for z in (of_q, of_k_transposed.transpose(-2, -1), of_v)], -1)
+    return z_plus(tokens, parts.qkv_weight, of_qkv), of_probabilities
 
 
-def block_relevance(block: nn.Module, x: Tensor, relevance: Tensor) -> tuple[Tensor, Tensor]:
-    """timm's ``Block`` on its input ``x``: the relevance of its input and of its attention's probabilities."""
-    normed = block.norm1(x)
-    attended = block.ls1(block.attn(normed))
+def block_relevance(parts: BlockParts, x: Tensor, output: Tensor, relevance: Tensor) -> tuple[Tensor, Tensor]:
+    """A block on its input ``x``: the relevance of its input and of its attention's probabilities.
+
+    Raises:
+        LayerError: The block recomputed from its parts does not give its recorded ``output``: the rules do not
+            describe it.
+    """
+    normed = parts.norm1(x)
+    q, k, v = parts.qkv(normed)
+    probabilities = (q * parts.scale @ k.transpose(-2, -1)).softmax(dim=-1)
+    attended = parts.ls1(parts.proj(parts.merged_norm((probabilities @ v).transpose(1, 2).flatten(2))))
     middle = x + attended
-    mlp = block.mlp
-    hidden = block.norm2(middle)
-    activated = mlp.norm(mlp.drop1(mlp.act(mlp.fc1(hidden))))
-    of_middle, of_mlp = split_sum(middle, block.ls2(mlp(hidden)), relevance)
-    of_middle = of_middle + z_plus(hidden, mlp.fc1.weight, z_plus(activated, mlp.fc2.weight, of_mlp))
+    hidden = parts.norm2(middle)
+    activated = parts.activate(parts.fc1(hidden))
+    mlp = parts.ls2(parts.fc2(activated))
+    _check_recomputed(middle + mlp, output, type(parts.block).__name__)
+    of_middle, of_mlp = split_sum(middle, mlp, relevance)
+    of_middle = of_middle + z_plus(hidden, parts.fc1.weight, z_plus(activated, parts.fc2.weight, of_mlp))
     of_x, of_attended = split_sum(x, attended, of_middle)
-    of_normed, of_probabilities = attention_relevance(block.attn, normed, of_attended)
+    of_normed, of_probabilities = attention_relevance(parts, normed, of_attended)
     return of_x + of_normed, of_probabilities
+
+
+def _check_recomputed(recomputed: Tensor, recorded: Tensor, what: str) -> None:
+    """The rules describe a part only if recomputing it from them gives what the model computed."""
+    tolerance = 1e-3 * recorded.abs().max().clamp_min(1e-6)
+    if recomputed.shape != recorded.shape or (recomputed - recorded).abs().max() > tolerance:
+        raise LayerError(
+            f"Chefer 2021a: this model's {what} does not compute what its rules read (a pre-norm block "
+            "x + attention(norm(x)), then + mlp(norm(.)); class-token pooling into a linear head); "
+            "gradient_rollout weighs the attention by its gradient alone"
+        )
 
 
 def _is_timm(module: nn.Module, name: str) -> bool:
@@ -93,22 +251,40 @@ def _is_timm(module: nn.Module, name: str) -> bool:
 
 
 class BlockInputRecorder(AttentionRecorder):
-    """An attention recorder that also keeps each block's input and the head's output (in the graph)."""
+    """An attention recorder that also keeps each block's input and output and the head's output (in the graph).
 
-    def __init__(self, modules: Mapping[str, nn.Module], name: str, blocks: Sequence[nn.Module], head: nn.Module):
+    Args:
+        modules: The attention modules to record, by name.
+        name: The name the stacked attention goes by.
+        parts: The model's parts (see :func:`vit_parts`).
+    """
+
+    def __init__(self, modules: Mapping[str, nn.Module], name: str, parts: ViTParts):
         super().__init__(modules, name)
-        self.blocks, self.head = list(blocks), head
+        self.parts = parts
         self.inputs: dict[nn.Module, Tensor] = {}
-        self.last: Tensor | None = None  # the last block's output
+        self.outputs: dict[nn.Module, Tensor] = {}
         self.head_output: Tensor | None = None
 
     def __enter__(self) -> BlockInputRecorder:
         super().__enter__()
-        for block in self.blocks:
-            self._hooks.forward(block, lambda m, i, o: self.inputs.__setitem__(m, i[0].detach()))
-        self._hooks.forward(self.blocks[-1], lambda m, i, o: setattr(self, "last", o.detach()))
-        self._hooks.forward(self.head, lambda m, i, o: setattr(self, "head_output", o))
+        try:
+            for block in (b.block for b in self.parts.blocks):
+                self._hooks.forward_pre(block, self._keep_input, with_kwargs=True)
+                self._hooks.forward(block, lambda m, i, o: self.outputs.__setitem__(m, _tokens(o).detach()))
+            self._hooks.forward(self.parts.head.linear, lambda m, i, o: setattr(self, "head_output", o))
+        except BaseException:
+            self._hooks.remove()
+            raise
         return self
+
+    def _keep_input(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.inputs[module] = (args[0] if args else kwargs["hidden_states"]).detach()
+
+
+def _tokens(output: Any) -> Tensor:
+    """A block's output tokens: the tensor itself, or the first of a tuple."""
+    return output[0] if isinstance(output, (tuple, list)) else output
 
 
 class CheferRelevance(GradientRollout):
@@ -118,11 +294,12 @@ class CheferRelevance(GradientRollout):
     :math:`\bar A_b = I + E_h[(\nabla A_b \odot R_{A_b})^+]`, :math:`C = \bar A_B \cdots \bar A_1`, the map the
     class token's row of C over the patch tokens. :math:`\nabla A_b` is the target score's gradient at block b's
     probabilities; :math:`R_{A_b}` their relevance, propagated from the score's gradient at the logits by the
-    authors' rules (see this module's notes). Class-specific through any target. timm's ViT and DeiT with
-    class-token pooling; another transformer is a clear error (``gradient_rollout`` needs no relevance).
+    authors' rules (see this module's notes). Class-specific through any target. timm's, torchvision's and
+    HuggingFace's ViT and DeiT with class-token pooling; another transformer is a clear error
+    (``gradient_rollout`` needs no relevance).
 
     Args:
-        model: timm's ``VisionTransformer``; left as it was.
+        model: A class-token vision transformer (see :func:`vit_parts`); left as it was.
         layer: The attention modules to roll out (relevance passes through every block above them); None: all.
         labels: Class names, to accept a class name as target.
     """
@@ -130,16 +307,7 @@ class CheferRelevance(GradientRollout):
     name = "chefer"
 
     def recorder(self, modules: Mapping[str, nn.Module]) -> BlockInputRecorder:
-        model = self.model
-        if not _is_timm(model, "VisionTransformer") or model.global_pool != "token" or model.attn_pool is not None:
-            raise LayerError(
-                f"Chefer 2021a's relevance rules are written for timm's ViT and DeiT with class-token pooling, not a "
-                f"{type(model).__name__}; gradient_rollout weighs the attention by its gradient alone"
-            )
-        blocks = list(model.blocks)
-        if not all(_is_timm(b, "Block") and _is_timm(b.attn, "Attention") for b in blocks):
-            raise LayerError("Chefer 2021a reads timm's Block and Attention; this ViT has other blocks")
-        return BlockInputRecorder(self._attention, self.layer, blocks, model.head)
+        return BlockInputRecorder(self._attention, self.layer, vit_parts(self.model))
 
     def weighted(self, capture: Capture) -> Tensor:
         return capture.gradients.double().clamp(min=0).mean(dim=2)  # the "gradients" are ∇A ⊙ R_A already
@@ -149,14 +317,19 @@ class CheferRelevance(GradientRollout):
         gradients = recorder.backward(score)[self.layer]
         (relevance,) = torch.autograd.grad(score, recorder.head_output, retain_graph=True)
         names = {m: name for name, m in self._attention.items()}
+        parts = recorder.parts
         found: dict[str, Tensor] = {}
         with torch.no_grad():
-            features = self.model.fc_norm(self.model.norm(recorder.last)[:, 0])  # the head's input: norms pass
-            tokens = torch.zeros_like(recorder.last)
-            tokens[:, 0] = z_plus(features, self.model.head.weight, relevance.to(features.dtype))
-            for block in reversed(recorder.blocks):
-                tokens, of_probabilities = block_relevance(block, recorder.inputs[block], tokens)
-                if block.attn in names:
-                    found[names[block.attn]] = of_probabilities
+            last = recorder.outputs[parts.blocks[-1].block]
+            pooled = parts.head.pre_head(parts.head.norm(last[:, 0]))  # the linear head's input: norms pass
+            _check_recomputed(parts.head.linear(pooled), recorder.head_output.detach(), "head")
+            tokens = torch.zeros_like(last)
+            tokens[:, 0] = z_plus(pooled, parts.head.linear.weight, relevance.to(pooled.dtype))
+            for block in reversed(parts.blocks):
+                tokens, of_probabilities = block_relevance(
+                    block, recorder.inputs[block.block], recorder.outputs[block.block], tokens
+                )
+                if block.attention in names:
+                    found[names[block.attention]] = of_probabilities
         stacked = torch.stack([found[name] for name in self._attention], dim=1)
         return {self.layer: gradients * stacked.to(gradients.dtype)}

@@ -11,26 +11,16 @@ from ..core.attention_capture import AttentionRecorder
 from ..core.engine import Capture
 from ..core.layers import LayerSpec
 from ..errors import LayerError
-from .rollout import Rollout
+from .rollout import Rollout, class_head
 
 ReadOut = Callable[[Tensor], Any]  # a block's tokens (N, T, C) -> an output the target scores
 
 
 def read_out_of(model: nn.Module) -> ReadOut | None:
     """How a vision transformer reads its class out of any block's tokens: the tokens' mean through the model's
-    final norm and head (torchvision's ViT, timm's VisionTransformer, HuggingFace's ``*ForImageClassification``
-    with a ``layernorm`` and a ``classifier``); None for another model."""
-    kind = (type(model).__module__.split(".")[0], type(model).__name__)
-    if kind == ("torchvision", "VisionTransformer"):
-        return lambda tokens: model.heads(model.encoder.ln(tokens.mean(dim=1)))
-    if kind == ("timm", "VisionTransformer"):
-        return lambda tokens: model.head(model.head_drop(model.fc_norm(model.norm(tokens.mean(dim=1)))))
-    base = getattr(model, "base_model", None)
-    if isinstance(getattr(model, "classifier", None), nn.Module) and isinstance(
-        getattr(base, "layernorm", None), nn.Module
-    ):
-        return lambda tokens: model.classifier(base.layernorm(tokens.mean(dim=1)))
-    return None
+    final norm and head (:func:`explain.methods.rollout.class_head`); None for another model."""
+    head = class_head(model)
+    return None if head is None else lambda tokens: head(tokens.mean(dim=1))
 
 
 class ReadOutRecorder(AttentionRecorder):

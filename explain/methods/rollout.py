@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +18,41 @@ from ..core.layers import LayerInfo, LayerSpec
 from ..core.layouts import Geometry, Layout
 from ..errors import LayerError
 from ..targets import TargetLike
+
+
+@dataclass(frozen=True)
+class ClassHead:
+    """How a vision transformer reads its class out of tokens: ``linear(pre_head(norm(pooled)))``.
+
+    Attributes:
+        norm: The final norm, applied to each token (or to a pooled vector).
+        pre_head: What lies between the norm and the linear head (timm's ``fc_norm`` and dropout, torchvision's
+            pre-logits); empty where nothing does.
+        linear: The linear head.
+    """
+
+    norm: nn.Module
+    pre_head: nn.Sequential
+    linear: nn.Linear
+
+    def __call__(self, pooled: Tensor) -> Tensor:
+        """The class scores of pooled tokens (N, C)."""
+        return self.linear(self.pre_head(self.norm(pooled)))
+
+
+def class_head(model: nn.Module) -> ClassHead | None:
+    """The final norm and head of torchvision's ViT, timm's VisionTransformer or HuggingFace's
+    ``*ForImageClassification`` (a ``layernorm`` and a linear ``classifier``); None for another model."""
+    kind = (type(model).__module__.split(".")[0], type(model).__name__)
+    if kind == ("torchvision", "VisionTransformer") and isinstance(model.heads[-1], nn.Linear):
+        return ClassHead(model.encoder.ln, model.heads[:-1], model.heads[-1])
+    if kind == ("timm", "VisionTransformer") and isinstance(model.head, nn.Linear):
+        return ClassHead(model.norm, nn.Sequential(model.fc_norm, model.head_drop), model.head)
+    base = getattr(model, "base_model", None)
+    norm, classifier = getattr(base, "layernorm", None), getattr(model, "classifier", None)
+    if isinstance(norm, nn.Module) and isinstance(classifier, nn.Linear):
+        return ClassHead(norm, nn.Sequential(), classifier)
+    return None
 
 
 class Rollout(CAM):
