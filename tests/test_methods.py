@@ -509,6 +509,23 @@ def test_finer_cam_is_pytorch_grad_cam_s_with_the_look_alikes_or_given_classes()
         explain.cam(model, x, "finercam", "layer3", explain.targets.RegressionTarget())
 
 
+def test_finer_cam_of_the_top_k_classes_is_each_class_s_own_finer_cam() -> None:
+    """With topk, each of the K explained classes is contrasted with its own look-alikes (nearest to its logit,
+    never itself): map k is the Finer-CAM of image i's k-th class asked for alone, and so is ContrastTarget(TopK)."""
+    model = seeded("resnet18", num_classes=10)
+    x = inputs(64)
+    finer = explain.METHODS["finercam"](model, "layer3", nearest=2)
+    got = finer(x, topk=3, normalize=False)
+    ranked = model(x).topk(3, dim=1).indices
+    assert got.cams.shape == (len(x), 3, 64, 64) and torch.equal(got.class_indices, ranked)
+    assert not torch.allclose(got.cams[:, 0], got.cams[:, 1])
+    for k in range(3):
+        alone = finer(x, ranked[:, k].tolist(), normalize=False)
+        torch.testing.assert_close(got.cams[:, k], alone.cams)
+    contrast = explain.targets.ContrastTarget(explain.targets.TopK(3), nearest=2)
+    torch.testing.assert_close(explain.GradCAM(model, "layer3")(x, contrast, normalize=False).cams, got.cams)
+
+
 def test_refine_cam_is_pytorch_grad_cam_s_product_of_layers() -> None:
     """RefineCAM against pytorch-grad-cam's: Grad-CAM++ of each layer, normalized at the input, multiplied. The
     logits are scaled up so that the peer's 1e-7 in Grad-CAM++'s denominator (explain has none) is negligible."""

@@ -219,5 +219,13 @@ def _unmasked(name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[
 
 
 def _per_head_weights(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """Make an ``nn.MultiheadAttention`` call return its per-head probabilities."""
+    """Make an ``nn.MultiheadAttention`` call return its per-head probabilities.
+
+    A batch-first self-attention's input is handed over laid out sequence-first in memory (the same values): the
+    module transposes it to (T, N, C), and with its weights frozen for the call, PyTorch's matmul projects a
+    transposed input as one small product per token instead of one large one, twice as slow on the CPU.
+    """
+    if module.batch_first and len(args) >= 3 and args[0] is args[1] is args[2] and args[0].dim() == 3:
+        tokens = args[0].transpose(0, 1).contiguous().transpose(0, 1)
+        args = (tokens, tokens, tokens, *args[3:])
     return args, {**kwargs, "need_weights": True, "average_attn_weights": False}
