@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -317,6 +318,39 @@ def test_app_warns_when_open_to_the_network(monkeypatch, capsys) -> None:
     assert "anyone who can reach this machine" in capsys.readouterr().err
     web.serve("efficientnet_lite0")
     assert launched["server_name"] == "127.0.0.1" and "warning" not in capsys.readouterr().err
+
+
+def test_the_app_runs_every_handler_on_one_model_thread_in_the_caller_s_context() -> None:
+    """Handlers called from the server's many worker threads all run on one thread (PyTorch's OpenMP teams of
+    several threads slow a small model down twice on two cores), see the caller's context variables (Gradio's
+    page warnings), let errors through, and may call each other without waiting on themselves."""
+    import contextvars
+    from concurrent.futures import ThreadPoolExecutor
+
+    from explain.explorer.web import on_model_thread, user_errors
+
+    request = contextvars.ContextVar("request", default=None)
+
+    @on_model_thread
+    def where() -> tuple[str, str | None]:
+        return threading.current_thread().name, request.get()
+
+    def from_a_worker(i: int) -> tuple[str, str | None]:
+        request.set(f"request {i}")
+        return where()
+
+    with ThreadPoolExecutor(4) as workers:
+        seen = list(workers.map(from_a_worker, range(8)))
+    assert {name for name, _ in seen} == {seen[0][0]} and seen[0][0].startswith("explain-model")
+    assert [context for _, context in seen] == [f"request {i}" for i in range(8)]
+    assert on_model_thread(lambda: where()[0])() == seen[0][0]  # nested: runs in place, no deadlock
+
+    def refused() -> None:
+        raise explain.ExplainError("photo.png: not an image")
+
+    with pytest.raises(Exception, match=r"photo\.png: not an image") as raised:
+        user_errors(refused)()
+    assert type(raised.value).__name__ == "Error"  # Gradio's, shown in the page as the one line
 
 
 def test_app_without_gradio_names_its_install(monkeypatch, capsys) -> None:

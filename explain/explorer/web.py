@@ -8,6 +8,7 @@ page stacks the map's layers and changes the heat layer's opacity). The endpoint
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import html
 import os
@@ -15,6 +16,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +45,38 @@ def gradio() -> Any:
     return gr
 
 
+# Every torch call of the app runs on this one thread. PyTorch's OpenMP keeps a team of threads per thread that
+# runs it; once the teams of the loading thread and of the server's worker threads outnumber the cores, they stop
+# spinning between parallel regions, and a small model's forward runs at half its speed (measured on 2 cores).
+_MODEL_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="explain-model")
+_ON_MODEL_THREAD = threading.local()
+
+
+def on_model_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run on the app's model thread, in the caller's context (where Gradio finds its page's warnings)."""
+
+    def inline(*args: Any, **kwargs: Any) -> Any:
+        _ON_MODEL_THREAD.active = True
+        return fn(*args, **kwargs)
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_ON_MODEL_THREAD, "active", False):  # called from a handler: already there
+            return fn(*args, **kwargs)
+        return _MODEL_THREAD.submit(contextvars.copy_context().run, inline, *args, **kwargs).result()
+
+    return run
+
+
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Show an :class:`ExplainError` of a handler in the page as its one line, never a traceback."""
+    """A page's handler: run on the model thread, an :class:`ExplainError` shown in the page as its one line,
+    never a traceback."""
+    on_thread = on_model_thread(fn)
 
     @functools.wraps(fn)
     def shown(*args: Any) -> Any:
         try:
-            return fn(*args)
+            return on_thread(*args)
         except ExplainError as err:
             raise gradio().Error(str(err), print_exception=False) from None
 
@@ -371,7 +398,8 @@ def serve(
         quiet: Print nothing but warnings.
     """
     gr = gradio()
-    app = App(load_model(model, weights, device=device), lambda name: load_model(name, device=device))
+    spec = on_model_thread(load_model)(model, weights, device=device)  # the first torch calls there too
+    app = on_model_thread(App)(spec, lambda name: load_model(name, device=device))
     if host != LOCAL:
         print(
             f"explain app: warning: listening on {host}: anyone who can reach this machine can use the app and "
