@@ -219,5 +219,30 @@ def test_chefer_refuses_a_block_its_rules_do_not_describe() -> None:
 
 
 def test_chefer_refuses_the_transformers_its_rules_are_not_written_for() -> None:
+    from transformers import Dinov2Config, Dinov2ForImageClassification
+
     with pytest.raises(explain.LayerError, match="gradient_rollout weighs the attention by its gradient alone"):
         explain.CheferRelevance(timm_twin(2, 2, 32, 64, global_pool="avg"))(torch.randn(1, 3, 64, 64))
+    config = Dinov2Config(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_labels=10)  # fmt: skip
+    dinov2 = Dinov2ForImageClassification(config).eval()  # layer-scaled blocks, the head reads the patches too
+    with pytest.raises(explain.LayerError, match="gradient_rollout weighs the attention by its gradient alone"):
+        explain.CheferRelevance(dinov2)(torch.randn(1, 3, 32, 32))
+    assert hook_count(dinov2) == 0
+
+
+def test_chefer_refuses_a_head_that_reads_more_than_the_class_token() -> None:
+    """A ViT with HuggingFace's parts whose head reads the class token beside the patches' mean (as DINOv2's): the
+    head cannot be recomputed from the class token alone, and the call refuses with the way out."""
+
+    class MeanToo(type(huggingface_vit())):
+        def forward(self, pixel_values):
+            tokens = self.vit(pixel_values).last_hidden_state
+            return self.classifier(torch.cat([tokens[:, 0], tokens[:, 1:].mean(dim=1)], dim=1))
+
+    model = huggingface_vit()
+    model.__class__ = MeanToo
+    model.classifier = nn.Linear(64, 10)
+    with pytest.raises(explain.LayerError, match=r"architecture .* gradient_rollout weighs the attention"):
+        explain.CheferRelevance(model)(torch.randn(1, 3, 64, 64))
+    assert hook_count(model) == 0

@@ -16,7 +16,8 @@ and refuses a model whose recomputed block or head does not give what the model 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,15 +236,29 @@ def block_relevance(parts: BlockParts, x: Tensor, output: Tensor, relevance: Ten
     return of_x + of_normed, of_probabilities
 
 
+def _refusal(what: str) -> LayerError:
+    return LayerError(
+        f"Chefer 2021a: this model's {what} does not compute what its rules read (a pre-norm block "
+        "x + attention(norm(x)), then + mlp(norm(.)); class-token pooling into a linear head); "
+        "gradient_rollout weighs the attention by its gradient alone"
+    )
+
+
 def _check_recomputed(recomputed: Tensor, recorded: Tensor, what: str) -> None:
     """The rules describe a part only if recomputing it from them gives what the model computed."""
     tolerance = 1e-3 * recorded.abs().max().clamp_min(1e-6)
     if recomputed.shape != recorded.shape or (recomputed - recorded).abs().max() > tolerance:
-        raise LayerError(
-            f"Chefer 2021a: this model's {what} does not compute what its rules read (a pre-norm block "
-            "x + attention(norm(x)), then + mlp(norm(.)); class-token pooling into a linear head); "
-            "gradient_rollout weighs the attention by its gradient alone"
-        )
+        raise _refusal(what)
+
+
+@contextmanager
+def _unreadable_as_refusal() -> Iterator[None]:
+    """A part the rules cannot even recompute (its tensors do not fit together as they read them) is refused
+    as one that recomputes to something else."""
+    try:
+        yield
+    except RuntimeError as err:
+        raise _refusal(f"architecture ({str(err).splitlines()[0]})") from err
 
 
 def _is_timm(module: nn.Module, name: str) -> bool:
@@ -319,7 +334,7 @@ class CheferRelevance(GradientRollout):
         names = {m: name for name, m in self._attention.items()}
         parts = recorder.parts
         found: dict[str, Tensor] = {}
-        with torch.no_grad():
+        with torch.no_grad(), _unreadable_as_refusal():
             last = recorder.outputs[parts.blocks[-1].block]
             pooled = parts.head.pre_head(parts.head.norm(last[:, 0]))  # the linear head's input: norms pass
             _check_recomputed(parts.head.linear(pooled), recorder.head_output.detach(), "head")
