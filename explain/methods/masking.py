@@ -3,16 +3,16 @@ random masks, at the input's resolution.
 
 A mask keeps the input where it is 1 and puts the baseline where it is 0. The copies of every image under every
 mask are scored ``batch_size`` per forward under ``torch.no_grad()`` (on the CPU by a copy of the model with its batch
-norms folded, channels-last: :class:`explain.core.folding.ScoringForwards`), with the call's bound target; each method's
-formula weighs each mask's region by the score and normalizes the sum. ``raw`` keeps the signed attribution;
-the map is its positive part, normalized.
+norms folded, channels-last: :class:`explain.core.folding.ScoringForwards`), with the call's bound target
+(:class:`MaskedCopies`, which the superpixel methods share); each method's formula weighs each mask's region by the
+score and normalizes the sum. ``raw`` keeps the signed attribution; the map is its positive part, normalized.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +34,11 @@ def _per_axis(value: int | Sequence[int], rank: int, what: str) -> tuple[int, ..
     return values
 
 
-class Masking(CAM):
-    """Base of the masking methods: ``count`` masks of the input (:meth:`keep`), the region each one's score is
-    credited to (:meth:`region`), and how the credits are normalized (:meth:`normalized`).
+class MaskedCopies(CAM):
+    """Base of the black-box methods that score masked copies of the input (the masking and the superpixel
+    methods): where a mask is 1 a copy keeps the input, where it is 0 it takes ``baseline``. The copies are scored
+    ``batch_size`` per forward with the call's bound target (:meth:`score_copies`); the map is the positive part
+    of the signed attribution, normalized.
 
     Args:
         model: Any model explain explains; left as it was.
@@ -63,6 +65,41 @@ class Masking(CAM):
         super().__init__(model, None, labels=labels, batch_size=batch_size, seed=seed)
         self.baseline = baseline
 
+    def score_copies(
+        self,
+        capture: Capture,
+        images: Tensor,
+        keep: Callable[[slice], Tensor],
+        scored: Callable[[slice, Tensor, Tensor], None],
+    ) -> None:
+        """Score copy r of image ``images[r]`` under its mask, ``batch_size`` copies per forward.
+
+        Args:
+            capture: The call's capture (its input, bound target and model arguments).
+            images: Each copy's image, (rows,).
+            keep: The masks of a slice of rows, (rows, *spatial) floats in [0, 1].
+            scored: Called with each slice of rows, its masks and their scores (rows,).
+        """
+        x = capture.x
+        forwards = capture.once("scoring", lambda: ScoringForwards(self.model, x.device))
+        with torch.no_grad(), running(self.model):
+            for start in range(0, len(images), self.batch_size):
+                rows = slice(start, start + self.batch_size)
+                mask = keep(rows)
+                copies = mask[:, None] * x[images[rows]] + (1 - mask[:, None]) * self.baseline
+                output = forwards(copies.to(x.dtype), **capture.model_kwargs)
+                scored(rows, mask, capture.score_rows(output, images[rows]).float())
+
+    def finish(self, raw: Tensor, rank: int, size: Sequence[int] | None, normalize: bool) -> Tensor:
+        return postprocess(raw.clamp(min=0), rank, size, normalize)
+
+
+class Masking(MaskedCopies):
+    """Base of the masking methods: ``count`` masks of the input (:meth:`keep`), the region each one's score is
+    credited to (:meth:`credit`), and how the credits are normalized (:meth:`normalized`). Every image is scored
+    under every mask; the arguments are :class:`MaskedCopies`'.
+    """
+
     def count(self, capture: Capture) -> int:
         """How many masks the call scores per image (drawing random ones with the call's generator)."""
         raise NotImplementedError
@@ -85,21 +122,16 @@ class Masking(CAM):
         count = self.count(capture)
         total = x.new_zeros(len(x), *spatial, dtype=torch.float32)
         keeps = x.new_zeros(*spatial, dtype=torch.float32)
-        all_images = torch.arange(len(x), device=device).repeat_interleave(count)  # row r: image r // count
-        all_masks = torch.arange(count, device=device).repeat(len(x))  # and its mask r % count
-        forwards = capture.once("scoring", lambda: ScoringForwards(self.model, device))
-        with torch.no_grad(), running(self.model):
-            for start in range(0, len(all_images), self.batch_size):
-                images = all_images[start : start + self.batch_size]
-                keep = self.keep(all_masks[start : start + self.batch_size], spatial).float()
-                copies = keep[:, None] * x[images] + (1 - keep[:, None]) * self.baseline
-                score = capture.score_rows(forwards(copies.to(x.dtype), **capture.model_kwargs), images).float()
-                total.index_add_(0, images, self.credit(score, capture.scores[images].float(), keep))
-                keeps += keep[images == 0].sum(dim=0)  # each mask once: the first image has them all
-        return self.normalized(total, keeps)
+        images = torch.arange(len(x), device=device).repeat_interleave(count)  # row r: image r // count
+        masks = torch.arange(count, device=device).repeat(len(x))  # and its mask r % count
 
-    def finish(self, raw: Tensor, rank: int, size: Sequence[int] | None, normalize: bool) -> Tensor:
-        return postprocess(raw.clamp(min=0), rank, size, normalize)
+        def credited(rows: slice, keep: Tensor, score: Tensor) -> None:
+            chosen = images[rows]
+            total.index_add_(0, chosen, self.credit(score, capture.scores[chosen].float(), keep))
+            keeps.add_(keep[chosen == 0].sum(dim=0))  # each mask once: the first image has them all
+
+        self.score_copies(capture, images, lambda rows: self.keep(masks[rows], spatial).float(), credited)
+        return self.normalized(total, keeps)
 
 
 def window_starts(size: int, window: int, stride: int) -> list[int]:

@@ -4,9 +4,9 @@ the others set to a baseline, their scores, and one value per segment from each 
 The segments are the caller's (``segments=`` a label map, Captum's ``feature_mask``) or SLIC's (Achanta et al.
 2012, from scikit-image, an optional extra: ``pip install "explain[superpixels]"``) on each image rescaled to [0, 1]
 per channel; a signal is cut into equal runs. A coalition z says which segments a copy keeps; the copies of every
-image are scored ``batch_size`` per forward under ``torch.no_grad()`` (on the CPU by a copy of the model with its batch
-norms folded, channels-last: :class:`explain.core.folding.ScoringForwards`), with the call's bound target. ``raw`` is
-each position's segment's value, signed; the map is its positive part, normalized.
+image are scored ``batch_size`` per forward with the call's bound target, as the masking methods score theirs
+(:class:`explain.methods.masking.MaskedCopies`). ``raw`` is each position's segment's value, signed; the map is its
+positive part, normalized.
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..core.engine import CAM, Capture
-from ..core.folding import ScoringForwards
+from ..core.engine import Capture
 from ..core.layers import LayerSpec
-from ..core.maps import postprocess
-from ..core.model_state import running
 from ..errors import ExplainError
+from .masking import MaskedCopies
 
 
 def slic_segments(x: Tensor, segments: int, compactness: float) -> Tensor:
@@ -51,7 +49,7 @@ def slic_segments(x: Tensor, segments: int, compactness: float) -> Tensor:
     return torch.stack(labels).to(x.device)
 
 
-class Superpixels(CAM):
+class Superpixels(MaskedCopies):
     """Base of the superpixel methods: the coalitions of an image's M segments to score (:meth:`coalitions`) and
     how their scores become one value per segment (:meth:`fitted`).
 
@@ -67,9 +65,6 @@ class Superpixels(CAM):
         seed: Seed of random coalitions.
     """
 
-    needs_gradients = False
-    map_of_input = True
-
     def __init__(
         self,
         model: nn.Module,
@@ -82,10 +77,10 @@ class Superpixels(CAM):
         batch_size: int = 16,
         seed: int | None = None,
     ) -> None:
-        super().__init__(model, None, labels=labels, batch_size=batch_size, seed=seed)
+        super().__init__(model, labels=labels, baseline=baseline, batch_size=batch_size, seed=seed)
         if isinstance(segments, int) and segments < 1:
             raise ExplainError(f"segments must be at least 1, got {segments}")
-        self.segments, self.compactness, self.baseline = segments, compactness, baseline
+        self.segments, self.compactness = segments, compactness
 
     def segmented(self, x: Tensor) -> Tensor:
         """Each image's segment labels, (N, *spatial), 0..M-1.
@@ -119,24 +114,21 @@ class Superpixels(CAM):
         per_image = [self.coalitions(int(labels[n].max()) + 1, capture.generator, x.device) for n in range(len(x))]
         rows = [(n, z) for n, coalitions in enumerate(per_image) for z in coalitions]
         scores = torch.empty(len(rows), device=x.device)
-        forwards = capture.once("scoring", lambda: ScoringForwards(self.model, x.device))
-        with torch.no_grad(), running(self.model):
-            for start in range(0, len(rows), self.batch_size):
-                chunk = rows[start : start + self.batch_size]
-                images = torch.tensor([n for n, _ in chunk], device=x.device)
-                keep = torch.stack([z[labels[n]] for n, z in chunk]).to(x.dtype)[:, None]
-                copies = keep * x[images] + (1 - keep) * self.baseline
-                output = forwards(copies, **capture.model_kwargs)
-                scores[start : start + len(chunk)] = capture.score_rows(output, images).float()
+
+        def kept(chunk: slice) -> Tensor:
+            return torch.stack([z[labels[n]] for n, z in rows[chunk]]).float()
+
+        def stored(chunk: slice, keep: Tensor, score: Tensor) -> None:
+            scores[chunk] = score
+
+        images = torch.tensor([n for n, _ in rows], device=x.device)
+        self.score_copies(capture, images, kept, stored)
         values, first = [], 0
         for n, coalitions in enumerate(per_image):
             found = self.fitted(coalitions.float(), scores[first : first + len(coalitions)], capture.scores[n].float())
             values.append(found[labels[n]])
             first += len(coalitions)
         return torch.stack(values)
-
-    def finish(self, raw: Tensor, rank: int, size: Sequence[int] | None, normalize: bool) -> Tensor:
-        return postprocess(raw.clamp(min=0), rank, size, normalize)
 
 
 class FeatureAblation(Superpixels):
