@@ -16,21 +16,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torchvision
 from bench_gradcam import peak_memory
 from captum import attr
-from timing import emit, interleaved_medians, rounds_and_out
+from timing import emit, interleaved_medians, resnet18_batch, rounds_and_out
 
 import explain
 
 
 def main() -> None:
     args = rounds_and_out(__doc__)
-    torch.manual_seed(0)
-    model = torchvision.models.resnet18(num_classes=1000).eval()
-    x = torch.randn(4, 3, 224, 224)
-    with torch.no_grad():
-        target = model(x).argmax(dim=1).tolist()
+    model, x, target = resnet18_batch()
     pairs: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {
         "Saliency": (
             lambda: explain.Saliency(model)(x, target),

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torchvision
 from bench_gradcam import peak_memory
-from timing import emit, interleaved_medians, rounds_and_out
+from timing import emit, interleaved_medians, resnet18_batch, rounds_and_out
 
 import explain
 
@@ -137,11 +137,7 @@ def captum_pairs(model: torch.nn.Module, x: torch.Tensor, target: list[int]) -> 
 
 def main() -> None:
     args = rounds_and_out(__doc__)
-    torch.manual_seed(0)
-    model = torchvision.models.resnet18(num_classes=1000).eval()
-    x = torch.randn(4, 3, 224, 224)
-    with torch.no_grad():
-        target = model(x).argmax(dim=1).tolist()
+    model, x, target = resnet18_batch()
     groups = [
         ("pytorch-grad-cam", grad_cam_pairs(model, x, target), x),
         ("torchcam", *torchcam_pairs()),

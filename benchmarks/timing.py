@@ -85,3 +85,16 @@ def stolen_share() -> Callable[[], str]:
         return f"{100 * spent[7] / max(1, sum(spent[:8])):.0f}%"
 
     return share
+
+
+def resnet18_batch(images: int = 4) -> tuple[torch.nn.Module, torch.Tensor, list[int]]:
+    """resnet18 with seeded random weights in eval mode, ``images`` random 224x224 inputs, and its top class of
+    each: the set-up the attribution and peer benchmarks share."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=1000).eval()
+    x = torch.randn(images, 3, 224, 224)
+    with torch.no_grad():
+        target = model(x).argmax(dim=1).tolist()
+    return model, x, target

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
@@ -419,7 +420,7 @@ def rescale_rule(model: nn.Module, reference: Callable[[], Any]) -> Iterator[int
         The number of modules ruled; nonlinearities applied as functions keep their gradient.
     """
     found = [m for m in model.modules() if isinstance(m, ELEMENTWISE)]
-    seen: dict[nn.Module, list[tuple[Tensor, Tensor]]] = {m: [] for m in found}
+    seen: dict[nn.Module, deque[tuple[Tensor, Tensor]]] = {m: deque() for m in found}
 
     def record(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
         seen[module].append((inputs[0].detach(), output.detach()))
@@ -429,7 +430,7 @@ def rescale_rule(model: nn.Module, reference: Callable[[], Any]) -> Iterator[int
             raise LayerError(
                 f"DeepLift: a {type(module).__name__} runs more often for the input than for the reference"
             )
-        x_ref, y_ref = seen[module].pop(0)
+        x_ref, y_ref = seen[module].popleft()
         if not (inputs[0].requires_grad or output.requires_grad):
             return None
         return _Rescaled.apply(inputs[0], output, x_ref, y_ref)
