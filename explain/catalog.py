@@ -65,12 +65,14 @@ class MethodEntry:
         cls: Its class's name in :mod:`explain.methods`.
         title: What it is, in a few words, with its paper.
         fast: One forward and at most one backward per target: part of ``--method all``.
+        cost: What makes a call slow, for a method of many passes (the explorer shows it); None for the others.
     """
 
     name: str
     cls: str
     title: str
     fast: bool = True
+    cost: str | None = None
 
 
 METHOD_CATALOG: tuple[MethodEntry, ...] = (
@@ -85,10 +87,22 @@ METHOD_CATALOG: tuple[MethodEntry, ...] = (
     MethodEntry("segeigencam", "SegEigenCAM", "Seg-Eigen-CAM, principal component of |g|*A (Chung & Ying 2025)"),
     MethodEntry("kpcacam", "KPCACAM", "KPCA-CAM, kernel principal component (Karmani et al. 2024)"),
     MethodEntry("fem", "FEM", "FEM, channels' outstanding positions (Fuad et al. 2020)"),
-    MethodEntry("shapleycam", "ShapleyCAM", "ShapleyCAM, gradient and Hessian (Cai et al. 2025)", fast=False),
+    MethodEntry(
+        "shapleycam",
+        "ShapleyCAM",
+        "ShapleyCAM, gradient and Hessian (Cai et al. 2025)",
+        fast=False,
+        cost="a second backward, through the Hessian",
+    ),
     MethodEntry("finercam", "FinerCAM", "Finer-CAM, a class against its look-alikes (Zhang et al. 2025)"),
     MethodEntry("refinecam", "RefineCAM", "RefineCAM, Grad-CAM++ maps of layers multiplied", fast=False),
-    MethodEntry("sess", "SESS", "SESS, a method over scaled, slid windows (Tyagi et al. 2022)", fast=False),
+    MethodEntry(
+        "sess",
+        "SESS",
+        "SESS, a method over scaled, slid windows (Tyagi et al. 2022)",
+        fast=False,
+        cost="the base method on every window at every scale",
+    ),
     MethodEntry("fullgrad", "FullGrad", "FullGrad, input and bias gradients (Srinivas & Fleuret 2019)", fast=False),
     MethodEntry(
         "dff", "DeepFeatureFactorization", "Deep Feature Factorization, NMF concepts (Collins et al. 2018)", fast=False
@@ -97,10 +111,20 @@ METHOD_CATALOG: tuple[MethodEntry, ...] = (
     MethodEntry("guided_backprop", "GuidedBackprop", "Guided Backprop (Springenberg et al. 2015)"),
     MethodEntry("guided_gradcam", "GuidedGradCAM", "Guided Grad-CAM (Selvaraju et al. 2017)"),
     MethodEntry("deconvolution", "Deconvolution", "Deconvolution (Zeiler & Fergus 2014)"),
-    MethodEntry("scorecam", "ScoreCAM", "Score-CAM (Wang et al. 2020)", fast=False),
-    MethodEntry("sscam", "SSCAM", "SS-CAM (Wang et al. 2020)", fast=False),
-    MethodEntry("iscam", "ISCAM", "IS-CAM (Naidu et al. 2020)", fast=False),
-    MethodEntry("ablationcam", "AblationCAM", "Ablation-CAM (Desai & Ramaswamy 2020)", fast=False),
+    MethodEntry("scorecam", "ScoreCAM", "Score-CAM (Wang et al. 2020)", fast=False, cost="one forward per channel"),
+    MethodEntry(
+        "sscam", "SSCAM", "SS-CAM (Wang et al. 2020)", fast=False, cost="a forward per channel and noise sample"
+    ),
+    MethodEntry(
+        "iscam", "ISCAM", "IS-CAM (Naidu et al. 2020)", fast=False, cost="a forward per channel and integration step"
+    ),
+    MethodEntry(
+        "ablationcam",
+        "AblationCAM",
+        "Ablation-CAM (Desai & Ramaswamy 2020)",
+        fast=False,
+        cost="one forward per channel",
+    ),
     MethodEntry("random", "RandomCAM", "random channel weights, a baseline", fast=False),
     MethodEntry("attention_rollout", "AttentionRollout", "Attention Rollout (Abnar & Zuidema 2020)", fast=False),
     MethodEntry("gradient_rollout", "GradientRollout", "Gradient-weighted rollout (Chefer et al. 2021)", fast=False),
@@ -108,22 +132,58 @@ METHOD_CATALOG: tuple[MethodEntry, ...] = (
         "chefer", "CheferRelevance", "Chefer 2021a, relevance and gradient rolled out (Chefer et al. 2021)", fast=False
     ),
     MethodEntry(
-        "legrad", "LeGrad", "LeGrad, each block's read-out at its attention (Bousselham et al. 2024)", fast=False
+        "legrad",
+        "LeGrad",
+        "LeGrad, each block's read-out at its attention (Bousselham et al. 2024)",
+        fast=False,
+        cost="a backward per block",
     ),
     MethodEntry("saliency", "Saliency", "Saliency, the input's gradient (Simonyan et al. 2014)"),
     MethodEntry("input_x_gradient", "InputXGradient", "Input x Gradient (Shrikumar et al. 2016)"),
     MethodEntry(
-        "integrated_gradients", "IntegratedGradients", "Integrated Gradients (Sundararajan et al. 2017)", fast=False
+        "integrated_gradients",
+        "IntegratedGradients",
+        "Integrated Gradients (Sundararajan et al. 2017)",
+        fast=False,
+        cost="a forward and backward per step",
     ),
     MethodEntry("lrp", "LRP", "Layer-wise relevance propagation, zennit's composites (Bach et al. 2015)"),
     MethodEntry("deeplift", "DeepLift", "DeepLift, the rescale rule (Shrikumar et al. 2017)", fast=False),
-    MethodEntry("gradient_shap", "GradientSHAP", "GradientSHAP, expected gradients (Lundberg & Lee 2017)", fast=False),
+    MethodEntry(
+        "gradient_shap",
+        "GradientSHAP",
+        "GradientSHAP, expected gradients (Lundberg & Lee 2017)",
+        fast=False,
+        cost="a forward and backward per sample",
+    ),
     MethodEntry("sobel", "SobelCAM", "Sobel-CAM, the input's edges: a baseline", fast=False),
-    MethodEntry("occlusion", "Occlusion", "Occlusion, sliding windows (Zeiler & Fergus 2014)", fast=False),
-    MethodEntry("rise", "RISE", "RISE, random masks (Petsiuk et al. 2018)", fast=False),
-    MethodEntry("feature_ablation", "FeatureAblation", "Feature Ablation over superpixels", fast=False),
-    MethodEntry("lime", "LIME", "LIME over superpixels (Ribeiro et al. 2016)", fast=False),
-    MethodEntry("kernel_shap", "KernelSHAP", "Kernel SHAP over superpixels (Lundberg & Lee 2017)", fast=False),
+    MethodEntry(
+        "occlusion",
+        "Occlusion",
+        "Occlusion, sliding windows (Zeiler & Fergus 2014)",
+        fast=False,
+        cost="one forward per window placement",
+    ),
+    MethodEntry(
+        "rise", "RISE", "RISE, random masks (Petsiuk et al. 2018)", fast=False, cost="one forward per random mask"
+    ),
+    MethodEntry(
+        "feature_ablation",
+        "FeatureAblation",
+        "Feature Ablation over superpixels",
+        fast=False,
+        cost="one forward per superpixel",
+    ),
+    MethodEntry(
+        "lime", "LIME", "LIME over superpixels (Ribeiro et al. 2016)", fast=False, cost="one forward per sample"
+    ),
+    MethodEntry(
+        "kernel_shap",
+        "KernelSHAP",
+        "Kernel SHAP over superpixels (Lundberg & Lee 2017)",
+        fast=False,
+        cost="one forward per sample",
+    ),
 )
 
 METHOD_NAMES = [entry.name for entry in METHOD_CATALOG]

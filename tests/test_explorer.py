@@ -353,6 +353,19 @@ def test_the_app_runs_every_handler_on_one_model_thread_in_the_caller_s_context(
     assert type(raised.value).__name__ == "Error"  # Gradio's, shown in the page as the one line
 
 
+def test_the_method_menu_marks_the_methods_of_many_passes_with_their_cost() -> None:
+    from explain.catalog import METHOD_CATALOG
+    from explain.explorer import method_choices
+
+    labels = dict((name, label) for label, name in method_choices())
+    assert list(labels) == [entry.name for entry in METHOD_CATALOG]
+    assert labels["scorecam"].endswith("[slow: one forward per channel]")
+    assert labels["occlusion"].endswith("[slow: one forward per window placement]")
+    for cheap in ("gradcam", "attention_rollout", "random", "sobel", "deeplift"):  # one or two passes
+        assert "slow" not in labels[cheap], labels[cheap]
+    assert not [e.name for e in METHOD_CATALOG if e.cost and e.fast]  # a slow method is not in --method all
+
+
 def test_app_without_gradio_names_its_install(monkeypatch, capsys) -> None:
     from explain.cli import main
 

@@ -40,7 +40,6 @@ from ..targets import ClassTarget
 
 PHOTOS = Path(__file__).resolve().parent.parent / "data" / "photos"
 TOP_CLASSES = 5  # a classifier's classes listed per photo
-SLOW = {entry.name for entry in METHOD_CATALOG if not entry.fast}
 
 
 BUNDLED_PHOTOS = ("chelsea.jpg", "coffee.jpg", "astronaut.jpg")  # the cat first: its class is known
@@ -54,7 +53,7 @@ def bundled_photos() -> list[Path]:
 def method_choices() -> list[tuple[str, str]]:
     """Every method as (what a menu shows, its name): its title, the slow ones marked with their cost."""
     return [
-        (f"{entry.name}: {entry.title}" + (" [slow: many passes]" if entry.name in SLOW else ""), entry.name)
+        (f"{entry.name}: {entry.title}" + (f" [slow: {entry.cost}]" if entry.cost else ""), entry.name)
         for entry in METHOD_CATALOG
     ]
 
