@@ -48,22 +48,21 @@ def gradio() -> Any:
 # Every torch call of the app runs on this one thread. PyTorch's OpenMP keeps a team of threads per thread that
 # runs it; once the teams of the loading thread and of the server's worker threads outnumber the cores, they stop
 # spinning between parallel regions, and a small model's forward runs at half its speed (measured on 2 cores).
-_MODEL_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="explain-model")
 _ON_MODEL_THREAD = threading.local()
+_MODEL_THREAD = ThreadPoolExecutor(
+    max_workers=1, thread_name_prefix="explain-model", initializer=lambda: setattr(_ON_MODEL_THREAD, "active", True)
+)
 
 
 def on_model_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run on the app's model thread, in the caller's context (where Gradio finds its page's warnings)."""
-
-    def inline(*args: Any, **kwargs: Any) -> Any:
-        _ON_MODEL_THREAD.active = True
-        return fn(*args, **kwargs)
+    """``fn`` run on the app's model thread, in the caller's context (where Gradio finds its page's warnings);
+    called there already (one handler calling another), it runs in place."""
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_ON_MODEL_THREAD, "active", False):  # called from a handler: already there
+        if getattr(_ON_MODEL_THREAD, "active", False):
             return fn(*args, **kwargs)
-        return _MODEL_THREAD.submit(contextvars.copy_context().run, inline, *args, **kwargs).result()
+        return _MODEL_THREAD.submit(contextvars.copy_context().run, fn, *args, **kwargs).result()
 
     return run
 

@@ -200,15 +200,33 @@ def vit_parts(model: nn.Module) -> ViTParts:
     )
 
 
-def attention_relevance(parts: BlockParts, tokens: Tensor, relevance: Tensor) -> tuple[Tensor, Tensor]:
-    """A block's attention on its normed ``tokens`` (N, T, C): the relevance of its input and of its
-    probabilities (N, heads, T, T), from its output's."""
+@dataclass(frozen=True)
+class Attended:
+    """A block's attention recomputed from its normed tokens (N, T, C): q, k and v per head, the probabilities
+    (N, heads, T, T), the heads' merged outputs (after any norm), and the attention's output."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    probabilities: Tensor
+    merged: Tensor
+    output: Tensor
+
+
+def attended(parts: BlockParts, tokens: Tensor) -> Attended:
+    """The block's attention on its normed ``tokens``, each intermediate kept for the relevance pass."""
     q, k, v = parts.qkv(tokens)
     probabilities = (q * parts.scale @ k.transpose(-2, -1)).softmax(dim=-1)
     merged = parts.merged_norm((probabilities @ v).transpose(1, 2).flatten(2))
-    per_head = _heads(z_plus(merged, parts.proj.weight, relevance), q.shape[1])
-    of_probabilities, of_v = split_product(probabilities, v, per_head)
-    of_q, of_k_transposed = split_product(q, k.transpose(-2, -1), of_probabilities)  # the softmax passes it
+    return Attended(q, k, v, probabilities, merged, parts.ls1(parts.proj(merged)))
+
+
+def attention_relevance(parts: BlockParts, tokens: Tensor, seen: Attended, relevance: Tensor) -> tuple[Tensor, Tensor]:
+    """A block's attention on its normed ``tokens`` (``seen``: its recomputation): the relevance of its input and
+    of its probabilities (N, heads, T, T), from its output's."""
+    per_head = _heads(z_plus(seen.merged, parts.proj.weight, relevance), seen.q.shape[1])
+    of_probabilities, of_v = split_product(seen.probabilities, seen.v, per_head)
+    of_q, of_k_transposed = split_product(seen.q, seen.k.transpose(-2, -1), of_probabilities)  # the softmax passes
     of_qkv = torch.cat([z.transpose(1, 2).flatten(2) for z in (of_q, of_k_transposed.transpose(-2, -1), of_v)], -1)
     return z_plus(tokens, parts.qkv_weight, of_qkv), of_probabilities
 
@@ -221,18 +239,16 @@ def block_relevance(parts: BlockParts, x: Tensor, output: Tensor, relevance: Ten
             describe it.
     """
     normed = parts.norm1(x)
-    q, k, v = parts.qkv(normed)
-    probabilities = (q * parts.scale @ k.transpose(-2, -1)).softmax(dim=-1)
-    attended = parts.ls1(parts.proj(parts.merged_norm((probabilities @ v).transpose(1, 2).flatten(2))))
-    middle = x + attended
+    seen = attended(parts, normed)
+    middle = x + seen.output
     hidden = parts.norm2(middle)
     activated = parts.activate(parts.fc1(hidden))
     mlp = parts.ls2(parts.fc2(activated))
     _check_recomputed(middle + mlp, output, type(parts.block).__name__)
     of_middle, of_mlp = split_sum(middle, mlp, relevance)
     of_middle = of_middle + z_plus(hidden, parts.fc1.weight, z_plus(activated, parts.fc2.weight, of_mlp))
-    of_x, of_attended = split_sum(x, attended, of_middle)
-    of_normed, of_probabilities = attention_relevance(parts, normed, of_attended)
+    of_x, of_attended = split_sum(x, seen.output, of_middle)
+    of_normed, of_probabilities = attention_relevance(parts, normed, seen, of_attended)
     return of_x + of_normed, of_probabilities
 
 
