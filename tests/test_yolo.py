@@ -79,6 +79,11 @@ def test_a_cell_lands_on_its_rectangle_of_the_image(detector) -> None:
     peak = divmod(int(mapped.argmax()), 300)
     assert rows[0] - 1 <= peak[0] <= rows[1] and columns[0] - 1 <= peak[1] <= columns[1]
 
+    # A level no detection reaches: its zero map comes to the image's size as a resized one would.
+    zero = torch.zeros(2, 448 // 16, 640 // 16)
+    resized = upsample(zero, canvas.size)[..., top : top + canvas.image[0], left : left + canvas.image[1]]
+    assert torch.equal(canvas.crop(zero), resized)
+
 
 def test_a_detection_is_its_raw_row_and_its_map_the_reference(detector) -> None:
     x = image()

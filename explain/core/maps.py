@@ -59,7 +59,10 @@ class Canvas:
 
     def crop(self, maps: Tensor) -> Tensor:
         """Maps (..., h, w) over the canvas as maps over the image: upsampled to the canvas, the padding cut off.
-        (Resizing the result to the input's size then undoes the transform's resize exactly.)"""
+        (Resizing the result to the input's size then undoes the transform's resize exactly.) Maps that are zero
+        everywhere (a pyramid level no detection reaches) become zeros of that size without being resized."""
+        if not bool(maps.any()):
+            return maps.new_zeros(*maps.shape[:-2], *self.image)
         top, left = self.offset
         return upsample(maps, self.size)[..., top : top + self.image[0], left : left + self.image[1]]
 

@@ -63,24 +63,31 @@ def exclusive(model: nn.Module) -> Iterator[None]:
         yield
 
 
+def _parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """The parameters of these modules, each once (a parameter may be shared)."""
+    return list({id(p): p for m in modules for p in m._parameters.values() if p is not None}.values())
+
+
 @contextmanager
-def frozen_parameters(model: nn.Module) -> Iterator[None]:
-    """Switch ``requires_grad`` off on every parameter, restoring each flag on exit."""
-    params = list(model.parameters())
-    flags = [p.requires_grad for p in params]
+def frozen_parameters(model: nn.Module, modules: list[nn.Module] | None = None) -> Iterator[None]:
+    """Switch ``requires_grad`` off on every parameter, restoring each flag on exit. ``modules``: the model's
+    modules, when the caller has walked them already."""
+    params = [(p, p.requires_grad) for p in _parameters(list(model.modules()) if modules is None else modules)]
     try:
-        for p in params:
-            p.requires_grad_(False)
+        for p, flag in params:
+            if flag:
+                p.requires_grad_(False)
         yield
     finally:
-        for p, flag in zip(params, flags):
-            p.requires_grad_(flag)
+        for p, flag in params:
+            if flag:
+                p.requires_grad_(True)
 
 
 @contextmanager
-def training_flags_kept(model: nn.Module) -> Iterator[None]:
-    """Restore every submodule's ``training`` flag on exit."""
-    flags = [(m, m.training) for m in model.modules()]
+def training_flags_kept(model: nn.Module, modules: list[nn.Module] | None = None) -> Iterator[None]:
+    """Restore every submodule's ``training`` flag on exit. ``modules``: as for :func:`frozen_parameters`."""
+    flags = [(m, m.training) for m in (model.modules() if modules is None else modules)]
     try:
         yield
     finally:
@@ -99,13 +106,15 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
 
 
 @contextmanager
-def buffers_kept(model: nn.Module) -> Iterator[None]:
-    """Restore buffers (e.g. BatchNorm running statistics) that a train-mode forward changes.
+def buffers_kept(model: nn.Module, modules: list[nn.Module] | None = None) -> Iterator[None]:
+    """Restore buffers (e.g. BatchNorm running statistics) that a train-mode forward changes. ``modules``: as for
+    :func:`frozen_parameters`.
 
     Only the buffers of modules in training mode are copied: in eval mode the layers of torch.nn leave their
     buffers alone.
     """
-    saved = [(b, b.clone()) for m in model.modules() if m.training for b in m.buffers(recurse=False)]
+    walked = model.modules() if modules is None else modules
+    saved = [(b, b.clone()) for m in walked if m.training for b in m._buffers.values() if b is not None]
     try:
         yield
     finally:
@@ -117,6 +126,8 @@ def buffers_kept(model: nn.Module) -> Iterator[None]:
 @contextmanager
 def untouched(model: nn.Module) -> Iterator[None]:
     """Everything a CAM call must leave as it was: parameter flags, training flags, buffers; other threads' calls
-    on the model wait meanwhile."""
-    with exclusive(model), frozen_parameters(model), training_flags_kept(model), buffers_kept(model):
-        yield
+    on the model wait meanwhile. The model's modules are walked once, on entry."""
+    with exclusive(model):
+        modules = list(model.modules())
+        with frozen_parameters(model, modules), training_flags_kept(model, modules), buffers_kept(model, modules):
+            yield

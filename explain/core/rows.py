@@ -282,10 +282,14 @@ def reached_rows(
     """
     chains: Chains = {}
     skipped = set(skip)
+    if sequences is None:
+        modules = [module for _, module in model.named_modules()]
+    else:  # looked up by name: no walk of a model whose layers are all maps
+        modules = list({id(m): m for m in map(model.get_submodule, sorted(sequences))}.values())
     try:
         with Hooks() as hooks:
-            for name, module in model.named_modules() if sequences is None or sequences else ():
-                if module in skipped or (sequences is not None and name not in sequences):
+            for module in modules:
+                if module in skipped:
                     continue
                 if _positionwise(module):
                     hooks.forward(module, partial(_rows_joined, chains))
