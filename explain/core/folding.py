@@ -93,7 +93,7 @@ def folded(model: nn.Module) -> fx.GraphModule:
         _replace(traced, source.target, fuse_conv_bn_eval(conv, norm))
         _replace(traced, node.target, remaining)
     traced.recompile()
-    return traced
+    return traced.train(copied.training)  # the modules fx and the folding made start in training mode
 
 
 def _replace(root: nn.Module, name: str, module: nn.Module) -> None:

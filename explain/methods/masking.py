@@ -4,8 +4,9 @@ random masks, at the input's resolution.
 A mask keeps the input where it is 1 and puts the baseline where it is 0. The copies of every image under every
 mask are scored ``batch_size`` per forward under ``torch.no_grad()`` (on the CPU by a copy of the model with its batch
 norms folded, channels-last: :class:`explain.core.folding.ScoringForwards`), with the call's bound target
-(:class:`MaskedCopies`, which the superpixel methods share); each method's formula weighs each mask's region by the
-score and normalizes the sum. ``raw`` keeps the signed attribution; the map is its positive part, normalized.
+(:class:`MaskedCopies`, which the superpixel methods share). Occlusion's copies share their image's local prefix
+(:mod:`explain.core.prefix`). Each method's formula weighs each mask's region by the score and normalizes the sum.
+``raw`` keeps the signed attribution; the map is its positive part, normalized.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,7 @@ from ..core.folding import ScoringForwards
 from ..core.layers import LayerSpec
 from ..core.maps import INTERPOLATION, postprocess
 from ..core.model_state import running
+from ..core.prefix import SharedPrefix
 from ..errors import ExplainError
 
 
@@ -71,6 +74,7 @@ class MaskedCopies(CAM):
         images: Tensor,
         keep: Callable[[slice], Tensor],
         scored: Callable[[slice, Tensor, Tensor], None],
+        windows: tuple[Sequence[int], Callable[[slice], Tensor]] | None = None,
     ) -> None:
         """Score copy r of image ``images[r]`` under its mask, ``batch_size`` copies per forward.
 
@@ -79,16 +83,41 @@ class MaskedCopies(CAM):
             images: Each copy's image, (rows,).
             keep: The masks of a slice of rows, (rows, *spatial) floats in [0, 1].
             scored: Called with each slice of rows, its masks and their scores (rows,).
+            windows: Where each mask hides one window (Occlusion's): the window's sides, and each row's window
+                start (rows, rank) for a slice of rows. The copies then share their image's local prefix
+                (:class:`explain.core.prefix.SharedPrefix`), checked on the first forward against whole copies.
         """
         x = capture.x
         forwards = capture.once("scoring", lambda: ScoringForwards(self.model, x.device))
         with torch.no_grad(), running(self.model):
+            prefix = None if windows is None else SharedPrefix(forwards, x, windows[0], capture.model_kwargs)
             for start in range(0, len(images), self.batch_size):
                 rows = slice(start, start + self.batch_size)
-                mask = keep(rows)
-                copies = mask[:, None] * x[images[rows]] + (1 - mask[:, None]) * self.baseline
-                output = forwards(copies.to(x.dtype), **capture.model_kwargs)
-                scored(rows, mask, capture.score_rows(output, images[rows]).float())
+                mask, chosen = keep(rows), images[rows]
+                scores = None
+                if prefix is not None and prefix.cut is not None and windows is not None:
+                    crops_of = partial(self._crops, x, mask, chosen)
+                    scores = capture.score_rows(prefix(crops_of, chosen, windows[1](rows)), chosen).float()
+                    if start == 0:  # the first copy scored whole too: a prefix that gives another score is dropped
+                        first = self._copies(x, mask[:1], chosen[:1])
+                        whole = capture.score_rows(forwards(first, **capture.model_kwargs), chosen[:1]).float()
+                        if not torch.allclose(scores[:1], whole, rtol=1e-3, atol=1e-4):
+                            prefix, scores = None, None
+                if scores is None:
+                    output = forwards(self._copies(x, mask, chosen), **capture.model_kwargs)
+                    scores = capture.score_rows(output, chosen).float()
+                scored(rows, mask, scores)
+
+    def _copies(self, x: Tensor, mask: Tensor, images: Tensor, region: tuple[slice, ...] = ()) -> Tensor:
+        """The copies of ``images`` under ``mask`` (rows, *spatial), within ``region`` of the spatial axes."""
+        kept = mask[(slice(None), *region)][:, None]
+        return (kept * x[(slice(None), slice(None), *region)][images] + (1 - kept) * self.baseline).to(x.dtype)
+
+    def _crops(self, x: Tensor, mask: Tensor, images: Tensor, regions: list[tuple[slice, ...]]) -> Tensor:
+        """Each copy within its own region (all of one size)."""
+        return torch.cat(
+            [self._copies(x, mask[r : r + 1], images[r : r + 1], region) for r, region in enumerate(regions)]
+        )
 
     def finish(self, raw: Tensor, rank: int, size: Sequence[int] | None, normalize: bool) -> Tensor:
         return postprocess(raw.clamp(min=0), rank, size, normalize)
@@ -130,8 +159,15 @@ class Masking(MaskedCopies):
             total.index_add_(0, chosen, self.credit(score, capture.scores[chosen].float(), keep))
             keeps.add_(keep[chosen == 0].sum(dim=0))  # each mask once: the first image has them all
 
-        self.score_copies(capture, images, lambda rows: self.keep(masks[rows], spatial).float(), credited)
+        hidden = self.windows()
+        windows = None if hidden is None else (hidden[0], lambda rows: hidden[1](masks[rows]))
+        self.score_copies(capture, images, lambda rows: self.keep(masks[rows], spatial).float(), credited, windows)
         return self.normalized(total, keeps)
+
+    def windows(self) -> tuple[Sequence[int], Callable[[Tensor], Tensor]] | None:
+        """Where each mask hides one window: the window's sides, and the starts (len(indices), rank) of masks
+        ``indices``; None where the masks are not windows."""
+        return None
 
 
 def window_starts(size: int, window: int, stride: int) -> list[int]:
@@ -160,6 +196,10 @@ class Occlusion(Masking):
     replaces it by ``baseline`` and scores the copy. A position's attribution is the mean, over the placements
     that cover it, of the score's drop, :math:`R_p = \mathrm{mean}_{w \ni p}\,[S(x) - S(x_{w \leftarrow b})]`, as
     Captum's ``Occlusion`` gives it with a window over all channels.
+
+    A copy differs from its image only inside the window: a convolutional network's local first layers run on a
+    crop around the window alone, their result pasted into the image's, computed once
+    (:class:`explain.core.prefix.SharedPrefix`); the scores are the whole copies'.
 
     Args:
         model: Any model explain explains; left as it was.
@@ -204,6 +244,9 @@ class Occlusion(Masking):
             position = torch.arange(size, device=indices.device).view(-1, *(1,) * (len(spatial) - axis - 1))
             hidden &= (position >= start) & (position < start + side)  # inside the window along this axis
         return (~hidden).float()
+
+    def windows(self) -> tuple[Sequence[int], Callable[[Tensor], Tensor]]:
+        return self._windows, lambda indices: self._starts[indices]
 
     def credit(self, score: Tensor, plain: Tensor, keep: Tensor) -> Tensor:
         return (plain - score).view(-1, *(1,) * (keep.dim() - 1)) * (1 - keep)
