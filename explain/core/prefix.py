@@ -227,11 +227,14 @@ def _cost(name: str, args: tuple[Any, ...], result: Any) -> float:
 
 @dataclass(frozen=True)
 class _Cut:
+    """Where the prefix is cut: the call's ordinal and name, its result's fields, the crops' sides and the result's
+    spatial size on the whole input."""
+
     index: int
     name: str
     fields: tuple[Field, ...]
-    crop: tuple[int, ...]  # the crop's side along each axis
-    size: tuple[int, ...]  # the cut's result's spatial size, on the whole input
+    crop: tuple[int, ...]
+    size: tuple[int, ...]
 
 
 class _Replaced(TorchFunctionMode):
