@@ -48,6 +48,23 @@ def test_copies_through_the_shared_prefix_are_the_whole_copies(model) -> None:
         torch.testing.assert_close(prefix(crops_of(copies), images, starts), forwards(copies), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["shufflenet_v2_x0_5", "regnet_x_400mf"])
+def test_a_cut_at_a_concatenation_of_channels_or_after_grouped_convolutions(name) -> None:
+    """ShuffleNet's prefix ends in a concatenation of its branches' channels; RegNet's holds grouped convolutions
+    and is cut at stride 8."""
+    net = seeded(name, num_classes=10)
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 160, 160)
+    forwards = ScoringForwards(net, x.device)
+    with torch.no_grad():
+        prefix = SharedPrefix(forwards, x, (24, 24), {})
+        assert prefix.cut is not None and prefix.cut.crop[0] < 160
+        starts = torch.tensor([[0, 0], [136, 136], [70, 13]])
+        images = torch.zeros(3, dtype=torch.long)
+        copies = occluded(x, images, starts, 24)
+        torch.testing.assert_close(prefix(crops_of(copies), images, starts), forwards(copies), rtol=1e-4, atol=1e-5)
+
+
 def test_a_signal_s_prefix_is_cut_too() -> None:
     torch.manual_seed(0)
     net = nn.Sequential(
@@ -114,7 +131,7 @@ def test_occlusion_through_the_shared_prefix_is_captum_s(model, monkeypatch) -> 
     dropped, and the call's map is still Captum's."""
     torch.manual_seed(1)
     x = torch.randn(1, 3, 160, 160)
-    theirs = captum.Occlusion(model).attribute(x, sliding_window_shapes=(3, 32, 32), strides=(3, 24, 24), target=3)
+    theirs = captum.Occlusion(model).attribute(x, sliding_window_shapes=(3, 32, 32), strides=(3, 32, 32), target=3)
     calls = []
     real = SharedPrefix.__call__
 
@@ -123,13 +140,13 @@ def test_occlusion_through_the_shared_prefix_is_captum_s(model, monkeypatch) -> 
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(SharedPrefix, "__call__", counted)
-    result = explain.Occlusion(model, window=32, stride=24, batch_size=16)(x, 3)
-    assert len(calls) == 4  # 49 placements, 16 per forward
+    result = explain.Occlusion(model, window=32, stride=32, batch_size=16)(x, 3)
+    assert len(calls) == 2  # 25 placements, 16 per forward
     torch.testing.assert_close(result.raw, theirs[:, 0], rtol=1e-4, atol=1e-5)
     assert hook_count(model) == 0
 
     calls.clear()
     monkeypatch.setattr(SharedPrefix, "__call__", lambda self, *a, **k: counted(self, *a, **k) + 1.0)  # wrong scores
-    result = explain.Occlusion(model, window=32, stride=24, batch_size=16)(x, 3)
+    result = explain.Occlusion(model, window=32, stride=32, batch_size=16)(x, 3)
     assert len(calls) == 1
     torch.testing.assert_close(result.raw, theirs[:, 0], rtol=1e-4, atol=1e-5)
