@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from .folding import ScoringForwards
-from .windows import _ELEMENTWISE, _argument
+from .windows import ELEMENTWISE, argument, operands
 
 _IN_PLACE = {"relu_", "add_", "mul_", "sub_", "div_", "clamp_", "hardtanh_", "__iadd__", "__imul__", "__isub__"}
 _PASSING = {"contiguous", "clone", "float", "to", "type_as"}
@@ -101,14 +101,13 @@ class _PrefixTrace(TorchFunctionMode):
         index = self.calls
         self.calls += 1
         result = func(*args, **kwargs)
-        operands = [v for a in (*args, *kwargs.values()) for v in (a if isinstance(a, (list, tuple)) else (a,))]
-        made = [v for v in operands if isinstance(v, Tensor) and id(v) in self.born]
-        self.costs.append(_cost(_name(func), args, result) if made else 0.0)
+        made = [v for v in operands(args, kwargs) if isinstance(v, Tensor) and id(v) in self.born]
+        name = _name(func)
+        self.costs.append(_cost(name, args, result) if made else 0.0)
         if not made:
             return result
         for v in made:
             self.last_use[id(v)] = index
-        name = _name(func)
         if not isinstance(result, (Tensor, tuple, list)):  # a read of a tensor: its size ends the prefix
             if self.ends is None and name not in _HARMLESS and name.removesuffix(".get") not in _HARMLESS_ATTRIBUTES:
                 self.ends = index
@@ -138,19 +137,19 @@ class _PrefixTrace(TorchFunctionMode):
             return self._windowed(name, args, kwargs, self.fields[id(x)])
         if name == "batch_norm" or name == "dropout":
             training = (
-                _argument(args, kwargs, 5, "training", False)
+                argument(args, kwargs, 5, "training", False)
                 if name == "batch_norm"
                 else kwargs.get("training", args[2] if len(args) > 2 else True)
             )
             return self.fields.get(id(x)) if not training and isinstance(x, Tensor) else None
         if name in ("cat", "concat", "concatenate"):
-            if _argument(args, kwargs, 1, "dim", 0) not in (1, -self.rank - 1):
+            if argument(args, kwargs, 1, "dim", 0) not in (1, -self.rank - 1):
                 return None
             tensors = args[0] if args else kwargs.get("tensors", ())
             return self._joined(list(tensors), result, require_made=True)
-        if name in _ELEMENTWISE or name in _IN_PLACE or name in _PASSING:
-            operands = [v for a in (*args, *kwargs.values()) for v in (a if isinstance(a, (list, tuple)) else (a,))]
-            return self._joined([v for v in operands if isinstance(v, Tensor)], result, require_made=False)
+        if name in ELEMENTWISE or name in _IN_PLACE or name in _PASSING:
+            tensors = [v for v in operands(args, kwargs) if isinstance(v, Tensor)]
+            return self._joined(tensors, result, require_made=False)
         return None
 
     def _windowed(
@@ -162,9 +161,9 @@ class _PrefixTrace(TorchFunctionMode):
             if not isinstance(weight, Tensor) or id(weight) in self.born or weight.dim() != rank + 2:
                 return None
             kernel = tuple(weight.shape[2:])
-            stride = _per_axis(_argument(args, kwargs, 3, "stride", 1), rank)
-            dilation = _per_axis(_argument(args, kwargs, 5, "dilation", 1), rank)
-            padding: Any = _argument(args, kwargs, 4, "padding", 0)
+            stride = _per_axis(argument(args, kwargs, 3, "stride", 1), rank)
+            dilation = _per_axis(argument(args, kwargs, 5, "dilation", 1), rank)
+            padding: Any = argument(args, kwargs, 4, "padding", 0)
             if padding == "valid":
                 padding = 0
             elif padding == "same" and dilation is not None:
@@ -172,12 +171,12 @@ class _PrefixTrace(TorchFunctionMode):
                 padding = tuple(s // 2 for s in spans) if all(s % 2 == 0 for s in spans) else None
             padding = _per_axis(padding, rank)
         else:  # max or average pooling
-            kernel = _per_axis(_argument(args, kwargs, 1, "kernel_size", None), rank)
-            stride = _per_axis(_argument(args, kwargs, 2, "stride", None) or kernel, rank)
-            padding = _per_axis(_argument(args, kwargs, 3, "padding", 0), rank)
+            kernel = _per_axis(argument(args, kwargs, 1, "kernel_size", None), rank)
+            stride = _per_axis(argument(args, kwargs, 2, "stride", None) or kernel, rank)
+            padding = _per_axis(argument(args, kwargs, 3, "padding", 0), rank)
             is_max = name.startswith("max")
-            dilation = _per_axis(_argument(args, kwargs, 4, "dilation", 1) if is_max else 1, rank)
-            if _argument(args, kwargs, 5 if is_max else 4, "ceil_mode", False):
+            dilation = _per_axis(argument(args, kwargs, 4, "dilation", 1) if is_max else 1, rank)
+            if argument(args, kwargs, 5 if is_max else 4, "ceil_mode", False):
                 return None
         if None in (kernel, stride, padding, dilation):
             return None
@@ -338,20 +337,20 @@ class SharedPrefix:
 
     def __call__(self, crops_of: Callable[[list[tuple[slice, ...]]], Tensor], images: Tensor, starts: Tensor) -> Any:
         """The model's output on copies of images ``images`` (rows,), copy r differing from its image inside the
-        window that starts at ``starts[r]`` (rank,).
+        window that starts at ``starts[r]`` (rank,); None where the prefix cannot serve them (no cut, a window
+        outside its crop, a forward that ran other calls than traced): the copies are then scored whole.
 
         Args:
             crops_of: The copies (rows, C, *crop) within one region each (a slice per spatial axis).
             images: Each copy's image.
             starts: Each copy's window start.
-
-        Raises:
-            RuntimeError: No cut was found (check :attr:`cut` first), or the forward ran other calls than traced.
         """
         if self.cut is None or self.features is None:
-            raise RuntimeError("no shared prefix")
+            return None
         cut, features = self.cut, self.features
         boxes = [self._boxes(cut, [int(s) for s in start]) for start in starts.tolist()]
+        if None in boxes:
+            return None
         crops = crops_of([tuple(slice(c, c + side) for (c, _, _), side in zip(box, cut.crop)) for box in boxes])
 
         def pasted(cropped: Tensor) -> Tensor:
@@ -367,10 +366,11 @@ class SharedPrefix:
             with _Replaced(cut, pasted):
                 return self.forwards(crops, **self.model_kwargs)
         except _Unmatched:
-            raise RuntimeError("the forward ran other calls than traced") from None
+            return None
 
-    def _boxes(self, cut: _Cut, start: Sequence[int]) -> list[tuple[int, int, int]]:
-        """Per axis: where the crop starts in the input, and the cut's positions [low, high) the window reaches."""
+    def _boxes(self, cut: _Cut, start: Sequence[int]) -> list[tuple[int, int, int]] | None:
+        """Per axis: where the crop starts in the input, and the cut's positions [low, high) the window reaches;
+        None where they fall outside the crop."""
         box = []
         for f, size, side, w, s, outputs in zip(cut.fields, self.spatial, cut.crop, self.window, start, cut.size):
             low = max(math.ceil((s - f.start - f.reach) / f.stride), 0)
@@ -378,7 +378,7 @@ class SharedPrefix:
             first = max(low * f.stride + f.start, 0)
             crop = min(first // f.stride * f.stride, size - side)
             if max(0, high - 1) * f.stride + f.start + f.reach >= crop + side and crop + side < size:
-                raise RuntimeError("a window's positions fall outside its crop")
+                return None
             box.append((crop, low, high))
         return box
 

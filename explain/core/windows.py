@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 from .hooks import Hooks
 
 _CONVOLUTIONS = {"conv1d", "conv2d", "conv3d"}
-_ELEMENTWISE = {
+ELEMENTWISE = {
     "silu", "relu", "relu6", "gelu", "sigmoid", "tanh", "hardswish", "hardsigmoid", "leaky_relu", "elu", "mish",
     "softplus", "hardtanh", "add", "sub", "mul", "div", "neg", "clamp",
     "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__neg__",
@@ -47,8 +47,14 @@ _ELEMENTWISE = {
 _METADATA = {"dim", "size", "numel", "ndimension", "__get__", "__len__"}  # reads a tensor's shape, not its values
 
 
-def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, name: str, default: Any) -> Any:
+def argument(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, name: str, default: Any) -> Any:
+    """A torch call's argument, given by position or by name."""
     return args[position] if len(args) > position else kwargs.get(name, default)
+
+
+def operands(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """A torch call's arguments, those in a list or a tuple (a concatenation's tensors) one by one."""
+    return [v for arg in (*args, *kwargs.values()) for v in (arg if isinstance(arg, (list, tuple)) else (arg,))]
 
 
 class _LocalityTrace(TorchFunctionMode):
@@ -78,7 +84,7 @@ class _LocalityTrace(TorchFunctionMode):
                 return False
             kernel = weight.shape[2:]
             stride, padding, dilation = (
-                _argument(args, kwargs, position, key, default)
+                argument(args, kwargs, position, key, default)
                 for position, key, default in ((3, "stride", 1), (4, "padding", 0), (5, "dilation", 1))
             )
             stride, dilation = (v if isinstance(v, (tuple, list)) else (v,) * self.spatial for v in (stride, dilation))
@@ -92,16 +98,15 @@ class _LocalityTrace(TorchFunctionMode):
             self.reach = [r + span // 2 for r, span in zip(self.reach, spans)]
             return True
         if name == "batch_norm":
-            return id(args[0]) in self._made and not _argument(args, kwargs, 5, "training", False)
-        if name in _ELEMENTWISE:
+            return id(args[0]) in self._made and not argument(args, kwargs, 5, "training", False)
+        if name in ELEMENTWISE:
             return all(self._spread(v) for v in (*args, *kwargs.values()))
         return False
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        operands = [v for arg in (*args, *kwargs.values()) for v in (arg if isinstance(arg, (list, tuple)) else (arg,))]
-        if not any(isinstance(v, Tensor) and id(v) in self._made for v in operands):
+        if not any(isinstance(v, Tensor) and id(v) in self._made for v in operands(args, kwargs)):
             return result  # a constant, made without the input: its use tells whether it is spread over space
         name = getattr(func, "__name__", "")
         if self.local and not self._keeps_local(name, args, kwargs, result):

@@ -90,19 +90,18 @@ class MaskedCopies(CAM):
         x = capture.x
         forwards = capture.once("scoring", lambda: ScoringForwards(self.model, x.device))
         with torch.no_grad(), running(self.model):
-            prefix = None if windows is None else SharedPrefix(forwards, x, windows[0], capture.model_kwargs)
+            sides, starts = windows if windows is not None else ((), None)
+            prefix = SharedPrefix(forwards, x, sides, capture.model_kwargs) if starts is not None else None
             for start in range(0, len(images), self.batch_size):
                 rows = slice(start, start + self.batch_size)
                 mask, chosen = keep(rows), images[rows]
-                scores = None
-                if prefix is not None and prefix.cut is not None and windows is not None:
-                    crops_of = partial(self._crops, x, mask, chosen)
-                    scores = capture.score_rows(prefix(crops_of, chosen, windows[1](rows)), chosen).float()
-                    if start == 0:  # the first copy scored whole too: a prefix that gives another score is dropped
-                        first = self._copies(x, mask[:1], chosen[:1])
-                        whole = capture.score_rows(forwards(first, **capture.model_kwargs), chosen[:1]).float()
-                        if not torch.allclose(scores[:1], whole, rtol=1e-3, atol=1e-4):
-                            prefix, scores = None, None
+                output = None if prefix is None else prefix(partial(self._crops, x, mask, chosen), chosen, starts(rows))
+                scores = None if output is None else capture.score_rows(output, chosen).float()
+                if scores is not None and start == 0:  # the first copy scored whole too: another score drops it
+                    first = self._copies(x, mask[:1], chosen[:1])
+                    whole = capture.score_rows(forwards(first, **capture.model_kwargs), chosen[:1]).float()
+                    if not torch.allclose(scores[:1], whole, rtol=1e-3, atol=1e-4):
+                        prefix, scores = None, None
                 if scores is None:
                     output = forwards(self._copies(x, mask, chosen), **capture.model_kwargs)
                     scores = capture.score_rows(output, chosen).float()
