@@ -113,6 +113,32 @@ def test_a_detection_is_its_raw_row_and_its_map_the_reference(detector) -> None:
     assert hook_count(detector) == 0
 
 
+def test_a_score_is_differentiated_from_its_class_logit_not_through_the_box_decoding(detector) -> None:
+    """Ultralytics' Detect returns its raw class logits beside the decoded rows: a kept score is their sigmoid, so
+    its gradient passes through none of the boxes' decoding and reaches no box branch. Where a head gives no such
+    logits, or their sigmoid is not the row's score, the decoded row's own score is kept."""
+    from explain.models.yolo import _kept_scores
+
+    (found,) = detector(image())
+    assert len(found["scores"]) > 0
+    boxes_branch = list(detector.model.model[-1].cv2.parameters())
+    for output, reached in (("scores", False), ("boxes", True)):
+        grads = torch.autograd.grad(found[output].sum(), boxes_branch, allow_unused=True, retain_graph=True)
+        assert any(g is not None for g in grads) is reached
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 10, requires_grad=True)  # 3 classes, 10 anchors
+    rows = torch.cat([torch.rand(4, 10), logits.detach().sigmoid()])
+    labels, chosen = torch.tensor([0, 2]), torch.tensor([1, 5])
+    kept = _kept_scores(rows, logits, labels, chosen)
+    torch.testing.assert_close(kept, rows[4 + labels, chosen])
+    assert kept.grad_fn is not None  # from the logits
+    other = rows.clone()
+    other[4:] = 0.5
+    assert torch.equal(_kept_scores(other, logits, labels, chosen), other[4 + labels, chosen])
+    assert torch.equal(_kept_scores(rows, None, labels, chosen), rows[4 + labels, chosen])
+
+
 def test_head_branches_are_differentiated_over_the_reached_window_and_the_gradients_are_the_same(detector) -> None:
     """In a call, a detection's score reaches one cell of one level's class branch: that branch is recomputed on the
     cell's receptive field, the other branches pass no gradient on (None, not a tensor of zeros), so the neck

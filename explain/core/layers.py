@@ -19,7 +19,7 @@ from ..targets.base import read_output
 from .detectors import canvas_recorded
 from .hooks import Hooks, layer_entry, output_entry, with_entry
 from .layouts import Geometry, Layout, find_layout, grid_fits, grids_recorded
-from .model_state import eval_mode, frozen_parameters
+from .model_state import eval_mode, frozen_parameters, modules_of
 from .op_trace import Observed, OpTrace
 
 LayerSpec = str | nn.Module | None
@@ -300,7 +300,7 @@ _TRACES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], dict[str, La
 def traced_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> dict[str, LayerInfo]:
     """:func:`trace_layers` by name, traced once per model, input shape and set of modules."""
     known = _TRACES.setdefault(model, {})
-    key = (tuple(x.shape[1:]), x.device, tuple(map(id, model.modules())))
+    key = (tuple(x.shape[1:]), x.device, tuple(map(id, modules_of(model))))
     if key not in known:
         known[key] = {info.name: info for info in trace_layers(model, x, model_kwargs)}
     return known[key]

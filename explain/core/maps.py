@@ -21,6 +21,13 @@ def map_axes(rank: int) -> tuple[int, ...]:
     return tuple(range(-rank, 0))
 
 
+def nonzero(values: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
+    """Whether ``values`` hold anything but zeros, over ``dim`` (all axes when None); a NaN counts as not zero.
+    One pass of summed magnitudes: on the CPU several times faster than ``any()`` of a float tensor."""
+    magnitudes = values.abs()
+    return (magnitudes.sum() if dim is None else magnitudes.sum(dim=dim)) != 0
+
+
 def normalize_maps(maps: Tensor, rank: int) -> Tensor:
     """Min-max normalize each map (..., *spatial) over its ``rank`` spatial axes to [0, 1]; a flat map becomes
     zeros."""
@@ -61,7 +68,7 @@ class Canvas:
         """Maps (..., h, w) over the canvas as maps over the image: upsampled to the canvas, the padding cut off.
         (Resizing the result to the input's size then undoes the transform's resize exactly.) Maps that are zero
         everywhere (a pyramid level no detection reaches) become zeros of that size without being resized."""
-        if not bool(maps.any()):
+        if not bool(nonzero(maps)):
             return maps.new_zeros(*maps.shape[:-2], *self.image)
         top, left = self.offset
         return upsample(maps, self.size)[..., top : top + self.image[0], left : left + self.image[1]]

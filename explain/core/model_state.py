@@ -126,8 +126,25 @@ def buffers_kept(model: nn.Module, modules: list[nn.Module] | None = None) -> It
 @contextmanager
 def untouched(model: nn.Module) -> Iterator[None]:
     """Everything a CAM call must leave as it was: parameter flags, training flags, buffers; other threads' calls
-    on the model wait meanwhile. The model's modules are walked once, on entry."""
+    on the model wait meanwhile. The model's modules are walked once, on entry, and serve :func:`modules_of`
+    within the block."""
     with exclusive(model):
         modules = list(model.modules())
-        with frozen_parameters(model, modules), training_flags_kept(model, modules), buffers_kept(model, modules):
-            yield
+        walks = _PASSES.__dict__.setdefault("walks", {})
+        outer = walks.get(id(model))
+        walks[id(model)] = modules
+        try:
+            with frozen_parameters(model, modules), training_flags_kept(model, modules), buffers_kept(model, modules):
+                yield
+        finally:
+            if outer is None:
+                del walks[id(model)]
+            else:
+                walks[id(model)] = outer
+
+
+def modules_of(model: nn.Module) -> list[nn.Module]:
+    """The model's modules: within :func:`untouched` on this thread, its walk on entry (the model, locked, keeps
+    them); else a new walk."""
+    walked = _PASSES.__dict__.get("walks", {}).get(id(model))
+    return list(model.modules()) if walked is None else walked

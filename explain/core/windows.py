@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from .hooks import Hooks
+from .maps import nonzero
 
 _CONVOLUTIONS = {"conv1d", "conv2d", "conv3d"}
 ELEMENTWISE = {
@@ -154,12 +155,12 @@ class WindowRecomputed(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         (x,) = ctx.saved_tensors
-        images = grad.flatten(1).any(dim=1).nonzero()[:, 0].tolist()  # a branch the score misses: all zeros
+        images = nonzero(grad.flatten(1), dim=1).nonzero()[:, 0].tolist()  # a branch the score misses: all zeros
         if not images:
             return None, None, None, None
         found = torch.zeros_like(x)
         for i in images:
-            reached = grad[i].ne(0).any(dim=0)  # (*spatial)
+            reached = nonzero(grad[i], dim=0)  # (*spatial)
             window = (slice(i, i + 1), slice(None), *_window(reached, ctx.reach))
             part = x[window].detach().requires_grad_(True)
             with torch.enable_grad():

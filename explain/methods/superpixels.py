@@ -5,8 +5,8 @@ The segments are the caller's (``segments=`` a label map, Captum's ``feature_mas
 2012, from scikit-image, an optional extra: ``pip install "explain[superpixels]"``) on each image rescaled to [0, 1]
 per channel; a signal is cut into equal runs. A coalition z says which segments a copy keeps; the copies of every
 image are scored ``batch_size`` per forward with the call's bound target, as the masking methods score theirs
-(:class:`explain.methods.masking.MaskedCopies`). ``raw`` is each position's segment's value, signed; the map is its
-positive part, normalized.
+(:class:`explain.methods.masking.MaskedCopies`). A coalition drawn more than once is scored once. ``raw`` is each
+position's segment's value, signed; the map is its positive part, normalized.
 """
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ class Superpixels(MaskedCopies):
         x = capture.x
         labels = self.segmented(x)
         per_image = [self.coalitions(int(labels[n].max()) + 1, capture.generator, x.device) for n in range(len(x))]
-        rows = [(n, z) for n, coalitions in enumerate(per_image) for z in coalitions]
+        distinct = [torch.unique(coalitions, dim=0, return_inverse=True) for coalitions in per_image]
+        rows = [(n, z) for n, (once, _) in enumerate(distinct) for z in once]  # a coalition drawn twice: scored once
         scores = torch.empty(len(rows), device=x.device)
 
         def kept(chunk: slice) -> Tensor:
@@ -124,10 +125,10 @@ class Superpixels(MaskedCopies):
         images = torch.tensor([n for n, _ in rows], device=x.device)
         self.score_copies(capture, images, kept, stored)
         values, first = [], 0
-        for n, coalitions in enumerate(per_image):
-            found = self.fitted(coalitions.float(), scores[first : first + len(coalitions)], capture.scores[n].float())
-            values.append(found[labels[n]])
-            first += len(coalitions)
+        for n, (coalitions, (once, drawn)) in enumerate(zip(per_image, distinct)):
+            own = scores[first : first + len(once)][drawn]  # each drawn coalition's score
+            values.append(self.fitted(coalitions.float(), own, capture.scores[n].float())[labels[n]])
+            first += len(once)
         return torch.stack(values)
 
 

@@ -114,18 +114,19 @@ class YoloDetector(nn.Module):
         on_canvas = torch.cat([centres - sizes / 2, centres + sizes / 2], dim=-1)
         top, left = boxed.offset
         corners = (on_canvas - on_canvas.new_tensor([left, top, left, top])) / boxed.scale  # input pixels
-        scores, labels = rows[:, 4 : 4 + self.classes].transpose(1, 2).max(dim=-1)
+        scores, labels = rows[:, 4 : 4 + self.classes].detach().transpose(1, 2).max(dim=-1)
+        logits = _class_logits(predictions, rows, self.classes)
         detections = []
         for i, (image_corners, image_scores, image_labels) in enumerate(zip(corners, scores, labels)):
             candidates = (image_scores >= self.conf).nonzero()[:, 0]
-            kept = batched_nms(
-                image_corners[candidates].detach(),
-                image_scores[candidates].detach(),
-                image_labels[candidates],
-                self.iou,
-            )
+            kept = batched_nms(image_corners[candidates].detach(), image_scores[candidates], image_labels[candidates],
+                               self.iou)  # fmt: skip
             chosen = candidates[kept[: self.max_det]]
-            found = {"boxes": image_corners[chosen], "labels": image_labels[chosen], "scores": image_scores[chosen]}
+            found = {
+                "boxes": image_corners[chosen],
+                "labels": image_labels[chosen],
+                "scores": _kept_scores(rows[i], None if logits is None else logits[i], image_labels[chosen], chosen),
+            }
             if prototypes is not None:
                 coefficients = rows[i, 4 + self.classes :, chosen].T
                 found["masks"] = self._masks(prototypes[i], coefficients, on_canvas[i, chosen].detach(), boxed, x)
@@ -159,6 +160,27 @@ class YoloDetector(nn.Module):
             cached = getattr(head, name, None)
             if isinstance(cached, Tensor) and cached.is_inference():
                 setattr(head, name, cached.clone())
+
+
+def _class_logits(predictions: object, rows: Tensor, classes: int) -> Tensor | None:
+    """The raw class logits (N, classes, anchors) a Detect head returns beside its decoded rows (Ultralytics 8.4:
+    the ``"scores"`` of its raw prediction dict), or None where its output has no such tensor."""
+    raw = predictions[1] if isinstance(predictions, (tuple, list)) and len(predictions) > 1 else None
+    logits = raw.get("scores") if isinstance(raw, dict) else None
+    expected = (rows.shape[0], classes, rows.shape[2])
+    return logits if isinstance(logits, Tensor) and tuple(logits.shape) == expected else None
+
+
+def _kept_scores(rows: Tensor, logits: Tensor | None, labels: Tensor, chosen: Tensor) -> Tensor:
+    """The kept detections' scores, with their gradient. Where the head gives its raw class logits and their
+    sigmoid is the decoded rows' score, that sigmoid: its gradient reaches the class branches without passing
+    through the decoding of every anchor's box. Else the decoded rows' own scores."""
+    decoded = rows[4 + labels, chosen]
+    if logits is not None:
+        found = logits[labels, chosen].sigmoid()
+        if torch.allclose(found.detach(), decoded.detach(), rtol=1e-5, atol=1e-6):
+            return found
+    return decoded
 
 
 @contextmanager
