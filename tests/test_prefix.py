@@ -150,3 +150,39 @@ def test_occlusion_through_the_shared_prefix_is_captum_s(model, monkeypatch) -> 
     result = explain.Occlusion(model, window=32, stride=32, batch_size=16)(x, 3)
     assert len(calls) == 1
     torch.testing.assert_close(result.raw, theirs[:, 0], rtol=1e-4, atol=1e-5)
+
+
+def squares(side: int, per_axis: int) -> torch.Tensor:
+    """A label map of per_axis x per_axis square segments."""
+    cell = torch.arange(side) * per_axis // side
+    return cell[:, None] * per_axis + cell[None, :]
+
+
+def test_superpixel_copies_share_the_prefix_of_their_image_or_of_the_baseline(model, monkeypatch) -> None:
+    """Feature Ablation's copies each differ from their image in one segment: every one goes through the prefix,
+    and the map is Captum's. Kernel SHAP's copies with one segment left out share their image's prefix, those with
+    one segment kept the all-baseline input's; the values are those of the whole copies."""
+    torch.manual_seed(2)
+    x, segments = torch.randn(1, 3, 192, 192), squares(192, 6)  # 36 squares of 32x32
+    bases: list[torch.Tensor] = []
+    real = SharedPrefix.__call__
+
+    def spied(self, crops, images, starts):
+        bases.append(images)
+        return real(self, crops, images, starts)
+
+    monkeypatch.setattr(SharedPrefix, "__call__", spied)
+    ablation = explain.FeatureAblation(model, segments=segments, batch_size=8)(x, 3, normalize=False)
+    theirs = captum.FeatureAblation(model).attribute(x, target=3, feature_mask=segments[None, None])
+    assert sum(len(b) for b in bases) == 36  # every segment's copy
+    torch.testing.assert_close(ablation.raw, theirs[:, 0], rtol=1e-4, atol=1e-5)
+
+    bases.clear()
+    shap = explain.KernelSHAP(model, segments=segments, samples=200, seed=0, batch_size=16)
+    shared = shap(x, 3, normalize=False)
+    served = torch.cat(bases)
+    assert (served == 0).any() and (served == 1).any()  # the image's prefix, and the all-baseline input's
+    monkeypatch.setattr(explain.methods.masking, "shared_prefix_plan", lambda *args: None)
+    whole = shap(x, 3, normalize=False)
+    torch.testing.assert_close(shared.raw, whole.raw, rtol=1e-3, atol=1e-4)
+    assert hook_count(model) == 0

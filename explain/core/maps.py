@@ -28,6 +28,22 @@ def nonzero(values: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
     return (magnitudes.sum() if dim is None else magnitudes.sum(dim=dim)) != 0
 
 
+def bounding_boxes(region: Tensor) -> tuple[Tensor, Tensor]:
+    """The box around each row's true positions of ``region`` (rows, *spatial): its start and its sides along
+    each spatial axis, (rows, rank) each; an empty row's sides are 0 (and its start 0)."""
+    rank = region.dim() - 1
+    starts, sides = [], []
+    for axis in range(rank):
+        others = tuple(a + 1 for a in range(rank) if a != axis)
+        hit = region.any(dim=others) if others else region  # (rows, size): whether each position is hit
+        position = torch.arange(hit.shape[1], device=region.device)
+        first = torch.where(hit, position, hit.shape[1]).amin(dim=1)
+        side = (torch.where(hit, position, -1).amax(dim=1) - first + 1).clamp_min(0)
+        starts.append(torch.where(side > 0, first, 0))
+        sides.append(side)
+    return torch.stack(starts, dim=1), torch.stack(sides, dim=1)
+
+
 def normalize_maps(maps: Tensor, rank: int) -> Tensor:
     """Min-max normalize each map (..., *spatial) over its ``rank`` spatial axes to [0, 1]; a flat map becomes
     zeros."""

@@ -1,5 +1,5 @@
-"""Forwards of copies of an image that differ from it inside one window (Occlusion's), their shared prefix computed
-once.
+"""Forwards of copies of an image that differ from it inside one window (an occluded window, an ablated segment),
+their shared prefix computed once.
 
 A convolutional network's first operations are local: each output position reads a box of input positions, its
 receptive field. A copy of an image that differs from it inside a window differs, after such operations, only at
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import Tensor
@@ -67,8 +67,9 @@ class Field:
         return Field(self.stride, start, max(self.start + self.reach, other.start + other.reach) - start)
 
 
-def _per_axis(value: Any, rank: int) -> tuple[int, ...] | None:
-    if isinstance(value, int):
+def per_axis(value: Any, rank: int) -> tuple[int, ...] | None:
+    """One int per spatial axis, from one int for all or a sequence of ``rank`` ints; None from anything else."""
+    if isinstance(value, int) and not isinstance(value, bool):
         return (value,) * rank
     if isinstance(value, (tuple, list)) and len(value) == rank and all(isinstance(v, int) for v in value):
         return tuple(value)
@@ -161,21 +162,21 @@ class _PrefixTrace(TorchFunctionMode):
             if not isinstance(weight, Tensor) or id(weight) in self.born or weight.dim() != rank + 2:
                 return None
             kernel = tuple(weight.shape[2:])
-            stride = _per_axis(argument(args, kwargs, 3, "stride", 1), rank)
-            dilation = _per_axis(argument(args, kwargs, 5, "dilation", 1), rank)
+            stride = per_axis(argument(args, kwargs, 3, "stride", 1), rank)
+            dilation = per_axis(argument(args, kwargs, 5, "dilation", 1), rank)
             padding: Any = argument(args, kwargs, 4, "padding", 0)
             if padding == "valid":
                 padding = 0
             elif padding == "same" and dilation is not None:
                 spans = [d * (k - 1) for d, k in zip(dilation, kernel)]
                 padding = tuple(s // 2 for s in spans) if all(s % 2 == 0 for s in spans) else None
-            padding = _per_axis(padding, rank)
+            padding = per_axis(padding, rank)
         else:  # max or average pooling
-            kernel = _per_axis(argument(args, kwargs, 1, "kernel_size", None), rank)
-            stride = _per_axis(argument(args, kwargs, 2, "stride", None) or kernel, rank)
-            padding = _per_axis(argument(args, kwargs, 3, "padding", 0), rank)
+            kernel = per_axis(argument(args, kwargs, 1, "kernel_size", None), rank)
+            stride = per_axis(argument(args, kwargs, 2, "stride", None) or kernel, rank)
+            padding = per_axis(argument(args, kwargs, 3, "padding", 0), rank)
             is_max = name.startswith("max")
-            dilation = _per_axis(argument(args, kwargs, 4, "dilation", 1) if is_max else 1, rank)
+            dilation = per_axis(argument(args, kwargs, 4, "dilation", 1) if is_max else 1, rank)
             if argument(args, kwargs, 5 if is_max else 4, "ceil_mode", False):
                 return None
         if None in (kernel, stride, padding, dilation):
@@ -266,41 +267,33 @@ class SharedPrefix:
     """Forwards of copies of images that differ from their image inside one window each, the prefix shared (see
     the module's docstring).
 
-    A model with a module in training mode gets no cut: its batch norms mix the copies of a batch.
+    The model is traced once; :meth:`saving` weighs windows of several sides against that trace, and :meth:`fit`
+    chooses the cut for one of them and computes the images' results there. A model with a module in training
+    mode gets no cut: its batch norms mix the copies of a batch.
 
     Args:
         forwards: The model's forwards without gradient.
         x: The images (N, C, *spatial).
-        window: The window's side along each spatial axis.
+        window: The window's side along each spatial axis; None: choose it later (:meth:`fit`).
         model_kwargs: The model's keyword arguments.
     """
 
     def __init__(
-        self, forwards: ScoringForwards, x: Tensor, window: Sequence[int], model_kwargs: dict[str, Any]
+        self, forwards: ScoringForwards, x: Tensor, window: Sequence[int] | None, model_kwargs: dict[str, Any]
     ) -> None:
-        self.forwards, self.model_kwargs, self.window = forwards, model_kwargs, tuple(window)
+        self.forwards, self.model_kwargs, self.x = forwards, model_kwargs, x
         self.spatial = tuple(x.shape[2:])
-        training = any(m.training for m in forwards.model.modules())  # batch statistics: no copy is its own
-        self.cut = None if training else self._chosen(x[:1])
+        self.window: tuple[int, ...] = ()
+        self.cut: _Cut | None = None
         self.features: Tensor | None = None
-        if self.cut is not None:
-            kept: list[Tensor] = []
+        training = any(m.training for m in forwards.model.modules())  # batch statistics: no copy is its own
+        self._candidates = [] if training else self._traced(x[:1])
+        if window is not None:
+            self.fit(window)
 
-            def keep(result: Tensor) -> Tensor:
-                kept.append(result)
-                raise _Captured  # the rest of the forward is not needed
-
-            try:
-                with _Replaced(self.cut, keep):
-                    forwards(x, **model_kwargs)
-            except (_Captured, _Unmatched):
-                pass
-            if not kept or tuple(kept[0].shape[2:]) != self.cut.size:
-                self.cut = None
-            self.features = kept[0] if kept else None
-
-    def _chosen(self, probe: Tensor) -> _Cut | None:
-        """The cut that saves the most work, or None."""
+    def _traced(self, probe: Tensor) -> list[tuple[float, _Cut]]:
+        """The calls after which the prefix may be cut, each with the work done up to it (a share of the whole
+        forward's); their crops' sides are set by :meth:`_chosen`."""
         layout = self.forwards.channels_last
         with _PrefixTrace(probe) as trace:
             self.forwards(probe, **self.model_kwargs)
@@ -308,10 +301,9 @@ class SharedPrefix:
             with _PrefixTrace(probe) as trace:
                 self.forwards(probe, **self.model_kwargs)
         ends = trace.ends if trace.ends is not None else trace.calls
-        total = sum(trace.costs)
-        best, saved = None, MIN_SAVING * total
-        done = 0.0
+        total = sum(trace.costs) or 1.0
         cuts = {index: (name, result) for index, name, result in trace.cuts}
+        found, done = [], 0.0
         for index, cost in enumerate(trace.costs[:ends]):
             done += cost
             if index not in cuts:
@@ -319,12 +311,46 @@ class SharedPrefix:
             name, result = cuts[index]
             if min(result.shape[2:]) < 2 or not self._alone(trace, index, result):
                 continue
-            fields = trace.fields[id(result)]
-            crop = tuple(_crop_side(f, size, w) for f, size, w in zip(fields, self.spatial, self.window))
+            found.append((done / total, _Cut(index, name, trace.fields[id(result)], (), tuple(result.shape[2:]))))
+        return found
+
+    def _chosen(self, window: Sequence[int]) -> tuple[float, _Cut | None]:
+        """The cut that saves the most of the forward's work for windows of these sides, and that share (0 and
+        None below :data:`MIN_SAVING`)."""
+        best, saved = None, MIN_SAVING
+        for done, cut in self._candidates:
+            crop = tuple(_crop_side(f, size, w) for f, size, w in zip(cut.fields, self.spatial, window))
             share = math.prod(c / size for c, size in zip(crop, self.spatial))
             if done * (1 - share) > saved:
-                best, saved = _Cut(index, name, fields, crop, tuple(result.shape[2:])), done * (1 - share)
-        return best
+                best, saved = replace(cut, crop=crop), done * (1 - share)
+        return (saved, best) if best is not None else (0.0, None)
+
+    def saving(self, window: Sequence[int]) -> float:
+        """The share of a whole forward's work that a copy differing inside a window of these sides saves (0
+        where no cut serves)."""
+        return self._chosen(window)[0]
+
+    def fit(self, window: Sequence[int]) -> None:
+        """Cut for windows of these sides, and compute the images' results at the cut (none: no cut)."""
+        self.window = tuple(window)
+        self.cut = self._chosen(self.window)[1]
+        self.features = None
+        if self.cut is None:
+            return
+        kept: list[Tensor] = []
+
+        def keep(result: Tensor) -> Tensor:
+            kept.append(result)
+            raise _Captured  # the rest of the forward is not needed
+
+        try:
+            with _Replaced(self.cut, keep):
+                self.forwards(self.x, **self.model_kwargs)
+        except (_Captured, _Unmatched):
+            pass
+        if not kept or tuple(kept[0].shape[2:]) != self.cut.size:
+            self.cut = None
+        self.features = kept[0] if kept and self.cut is not None else None
 
     @staticmethod
     def _alone(trace: _PrefixTrace, index: int, result: Tensor) -> bool:

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from .hooks import Hooks
-from .maps import nonzero
+from .maps import bounding_boxes, nonzero
 
 _CONVOLUTIONS = {"conv1d", "conv2d", "conv3d"}
 ELEMENTWISE = {
@@ -172,12 +172,11 @@ class WindowRecomputed(torch.autograd.Function):
 def _window(reached: Tensor, reach: tuple[int, ...]) -> list[slice]:
     """The slices, one per axis, of the box around the reached positions, widened by the reach and cut to the
     map."""
-    window = []
-    for axis, (size, widen) in enumerate(zip(reached.shape, reach)):
-        others = tuple(a for a in range(reached.dim()) if a != axis)
-        hit = (reached.any(dim=others) if others else reached).nonzero()[:, 0]
-        window.append(slice(max(int(hit[0]) - widen, 0), min(int(hit[-1]) + 1 + widen, size)))
-    return window
+    starts, sides = (values[0].tolist() for values in bounding_boxes(reached[None]))
+    return [
+        slice(max(start - widen, 0), min(start + side + widen, size))
+        for start, side, widen, size in zip(starts, sides, reach, reached.shape)
+    ]
 
 
 def _detached(inputs: dict[nn.Module, tuple[Tensor, tuple[int, ...]]], module: nn.Module, args: tuple[Any, ...]):

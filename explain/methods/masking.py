@@ -4,8 +4,10 @@ random masks, at the input's resolution.
 A mask keeps the input where it is 1 and puts the baseline where it is 0. The copies of every image under every
 mask are scored ``batch_size`` per forward under ``torch.no_grad()`` (on the CPU by a copy of the model with its batch
 norms folded, channels-last: :class:`explain.core.folding.ScoringForwards`), with the call's bound target
-(:class:`MaskedCopies`, which the superpixel methods share). Occlusion's copies share their image's local prefix
-(:mod:`explain.core.prefix`). Each method's formula weighs each mask's region by the score and normalizes the sum.
+(:class:`MaskedCopies`, which the superpixel methods share). A copy that differs from its image, or from the
+all-baseline input, only inside a small box (an occluded window, an ablated segment, a coalition of one segment)
+shares that input's local prefix (:mod:`explain.core.prefix`); the boxes are read from the masks. Each method's
+formula weighs each mask's region by the score and normalizes the sum.
 ``raw`` keeps the signed attribution; the map is its positive part, normalized.
 """
 
@@ -13,8 +15,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,16 +28,24 @@ from torch import Tensor, nn
 from ..core.engine import CAM, Capture
 from ..core.folding import ScoringForwards
 from ..core.layers import LayerSpec
-from ..core.maps import INTERPOLATION, postprocess
+from ..core.maps import INTERPOLATION, bounding_boxes, postprocess
 from ..core.model_state import running
-from ..core.prefix import SharedPrefix
+from ..core.prefix import SharedPrefix, per_axis
 from ..errors import ExplainError
 
 
-def _per_axis(value: int | Sequence[int], rank: int, what: str) -> tuple[int, ...]:
-    """One value per spatial axis: an int for all, or a sequence of ``rank``."""
-    values = (value,) * rank if isinstance(value, int) else tuple(value)
-    if len(values) != rank or min(values) < 1:
+def _positive_per_axis(value: int | Sequence[int], rank: int, what: str) -> tuple[int, ...]:
+    """One positive int per spatial axis (see :func:`explain.core.prefix.per_axis`).
+
+    Raises:
+        ExplainError: Not one positive int, nor one per axis.
+    """
+    try:  # numpy's integers too, never a float
+        given = [operator.index(v) for v in value] if isinstance(value, Sequence) else operator.index(value)
+    except TypeError:
+        given = None
+    values = per_axis(given, rank)
+    if values is None or min(values) < 1:
         raise ExplainError(f"{what} must be a positive int or one per spatial axis ({rank}), got {value!r}")
     return values
 
@@ -72,36 +85,42 @@ class MaskedCopies(CAM):
         self,
         capture: Capture,
         images: Tensor,
-        keep: Callable[[slice], Tensor],
-        scored: Callable[[slice, Tensor, Tensor], None],
-        windows: tuple[Sequence[int], Callable[[slice], Tensor]] | None = None,
+        keep: Callable[[Tensor], Tensor],
+        scored: Callable[[Tensor, Tensor, Tensor], None],
     ) -> None:
         """Score copy r of image ``images[r]`` under its mask, ``batch_size`` copies per forward.
+
+        A copy that differs from its image, or from the all-baseline input, only inside a small box shares that
+        input's local prefix (:class:`explain.core.prefix.SharedPrefix`; see :func:`shared_prefix_plan`). Those
+        copies are scored first, and the first forward through the prefix is checked against whole copies: a
+        different score drops the prefix.
 
         Args:
             capture: The call's capture (its input, bound target and model arguments).
             images: Each copy's image, (rows,).
-            keep: The masks of a slice of rows, (rows, *spatial) floats in [0, 1].
-            scored: Called with each slice of rows, its masks and their scores (rows,).
-            windows: Where each mask hides one window (Occlusion's): the window's sides, and each row's window
-                start (rows, rank) for a slice of rows. The copies then share their image's local prefix
-                (:class:`explain.core.prefix.SharedPrefix`), checked on the first forward against whole copies.
+            keep: The masks of some rows (indices), (rows, *spatial) floats in [0, 1].
+            scored: Called with each batch's rows (indices), their masks and their scores (rows,).
         """
         x = capture.x
         forwards = capture.once("scoring", lambda: ScoringForwards(self.model, x.device))
         with torch.no_grad(), running(self.model):
-            sides, starts = windows if windows is not None else ((), None)
-            prefix = SharedPrefix(forwards, x, sides, capture.model_kwargs) if starts is not None else None
-            for start in range(0, len(images), self.batch_size):
-                rows = slice(start, start + self.batch_size)
+            plan = shared_prefix_plan(forwards, x, self.baseline, images, keep, self.batch_size, capture.model_kwargs)
+            order = torch.arange(len(images), device=x.device) if plan is None else plan.order
+            checked = False
+            for start in range(0, len(order), self.batch_size):
+                rows = order[start : start + self.batch_size]
                 mask, chosen = keep(rows), images[rows]
-                output = None if prefix is None else prefix(partial(self._crops, x, mask, chosen), chosen, starts(rows))
-                scores = None if output is None else capture.score_rows(output, chosen).float()
-                if scores is not None and start == 0:  # the first copy scored whole too: another score drops it
-                    first = self._copies(x, mask[:1], chosen[:1])
-                    whole = capture.score_rows(forwards(first, **capture.model_kwargs), chosen[:1]).float()
-                    if not torch.allclose(scores[:1], whole, rtol=1e-3, atol=1e-4):
-                        prefix, scores = None, None
+                scores = None
+                if plan is not None and bool(plan.fits[rows].all()):
+                    crops = partial(self._crops, x, mask, chosen)
+                    output = plan.prefix(crops, plan.bases[rows], plan.starts[rows])
+                    scores = None if output is None else capture.score_rows(output, chosen).float()
+                    if scores is not None and not checked:  # the first copy scored whole too
+                        checked = True
+                        first = self._copies(x, mask[:1], chosen[:1])
+                        whole = capture.score_rows(forwards(first, **capture.model_kwargs), chosen[:1]).float()
+                        if not torch.allclose(scores[:1], whole, rtol=1e-3, atol=1e-4):
+                            plan, scores = None, None
                 if scores is None:
                     output = forwards(self._copies(x, mask, chosen), **capture.model_kwargs)
                     scores = capture.score_rows(output, chosen).float()
@@ -120,6 +139,79 @@ class MaskedCopies(CAM):
 
     def finish(self, raw: Tensor, rank: int, size: Sequence[int] | None, normalize: bool) -> Tensor:
         return postprocess(raw.clamp(min=0), rank, size, normalize)
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """Which copies share a prefix, and how.
+
+    Attributes:
+        prefix: The shared prefix, fitted to one window's sides; its inputs are the images, then the all-baseline
+            input.
+        order: The rows in the order they are scored: those that fit the window first.
+        fits: Whether each row's copy differs from its input only inside the window, (rows,).
+        bases: The input each row differs from: its image's index, or N for the all-baseline input, (rows,).
+        starts: Where each row's window starts, (rows, rank).
+    """
+
+    prefix: SharedPrefix
+    order: Tensor
+    fits: Tensor
+    bases: Tensor
+    starts: Tensor
+
+
+WINDOW_SHARES = (1 / 8, 1 / 4, 1 / 2, 3 / 4, 1)  # the shares of the copies whose boxes set a candidate window
+MIN_WORTH = 3.0  # the whole forwards a shared prefix must save: its trace costs about that
+
+
+def shared_prefix_plan(
+    forwards: ScoringForwards,
+    x: Tensor,
+    baseline: float,
+    images: Tensor,
+    keep: Callable[[Tensor], Tensor],
+    batch_size: int,
+    model_kwargs: dict[str, Any],
+) -> PrefixPlan | None:
+    """Where copies may share their input's local prefix, read from their masks.
+
+    A copy equals its image where its mask is 1 and the all-baseline input where it is 0: it differs from the one
+    inside the box around its mask's positions below 1, from the other inside the box around those above 0; the
+    smaller box is its own. Candidate windows are the boxes of the smallest eighth, quarter, half, three quarters
+    and all of the copies (their largest side per axis); the one whose fitting copies save the most of the
+    forward's work is chosen (:meth:`explain.core.prefix.SharedPrefix.saving`). None where none saves
+    :data:`MIN_WORTH` whole forwards.
+    """
+    spatial = torch.tensor(x.shape[2:], device=x.device)
+    bases, starts, sides = [], [], []
+    for rows in torch.arange(len(images), device=x.device).split(batch_size):
+        mask = keep(rows)
+        from_image, from_baseline = bounding_boxes(mask != 1), bounding_boxes(mask != 0)
+        closer = from_baseline[1].prod(dim=1) < from_image[1].prod(dim=1)
+        bases.append(torch.where(closer, len(x), images[rows]))
+        starts.append(torch.where(closer[:, None], from_baseline[0], from_image[0]))
+        sides.append(torch.where(closer[:, None], from_baseline[1], from_image[1]))
+    base, start, side = torch.cat(bases), torch.cat(starts), torch.cat(sides)
+    by_area = side.prod(dim=1).argsort()
+    windows = {tuple(side[by_area[: math.ceil(share * len(side))]].amax(dim=0).clamp_min(1).tolist())
+               for share in WINDOW_SHARES}  # fmt: skip
+    fitting = {w: int((side <= side.new_tensor(w)).all(dim=1).sum()) for w in windows}
+    fitting = {w: n for w, n in fitting.items() if math.prod(w) <= math.prod(x.shape[2:]) / 2 and n >= MIN_WORTH}
+    if not fitting:  # larger windows share little; too few copies would not pay for the trace
+        return None
+    prefix = SharedPrefix(forwards, torch.cat([x, torch.full_like(x[:1], baseline)]), None, model_kwargs)
+    worth = {w: prefix.saving(w) * n for w, n in fitting.items()}
+    window = max(worth, key=worth.__getitem__)
+    if worth[window] < MIN_WORTH:
+        return None
+    prefix.fit(window)
+    if prefix.cut is None:
+        return None
+    fits = (side <= side.new_tensor(window)).all(dim=1)
+    at = torch.minimum(start, spatial - side.new_tensor(window)).clamp_min(0)  # the window holds the box
+    order = torch.cat([fits.nonzero()[:, 0], (~fits).nonzero()[:, 0]])
+    return PrefixPlan(prefix, order, fits, base, at)
 
 
 class Masking(MaskedCopies):
@@ -153,20 +245,13 @@ class Masking(MaskedCopies):
         images = torch.arange(len(x), device=device).repeat_interleave(count)  # row r: image r // count
         masks = torch.arange(count, device=device).repeat(len(x))  # and its mask r % count
 
-        def credited(rows: slice, keep: Tensor, score: Tensor) -> None:
+        def credited(rows: Tensor, keep: Tensor, score: Tensor) -> None:
             chosen = images[rows]
             total.index_add_(0, chosen, self.credit(score, capture.scores[chosen].float(), keep))
             keeps.add_(keep[chosen == 0].sum(dim=0))  # each mask once: the first image has them all
 
-        hidden = self.windows()
-        windows = None if hidden is None else (hidden[0], lambda rows: hidden[1](masks[rows]))
-        self.score_copies(capture, images, lambda rows: self.keep(masks[rows], spatial).float(), credited, windows)
+        self.score_copies(capture, images, lambda rows: self.keep(masks[rows], spatial).float(), credited)
         return self.normalized(total, keeps)
-
-    def windows(self) -> tuple[Sequence[int], Callable[[Tensor], Tensor]] | None:
-        """Where each mask hides one window: the window's sides, and the starts (len(indices), rank) of masks
-        ``indices``; None where the masks are not windows."""
-        return None
 
 
 def window_starts(size: int, window: int, stride: int) -> list[int]:
@@ -198,7 +283,7 @@ class Occlusion(Masking):
 
     A copy differs from its image only inside the window: a convolutional network's local first layers run on a
     crop around the window alone, their result pasted into the image's, computed once
-    (:class:`explain.core.prefix.SharedPrefix`); the scores are the whole copies'.
+    (:func:`shared_prefix_plan`); the scores are the whole copies'.
 
     Args:
         model: Any model explain explains; left as it was.
@@ -230,7 +315,8 @@ class Occlusion(Masking):
     def count(self, capture: Capture) -> int:
         spatial = capture.x.shape[2:]
         rank = len(spatial)
-        window, stride = _per_axis(self.window, rank, "window"), _per_axis(self.stride, rank, "stride")
+        window = _positive_per_axis(self.window, rank, "window")
+        stride = _positive_per_axis(self.stride, rank, "stride")
         starts = [window_starts(size, w, st) for size, w, st in zip(spatial, window, stride)]
         self._starts = torch.tensor(list(itertools.product(*starts)), device=capture.x.device)  # (placements, rank)
         self._windows = window
@@ -243,9 +329,6 @@ class Occlusion(Masking):
             position = torch.arange(size, device=indices.device).view(-1, *(1,) * (len(spatial) - axis - 1))
             hidden &= (position >= start) & (position < start + side)  # inside the window along this axis
         return (~hidden).float()
-
-    def windows(self) -> tuple[Sequence[int], Callable[[Tensor], Tensor]]:
-        return self._windows, lambda indices: self._starts[indices]
 
     def credit(self, score: Tensor, plain: Tensor, keep: Tensor) -> Tensor:
         return (plain - score).view(-1, *(1,) * (keep.dim() - 1)) * (1 - keep)

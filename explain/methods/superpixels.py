@@ -116,10 +116,10 @@ class Superpixels(MaskedCopies):
         rows = [(n, z) for n, (once, _) in enumerate(distinct) for z in once]  # a coalition drawn twice: scored once
         scores = torch.empty(len(rows), device=x.device)
 
-        def kept(chunk: slice) -> Tensor:
-            return torch.stack([z[labels[n]] for n, z in rows[chunk]]).float()
+        def kept(chunk: Tensor) -> Tensor:
+            return torch.stack([rows[r][1][labels[rows[r][0]]] for r in chunk.tolist()]).float()
 
-        def stored(chunk: slice, keep: Tensor, score: Tensor) -> None:
+        def stored(chunk: Tensor, keep: Tensor, score: Tensor) -> None:
             scores[chunk] = score
 
         images = torch.tensor([n for n, _ in rows], device=x.device)
