@@ -119,7 +119,18 @@ class Scaled(nn.Module):
     """Multiplies by a per-channel constant, the same at every position: still local."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.linspace(0.5, 1.5, x.shape[1]).view(1, -1, 1, 1)
+        return x * torch.linspace(0.5, 1.5, 4).view(1, -1, 1, 1)
+
+
+class SizedPadding(nn.Module):
+    """A convolution whose padding is computed from the input's size: the size it keeps here, a crop would not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.conv2d(x, self.conv.weight, self.conv.bias, padding=1 if x.shape[-1] > 6 else 0)
 
 
 @pytest.mark.parametrize(
@@ -131,8 +142,9 @@ class Scaled(nn.Module):
         nn.Conv2d(4, 4, 3),  # no padding: the output is smaller
         nn.GroupNorm(2, 4),  # statistics over the whole map
         Positional(),
+        SizedPadding(),
     ],
-    ids=["pool", "stride", "reflect", "unpadded", "group-norm", "positional"],
+    ids=["pool", "stride", "reflect", "unpadded", "group-norm", "positional", "sized-padding"],
 )
 def test_a_module_that_is_not_local_is_left_to_autograd(spread) -> None:
     branch = randomized(Branch(spread=spread))
@@ -150,3 +162,17 @@ def test_a_constant_spread_over_space_and_a_training_batch_norm() -> None:
     branch = Branch().train()  # batch statistics: every position reads the whole batch
     assert reach(branch, torch.zeros(2, 4, 12, 12)) is None
     assert reach(branch.eval(), torch.zeros(2, 4, 12, 12)) == (4, 4)  # traced again for the other flags
+
+
+def test_a_pooling_of_stride_one_that_keeps_the_size_is_local() -> None:
+    """A max pooling of stride one, padded to keep the map's size (as YOLO's SPPF pools), adds its half kernel to
+    the reach; the windowed gradients are still plain autograd's, at a cell by the map's edge too."""
+    branch = randomized(Branch(spread=nn.MaxPool2d(5, stride=1, padding=2)))
+    x = torch.randn(2, 4, 12, 12)
+    assert reach(branch, x) == (2 + 2 + 2, 2 + 2 + 2)
+    model = Holder(branch)
+    for cell in ((0, 5, 6), (1, 11, 0)):
+        upstream = torch.zeros_like(model(x))
+        upstream[(cell[0], 1, *cell[1:])] = 1.0
+        expected = input_gradient(model, x, upstream, windowed=False)
+        torch.testing.assert_close(input_gradient(model, x, upstream, windowed=True), expected)

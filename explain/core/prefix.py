@@ -8,20 +8,11 @@ after which the rest of the model reads nothing of the prefix but that operation
 the cut's result on each image once; and runs each copy's prefix on a crop around its window alone, the crop's
 result pasted into its image's, the rest of the model on the whole.
 
-The prefix may hold only these operations, each position's field followed through them (per spatial axis: a
-stride, where the field starts and how far it reaches):
-
-- convolutions (any stride, dilation and zero padding that does not depend on the input's size), and max or
-  average pooling without ``ceil_mode``;
-- batch norms and dropouts in eval mode;
-- element-wise operations on tensors made from the input, or with constants spread over space (a bias per
-  channel); a concatenation of channels.
-
-A prefix that reads its input's size (a padding computed from it), or calls anything else, ends there. The cut is
-chosen where the prefix's work saved is largest (a crop's share of the map, by the convolutions' multiply-adds);
-below a tenth of the whole forward's work, none is made. A crop starts at a multiple of the cut's stride, so that
-its positions lie on the image's grid; the positions pasted are those whose field meets the window, and each
-reads the crop alone, or the image's own border: their values are the whole copy's.
+The prefix holds only the local operations of :mod:`explain.core.fields`, which follows each position's field
+through them. The cut is chosen where the prefix's work saved is largest (a crop's share of the map, by the
+convolutions' multiply-adds); below a tenth of the whole forward's work, none is made. A crop starts at a multiple
+of the cut's stride, so that its positions lie on the image's grid; the positions pasted are those whose field
+meets the window, and each reads the crop alone, or the image's own border: their values are the whole copy's.
 """
 
 from __future__ import annotations
@@ -34,195 +25,10 @@ from typing import Any
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from .fields import Field, FieldTrace, name_of
 from .folding import ScoringForwards
-from .windows import ELEMENTWISE, argument, operands
 
-_IN_PLACE = {"relu_", "add_", "mul_", "sub_", "div_", "clamp_", "hardtanh_", "__iadd__", "__imul__", "__isub__"}
-_PASSING = {"contiguous", "clone", "float", "to", "type_as"}
-_HARMLESS = {"dim", "ndimension"}  # reads that do not depend on the input's size
-_HARMLESS_ATTRIBUTES = {"dtype", "device", "ndim", "layout", "is_cuda", "requires_grad", "is_sparse", "is_quantized"}
 MIN_SAVING = 0.1  # the least share of the forward's work a cut must save
-
-
-@dataclass(frozen=True)
-class Field:
-    """Along one axis, the input positions that position o of a tensor reads: o * stride + start, and ``reach``
-    more after it."""
-
-    stride: int = 1
-    start: int = 0
-    reach: int = 0
-
-    def after(self, stride: int, padding: int, dilation: int, kernel: int) -> Field:
-        """The field after a sliding window (a convolution's, a pooling's) over a tensor with this field."""
-        return Field(
-            self.stride * stride, self.start - padding * self.stride, self.reach + dilation * (kernel - 1) * self.stride
-        )
-
-    def union(self, other: Field) -> Field | None:
-        """The field of an element-wise result of two tensors on the same grid; None when the grids differ."""
-        if other.stride != self.stride:
-            return None
-        start = min(self.start, other.start)
-        return Field(self.stride, start, max(self.start + self.reach, other.start + other.reach) - start)
-
-
-def per_axis(value: Any, rank: int) -> tuple[int, ...] | None:
-    """One int per spatial axis, from one int for all or a sequence of ``rank`` ints; None from anything else."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value,) * rank
-    if isinstance(value, (tuple, list)) and len(value) == rank and all(isinstance(v, int) for v in value):
-        return tuple(value)
-    return None
-
-
-def _name(func: Any) -> str:
-    name = getattr(func, "__name__", "")
-    return f"{getattr(getattr(func, '__self__', None), '__name__', '')}.get" if name == "__get__" else name
-
-
-class _PrefixTrace(TorchFunctionMode):
-    """Watch one forward: each call's ordinal, the fields of the prefix's results, and where each tensor made from
-    the input is last used."""
-
-    def __init__(self, x: Tensor) -> None:
-        super().__init__()
-        self.rank = x.dim() - 2
-        self.calls = 0
-        self.fields: dict[int, tuple[Field, ...]] = {id(x): (Field(),) * self.rank}
-        self.born: dict[int, int] = {id(x): -1}
-        self.last_use: dict[int, int] = {}
-        self.kept: list[Any] = [x]  # held, so that no id is reused during the trace
-        self.ends: int | None = None  # the first call that is not local
-        self.costs: list[float] = []  # the work of each call, by ordinal
-        self.cuts: list[tuple[int, str, Tensor]] = []  # the local results: (ordinal, name, result)
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        index = self.calls
-        self.calls += 1
-        result = func(*args, **kwargs)
-        made = [v for v in operands(args, kwargs) if isinstance(v, Tensor) and id(v) in self.born]
-        name = _name(func)
-        self.costs.append(_cost(name, args, result) if made else 0.0)
-        if not made:
-            return result
-        for v in made:
-            self.last_use[id(v)] = index
-        if not isinstance(result, (Tensor, tuple, list)):  # a read of a tensor: its size ends the prefix
-            if self.ends is None and name not in _HARMLESS and name.removesuffix(".get") not in _HARMLESS_ATTRIBUTES:
-                self.ends = index
-            return result
-        if self.ends is None:
-            try:
-                fields = self._local(name, args, kwargs, result)
-            except Exception:  # arguments the analysis cannot read: the call ends the prefix, the forward goes on
-                fields = None
-            if fields is None:
-                self.ends = index
-            else:
-                self.fields[id(result)] = fields
-                self.cuts.append((index, name, result))
-        for tensor in result if isinstance(result, (tuple, list)) else (result,):
-            if isinstance(tensor, Tensor) and id(tensor) not in self.born:
-                self.born[id(tensor)] = index
-                self.kept.append(tensor)
-        return result
-
-    def _local(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> tuple[Field, ...] | None:
-        """The fields of a local call's result, or None: the call ends the prefix."""
-        if not isinstance(result, Tensor) or result.dim() != self.rank + 2:
-            return None
-        x = args[0] if args else None
-        if isinstance(x, Tensor) and id(x) in self.fields and name in _WINDOWED:
-            return self._windowed(name, args, kwargs, self.fields[id(x)])
-        if name == "batch_norm" or name == "dropout":
-            training = (
-                argument(args, kwargs, 5, "training", False)
-                if name == "batch_norm"
-                else kwargs.get("training", args[2] if len(args) > 2 else True)
-            )
-            return self.fields.get(id(x)) if not training and isinstance(x, Tensor) else None
-        if name in ("cat", "concat", "concatenate"):
-            if argument(args, kwargs, 1, "dim", 0) not in (1, -self.rank - 1):
-                return None
-            tensors = args[0] if args else kwargs.get("tensors", ())
-            return self._joined(list(tensors), result, require_made=True)
-        if name in ELEMENTWISE or name in _IN_PLACE or name in _PASSING:
-            tensors = [v for v in operands(args, kwargs) if isinstance(v, Tensor)]
-            return self._joined(tensors, result, require_made=False)
-        return None
-
-    def _windowed(
-        self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], fields: tuple[Field, ...]
-    ) -> tuple[Field, ...] | None:
-        rank = self.rank
-        if name.startswith("conv"):
-            weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            if not isinstance(weight, Tensor) or id(weight) in self.born or weight.dim() != rank + 2:
-                return None
-            kernel = tuple(weight.shape[2:])
-            stride = per_axis(argument(args, kwargs, 3, "stride", 1), rank)
-            dilation = per_axis(argument(args, kwargs, 5, "dilation", 1), rank)
-            padding: Any = argument(args, kwargs, 4, "padding", 0)
-            if padding == "valid":
-                padding = 0
-            elif padding == "same" and dilation is not None:
-                spans = [d * (k - 1) for d, k in zip(dilation, kernel)]
-                padding = tuple(s // 2 for s in spans) if all(s % 2 == 0 for s in spans) else None
-            padding = per_axis(padding, rank)
-        else:  # max or average pooling
-            kernel = per_axis(argument(args, kwargs, 1, "kernel_size", None), rank)
-            stride = per_axis(argument(args, kwargs, 2, "stride", None) or kernel, rank)
-            padding = per_axis(argument(args, kwargs, 3, "padding", 0), rank)
-            is_max = name.startswith("max")
-            dilation = per_axis(argument(args, kwargs, 4, "dilation", 1) if is_max else 1, rank)
-            if argument(args, kwargs, 5 if is_max else 4, "ceil_mode", False):
-                return None
-        if None in (kernel, stride, padding, dilation):
-            return None
-        return tuple(f.after(s, p, d, k) for f, s, p, d, k in zip(fields, stride, padding, dilation, kernel))
-
-    def _joined(self, tensors: list[Tensor], result: Tensor, require_made: bool) -> tuple[Field, ...] | None:
-        """The fields of an element-wise result (or a concatenation of channels) of these operands: every operand
-        made from the input on the result's grid, every other one spread over space."""
-        spatial = tuple(result.shape[2:])
-        joined: tuple[Field, ...] | None = None
-        for v in tensors:
-            if id(v) in self.fields:
-                if tuple(v.shape[2:]) != spatial:
-                    return None
-                own = self.fields[id(v)]
-                joined = own if joined is None else _union(joined, own)
-                if joined is None:
-                    return None
-            elif id(v) in self.born or require_made:
-                return None  # made from the input, but not locally
-            elif any(size != 1 for size in v.shape[max(0, v.dim() - self.rank) :]):
-                return None
-        return joined
-
-
-_WINDOWED = {
-    *(f"conv{r}d" for r in (1, 2, 3)),
-    *(f"{kind}_pool{r}d" for kind in ("max", "avg") for r in (1, 2, 3)),
-}
-
-
-def _union(a: tuple[Field, ...], b: tuple[Field, ...]) -> tuple[Field, ...] | None:
-    joined = [f.union(g) for f, g in zip(a, b)]
-    return None if None in joined else tuple(joined)  # type: ignore[arg-type]
-
-
-def _cost(name: str, args: tuple[Any, ...], result: Any) -> float:
-    """A call's work: a convolution's or a product's multiply-adds, else its result's size."""
-    if not isinstance(result, Tensor):
-        return 0.0
-    if name in _WINDOWED and name.startswith("conv") and len(args) > 1 and isinstance(args[1], Tensor):
-        return float(result.numel() * math.prod(args[1].shape[1:]))
-    if name in ("linear", "matmul", "bmm", "mm") and len(args) > 1 and isinstance(args[1], Tensor):
-        return float(result.numel() * args[1].shape[-1 if name == "linear" else -2])
-    return float(result.numel())
 
 
 @dataclass(frozen=True)
@@ -250,7 +56,7 @@ class _Replaced(TorchFunctionMode):
         result = func(*args, **(kwargs or {}))
         if index != self.cut.index:
             return result
-        if _name(func) != self.cut.name or not isinstance(result, Tensor):
+        if name_of(func) != self.cut.name or not isinstance(result, Tensor):
             raise _Unmatched
         return self.replace(result)
 
@@ -295,10 +101,10 @@ class SharedPrefix:
         """The calls after which the prefix may be cut, each with the work done up to it (a share of the whole
         forward's); their crops' sides are set by :meth:`_chosen`."""
         layout = self.forwards.channels_last
-        with _PrefixTrace(probe) as trace:
+        with FieldTrace(probe) as trace:
             self.forwards(probe, **self.model_kwargs)
         if self.forwards.channels_last != layout:  # the model refused channels-last inputs: the trace ran twice
-            with _PrefixTrace(probe) as trace:
+            with FieldTrace(probe) as trace:
                 self.forwards(probe, **self.model_kwargs)
         ends = trace.ends if trace.ends is not None else trace.calls
         total = sum(trace.costs) or 1.0
@@ -353,7 +159,7 @@ class SharedPrefix:
         self.features = kept[0] if kept and self.cut is not None else None
 
     @staticmethod
-    def _alone(trace: _PrefixTrace, index: int, result: Tensor) -> bool:
+    def _alone(trace: FieldTrace, index: int, result: Tensor) -> bool:
         """Whether, after call ``index``, the forward reads nothing made before it but its result."""
         return all(
             trace.last_use.get(key, born) <= index

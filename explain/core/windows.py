@@ -8,16 +8,12 @@ differentiates the whole map. Here such a module runs without autograd, and its 
 zero, widens it by the module's reach, and recomputes the module with autograd on that part of its input alone.
 A window the gradient does not reach at all passes no gradient on, so autograd skips what made the input.
 
-A module is local when its forward, traced once per module, input shape and training flags (:func:`reach`),
-runs only these operations:
-
-- convolutions of stride one, zero-padded to keep their size;
-- batch norms in eval mode;
-- element-wise operations on tensors made from the input, or on constants spread over space;
-- reads of a tensor's shape; and calls that do not read the input (they make constants).
-
-Its reach along an axis is the sum of its convolutions' half kernels (times their dilation): no path from an
-output position reads farther.
+A module is local when its forward, traced once per module, input shape and training flags (:func:`reach`), runs
+only the local operations of :mod:`explain.core.fields` (convolutions, poolings, eval-mode batch norms, element-wise
+calls, concatenations of channels; no read of the input's size), each on the input's grid and keeping its size:
+stride one, padded to keep it. Its reach along an axis is how far its output's field extends on either side of a
+position (the sum of its convolutions' half kernels, times their dilation): no path from an output position reads
+farther.
 
 The recomputed gradients are those autograd gives. An output position the gradient reaches reads only input
 positions of the widened window; at the map's edges, the window's padding is the map's own zero padding. Output
@@ -34,89 +30,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
+from .fields import FieldTrace
 from .hooks import Hooks
 from .maps import bounding_boxes, nonzero
-
-_CONVOLUTIONS = {"conv1d", "conv2d", "conv3d"}
-ELEMENTWISE = {
-    "silu", "relu", "relu6", "gelu", "sigmoid", "tanh", "hardswish", "hardsigmoid", "leaky_relu", "elu", "mish",
-    "softplus", "hardtanh", "add", "sub", "mul", "div", "neg", "clamp",
-    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__neg__",
-}  # fmt: skip
-_METADATA = {"dim", "size", "numel", "ndimension", "__get__", "__len__"}  # reads a tensor's shape, not its values
-
-
-def argument(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, name: str, default: Any) -> Any:
-    """A torch call's argument, given by position or by name."""
-    return args[position] if len(args) > position else kwargs.get(name, default)
-
-
-def operands(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    """A torch call's arguments, those in a list or a tuple (a concatenation's tensors) one by one."""
-    return [v for arg in (*args, *kwargs.values()) for v in (arg if isinstance(arg, (list, tuple)) else (arg,))]
-
-
-class _LocalityTrace(TorchFunctionMode):
-    """Watch one forward of a module: whether each call keeps it local, and the convolutions' reach."""
-
-    def __init__(self, x: Tensor) -> None:
-        super().__init__()
-        self.spatial = x.dim() - 2
-        self.reach = [0] * self.spatial
-        self.local = True
-        self._made = {id(x)}  # the tensors made from the input
-        self._kept: list[Tensor] = [x]  # held, so that no id is reused during the trace
-
-    def _spread(self, value: Any) -> bool:
-        """Whether an operand is made from the input, or the same at every position of the map: its axes that
-        broadcast against the spatial axes are all of size one."""
-        if not isinstance(value, Tensor) or id(value) in self._made:
-            return True
-        return all(size == 1 for size in value.shape[max(0, value.dim() - self.spatial) :])
-
-    def _keeps_local(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> bool:
-        if not isinstance(result, Tensor):
-            return name in _METADATA
-        if name in _CONVOLUTIONS:
-            x, weight = args[0], args[1]
-            if id(x) not in self._made or weight.dim() != self.spatial + 2:
-                return False
-            kernel = weight.shape[2:]
-            stride, padding, dilation = (
-                argument(args, kwargs, position, key, default)
-                for position, key, default in ((3, "stride", 1), (4, "padding", 0), (5, "dilation", 1))
-            )
-            stride, dilation = (v if isinstance(v, (tuple, list)) else (v,) * self.spatial for v in (stride, dilation))
-            if isinstance(padding, int):
-                padding = (padding,) * self.spatial
-            spans = [d * (k - 1) for d, k in zip(dilation, kernel)]
-            if any(s != 1 for s in stride) or any(span % 2 for span in spans):
-                return False
-            if padding != "same" and list(padding) != [span // 2 for span in spans]:
-                return False
-            self.reach = [r + span // 2 for r, span in zip(self.reach, spans)]
-            return True
-        if name == "batch_norm":
-            return id(args[0]) in self._made and not argument(args, kwargs, 5, "training", False)
-        if name in ELEMENTWISE:
-            return all(self._spread(v) for v in (*args, *kwargs.values()))
-        return False
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        result = func(*args, **kwargs)
-        if not any(isinstance(v, Tensor) and id(v) in self._made for v in operands(args, kwargs)):
-            return result  # a constant, made without the input: its use tells whether it is spread over space
-        name = getattr(func, "__name__", "")
-        if self.local and not self._keeps_local(name, args, kwargs, result):
-            self.local = False
-        if isinstance(result, Tensor):
-            self._made.add(id(result))
-            self._kept.append(result)
-        return result
-
 
 _REACHES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], tuple[int, ...] | None]] = (
     weakref.WeakKeyDictionary()
@@ -131,10 +48,14 @@ def reach(module: nn.Module, x: Tensor) -> tuple[int, ...] | None:
     known = _REACHES.setdefault(module, {})
     if key not in known:
         probe = x[:1].detach()
-        with torch.no_grad(), _LocalityTrace(probe) as trace:
+        with torch.no_grad(), FieldTrace(probe) as trace:
             output = module.forward(probe)
-        local = trace.local and isinstance(output, Tensor) and output.shape[2:] == probe.shape[2:]
-        known[key] = tuple(trace.reach) if local else None
+        fields = trace.fields.get(id(output)) if isinstance(output, Tensor) else None
+        on_grid = fields is not None and trace.ends is None and not trace.resized
+        if on_grid and all(f.stride == 1 for f in fields) and output.shape[2:] == probe.shape[2:]:
+            known[key] = tuple(max(-f.start, f.start + f.reach) for f in fields)
+        else:
+            known[key] = None
     return known[key]
 
 

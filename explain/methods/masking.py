@@ -26,16 +26,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.engine import CAM, Capture
+from ..core.fields import per_axis
 from ..core.folding import ScoringForwards
 from ..core.layers import LayerSpec
 from ..core.maps import INTERPOLATION, bounding_boxes, postprocess
 from ..core.model_state import running
-from ..core.prefix import SharedPrefix, per_axis
+from ..core.prefix import SharedPrefix
 from ..errors import ExplainError
 
 
 def _positive_per_axis(value: int | Sequence[int], rank: int, what: str) -> tuple[int, ...]:
-    """One positive int per spatial axis (see :func:`explain.core.prefix.per_axis`).
+    """One positive int per spatial axis (see :func:`explain.core.fields.per_axis`).
 
     Raises:
         ExplainError: Not one positive int, nor one per axis.
