@@ -32,7 +32,7 @@ from .detectors import canvas_recorded, sparse_box_heads
 from .hooks import ActivationGradientRecorder, layer_entry
 from .layers import BACKBONE, LayerInfo, LayerSpec, auto_layers, resolve_layer, traced_layers
 from .layouts import Geometry, Layout, Reshape, find_layout, grids_recorded
-from .maps import INTERPOLATION, Canvas, nonzero, normalize_maps, postprocess, principal_projection, upsample
+from .maps import INTERPOLATION, Canvas, has_nonzero, normalize_maps, postprocess, principal_projection, upsample
 from .model_state import exclusive, running, untouched
 from .result import CAMResult, make_result
 from .rows import reached_rows
@@ -490,7 +490,7 @@ class CAM:
         """One map from each layer's: each upsampled to ``size`` and normalized, then their mean, maximum or product.
         For the mean and the maximum, a layer whose maps are all zero (a pyramid level no detection reaches) adds
         zeros without being resized."""
-        reached = maps if self.fuse == "product" else [m for m in maps if bool(nonzero(m))] or maps[:1]
+        reached = maps if self.fuse == "product" else [m for m in maps if bool(has_nonzero(m))] or maps[:1]
         stacked = torch.stack([normalize_maps(upsample(m, size), len(size)) for m in reached])
         if self.fuse == "product":
             return stacked.prod(dim=0)

@@ -102,7 +102,7 @@ class FieldTrace(TorchFunctionMode):
         self.kept: list[Any] = [x]  # held, so that no id is reused during the trace
         self.ends: int | None = None  # the first call that is not local
         self.costs: list[float] = []  # the work of each call, by ordinal
-        self.cuts: list[tuple[int, str, Tensor]] = []  # the local results: (ordinal, name, result)
+        self.local_results: list[tuple[int, str, Tensor]] = []  # (ordinal, name, result), in order
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -129,7 +129,7 @@ class FieldTrace(TorchFunctionMode):
                 self.ends = index
             else:
                 self.fields[id(result)] = fields
-                self.cuts.append((index, name, result))
+                self.local_results.append((index, name, result))
                 self.resized |= tuple(result.shape[2:]) != self.spatial
         for tensor in result if isinstance(result, (tuple, list)) else (result,):
             if isinstance(tensor, Tensor) and id(tensor) not in self.born:

@@ -21,7 +21,7 @@ def map_axes(rank: int) -> tuple[int, ...]:
     return tuple(range(-rank, 0))
 
 
-def nonzero(values: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
+def has_nonzero(values: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
     """Whether ``values`` hold anything but zeros, over ``dim`` (all axes when None); a NaN counts as not zero.
     One pass of summed magnitudes: on the CPU several times faster than ``any()`` of a float tensor."""
     magnitudes = values.abs()
@@ -84,7 +84,7 @@ class Canvas:
         """Maps (..., h, w) over the canvas as maps over the image: upsampled to the canvas, the padding cut off.
         (Resizing the result to the input's size then undoes the transform's resize exactly.) Maps that are zero
         everywhere (a pyramid level no detection reaches) become zeros of that size without being resized."""
-        if not bool(nonzero(maps)):
+        if not bool(has_nonzero(maps)):
             return maps.new_zeros(*maps.shape[:-2], *self.image)
         top, left = self.offset
         return upsample(maps, self.size)[..., top : top + self.image[0], left : left + self.image[1]]

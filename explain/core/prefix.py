@@ -108,7 +108,7 @@ class SharedPrefix:
                 self.forwards(probe, **self.model_kwargs)
         ends = trace.ends if trace.ends is not None else trace.calls
         total = sum(trace.costs) or 1.0
-        cuts = {index: (name, result) for index, name, result in trace.cuts}
+        cuts = {index: (name, result) for index, name, result in trace.local_results}
         found, done = [], 0.0
         for index, cost in enumerate(trace.costs[:ends]):
             done += cost

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from .attention_capture import attention_kind
 from .hooks import Hooks
-from .maps import nonzero
+from .maps import has_nonzero
 
 
 class Recorded(NamedTuple):
@@ -70,7 +70,7 @@ class RowsRecomputed(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         grad = grad.reshape(-1, grad.shape[-1])
-        rows = nonzero(grad, dim=1).nonzero()[:, 0]
+        rows = has_nonzero(grad, dim=1).nonzero()[:, 0]
         if ctx.recorded is not None and ctx.recorded.serves(rows):
             return (None, None, None, *ctx.recorded.gradients(grad))
         inputs = [t.detach().requires_grad_(True) for t in ctx.saved_tensors]

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from .fields import FieldTrace
 from .hooks import Hooks
-from .maps import bounding_boxes, nonzero
+from .maps import bounding_boxes, has_nonzero
 
 _REACHES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], tuple[int, ...] | None]] = (
     weakref.WeakKeyDictionary()
@@ -52,7 +52,7 @@ def reach(module: nn.Module, x: Tensor) -> tuple[int, ...] | None:
             output = module.forward(probe)
         fields = trace.fields.get(id(output)) if isinstance(output, Tensor) else None
         on_grid = fields is not None and trace.ends is None and not trace.resized
-        if on_grid and all(f.stride == 1 for f in fields) and output.shape[2:] == probe.shape[2:]:
+        if on_grid and all(f.stride == 1 for f in fields):  # every local result keeps the input's size
             known[key] = tuple(max(-f.start, f.start + f.reach) for f in fields)
         else:
             known[key] = None
@@ -76,12 +76,12 @@ class WindowRecomputed(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         (x,) = ctx.saved_tensors
-        images = nonzero(grad.flatten(1), dim=1).nonzero()[:, 0].tolist()  # a branch the score misses: all zeros
+        images = has_nonzero(grad.flatten(1), dim=1).nonzero()[:, 0].tolist()  # a branch the score misses: all zeros
         if not images:
             return None, None, None, None
         found = torch.zeros_like(x)
         for i in images:
-            reached = nonzero(grad[i], dim=0)  # (*spatial)
+            reached = has_nonzero(grad[i], dim=0)  # (*spatial)
             window = (slice(i, i + 1), slice(None), *_window(reached, ctx.reach))
             part = x[window].detach().requires_grad_(True)
             with torch.enable_grad():

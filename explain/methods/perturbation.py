@@ -25,7 +25,7 @@ from torch import Tensor
 from ..core.engine import CAM, Capture
 from ..core.folding import ScoringForwards
 from ..core.hooks import output_replaced
-from ..core.maps import normalize_maps
+from ..core.maps import has_nonzero, normalize_maps
 from ..core.model_state import running
 from ..errors import LayerError
 
@@ -165,7 +165,7 @@ class AblationCAM(PerturbationCAM):
                 f"is the map (N, C, h, w) itself, not {capture.layout.describe()}; use Score-CAM or a gradient method"
             )
         a = capture.activations
-        images, channels = a.flatten(2).ne(0).any(dim=-1).nonzero(as_tuple=True)
+        images, channels = has_nonzero(a.flatten(2), dim=-1).nonzero(as_tuple=True)
         y = capture.scores.float()
         weights = a.new_zeros(a.shape[:2])
         weights[images, channels] = (y[images] - self.row_scores(capture, images, channels)) / y[images]

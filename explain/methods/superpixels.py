@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.engine import Capture
@@ -113,16 +114,18 @@ class Superpixels(MaskedCopies):
         labels = self.segmented(x)
         per_image = [self.coalitions(int(labels[n].max()) + 1, capture.generator, x.device) for n in range(len(x))]
         distinct = [torch.unique(coalitions, dim=0, return_inverse=True) for coalitions in per_image]
-        rows = [(n, z) for n, (once, _) in enumerate(distinct) for z in once]  # a coalition drawn twice: scored once
-        scores = torch.empty(len(rows), device=x.device)
+        widest = max(once.shape[1] for once, _ in distinct)
+        kept_segments = torch.cat([F.pad(once, (0, widest - once.shape[1])) for once, _ in distinct])  # (rows, M)
+        images = torch.cat([torch.full((len(once),), n, device=x.device) for n, (once, _) in enumerate(distinct)])
+        scores = torch.empty(len(images), device=x.device)  # a coalition drawn twice: scored once
 
         def kept(chunk: Tensor) -> Tensor:
-            return torch.stack([rows[r][1][labels[rows[r][0]]] for r in chunk.tolist()]).float()
+            segment = labels[images[chunk]]  # (rows, *spatial): each position's segment
+            return kept_segments[chunk].gather(1, segment.flatten(1)).view_as(segment).float()
 
         def stored(chunk: Tensor, keep: Tensor, score: Tensor) -> None:
             scores[chunk] = score
 
-        images = torch.tensor([n for n, _ in rows], device=x.device)
         self.score_copies(capture, images, kept, stored)
         values, first = [], 0
         for n, (coalitions, (once, drawn)) in enumerate(zip(per_image, distinct)):
