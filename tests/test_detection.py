@@ -142,6 +142,30 @@ def test_every_detection_above_the_threshold_gets_a_map(detector) -> None:
     assert_maps(result.raw[:, 1], expected)
 
 
+def test_a_threshold_below_the_models_own_is_honoured() -> None:
+    """torchvision's ``box_score_thresh`` filters before any target: a caller's lower threshold reaches it for the
+    call. The detections explained are those the same model keeps with its threshold set to the caller's by hand;
+    the model's own is the same after the call, and a threshold above it changes nothing."""
+    strict = random_detector(
+        (128, 160), num_classes=5, min_size=128, max_size=192, box_score_thresh=0.9, box_detections_per_img=8
+    )
+    x = images()
+    with torch.no_grad():
+        strict.roi_heads.score_thresh = 0.5
+        expected = strict(x)
+        strict.roi_heads.score_thresh = 0.9
+        assert [len(found["scores"]) for found in strict(x)] < [len(found["scores"]) for found in expected]
+    result = explain.GradCAM(strict, LAYER)(x, DetectionTarget(score_threshold=0.5))
+    assert strict.roi_heads.score_thresh == 0.9
+    for i, found in enumerate(expected):
+        count = len(found["scores"])
+        assert bool(result.target.valid[i, :count].all()) and not bool(result.target.valid[i, count:].any())
+        torch.testing.assert_close(result.target.boxes[i, :count], found["boxes"])
+        torch.testing.assert_close(result.target.probabilities[i, :count], found["scores"])
+    above = explain.GradCAM(strict, LAYER)(x, DetectionTarget(score_threshold=0.95))
+    assert int(above.target.valid.sum()) == sum(int((found["scores"] >= 0.95).sum()) for found in expected)
+
+
 def test_the_automatic_layers_fuse_every_pyramid_level(detector) -> None:
     """Without a layer, every level of the backbone's output is explained and fused: each level's map on the
     image, normalized (zero at a level the box's score does not reach), their mean, normalized."""

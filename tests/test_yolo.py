@@ -298,3 +298,22 @@ def test_yolo_seg_masks_are_ultralytics_own_and_an_instance_is_explained_by_its_
     expected = F.interpolate(cam[:, None], size=(256, 640), mode="bilinear", align_corners=False)[:, 0]
     assert expected.abs().max() > 0
     assert (result.raw[:, 0] - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+def test_a_threshold_below_the_models_own_conf_is_honoured() -> None:
+    """YOLO's own ``conf`` (0.25) filters before any target: a caller's lower threshold reaches it for the call,
+    so the detections are those the same model keeps with its filter set to that threshold by hand, and the
+    model's ``conf`` is the same after the call."""
+    model = detecting("yolo11n.yaml")
+    with torch.no_grad():
+        model.model.model[-1].cv3[0][-1].bias -= 0.8  # the finest level's scores now about 0.2, below 0.25
+        assert [len(found["boxes"]) for found in model(image())] == [0]
+        model.max_det, threshold = 5, 0.1  # a few detections
+        model.score_thresh = threshold
+        (expected,) = model(image())
+        model.score_thresh = 0.25
+    assert len(expected["scores"]) == 5 and float(expected["scores"].max()) < 0.25
+    result = explain.GradCAM(model, LEVEL)(image(), DetectionTarget(score_threshold=threshold))
+    assert model.score_thresh == 0.25
+    torch.testing.assert_close(result.target.boxes[0], expected["boxes"])
+    torch.testing.assert_close(result.target.probabilities[0], expected["scores"])

@@ -4,6 +4,8 @@ Both are contexts the engine opens around each pass; a model that is not such a 
 
 - :func:`canvas_recorded`: the detector's transform resizes and pads the batch onto a canvas, so a layer's
   map covers the canvas; the canvas is recorded to bring maps back onto the image.
+- :func:`thresholds_lowered`: a detector's own least score (torchvision's ``box_score_thresh``, YOLO's ``conf``)
+  filters before any target sees the detections; a caller's lower threshold is brought down to it for the call.
 - :func:`sparse_box_heads`: Faster, Mask and Keypoint R-CNN score about a thousand proposals per image in
   their box head and keep a few detections. Differentiating a kept detection's score through the whole head
   costs a second head's worth of work for rows whose gradient is zero; the context runs the head as it is
@@ -24,6 +26,7 @@ from torch import Tensor, nn
 from ..errors import LayerError
 from .hooks import Hooks
 from .maps import Canvas
+from .model_state import modules_of
 from .rows import RowsRecomputed
 
 
@@ -57,6 +60,37 @@ def canvas_recorded(model: nn.Module) -> Iterator[list[Canvas]]:
         if isinstance(transform, nn.Module):
             hooks.forward(transform, record)
         yield canvases
+
+
+FILTER = "score_thresh"  # a detector's own least score: torchvision's RoIHeads, RetinaNet, FCOS, SSD; YoloDetector
+
+
+@contextmanager
+def thresholds_lowered(model: nn.Module, least: float | None) -> Iterator[None]:
+    """For the block, every final filter of the model whose least score (its ``score_thresh``) is above ``least``
+    keeps detections from ``least`` on; each is restored on exit.
+
+    A final filter drops rows before non-maximum suppression and the per-image caps, which keep higher scores
+    first: lowering it adds detections below those kept before and changes none of them. A proposal network's
+    threshold is left as it is, since more proposals would change the detections themselves.
+
+    Args:
+        model: The model; any module of it with a float ``score_thresh`` counts, the model itself included.
+        least: The caller's least score, or None to change nothing.
+    """
+    lowered = []
+    if least is not None:
+        for module in modules_of(model):
+            own = getattr(module, FILTER, None)
+            if isinstance(own, float) and own > least and not _is_proposal_network(module):
+                lowered.append((module, own))
+    try:
+        for module, _ in lowered:
+            setattr(module, FILTER, float(least))
+        yield
+    finally:
+        for module, own in lowered:
+            setattr(module, FILTER, own)
 
 
 def _is_box_head(module: nn.Module) -> bool:

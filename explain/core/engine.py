@@ -28,7 +28,7 @@ from ..catalog import FUSIONS
 from ..errors import ExplainError, LayerError, TargetError
 from ..targets import BoundTarget, Target, TargetLike, as_target, bound_on
 from ..targets.base import spatial_axes
-from .detectors import canvas_recorded, sparse_box_heads
+from .detectors import canvas_recorded, sparse_box_heads, thresholds_lowered
 from .hooks import ActivationGradientRecorder, layer_entry
 from .layers import BACKBONE, LayerInfo, LayerSpec, auto_layers, resolve_layer, traced_layers
 from .layouts import Geometry, Layout, Reshape, find_layout, grids_recorded
@@ -417,11 +417,16 @@ class CAM:
                 "aug_smooth flips and rescales the image plane; a signal (N, C, L) has only its time axis: "
                 "use smooth_samples instead"
             )
-        if self._layers is None:
-            self._layers = self.target_layers(x, model_kwargs, goal)
-            self.fused = self.fused or len(self._layers) > 1  # the automatic layers of a detector are fused
         generator = None if self.seed is None else torch.Generator(device=x.device).manual_seed(self.seed)
-        with untouched(self.model), torch.inference_mode(False), torch.enable_grad():
+        with (
+            untouched(self.model),
+            thresholds_lowered(self.model, getattr(goal, "least_score", None)),
+            torch.inference_mode(False),
+            torch.enable_grad(),
+        ):
+            if self._layers is None:
+                self._layers = self.target_layers(x, model_kwargs, goal)
+                self.fused = self.fused or len(self._layers) > 1  # the automatic layers of a detector are fused
             images = x.clone() if x.is_inference() else x.detach()
             plain = self._record(images, goal, model_kwargs, plain=True)
             maps = self._averaged(images, plain, generator, model_kwargs)

@@ -85,7 +85,8 @@ class YoloDetector(nn.Module):
     Args:
         model: An Ultralytics ``DetectionModel`` or ``SegmentationModel`` (``ultralytics.nn.tasks``), in eval mode.
         size: The letterbox's side.
-        conf: The least class score of a row kept for NMS.
+        conf: The least class score of a row kept for NMS (:attr:`score_thresh`, lowered for a call whose
+            detection target asks for less: see :func:`explain.core.detectors.thresholds_lowered`).
         iou: NMS's IoU threshold.
         max_det: The most detections per image.
     """
@@ -94,7 +95,7 @@ class YoloDetector(nn.Module):
         super().__init__()
         self.model = model
         self.transform = Letterbox(size, int(max(model.stride)))
-        self.conf, self.iou, self.max_det = conf, iou, max_det
+        self.score_thresh, self.iou, self.max_det = float(conf), iou, max_det  # score_thresh: as torchvision's
         head = model.model[-1]
         self.classes = int(head.nc)
         self.feature_levels = [f"model.model.{index}" for index in head.f]
@@ -118,7 +119,7 @@ class YoloDetector(nn.Module):
         logits = _class_logits(predictions, rows, self.classes)
         detections = []
         for i, (image_corners, image_scores, image_labels) in enumerate(zip(corners, scores, labels)):
-            candidates = (image_scores >= self.conf).nonzero()[:, 0]
+            candidates = (image_scores >= self.score_thresh).nonzero()[:, 0]
             kept = batched_nms(image_corners[candidates].detach(), image_scores[candidates], image_labels[candidates],
                                self.iou)  # fmt: skip
             chosen = candidates[kept[: self.max_det]]

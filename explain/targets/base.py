@@ -192,6 +192,7 @@ class Target:
     """
 
     geometric = False  # fixed on the plain pass's pixels: flips and rescaling would misplace it
+    least_score: float | None = None  # the least detection score it explains: a detector's own filter must keep it
 
     def __init__(self, output: OutputPicker = None) -> None:
         self.output = output

@@ -60,6 +60,12 @@ class DetectionTarget(Target):
             raise TargetError("DetectionTarget matches boxes by label: give labels= with boxes=")
         self.boxes, self.labels, self.iou, self.score_threshold = boxes, labels, iou, score_threshold
 
+    @property
+    def least_score(self) -> float | None:  # type: ignore[override]
+        """``score_threshold`` where the detections are chosen by it (``boxes=None``): the engine lowers the
+        model's own filters to it for the call (see :func:`explain.core.detectors.thresholds_lowered`)."""
+        return self.score_threshold if self.boxes is None else None
+
     def detections(self, output: Any) -> list[Mapping[str, Tensor]]:
         """The per-image dicts of boxes, labels and scores in a model output."""
         found = output if self.output is None else read_output(output, self.output)
