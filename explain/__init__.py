@@ -35,6 +35,7 @@ _EXPORTS = {
     "export_heatmaps": "export.run",
     "write_gallery": "export.gallery",
     "load_image": "io.images",
+    "forget": "core.context",
     "LayerInfo": "core.layers",
     "candidate_layers": "core.layers",
     "find_auto_layers": "core.layers",

@@ -240,9 +240,10 @@ class CAM:
             are fused), or None for the automatic choice (see
             :func:`explain.core.layers.find_auto_layers`: the last layer that outputs a
             spatial map, or a detector's or segmenter's backbone levels, fused),
-            found with one extra forward of one image the first time a model
-            sees an input shape. Names are resolved at the first call; an unknown
-            name is an error that lists the layers with spatial outputs.
+            searched once per input signature and kind of target and kept in the model's
+            context (see :mod:`explain.core.context`). Names are resolved at each call, so a
+            module replaced since is found; an unknown name is an error that lists the layers
+            with spatial outputs.
         labels: Class names, to accept a class name as target.
         fuse: How the maps of several layers become one, each upsampled to the
             input and normalized first: ``"mean"``, ``"max"`` or ``"product"`` (RefineCAM's: a position must
@@ -302,7 +303,8 @@ class CAM:
         if self.fused and not layer:
             raise LayerError("an empty list of layers was given")
         self._requested = None if layer is None else list(layer) if self.fused else [layer]
-        self._layers: list[tuple[str, nn.Module]] | None = None  # resolved at the first call, which knows x
+        self._layers: list[tuple[str, nn.Module]] | None = None  # resolved at each call, which knows x
+        self._automatic = False  # whether the call's layers are the automatic ones, kept in the model's context
         self.fuse = fuse
         self.aug_smooth = aug_smooth
         self.eigen_smooth = eigen_smooth
@@ -325,6 +327,7 @@ class CAM:
         if self.map_of_input:
             return [(INPUT, None)]
         if self._requested is None:
+            self._automatic = True
             return auto_layers(self.model, x, model_kwargs, target, self.labels)
         return [resolve_layer(self.model, spec, x, model_kwargs) for spec in self._requested]
 
@@ -424,17 +427,34 @@ class CAM:
             torch.inference_mode(False),
             torch.enable_grad(),
         ):
-            if self._layers is None:
-                self._layers = self.target_layers(x, model_kwargs, goal)
-                self.fused = self.fused or len(self._layers) > 1  # the automatic layers of a detector are fused
+            self._automatic = False
+            self._layers = self.target_layers(x, model_kwargs, goal)  # a model changed since is looked up again
+            self.fused = self.fused or len(self._layers) > 1  # the automatic layers of a detector are fused
             images = x.clone() if x.is_inference() else x.detach()
-            plain = self._record(images, goal, model_kwargs, plain=True)
+            plain = self._plain_pass(images, goal, model_kwargs)
             maps = self._averaged(images, plain, generator, model_kwargs)
         size = x.shape[2:]
         raw = self.fused_maps(maps, size) if self.fused or self.aug_smooth else maps[0]
         cams = self.finish(raw, len(size), size if resize else None, normalize)
         result = make_result(cams, raw, plain.output, plain.scores, plain.bound, self.layer, self.name, x, self.labels)
         return self.completed(result, x, model_kwargs)
+
+    def _plain_pass(self, x: Tensor, goal: Target | BoundTarget, model_kwargs: Mapping[str, Any]) -> PassRecord:
+        """The plain pass (see :meth:`_record`). Automatic layers kept from an earlier call that the score no longer
+        reaches (the model's forward changed in a way its structure does not show, or this target reaches other
+        layers than that call's) are searched again for this call, once; the error stands if the search finds them
+        again."""
+        try:
+            return self._record(x, goal, model_kwargs, plain=True)
+        except LayerError:
+            if not self._automatic:
+                raise
+            layers = auto_layers(self.model, x, model_kwargs, goal, self.labels, fresh=True)
+            if [name for name, _ in layers] == [name for name, _ in self._layers]:
+                raise
+            self._layers = layers
+            self.fused = self.fused or len(layers) > 1
+            return self._record(x, goal, model_kwargs, plain=True)
 
     def target_for(self, target: TargetLike, topk: int | None) -> Target | BoundTarget:
         """The call's target object from what the caller gave (see :func:`explain.targets.as_target`); a method

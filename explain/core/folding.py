@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import copy
 import sys
-import threading
-import weakref
 from collections import Counter
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, fx, nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval
+
+from .context import context_of
 
 # Subclasses of BatchNorm2d whose forward is act(drop(batch_norm(x))): what remains of them once folded.
 _NORM_ACT: set[type[nn.BatchNorm2d]] = set()
@@ -128,18 +128,15 @@ def _state(model: nn.Module) -> list[tuple[str, Tensor]]:
     return [*model.named_parameters(), *model.named_buffers()]
 
 
-_CACHE: weakref.WeakKeyDictionary[nn.Module, _Folded] = weakref.WeakKeyDictionary()
-_CACHE_LOCK = threading.Lock()
-
-
 def folded_copy(model: nn.Module) -> nn.Module | None:
     """The model's folded copy (see :func:`folded`), built at the first call and again once the model's parameters
     or buffers change; None for a model that does not trace. The copy never refers to the model, so it is dropped
     with the model."""
-    with _CACHE_LOCK:
-        entry = _CACHE.get(model)
+    context = context_of(model)
+    with context.lock:
+        entry = context.folded
         if entry is None or not entry.current(model):
-            entry = _CACHE[model] = _Folded(model)
+            entry = context.folded = _Folded(model)
         return entry.copy
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 import itertools
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -16,6 +15,7 @@ from torch import Tensor, nn
 from ..errors import LayerError, TargetError
 from ..targets import BoundTarget, Target, TargetLike, as_target, bound_on
 from ..targets.base import read_output
+from .context import input_signature, learned, target_kind
 from .detectors import canvas_recorded
 from .hooks import Hooks, layer_entry, output_entry, with_entry
 from .layouts import Geometry, Layout, find_layout, grid_fits, grids_recorded
@@ -292,15 +292,11 @@ def _as_map(
     return replace(info, map_shape=tuple(probe.shape[1:]), layout=layout)
 
 
-# Each model's traced layers, by input shape (C, H, W) and the identity of its modules: the layouts of every
-# pass at that shape and the automatic layers' search read them.
-_TRACES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], dict[str, LayerInfo]]] = weakref.WeakKeyDictionary()
-
-
 def traced_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> dict[str, LayerInfo]:
-    """:func:`trace_layers` by name, traced once per model, input shape and set of modules."""
-    known = _TRACES.setdefault(model, {})
-    key = (tuple(x.shape[1:]), x.device, tuple(map(id, modules_of(model))))
+    """:func:`trace_layers` by name, traced once per input signature and kept in the model's context (see
+    :mod:`explain.core.context`: a change of the model's structure traces it again)."""
+    known = learned(model, modules_of(model)).traces
+    key = input_signature(x, model_kwargs)
     if key not in known:
         known[key] = {info.name: info for info in trace_layers(model, x, model_kwargs)}
     return known[key]
@@ -330,9 +326,6 @@ def layer_choices(
 BACKBONE = "backbone"  # torchvision's detectors and segmenters: the module whose dict of maps feeds the heads
 _NOT_AUTOMATIC = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Identity)  # a resampling or an alias of a map
 
-# The automatic layers of each model, by input shape (C, H, W), so repeated calls skip the search.
-_AUTO_LAYERS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, ...], list[str]]] = weakref.WeakKeyDictionary()
-
 
 def auto_layers(
     model: nn.Module,
@@ -340,15 +333,16 @@ def auto_layers(
     model_kwargs: Mapping[str, Any] | None = None,
     target: TargetLike = None,
     labels: Sequence[str] | None = None,
+    fresh: bool = False,
 ) -> list[tuple[str, nn.Module]]:
-    """The automatic target layers (see :func:`find_auto_layers`), searched once per model and input shape."""
-    known = _AUTO_LAYERS.setdefault(model, {})
-    shape = tuple(x.shape[1:])
+    """The automatic target layers (see :func:`find_auto_layers`), searched once per input signature and kind of
+    target, and kept in the model's context (see :mod:`explain.core.context`); ``fresh`` searches again."""
+    known = learned(model, modules_of(model)).automatic
+    key = (input_signature(x, model_kwargs), target_kind(as_target(target)))
+    if fresh or key not in known:
+        known[key] = find_auto_layers(model, x, model_kwargs, target, labels)
     modules = dict(model.named_modules())
-    names = known.get(shape)
-    if names is None or any(layer_entry(name)[0] not in modules for name in names):  # the model changed since
-        known[shape] = find_auto_layers(model, x, model_kwargs, target, labels)
-    return [(name, modules[layer_entry(name)[0]]) for name in known[shape]]
+    return [(name, modules[layer_entry(name)[0]]) for name in known[key]]
 
 
 def find_auto_layers(

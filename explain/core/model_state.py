@@ -17,7 +17,6 @@ with those of the pass around it.
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -25,9 +24,8 @@ import torch
 from torch import nn
 
 from ..errors import ExplainError
+from .context import context_of
 
-_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
-_LOCKS_GUARD = threading.Lock()
 _PASSES = threading.local()  # .models: the ids of the models whose pass this thread is running
 
 
@@ -44,8 +42,8 @@ def running(model: nn.Module) -> Iterator[None]:
 
 @contextmanager
 def exclusive(model: nn.Module) -> Iterator[None]:
-    """For the block, this thread alone works on the model: other threads' calls on it wait (a re-entrant lock
-    kept while the model lives).
+    """For the block, this thread alone works on the model: other threads' calls on it wait (the re-entrant lock
+    of the model's context, kept while the model lives).
 
     Raises:
         ExplainError: This thread is running a pass of the model: the call comes from a hook or a target.
@@ -55,11 +53,7 @@ def exclusive(model: nn.Module) -> Iterator[None]:
             "explain was called on a model from inside a pass of another explain call on it (a hook on the model, "
             "or a target's score): the two calls' hooks and flags would mix; call it after the first call returns"
         )
-    with _LOCKS_GUARD:
-        lock = _LOCKS.get(model)
-        if lock is None:
-            lock = _LOCKS[model] = threading.RLock()
-    with lock:
+    with context_of(model).lock:
         yield
 
 

@@ -118,8 +118,7 @@ class DeepFeatureFactorization(CAM):
         check_images(x)
         kwargs = dict(model_kwargs or {})
         with exclusive(self.model):
-            if self._layers is None:
-                self._layers = self.target_layers(x, kwargs, None)
+            self._layers = self.target_layers(x, kwargs, None)
             if len(self._layers) != 1:
                 raise LayerError(f"Deep Feature Factorization factorizes one layer, not {self.layer}")
             generator = None if self.seed is None else torch.Generator(device=x.device).manual_seed(self.seed)

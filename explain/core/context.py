@@ -1,0 +1,150 @@
+"""What explain learns about a model, in one object per model: :class:`ModelContext`.
+
+A call learns facts that later calls reuse: the layers' trace at an input signature, the automatic layers for
+a kind of target, the folded copy for scoring forwards, how far a head's branches read. Each lives in the model's
+context under a key that holds everything that decides it:
+
+- the **structure** of the model, checked at every look-up: the identity of each module in order, the shape,
+  dtype and device of each parameter and buffer, and each module's switches (its attributes that are booleans or
+  strings, as ``global_pool = "avg"`` or ``aux_logits = True``; the ``training`` flag aside, since the traces
+  run in eval mode). A change to any of them drops every learned entry, so that a replaced stage, a swapped
+  head or a switched branch is traced afresh;
+- per entry, the **input signature** (:func:`input_signature`: the shape of one input without its batch axis,
+  dtype and device, and the model's further keyword arguments), and for the automatic layers the **target's
+  kind** (:func:`target_kind`).
+
+The context also holds the model's lock (see :func:`explain.core.model_state.exclusive`), which outlives
+:func:`forget`. Contexts are held weakly: a model the user lets go is freed with its context.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+
+_SWITCHES = (bool, str)  # the attribute types that switch a module's branches
+
+
+@dataclass(eq=False)
+class ModelContext:
+    """Everything explain learns about one model, each entry under its own key (see the module's docstring).
+
+    Attributes:
+        lock: The re-entrant lock that calls on the model hold.
+        structure: The structure the entries were learned on.
+        traces: The traced layers, by input signature.
+        automatic: The automatic layers' names, by input signature and target kind.
+        folded: The folded copy for scoring forwards (see :mod:`explain.core.folding`), or None.
+        reaches: How far a local module reads its input, by module and input signature.
+    """
+
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    structure: tuple[Any, ...] | None = None
+    traces: dict[Hashable, Any] = field(default_factory=dict)
+    automatic: dict[Hashable, list[str]] = field(default_factory=dict)
+    folded: Any = None
+    reaches: dict[Hashable, Any] = field(default_factory=dict)
+
+    def clear(self) -> None:
+        """Drop every learned entry; the lock stays."""
+        self.structure = None
+        self.traces.clear()
+        self.automatic.clear()
+        self.folded = None
+        self.reaches.clear()
+
+
+_CONTEXTS: weakref.WeakKeyDictionary[nn.Module, ModelContext] = weakref.WeakKeyDictionary()
+_GUARD = threading.Lock()
+
+
+def structure(modules: Iterable[nn.Module]) -> tuple[Any, ...]:
+    """The structure of a model walked as ``modules``: each module's identity and switches, and the shape, dtype
+    and device of each of its parameters and buffers."""
+    found: list[Any] = []
+    for module in modules:
+        found.append(id(module))
+        for tensors in (module._parameters, module._buffers):
+            found.extend((t.shape, t.dtype, t.device) for t in tensors.values() if t is not None)
+        found.extend(
+            (key, value)
+            for key, value in module.__dict__.items()
+            if type(value) in _SWITCHES and key != "training" and not key.startswith("_")
+        )
+    return tuple(found)
+
+
+def context_of(model: nn.Module) -> ModelContext:
+    """The model's context, made at first use; its lock only, without checking what it learned."""
+    with _GUARD:
+        found = _CONTEXTS.get(model)
+        if found is None:
+            found = _CONTEXTS[model] = ModelContext()
+        return found
+
+
+def learned(model: nn.Module, modules: Iterable[nn.Module] | None = None) -> ModelContext:
+    """The model's context, its learned entries dropped if the model's structure changed since they were learned.
+    ``modules``: the model's walk, when the caller has it."""
+    context = context_of(model)
+    now = structure(model.modules() if modules is None else modules)
+    if context.structure != now:
+        context.clear()
+        context.structure = now
+    return context
+
+
+def forget(model: nn.Module) -> None:
+    """Drop all that explain learned about a model: its traces, automatic layers, folded copy; the next call learns
+    them again. A call running on the model meanwhile finishes first.
+
+    Args:
+        model: The model.
+    """
+    with _GUARD:
+        found = _CONTEXTS.get(model)
+    if found is not None:
+        with found.lock:
+            found.clear()
+
+
+def knows(model: nn.Module) -> bool:
+    """Whether explain holds anything learned about the model (a trace, automatic layers, a folded copy)."""
+    with _GUARD:
+        found = _CONTEXTS.get(model)
+    return found is not None and bool(found.traces or found.automatic or found.folded or found.reaches)
+
+
+def _signature(value: Any) -> Hashable:
+    """What of one keyword argument decides a trace: a tensor's shape, dtype and device; a plain value itself;
+    anything else its type."""
+    if isinstance(value, Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, value.device)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(item) for item in value)
+    return type(value).__qualname__
+
+
+def input_signature(x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> Hashable:
+    """The key of what one input decides: one input's shape (without the batch axis), dtype and device, and the
+    model's keyword arguments by name (see :func:`_signature`)."""
+    kwargs = tuple(sorted((name, _signature(value)) for name, value in (model_kwargs or {}).items()))
+    return tuple(x.shape[1:]), x.dtype, x.device, kwargs
+
+
+def target_kind(target: Any) -> Hashable:
+    """What of a call's target decides the automatic layers: its class, where it reads the model's output, and for
+    a callable target the code it runs (never the classes or boxes, which every target of a kind reaches alike)."""
+    if target is None or isinstance(target, (int, str)):
+        return "default"
+    function = getattr(target, "function", None) or getattr(target, "score", None)
+    code = getattr(function, "__code__", function)
+    output = getattr(target, "output", None)
+    return type(target).__qualname__, output if isinstance(output, (str, int, type(None))) else id(output), id(code)

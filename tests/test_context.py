@@ -1,0 +1,156 @@
+"""The model's context: what explain learns about a model is dropped when the model changes (a module replaced, a
+head swapped, a branch switched by an attribute), never used stale; ``explain.forget`` drops it; a model the user
+lets go is freed. Each changed model's map is checked against the same model explained by a fresh copy (deep
+copies share no context) or against a given layer's map."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import explain
+from explain.core import layers
+from explain.core.context import knows
+from explain.errors import LayerError
+
+
+class Branchy(nn.Module):
+    """Two convolutions, the second run only while ``deep`` is set; two classes of the head read a side branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.deep = nn.Conv2d(8, 8, 3, padding=1)
+        self.side = nn.Conv2d(8, 4, 3, padding=1)
+        self.side_head = nn.Linear(4, 2)
+        self.head = nn.Linear(8, 4)
+        self.use_deep = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stem = torch.relu(self.stem(x))
+        side = self.side_head(self.side(stem).mean((2, 3)))
+        x = torch.relu(self.deep(stem)) if self.use_deep else stem
+        return torch.cat([side, self.head(x.mean((2, 3)))[:, 2:]], dim=1)
+
+
+def branchy() -> nn.Module:
+    torch.manual_seed(0)
+    return Branchy().eval()
+
+
+def images() -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randn(2, 3, 64, 64)
+
+
+def fresh_maps(model: nn.Module, x: torch.Tensor, **options) -> explain.CAMResult:
+    """The result of a copy of the model that explain has never seen."""
+    return explain.GradCAM(copy.deepcopy(model), **options)(x, 3)
+
+
+@pytest.fixture
+def counted_traces(monkeypatch) -> list[int]:
+    """Counts the layer traces run from here on."""
+    calls: list[int] = []
+    original = layers.trace_layers
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(layers, "trace_layers", counting)
+    return calls
+
+
+def test_a_replaced_stage_gets_a_fresh_trace_and_the_right_layer(counted_traces) -> None:
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=5).eval()
+    x = images()
+    method = explain.GradCAM(model)
+    assert method(x, 3).layer == "layer4"
+    assert len(counted_traces) == 1
+    method(x, 3)
+    assert len(counted_traces) == 1  # learned once
+    model.layer4 = nn.Sequential(nn.Conv2d(256, 512, 1), nn.ReLU())  # a stage replaced
+    result = method(x, 3)
+    assert len(counted_traces) == 2 and result.layer in ("layer4", "layer4.1")
+    torch.testing.assert_close(result.cams, fresh_maps(model, x).cams)
+
+
+def test_a_swapped_head_is_explained_through_the_new_head() -> None:
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=5).eval()
+    x = images()
+    before = explain.GradCAM(model)(x, 3)
+    model.fc = nn.Linear(512, 7)
+    after = explain.GradCAM(model)(x, 6)
+    expected = explain.GradCAM(copy.deepcopy(model))(x, 6)
+    assert after.logits.shape == (2, 7) and before.logits.shape == (2, 5)
+    torch.testing.assert_close(after.cams, expected.cams)
+    torch.testing.assert_close(after.scores, expected.scores)
+
+
+def test_a_branch_switched_by_an_attribute_gets_the_right_layer() -> None:
+    model, x = branchy(), images()
+    method = explain.GradCAM(model)
+    assert method(x, 3).layer == "deep"
+    model.use_deep = False
+    result = method(x, 3)
+    assert result.layer == "stem"
+    torch.testing.assert_close(result.cams, fresh_maps(model, x).cams)
+    torch.testing.assert_close(result.cams, explain.GradCAM(model, "stem")(x, 3).cams)
+
+
+def test_a_given_layer_that_no_longer_runs_is_named_in_the_error() -> None:
+    model, x = branchy(), images()
+    method = explain.GradCAM(model, "deep")
+    method(x, 3)
+    model.use_deep = False
+    with pytest.raises(LayerError, match="'deep' did not run"):
+        method(x, 3)
+
+
+def test_the_automatic_layer_is_kept_per_kind_of_target() -> None:
+    """Classes 0 and 1 read the side branch alone: the score of a callable target on them reaches ``side``, not the
+    layer the class target's search found; each kind gets its own."""
+    model, x = branchy(), images()
+    assert explain.GradCAM(model)(x, 3).layer == "deep"
+    side = explain.GradCAM(model)(x, lambda output: output[:, 0])
+    assert side.layer == "side"
+    torch.testing.assert_close(side.cams, explain.GradCAM(model, "side")(x, lambda output: output[:, 0]).cams)
+
+
+def test_a_cached_automatic_layer_the_target_does_not_reach_is_searched_again() -> None:
+    """A class target of the same kind as an earlier call's that reaches other layers (here class 0, read by the
+    side branch alone) gets its own layer, not a zero map or an error."""
+    model, x = branchy(), images()
+    assert explain.GradCAM(model)(x, 3).layer == "deep"
+    result = explain.GradCAM(model)(x, 0)
+    assert result.layer == "side"
+    torch.testing.assert_close(result.cams, explain.GradCAM(model, "side")(x, 0).cams)
+
+
+def test_forget_drops_what_was_learned(counted_traces) -> None:
+    model, x = branchy(), images()
+    explain.gradcam(model, x)
+    assert knows(model) and len(counted_traces) == 1
+    explain.forget(model)
+    assert not knows(model)
+    explain.gradcam(model, x)
+    assert len(counted_traces) == 2
+
+
+def test_a_model_let_go_is_freed() -> None:
+    model, x = branchy(), images()
+    explain.gradcam(model, x)
+    explain.cam(model, x, method="scorecam", batch_size=4)
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
