@@ -154,3 +154,53 @@ def test_a_model_let_go_is_freed() -> None:
     del model
     gc.collect()
     assert gone() is None
+
+
+def _three_calls(model: nn.Module, x: torch.Tensor, method: str, layer, target, **options) -> list[torch.Tensor]:
+    """A method's maps on a copy of the model explain has never seen (the first call, its layouts read from its own
+    forward), on the same copy again (what it learned), and on a copy whose layers were traced in full beforehand
+    (the layouts as every call read them before the first call learned them from its own forward)."""
+    if "seed" in explain.methods.method_options(method):
+        options["seed"] = 0
+    fresh, traced = copy.deepcopy(model), copy.deepcopy(model)
+    layers.traced_layers(traced, x, content=True)
+    maps = [explain.cam(fresh, x, method, layer, target, **options) for _ in range(2)]
+    return [*maps, explain.cam(traced, x, method, layer, target, **options)]
+
+
+ROLLOUTS = ["attention_rollout", "gradient_rollout", "legrad", "chefer"]
+
+
+@pytest.mark.parametrize("method", [name for name in explain.METHODS if name not in ROLLOUTS])
+def test_a_first_call_equals_the_second_and_the_traced_one(method: str) -> None:
+    """Every method at a given layer; the automatic layer below (it costs the same passes for every method)."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=5).eval()
+    x = torch.randn(2, 3, 64 if method in ("cam", "dff") else 32, 64 if method in ("cam", "dff") else 32)
+    options = {"samples": 2} if method in ("sscam", "iscam") else {}  # their noisy copies: few suffice here
+    layer = "layer4" if method in ("cam", "dff") else "layer2"
+    first, second, traced = _three_calls(model, x, method, layer, [1, 2], **options)
+    torch.testing.assert_close(first, second)
+    torch.testing.assert_close(first, traced)
+
+
+@pytest.mark.parametrize("method", ["gradcam", "cam", "scorecam", "integrated_gradients"])
+def test_a_first_call_at_the_automatic_layer_equals_the_second_and_the_traced_one(method: str) -> None:
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=5).eval()
+    first, second, traced = _three_calls(model, torch.randn(2, 3, 64, 64), method, None, [1, 2])
+    torch.testing.assert_close(first, second)
+    torch.testing.assert_close(first, traced)
+
+
+@pytest.mark.parametrize("method", ["gradcam", "scorecam", *ROLLOUTS])
+def test_a_transformers_first_call_equals_the_second_and_the_traced_one(method: str) -> None:
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=64, depth=3, num_classes=5).eval()
+    x = torch.randn(2, 3, 64, 64)
+    layer = None if method in ROLLOUTS else "blocks.1.norm1"
+    for chosen in {layer, None}:
+        first, second, traced = _three_calls(model, x, method, chosen, [1, 2])
+        torch.testing.assert_close(first, second)
+        torch.testing.assert_close(first, traced)

@@ -38,6 +38,8 @@ class ModelContext:
         lock: The re-entrant lock that calls on the model hold.
         structure: The structure the entries were learned on.
         traces: The traced layers, by input signature.
+        layouts: The layouts of given layers read without a trace, by input signature and layer name.
+        sequences: The modules whose output is a sequence (N, T, C), read without a trace, by input signature.
         automatic: The automatic layers' names, by input signature and target kind.
         folded: The folded copy for scoring forwards (see :mod:`explain.core.folding`), or None.
         reaches: How far a local module reads its input, by module and input signature.
@@ -46,6 +48,8 @@ class ModelContext:
     lock: threading.RLock = field(default_factory=threading.RLock)
     structure: tuple[Any, ...] | None = None
     traces: dict[Hashable, Any] = field(default_factory=dict)
+    layouts: dict[Hashable, dict[str, Any]] = field(default_factory=dict)
+    sequences: dict[Hashable, set[str]] = field(default_factory=dict)
     automatic: dict[Hashable, list[str]] = field(default_factory=dict)
     folded: Any = None
     reaches: dict[Hashable, Any] = field(default_factory=dict)
@@ -54,6 +58,8 @@ class ModelContext:
         """Drop every learned entry; the lock stays."""
         self.structure = None
         self.traces.clear()
+        self.layouts.clear()
+        self.sequences.clear()
         self.automatic.clear()
         self.folded = None
         self.reaches.clear()
@@ -117,7 +123,7 @@ def knows(model: nn.Module) -> bool:
     """Whether explain holds anything learned about the model (a trace, automatic layers, a folded copy)."""
     with _GUARD:
         found = _CONTEXTS.get(model)
-    return found is not None and bool(found.traces or found.automatic or found.folded or found.reaches)
+    return found is not None and bool(found.traces or found.layouts or found.automatic or found.folded)
 
 
 def _signature(value: Any) -> Hashable:

@@ -30,12 +30,13 @@ from ..targets import BoundTarget, Target, TargetLike, as_target, bound_on
 from ..targets.base import spatial_axes
 from .detectors import canvas_recorded, sparse_box_heads, thresholds_lowered
 from .hooks import ActivationGradientRecorder, layer_entry
-from .layers import BACKBONE, LayerInfo, LayerSpec, auto_layers, resolve_layer, traced_layers
-from .layouts import Geometry, Layout, Reshape, find_layout, grids_recorded
+from .layers import BACKBONE, LayerSpec, auto_layers, resolve_layer
+from .layouts import Geometry, Layout, Reshape, grids_recorded
 from .maps import INTERPOLATION, Canvas, has_nonzero, normalize_maps, postprocess, principal_projection, upsample
 from .model_state import exclusive, running, untouched
 from .result import CAMResult, make_result
 from .rows import reached_rows
+from .watch import PassLayouts, TraceNeeded
 from .windows import windowed_heads
 
 INPUTS = "signals (N, C, L), images (N, C, H, W) or volumes and clips (N, C, D, H, W)"
@@ -187,14 +188,6 @@ class PassRecord:
     layouts: dict[str, Layout]
     canvas: Canvas | None
     geometry: Geometry
-
-
-def _sequences(traced: Mapping[str, LayerInfo]) -> set[str] | None:
-    """The modules whose output, or an entry of it (``nn.MultiheadAttention``'s), the traced pass found a sequence
-    (T, C) per image; None without a trace."""
-    if not traced:
-        return None
-    return {layer_entry(name)[0] for name, info in traced.items() if info.shape is not None and len(info.shape) == 2}
 
 
 AUG_SCALES = (0.9, 1.0, 1.1)
@@ -528,7 +521,23 @@ class CAM:
         gradients. ``goal`` is bound on the output unless it is bound already. The ``plain`` pass (the input as
         given) refuses, for a method with gradients, layers the score does not reach."""
         hooked = {name: module for name, module in self._layers if module is not None}
-        traced = traced_layers(self.model, x, model_kwargs) if hooked and self.reshape is None else {}
+        known = PassLayouts(self.model, x, model_kwargs, hooked if self.reshape is None else ())
+        try:
+            return self._pass(x, goal, model_kwargs, plain, hooked, known)
+        except TraceNeeded:  # a layout the pass could not tell: the model traced, outside the pass, and run again
+            known.traced()
+            return self._pass(x, goal, model_kwargs, plain, hooked, known)
+
+    def _pass(
+        self,
+        x: Tensor,
+        goal: Target | BoundTarget,
+        model_kwargs: Mapping[str, Any],
+        plain: bool,
+        hooked: Mapping[str, nn.Module],
+        known: PassLayouts,
+    ) -> PassRecord:
+        """:meth:`_record`'s pass, its layers' layouts from ``known``."""
         recording = self.recorder(hooked)
         if self.input_gradient:  # the whole network is recorded, for the gradient at the input
             x = x.detach().requires_grad_(True)
@@ -538,13 +547,14 @@ class CAM:
             self.backward_rule(x, model_kwargs),
             canvas_recorded(self.model) as canvases,
             grids_recorded(self.model) as grids,
-            self._partial_backward(recording.modules.values(), traced),
+            self._partial_backward(recording.modules.values(), known.sequences),
             recording as recorder,
         ):
-            output = recorder.forward(partial(self.model, **model_kwargs), x)
+            with known.watched():
+                output = recorder.forward(partial(self.model, **model_kwargs), x)
             canvas = canvases[-1] if canvases else None  # a detector's: its maps are brought onto the image
             geometry = Geometry(canvas.size if canvas else tuple(x.shape[2:]), grids[-1] if grids else None)
-            layouts = {name: self.layout(name, a, geometry, traced) for name, a in recorder.activations.items()}
+            layouts = {name: self.layout(name, a, geometry, known) for name, a in recorder.activations.items()}
             bound = bound_on(goal, output, self.labels)
             scores = target_scores(bound, output, x)
             count, images = scores.shape[1], torch.arange(len(x), device=x.device)
@@ -562,7 +572,7 @@ class CAM:
             x.detach(), output, bound, scores, activations, gradients, curvatures, layouts, canvas, geometry
         )
 
-    def _partial_backward(self, hooked: Collection[nn.Module], traced: Mapping[str, LayerInfo]) -> ExitStack:
+    def _partial_backward(self, hooked: Collection[nn.Module], sequences: set[str] | None) -> ExitStack:
         """The contexts that differentiate parts of the model only where the score reaches (a detector's kept
         boxes, a sequence's reached rows, a YOLO head's windows), around one pass. A method that differentiates
         the gradient again (``curvature``) or that replaces the modules' gradients by rules (``whole_backward``) gets
@@ -570,7 +580,7 @@ class CAM:
         stack = ExitStack()
         if not (self.curvature or self.whole_backward):
             stack.enter_context(sparse_box_heads(self.model))
-            stack.enter_context(reached_rows(self.model, skip=hooked, sequences=_sequences(traced)))
+            stack.enter_context(reached_rows(self.model, skip=hooked, sequences=sequences))
             stack.enter_context(windowed_heads(self.model, skip=hooked))
         return stack
 
@@ -639,21 +649,16 @@ class CAM:
                     f"(image {int(zero.nonzero()[0])}): the score does not depend on the map there. {why}"
                 )
 
-    def layout(self, name: str, activation: Tensor, geometry: Geometry, traced: Mapping[str, LayerInfo]) -> Layout:
-        """How a layer's output becomes a map: the caller's ``reshape``, else as the traced pass at this input
-        shape read it (see :mod:`explain.core.layouts`).
+    def layout(self, name: str, activation: Tensor, geometry: Geometry, known: PassLayouts) -> Layout:
+        """How a layer's output becomes a map: the caller's ``reshape``, else as the model's context or the pass
+        itself tells (see :mod:`explain.core.watch` and :mod:`explain.core.layouts`).
 
         Raises:
-            LayerError: The traced pass found the output no map of the image.
+            LayerError: The output is no map of the image.
         """
         if self.reshape is not None:
             return Layout("reshape", reshape=self.reshape)
-        info = traced.get(name)
-        if info is None or info.shape != tuple(activation.shape[1:]):  # not run alike in the traced pass
-            return find_layout(self.model, name, activation.shape[1:], geometry)
-        if info.layout is None:
-            raise LayerError(info.refusal or f"layer {name!r} outputs {info.shape}, not a map of the image")
-        return info.layout
+        return known.layout(name, activation, geometry)
 
     def layer_gradients(self, recorder: Any, score: Tensor, rescore: Callable[[Any], Tensor]) -> dict[str, Tensor]:
         """The recorded layers' gradients of one target's summed score, by name: by default of ``score`` at every

@@ -88,7 +88,8 @@ class LayerInfo:
         layout: How the output becomes that map, or None.
         start: When the module started, and
         finish: when it finished, on one clock that ticks at every module's start and finish.
-        varies: Whether the output changes with the image's content (a position embedding, a mask or a
+        varies: Whether the output changes with the image's content, None where the trace did not check (a
+            position embedding, a mask or a
             constant does not).
         head: Whether the output is the model's own output, or the module lies in the head that makes it.
         refusal: Why the output is no map of the image, for an output with a shape that is none.
@@ -119,7 +120,7 @@ class LayerInfo:
         choice (a constant, the model's head), where either applies."""
         shape = "x".join(map(str, self.map_shape)) if self.map_shape else "no map"
         notes = [self.layout.describe()] if self.layout is not None and self.layout.kind != "channels_first" else []
-        notes += ["constant: no map of the image"] * (not self.varies) + ["the model's head"] * self.head
+        notes += ["constant: no map of the image"] * (self.varies is False) + ["the model's head"] * self.head
         return f"{shape} ({'; '.join(notes)})" if notes else shape
 
     @property
@@ -140,34 +141,44 @@ def _tensors(output: Any, depth: int = 3) -> Iterator[Tensor]:
             yield from _tensors(value, depth - 1)
 
 
-def _is_probabilities(value: Tensor) -> bool:
-    """Whether a per-image output of two or more axes is non-negative and sums to one over its last axis."""
-    return (
-        value.dim() >= 3
-        and value.is_floating_point()
-        and bool((value >= 0).all())
-        and bool(torch.allclose(value.sum(-1), torch.ones((), dtype=value.dtype), atol=1e-3))
-    )
+def is_probabilities(value: Tensor) -> bool:
+    """Whether a per-image output of two or more axes is non-negative and sums to one over its last axis (its
+    first row is checked first: most outputs fail there, at the cost of one row)."""
+    if value.dim() < 3 or not value.is_floating_point() or value.numel() == 0:
+        return False
+    one = torch.ones((), dtype=value.dtype, device=value.device)
+    first = value.reshape(-1, value.shape[-1])[0]
+    if not bool(torch.allclose(first.sum(), one, atol=1e-3)) or bool(value.amin() < 0):
+        return False
+    return bool(torch.allclose(value.sum(-1), one, atol=1e-3))
 
 
-def _fingerprint(value: Tensor) -> tuple[float, float]:
-    """Two numbers that change when the tensor's values do."""
-    values = value.detach().double()
-    return float(values.sum()), float(values.square().sum())
+FINGERPRINT_SAMPLES = 256  # values of a layer's output compared exactly between the image and the noise
+
+
+def _fingerprint(value: Tensor) -> tuple[float, ...]:
+    """Numbers that change when the tensor's values do: its sum (accumulated in float64) and a strided sample of
+    its values, compared exactly. Cheap next to the forward: no copy of the tensor is made."""
+    values = value.detach().reshape(-1)
+    sample = values[:: max(1, len(values) // FINGERPRINT_SAMPLES)]
+    return float(values.sum(dtype=torch.float64)), *sample.tolist()
 
 
 OTHER_IMAGE_SEED = 20240229  # the other image the content check runs on: noise, the same every time
 
 
-def trace_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> list[LayerInfo]:
+def trace_layers(
+    model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None, content: bool = True
+) -> list[LayerInfo]:
     """Every named module that runs when the model sees x's first image, in the order they finish, each
     tensor entry of a dict, list or tuple output after it as ``"name:key"``, with how its output reads as
     a map of the image (see :func:`explain.core.layouts.find_layout`), whether it varies with the image,
     and whether it lies in the model's head.
 
     Two forward passes, in eval mode without autograd, with ``model_kwargs`` passed to the model's forward:
-    x's first image, whose operations are watched (see :mod:`explain.core.op_trace`), then an image of
-    noise, to tell which outputs depend on the image. The model is left as it was.
+    x's first image, whose operations are watched (see :mod:`explain.core.op_trace`), then, with ``content``,
+    an image of noise, to tell which outputs depend on the image (else ``varies`` is None). The model is left as
+    it was.
     """
     infos: dict[str, LayerInfo] = {}
     modules = {name: module for name, module in model.named_modules() if name}
@@ -201,7 +212,7 @@ def trace_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | 
         with ops.quiet():
             for key, value in [(None, output), *entries]:
                 label = name if key is None else f"{name}:{key}"
-                if isinstance(value, Tensor) and value.is_floating_point():
+                if content and isinstance(value, Tensor) and value.is_floating_point():
                     prints[passes].setdefault(label, _fingerprint(value))
                 if passes:
                     continue
@@ -216,7 +227,7 @@ def trace_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | 
                     if shape is not None:
                         ops.watch(label, value)
                         ops.produced(label, value)
-                        if _is_probabilities(value):
+                        if is_probabilities(value):
                             probabilities.add(label)
 
     other = torch.randn(image.shape, generator=torch.Generator().manual_seed(OTHER_IMAGE_SEED)).to(image)
@@ -237,8 +248,9 @@ def trace_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | 
         del output
         passes = 1
         ops.stack.clear()
-        with ops.quiet():
-            model(other, **(model_kwargs or {}))
+        if content:
+            with ops.quiet():
+                model(other, **(model_kwargs or {}))
     geometry = Geometry(canvases[0].size if canvases else tuple(x.shape[2:]), grids[0] if grids else None)
     heads = _heads(outputs, reads_image)
     return [
@@ -246,7 +258,7 @@ def trace_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | 
             model,
             replace(
                 info,
-                varies=prints[0].get(info.name) != prints[1].get(info.name),
+                varies=prints[0].get(info.name) != prints[1].get(info.name) if content else None,
                 head=info.name in outputs or any(_within(layer_entry(info.name)[0], head) for head in heads),
             ),
             geometry,
@@ -292,13 +304,16 @@ def _as_map(
     return replace(info, map_shape=tuple(probe.shape[1:]), layout=layout)
 
 
-def traced_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> dict[str, LayerInfo]:
+def traced_layers(
+    model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None, content: bool = False
+) -> dict[str, LayerInfo]:
     """:func:`trace_layers` by name, traced once per input signature and kept in the model's context (see
-    :mod:`explain.core.context`: a change of the model's structure traces it again)."""
+    :mod:`explain.core.context`: a change of the model's structure traces it again); with ``content``, traced again
+    where the kept trace did not check which outputs vary with the image."""
     known = learned(model, modules_of(model)).traces
     key = input_signature(x, model_kwargs)
-    if key not in known:
-        known[key] = {info.name: info for info in trace_layers(model, x, model_kwargs)}
+    if key not in known or (content and any(info.varies is None for info in known[key].values())):
+        known[key] = {info.name: info for info in trace_layers(model, x, model_kwargs, content)}
     return known[key]
 
 
@@ -314,7 +329,7 @@ def layer_choices(
 ) -> tuple[list[LayerInfo], list[str]]:
     """The layers a CAM can use at x's input size (see :func:`candidate_layers`) and the names of the automatic
     choice among them (see :func:`find_auto_layers`; none when no layer qualifies), from one trace."""
-    infos = list(traced_layers(model, x).values())
+    infos = list(traced_layers(model, x, content=True).values())
     candidates = [info for info in infos if info.candidate]
     try:
         automatic = choose_auto_layers(model, infos, x, labels=labels)
@@ -363,7 +378,8 @@ def find_auto_layers(
       maps are zero and the fused map is that level's;
     - any other model: the last layer, in the order of the forward pass, whose output
       (1) is a map of the image (see :mod:`explain.core.layouts`: never attention),
-      (2) changes when the image's content does (position embeddings, masks and constants never do),
+      (2) depends on the image (position embeddings, masks and constants never do): in the probe below, where
+      only the image requires grad, its output does (a trace that checked its content also says it varies),
       (3) is neither the model's output nor inside the head that makes it, and
       (4) gets a non-zero gradient of the target's score at some position of its map, as the engine
       hands it on (one probe backward pass on x's first image): in a class-token transformer, the input
@@ -414,7 +430,7 @@ def choose_auto_layers(
     ]
     if levels:
         return levels
-    candidates = [info for info in maps if info.varies and not info.head]
+    candidates = [info for info in maps if info.varies is not False and not info.head]
     if not candidates:
         raise LayerError(
             "every layer whose output is a map of the image is constant (a position embedding, a mask) or part of "

@@ -172,6 +172,15 @@ class Observed:
     tokens: dict[str, TokenMark] = field(default_factory=dict)
 
 
+def attention_call(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a torch call named ``name`` computes attention: a softmax over any axis but the first of a tensor of
+    three or more axes, or a scaled dot-product attention."""
+    if name in ("softmax", "log_softmax"):
+        first, dim = args[0] if args else None, _dims(args, kwargs, "dim")
+        return isinstance(first, Tensor) and first.dim() >= 3 and dim is not None and dim[0] % first.dim() != 0
+    return name in _ATTENTION
+
+
 def _dims(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> tuple[int, ...] | None:
     """The ``dim`` argument of a reduction or a permute, as a tuple, or None when absent."""
     value = kwargs.get(name, args[1] if len(args) > 1 else None)
@@ -538,14 +547,7 @@ class OpTrace(TorchFunctionMode):
 
     def _attention(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Note the attention computed by the innermost running module (the model itself is never one)."""
-        first = args[0] if args else None
-        if name in ("softmax", "log_softmax"):
-            dim = _dims(args, kwargs, "dim")
-            if not isinstance(first, Tensor) or first.dim() < 3 or dim is None or dim[0] % first.dim() == 0:
-                return
-        elif name not in _ATTENTION:
-            return
-        if self.stack and self.stack[-1]:
+        if self.stack and self.stack[-1] and attention_call(name, args, kwargs):
             self.observed.attention_modules.add(self.stack[-1])
 
     def _follow(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:

@@ -14,8 +14,9 @@ from torch import Tensor, nn
 
 from ..core.attention_capture import AttentionRecorder, attention_modules
 from ..core.engine import CAM, Capture
-from ..core.layers import LayerInfo, LayerSpec
+from ..core.layers import LayerSpec
 from ..core.layouts import Geometry, Layout
+from ..core.watch import PassLayouts
 from ..errors import LayerError
 from ..targets import TargetLike
 
@@ -112,7 +113,7 @@ class Rollout(CAM):
     def recorder(self, modules: Mapping[str, nn.Module]) -> AttentionRecorder:
         return AttentionRecorder(self._attention, self.layer, gradients=self.needs_gradients)
 
-    def layout(self, name: str, activation: Tensor, geometry: Geometry, traced: Mapping[str, LayerInfo]) -> Layout:
+    def layout(self, name: str, activation: Tensor, geometry: Geometry, known: PassLayouts) -> Layout:
         return Layout("attention")
 
     def rolled_out(self, capture: Capture) -> Tensor:

@@ -1,0 +1,160 @@
+"""How a pass's recorded layers become maps, read where it costs least.
+
+The full trace (:func:`explain.core.layers.trace_layers`) runs the model on one image under an operation trace,
+and again on noise: what the automatic layers' search needs. A pass whose layers are known needs of it only their
+layouts. An output with one axis more than the input's rank (channels first or last) that its sizes alone lay out
+needs two facts more, which the pass's own forward tells as it runs (:class:`PassWatch`): that no module around the
+layer computes attention, and that the output is no attention probabilities. Anything else (tokens, an output whose
+sizes read both ways) is laid out from the full trace, run only then. What a pass learns is kept in the model's
+context (see :mod:`explain.core.context`), per input signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from functools import partial
+from typing import Any
+
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from ..errors import LayerError
+from .context import input_signature, learned
+from .hooks import Hooks, layer_entry
+from .layers import LayerInfo, is_probabilities, traced_layers
+from .layouts import Geometry, Layout, find_layout
+from .model_state import modules_of
+from .op_trace import Observed, attention_call
+
+
+class TraceNeeded(Exception):
+    """Raised by a watched pass for a layout only the full trace can tell: the pass is run again after it."""
+
+
+class PassWatch(TorchFunctionMode):
+    """Watch one forward: the modules that compute attention in their own forward, and the modules whose output is
+    a sequence (N, T, C).
+
+    Args:
+        model: The model; every named module gets a forward pre-hook and a forward hook for the block.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.stack: list[str] = []
+        self.attention: set[str] = set()
+        self.sequences: set[str] = set()
+
+    @contextmanager
+    def watching(self) -> Iterator[PassWatch]:
+        """For the block, the model's forwards are watched."""
+        with Hooks() as hooks:
+            for name, module in self.model.named_modules():
+                if name:
+                    hooks.forward_pre(module, lambda module, args, name=name: self.stack.append(name))
+                    hooks.forward(module, partial(self._finished, name))
+            with self:
+                yield self
+
+    def _finished(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        self.stack.pop()
+        first = output[0] if isinstance(output, (tuple, list)) and output else output  # nn.MultiheadAttention's
+        if isinstance(first, Tensor) and first.dim() == 3:
+            self.sequences.add(name)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.stack and attention_call(getattr(func, "__name__", "").strip("_"), args, kwargs):
+            self.attention.add(self.stack[-1])
+        return func(*args, **kwargs)
+
+    def layout(self, name: str, activation: Tensor, geometry: Geometry) -> Layout | None:
+        """The layer's layout from what the forward told: a grid its sizes lay out alone, outside any attention,
+        and no probabilities; else None (the full trace must tell)."""
+        shape = tuple(activation.shape[1:])
+        if len(shape) != len(geometry.size) + 1 or is_probabilities(activation):
+            return None
+        try:
+            return find_layout(self.model, name, shape, geometry, Observed(attention_modules=self.attention))
+        except LayerError:
+            return None
+
+
+class PassLayouts:
+    """The layouts of one pass's recorded layers: learned at this input signature, read from the pass's own
+    forward, or taken from the full trace (a layer the forward cannot lay out raises :class:`TraceNeeded`: the
+    caller runs :meth:`traced` and the pass again).
+
+    Args:
+        model: The model.
+        x: The pass's input.
+        model_kwargs: The model's further keyword arguments.
+        names: The layers the pass records.
+    """
+
+    def __init__(self, model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any], names: Collection[str]) -> None:
+        self.model, self.x, self.model_kwargs = model, x, model_kwargs
+        context = learned(model, modules_of(model))
+        key = input_signature(x, model_kwargs)
+        self._traced: Mapping[str, LayerInfo] | None = context.traces.get(key)
+        self._known = context.layouts.setdefault(key, {})
+        self._sequences = context.sequences.get(key)
+        unknown = self._traced is None and not set(names) <= set(self._known)
+        self.watch = PassWatch(model) if unknown else None
+        self._learned_sequences = context.sequences.setdefault(key, set()) if unknown else None
+
+    @property
+    def sequences(self) -> set[str] | None:
+        """The modules whose output is a sequence (T, C) per image (an entry of ``nn.MultiheadAttention``'s by its
+        module), or None where not known yet."""
+        if self._traced is not None:
+            found = self._traced.items()
+            return {layer_entry(name)[0] for name, info in found if info.shape is not None and len(info.shape) == 2}
+        return self._sequences
+
+    def watched(self) -> Any:
+        """The context the pass's forward runs in."""
+        return nullcontext() if self.watch is None else self.watch.watching()
+
+    def layout(self, name: str, activation: Tensor, geometry: Geometry) -> Layout:
+        """How a recorded layer's output becomes a map (see the module's docstring).
+
+        Raises:
+            LayerError: The full trace found the output no map of the image.
+        """
+        if self._traced is None and name in self._known:
+            return self._known[name]
+        if self._traced is not None:
+            return _traced_layout(self.model, name, activation, geometry, self._traced)
+        found = None if self.watch is None else self.watch.layout(name, activation, geometry)
+        if found is None:
+            raise TraceNeeded(name)
+        self._known[name] = found
+        if self._learned_sequences is not None:
+            self._learned_sequences.update(self.watch.sequences)
+        return found
+
+    def traced(self) -> Mapping[str, LayerInfo]:
+        """The full trace at the pass's input signature, run now where it has not run yet (outside any pass of the
+        model: its hooks would record the trace's forwards)."""
+        if self._traced is None:
+            self._traced = traced_layers(self.model, self.x, self.model_kwargs)
+        return self._traced
+
+
+def _traced_layout(
+    model: nn.Module, name: str, activation: Tensor, geometry: Geometry, traced: Mapping[str, LayerInfo]
+) -> Layout:
+    """A layer's layout as the full trace read it.
+
+    Raises:
+        LayerError: The trace found the output no map of the image.
+    """
+    info = traced.get(name)
+    if info is None or info.shape != tuple(activation.shape[1:]):  # not run alike in the traced pass
+        return find_layout(model, name, activation.shape[1:], geometry)
+    if info.layout is None:
+        raise LayerError(info.refusal or f"layer {name!r} outputs {info.shape}, not a map of the image")
+    return info.layout
