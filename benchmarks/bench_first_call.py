@@ -81,7 +81,7 @@ CASES = [
     Case("timm swin_tiny_patch4_window7_224", _timm("swin_tiny_patch4_window7_224"), "layers.3", peer=False),
     Case("timm efficientnet_b0", _timm("efficientnet_b0"), "bn2"),
     Case("torchvision Faster R-CNN (MobileNetV3 320)", _detector, "backbone.fpn:0", False, _top_detection),
-    Case("HuggingFace ViT (12 x 384)", _hf_vit, "vit.encoder.layer.11.layernorm_before", peer=False),
+    Case("HuggingFace ViT (12 x 384)", _hf_vit, "vit.layers.11.layernorm_before", peer=False),
 ]
 
 
@@ -119,7 +119,7 @@ def contenders(case: Case, model: nn.Module, x: torch.Tensor) -> dict[str, Calla
 
         def peer() -> Callable[[], object]:
             fresh = copy.deepcopy(model)
-            return lambda: GradCAM(fresh, [fresh.get_submodule(case.layer)])(x)
+            return lambda: GradCAM(fresh, [fresh.get_submodule(case.layer)])(x, targets=None)
 
         runs["pytorch-grad-cam, first"] = peer
     return runs
