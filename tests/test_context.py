@@ -204,3 +204,55 @@ def test_a_transformers_first_call_equals_the_second_and_the_traced_one(method: 
         first, second, traced = _three_calls(model, x, method, chosen, [1, 2])
         torch.testing.assert_close(first, second)
         torch.testing.assert_close(first, traced)
+
+
+def _timm_model(name: str, **options) -> nn.Module:
+    timm = pytest.importorskip("timm")
+    return timm.create_model(name, num_classes=5, **options)
+
+
+FAMILIES = {
+    "resnet18": lambda: torchvision.models.resnet18(num_classes=5),
+    "mobilenet_v3_small": lambda: torchvision.models.mobilenet_v3_small(num_classes=5),
+    "densenet121": lambda: torchvision.models.densenet121(num_classes=5),
+    "convnext_atto": lambda: _timm_model("convnext_atto"),
+    "swin": lambda: _timm_model("swin_tiny_patch4_window7_224", img_size=112, window_size=7, depths=(1, 1, 1, 1)),
+    "vit": lambda: _timm_model("vit_tiny_patch16_224", img_size=64, depth=3),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_layer_a_first_call_settles_is_the_full_searchs(family: str) -> None:
+    """A first call settles the automatic layer from the gradients its own pass records at the last candidates;
+    the search over every candidate with its own probe (find_auto_layers, on a copy) finds the same layer, and the
+    call's maps are those of that layer given."""
+    torch.manual_seed(0)
+    model = FAMILIES[family]().eval()
+    x = torch.randn(2, 3, 112, 112) if family == "swin" else torch.randn(2, 3, 64, 64)
+    searched = explain.find_auto_layers(copy.deepcopy(model), x, target=3)
+    result = explain.GradCAM(model)(x, 3)
+    assert result.layer == "+".join(searched)
+    torch.testing.assert_close(result.cams, explain.GradCAM(copy.deepcopy(model), searched)(x, 3).cams)
+
+
+def _forwards(model: nn.Module, call) -> list[int]:
+    """The batch sizes of the model's forwards during ``call()``."""
+    seen: list[int] = []
+    handle = model.register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0].shape[0]))
+    try:
+        call()
+    finally:
+        handle.remove()
+    return seen
+
+
+def test_a_first_call_runs_no_trace_for_a_grid_layer_and_one_after_its_pass_for_tokens() -> None:
+    """A given grid layer's layout is read during the call's own forward: no other forward. A ViT's token layout needs
+    the trace of one image, run once after the pass (never the pass twice); the second call runs its pass alone."""
+    torch.manual_seed(0)
+    cnn, x = torchvision.models.resnet18(num_classes=5).eval(), torch.randn(3, 3, 64, 64)
+    assert _forwards(cnn, lambda: explain.gradcam(cnn, x, "layer3")) == [3]
+    timm = pytest.importorskip("timm")
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=64, depth=3, num_classes=5).eval()
+    assert _forwards(vit, lambda: explain.gradcam(vit, x, "blocks.1.norm1")) == [3, 1]
+    assert _forwards(vit, lambda: explain.gradcam(vit, x, "blocks.1.norm1")) == [3]

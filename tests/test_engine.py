@@ -171,9 +171,9 @@ def test_automatic_layer_is_searched_once_per_input_shape() -> None:
             explain.gradcam(model, torch.randn(3, 3, side, side))
     finally:
         counter.remove()
-    # For each new input shape, two one-image forwards: the layouts' trace and the automatic layer's probe
-    # (forward and backward), whose autograd tells which outputs depend on the image: no content check on noise.
-    assert images == [1, 1, 3, 3, 1, 1, 3]
+    # For each new input shape, one one-image forward, the layouts' trace; the call's own pass records the last
+    # candidates and settles the automatic layer from their gradients: no probe, no content check on noise.
+    assert images == [1, 3, 3, 1, 3]
 
 
 def test_unknown_layer_lists_real_candidates() -> None:

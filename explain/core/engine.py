@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Literal
 
@@ -30,13 +30,13 @@ from ..targets import BoundTarget, Target, TargetLike, as_target, bound_on
 from ..targets.base import spatial_axes
 from .detectors import canvas_recorded, sparse_box_heads, thresholds_lowered
 from .hooks import ActivationGradientRecorder, layer_entry
-from .layers import BACKBONE, LayerSpec, auto_layers, resolve_layer
+from .layers import BACKBONE, LayerSpec, PendingSearch, auto_layers, pending_search, resolve_layer, settle
 from .layouts import Geometry, Layout, Reshape, grids_recorded
 from .maps import INTERPOLATION, Canvas, has_nonzero, normalize_maps, postprocess, principal_projection, upsample
 from .model_state import exclusive, running, untouched
 from .result import CAMResult, make_result
 from .rows import reached_rows
-from .watch import PassLayouts, TraceNeeded
+from .watch import PassLayouts
 from .windows import windowed_heads
 
 INPUTS = "signals (N, C, L), images (N, C, H, W) or volumes and clips (N, C, D, H, W)"
@@ -190,6 +190,11 @@ class PassRecord:
     geometry: Geometry
 
 
+def _laid_out(values: Mapping[str, Tensor], layouts: Mapping[str, Layout]) -> dict[str, Tensor]:
+    """Each layer's tensor shaped like its output, as a map (the input's own, which has no layout, as it is)."""
+    return {name: layouts[name](value) if name in layouts else value for name, value in values.items()}
+
+
 AUG_SCALES = (0.9, 1.0, 1.1)
 PLAIN_VIEW = (False, 1.0)  # (flip, scale): the input as given
 INPUT = "input"  # the layer name of the input, for methods whose map is the input's
@@ -298,6 +303,7 @@ class CAM:
         self._requested = None if layer is None else list(layer) if self.fused else [layer]
         self._layers: list[tuple[str, nn.Module]] | None = None  # resolved at each call, which knows x
         self._automatic = False  # whether the call's layers are the automatic ones, kept in the model's context
+        self._search: PendingSearch | None = None  # an automatic layer the call's plain pass settles
         self.fuse = fuse
         self.aug_smooth = aug_smooth
         self.eigen_smooth = eigen_smooth
@@ -321,12 +327,18 @@ class CAM:
             return [(INPUT, None)]
         if self._requested is None:
             self._automatic = True
+            self._search = pending_search(self.model, x, model_kwargs, target) if self._settles_in_pass() else None
+            if self._search is not None:  # the call's own pass records the last candidates and settles it
+                modules = dict(self.model.named_modules())
+                return [(info.name, modules[layer_entry(info.name)[0]]) for info in self._search.tried]
             return auto_layers(self.model, x, model_kwargs, target, self.labels)
         return [resolve_layer(self.model, spec, x, model_kwargs) for spec in self._requested]
 
     def recorder(self, modules: Mapping[str, nn.Module]) -> ActivationGradientRecorder:
-        """What records the target layers' outputs and gradients in a pass (see :mod:`explain.core.hooks`)."""
-        return ActivationGradientRecorder(modules, gradients=self.needs_gradients)
+        """What records the target layers' outputs and gradients in a pass (see :mod:`explain.core.hooks`). A pass
+        that settles the automatic layer records its candidates, one computed from another, by tensor hooks."""
+        tensor_hook = True if self._search is not None else None
+        return ActivationGradientRecorder(modules, tensor_hook=tensor_hook, gradients=self.needs_gradients)
 
     def weights(self, capture: Capture) -> Tensor:
         """Channel weights (N, C)."""
@@ -422,9 +434,9 @@ class CAM:
         ):
             self._automatic = False
             self._layers = self.target_layers(x, model_kwargs, goal)  # a model changed since is looked up again
-            self.fused = self.fused or len(self._layers) > 1  # the automatic layers of a detector are fused
             images = x.clone() if x.is_inference() else x.detach()
             plain = self._plain_pass(images, goal, model_kwargs)
+            self.fused = self.fused or len(self._layers) > 1  # the automatic layers of a detector are fused
             maps = self._averaged(images, plain, generator, model_kwargs)
         size = x.shape[2:]
         raw = self.fused_maps(maps, size) if self.fused or self.aug_smooth else maps[0]
@@ -438,16 +450,50 @@ class CAM:
         layers than that call's) are searched again for this call, once; the error stands if the search finds them
         again."""
         try:
-            return self._record(x, goal, model_kwargs, plain=True)
+            recorded = self._record(x, goal, model_kwargs, plain=True)
         except LayerError:
-            if not self._automatic:
+            if not self._automatic or self._search is not None:
                 raise
             layers = auto_layers(self.model, x, model_kwargs, goal, self.labels, fresh=True)
             if [name for name, _ in layers] == [name for name, _ in self._layers]:
                 raise
             self._layers = layers
-            self.fused = self.fused or len(layers) > 1
             return self._record(x, goal, model_kwargs, plain=True)
+        return recorded if self._search is None else self._settled(recorded, x, goal, model_kwargs)
+
+    def _settles_in_pass(self) -> bool:
+        """Whether the plain pass can settle the automatic layer: a method whose pass takes the plain gradient at
+        its layers, on a model in eval mode (as the search's own probe runs it)."""
+        plain = not (self.curvature or self.whole_backward or self.input_gradient or self.model.training)
+        recorded = type(self).recorder is CAM.recorder and type(self).layer_gradients is CAM.layer_gradients
+        return self.needs_gradients and plain and recorded
+
+    def _settled(
+        self, recorded: PassRecord, x: Tensor, goal: Target | BoundTarget, model_kwargs: Mapping[str, Any]
+    ) -> PassRecord:
+        """The plain pass at the automatic layer its last candidates' gradients settle (see
+        :func:`explain.core.layers.settle`): the first image's, as the search's probe reads them. Where they do
+        not settle it, the layer is searched in full and the pass run again."""
+        search, self._search = self._search, None
+        reached = {name for by_layer in recorded.gradients for name, g in by_layer.items() if has_nonzero(g[0])}
+        chosen = settle(self.model, search, reached)
+        if chosen is None:
+            self._layers = auto_layers(self.model, x, model_kwargs, goal, self.labels, fresh=True)
+            return self._record(x, goal, model_kwargs, plain=True)
+        self._layers = [(name, module) for name, module in self._layers if name == chosen]
+
+        def kept(values: dict[str, Any]) -> dict[str, Any]:
+            return {name: value for name, value in values.items() if name == chosen}
+
+        recorded = replace(
+            recorded,
+            activations=kept(recorded.activations),
+            gradients=[kept(g) for g in recorded.gradients],
+            curvatures=[kept(c) for c in recorded.curvatures],
+            layouts=kept(recorded.layouts),
+        )
+        self._check_reached(recorded.gradients, recorded.bound, automatic=True)
+        return recorded
 
     def target_for(self, target: TargetLike, topk: int | None) -> Target | BoundTarget:
         """The call's target object from what the caller gave (see :func:`explain.targets.as_target`); a method
@@ -522,11 +568,7 @@ class CAM:
         given) refuses, for a method with gradients, layers the score does not reach."""
         hooked = {name: module for name, module in self._layers if module is not None}
         known = PassLayouts(self.model, x, model_kwargs, hooked if self.reshape is None else ())
-        try:
-            return self._pass(x, goal, model_kwargs, plain, hooked, known)
-        except TraceNeeded:  # a layout the pass could not tell: the model traced, outside the pass, and run again
-            known.traced()
-            return self._pass(x, goal, model_kwargs, plain, hooked, known)
+        return self._pass(x, goal, model_kwargs, plain, hooked, known)
 
     def _pass(
         self,
@@ -554,18 +596,20 @@ class CAM:
                 output = recorder.forward(partial(self.model, **model_kwargs), x)
             canvas = canvases[-1] if canvases else None  # a detector's: its maps are brought onto the image
             geometry = Geometry(canvas.size if canvas else tuple(x.shape[2:]), grids[-1] if grids else None)
-            layouts = {name: self.layout(name, a, geometry, known) for name, a in recorder.activations.items()}
             bound = bound_on(goal, output, self.labels)
             scores = target_scores(bound, output, x)
             count, images = scores.shape[1], torch.arange(len(x), device=x.device)
             derivatives = [
-                self._gradients(recorder, partial(summed_score, bound, k, images), scores[:, k].sum(), x, layouts, more)
+                self._gradients(recorder, partial(summed_score, bound, k, images), scores[:, k].sum(), x, more)
                 for k, more in zip(range(count), [True] * (count - 1) + [False])
             ]
-            gradients, curvatures = [first for first, _ in derivatives], [second for _, second in derivatives]
-            if plain and self.needs_gradients:
-                self._check_reached(gradients, bound, automatic=self._requested is None)
-            activations = {name: layouts[name](a).float() for name, a in recorder.activations.items()}
+            recorded = recorder.activations
+        # Laid out after the pass: a layout its forward could not tell is traced now, without the pass's hooks.
+        layouts = {name: self.layout(name, a, geometry, known) for name, a in recorded.items()}
+        gradients, curvatures = ([_laid_out(found[i], layouts) for found in derivatives] for i in (0, 1))
+        if plain and self.needs_gradients and self._search is None:  # a pending search checks its choice
+            self._check_reached(gradients, bound, automatic=self._requested is None)
+        activations = {name: layouts[name](a).float() for name, a in recorded.items()}
         if self.map_of_input:
             activations[INPUT] = x.detach().float()
         return PassRecord(
@@ -672,18 +716,18 @@ class CAM:
         rescore: Callable[[Any], Tensor],
         score: Tensor,
         x: Tensor,
-        layouts: Mapping[str, Layout],
         more: bool,
     ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """The gradient of one summed score at each layer, as a map like the layer's activation, and at the input
-        for a method that takes it there; the whole network's graph, which that needs, is kept only when ``more``
-        scores follow. Second: each layer's Hessian-vector product, for a method that asks for it (else empty)."""
+        """The gradient of one summed score at each layer, shaped like the layer's output (laid out as a map by the
+        caller), and at the input for a method that takes it there; the whole network's graph, which that needs, is
+        kept only when ``more`` scores follow. Second: each layer's Hessian-vector product, for a method that asks
+        for it (else empty)."""
         found, curved = {}, {}
         if self.needs_gradients:
             raw = self.layer_gradients(recorder, score, rescore)
             if self.curvature:
-                curved = {name: layouts[name](h) for name, h in recorder.curvature(raw).items()}
-            found = {name: layouts[name](g.detach()) for name, g in raw.items()}
+                curved = dict(recorder.curvature(raw))
+            found = {name: g.detach() for name, g in raw.items()}
         if self.input_gradient:
             found[INPUT] = torch.autograd.grad(score, x, retain_graph=more or self.needs_gradients)[0]
         return found, curved

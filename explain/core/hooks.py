@@ -212,7 +212,7 @@ class ActivationGradientRecorder:
             return None
         # An output that already requires grad lies downstream of another target layer of this
         # recorder: it stays in the graph, so that layer's gradient can flow through it.
-        if output.requires_grad:
+        if output.requires_grad and not self.tensor_hook:  # on the tensor-hook path already, it changes nothing
             _DOWNSTREAM.add(self.modules[name])
         leaf = output if output.requires_grad else output.detach().requires_grad_(True)
         self.activations[name] = leaf.detach()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -167,6 +167,70 @@ def _fingerprint(value: Tensor) -> tuple[float, ...]:
 OTHER_IMAGE_SEED = 20240229  # the other image the content check runs on: noise, the same every time
 
 
+class _Recorder:
+    """What the trace's module hooks record: each module's start, its outputs' infos and, with ``content``, their
+    fingerprints on the image (pass 0) and on noise (pass 1); the operations are watched by :attr:`ops`."""
+
+    def __init__(self, x: Tensor, modules: Mapping[str, nn.Module], content: bool) -> None:
+        self.image, self.content, self.passes = x[:1], content, 0
+        self.ops = OpTrace(partial(grid_fits, size=tuple(x.shape[2:])), rank=x.dim() - 2)
+        self.ops.free_modules = {name for name, module in modules.items() if next(module.parameters(), None) is None}
+        self.infos: dict[str, LayerInfo] = {}
+        self.starts: dict[str, int] = {}
+        self.clock = itertools.count()
+        self.prints: list[dict[str, tuple[float, ...]]] = [{}, {}]
+        self.probabilities: set[str] = set()
+        self.reads_image: set[str] = set()
+
+    def started(self, name: str, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """A forward pre-hook."""
+        self.ops.stack.append(name)
+        self.starts.setdefault(name, next(self.clock))
+        if any(value is self.image for value in (*args, *kwargs.values())):
+            self.reads_image.add(name)
+
+    def finished(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        """A forward hook: the output, and each tensor entry of a dict, list or tuple output after it."""
+        self.ops.stack.pop()
+        if not self.passes:
+            self.ops.module_output(name, args, kwargs, output)
+        entries: Any = []
+        if isinstance(output, Mapping):
+            entries = output.items()
+        elif isinstance(output, (list, tuple)):
+            entries = enumerate(output)
+        with self.ops.quiet():
+            for key, value in [(None, output), *entries]:
+                label = name if key is None else f"{name}:{key}"
+                if self.content and isinstance(value, Tensor) and value.is_floating_point():
+                    self.prints[self.passes].setdefault(label, _fingerprint(value))
+                if not self.passes:
+                    self._note(name, type(module).__name__, label, key, value)
+
+    def _note(self, name: str, kind: str, label: str, key: Any, value: Any) -> None:
+        """Note one output of the image's pass: a new layer, or one more call of a known one."""
+        if label in self.infos:
+            self.infos[label] = replace(self.infos[label], calls=self.infos[label].calls + 1)
+            return
+        if key is not None and not isinstance(value, Tensor):
+            return
+        per_image = isinstance(value, Tensor) and value.dim() and len(value) == 1  # one row per image
+        shape = tuple(value.shape[1:]) if per_image else None
+        alias = self.ops.producer(value) if key is not None else None
+        self.infos[label] = LayerInfo(
+            label, kind, shape, 1, start=self.starts[name], finish=next(self.clock), alias=alias
+        )
+        if shape is not None:
+            self.ops.watch(label, value)
+            self.ops.produced(label, value)
+            if is_probabilities(value):
+                self.probabilities.add(label)
+
+    def varies(self, label: str) -> bool | None:
+        """Whether the output changed from the image to the noise; None without the noise pass."""
+        return self.prints[0].get(label) != self.prints[1].get(label) if self.content else None
+
+
 def trace_layers(
     model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None, content: bool = True
 ) -> list[LayerInfo]:
@@ -180,57 +244,9 @@ def trace_layers(
     an image of noise, to tell which outputs depend on the image (else ``varies`` is None). The model is left as
     it was.
     """
-    infos: dict[str, LayerInfo] = {}
     modules = {name: module for name, module in model.named_modules() if name}
-    starts: dict[str, int] = {}
-    clock = itertools.count()
-    ops = OpTrace(partial(grid_fits, size=tuple(x.shape[2:])), rank=x.dim() - 2)
-    ops.free_modules = {name for name, module in modules.items() if next(module.parameters(), None) is None}
-    prints: list[dict[str, tuple[float, float]]] = [{}, {}]
-    probabilities: set[str] = set()
-    reads_image: set[str] = set()
-    image = x[:1]
-
-    def per_image_shape(value: Any) -> tuple[int, ...] | None:  # an output with one row per image, or None
-        return tuple(value.shape[1:]) if isinstance(value, Tensor) and value.dim() and len(value) == 1 else None
-
-    def started(name: str, module: nn.Module, args: Any, kwargs: Any) -> None:  # a forward pre-hook
-        ops.stack.append(name)
-        starts.setdefault(name, next(clock))
-        if any(value is image for value in (*args, *kwargs.values())):
-            reads_image.add(name)
-
-    def record(name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:  # a forward hook
-        ops.stack.pop()
-        if not passes:
-            ops.module_output(name, args, kwargs, output)
-        entries: Any = []
-        if isinstance(output, Mapping):
-            entries = output.items()
-        elif isinstance(output, (list, tuple)):
-            entries = enumerate(output)
-        with ops.quiet():
-            for key, value in [(None, output), *entries]:
-                label = name if key is None else f"{name}:{key}"
-                if content and isinstance(value, Tensor) and value.is_floating_point():
-                    prints[passes].setdefault(label, _fingerprint(value))
-                if passes:
-                    continue
-                if label in infos:
-                    infos[label] = replace(infos[label], calls=infos[label].calls + 1)
-                elif key is None or isinstance(value, Tensor):
-                    shape = per_image_shape(value)
-                    alias = ops.producer(value) if key is not None else None
-                    infos[label] = LayerInfo(
-                        label, type(module).__name__, shape, 1, start=starts[name], finish=next(clock), alias=alias
-                    )
-                    if shape is not None:
-                        ops.watch(label, value)
-                        ops.produced(label, value)
-                        if is_probabilities(value):
-                            probabilities.add(label)
-
-    other = torch.randn(image.shape, generator=torch.Generator().manual_seed(OTHER_IMAGE_SEED)).to(image)
+    recorder = _Recorder(x, modules, content)
+    image, kwargs = recorder.image, model_kwargs or {}
     with (
         Hooks() as hooks,
         eval_mode(model),
@@ -239,33 +255,33 @@ def trace_layers(
         grids_recorded(model) as grids,
     ):
         for name, module in modules.items():
-            hooks.forward_pre(module, partial(started, name), with_kwargs=True)
-            hooks.forward(module, partial(record, name), with_kwargs=True)
-        passes = 0
-        with ops:
-            output = model(image, **(model_kwargs or {}))
-        outputs = ops.returned(list(_tensors(output)))
+            hooks.forward_pre(module, partial(recorder.started, name), with_kwargs=True)
+            hooks.forward(module, partial(recorder.finished, name), with_kwargs=True)
+        with recorder.ops:
+            output = model(image, **kwargs)
+        outputs = recorder.ops.returned(list(_tensors(output)))
         del output
-        passes = 1
-        ops.stack.clear()
+        recorder.passes = 1
+        recorder.ops.stack.clear()
         if content:
-            with ops.quiet():
-                model(other, **(model_kwargs or {}))
+            other = torch.randn(image.shape, generator=torch.Generator().manual_seed(OTHER_IMAGE_SEED)).to(image)
+            with recorder.ops.quiet():
+                model(other, **kwargs)
     geometry = Geometry(canvases[0].size if canvases else tuple(x.shape[2:]), grids[0] if grids else None)
-    heads = _heads(outputs, reads_image)
+    heads = _heads(outputs, recorder.reads_image)
     return [
         _as_map(
             model,
             replace(
                 info,
-                varies=prints[0].get(info.name) != prints[1].get(info.name) if content else None,
+                varies=recorder.varies(info.name),
                 head=info.name in outputs or any(_within(layer_entry(info.name)[0], head) for head in heads),
             ),
             geometry,
-            ops.observed,
-            info.name in probabilities,
+            recorder.ops.observed,
+            info.name in recorder.probabilities,
         )
-        for info in infos.values()
+        for info in recorder.infos.values()
     ]
 
 
@@ -416,6 +432,30 @@ def choose_auto_layers(
     Raises:
         LayerError: No layer qualifies.
     """
+    declared = declared_layers(model, infos)
+    if declared is not None:
+        return declared
+    candidates = search_candidates(infos)
+    reached = reached_layers(model, x, candidates, model_kwargs, target, labels)
+    usable = [info for info in candidates if info.name in reached]
+    usable = [info for info in usable if info.alias not in {other.name for other in usable}]  # the module's name
+    if not usable:
+        raise LayerError(
+            f"the target's score reaches none of the {len(candidates)} maps of the image before the model's head "
+            f"(the last: {candidates[-1].name}); pass layer= (explain --layers lists the maps)"
+        )
+    modules = dict(model.named_modules())
+    chosen = [info for info in usable if not isinstance(modules[layer_entry(info.name)[0]], _NOT_AUTOMATIC)]
+    return [info.name for info in _towers(chosen or usable)]
+
+
+def declared_layers(model: nn.Module, infos: list[LayerInfo]) -> list[str] | None:
+    """The automatic layers a model declares (its ``feature_levels``) or a detector's backbone levels (see
+    :func:`find_auto_layers`), None for a model whose layer is searched.
+
+    Raises:
+        LayerError: No layer outputs a map of the image, or a declared level does not.
+    """
     maps = [info for info in infos if info.candidate]
     if not maps:
         raise LayerError("no layer of the model outputs a map of the image (N, C, H, W); pass layer=")
@@ -428,25 +468,77 @@ def choose_auto_layers(
     levels = [
         info.name for info in maps if layer_entry(info.name)[0] == BACKBONE and layer_entry(info.name)[1] is not None
     ]
-    if levels:
-        return levels
-    candidates = [info for info in maps if info.varies is not False and not info.head]
+    return levels or None
+
+
+def search_candidates(infos: list[LayerInfo]) -> list[LayerInfo]:
+    """The maps of the image the automatic layer is searched among, in forward order: not constant (where the
+    trace checked), not the model's head.
+
+    Raises:
+        LayerError: None is left.
+    """
+    candidates = [info for info in infos if info.candidate and info.varies is not False and not info.head]
     if not candidates:
         raise LayerError(
             "every layer whose output is a map of the image is constant (a position embedding, a mask) or part of "
             "the model's head; pass layer= (explain --layers lists the maps)"
         )
-    reached = reached_layers(model, x, candidates, model_kwargs, target, labels)
-    usable = [info for info in candidates if info.name in reached]
-    usable = [info for info in usable if info.alias not in {other.name for other in usable}]  # the module's name
-    if not usable:
-        raise LayerError(
-            f"the target's score reaches none of the {len(candidates)} maps of the image before the model's head "
-            f"(the last: {candidates[-1].name}); pass layer= (explain --layers lists the maps)"
-        )
+    return candidates
+
+
+SEARCH_IN_PASS = 4  # the last candidates a call's own pass records to settle its automatic layer
+
+
+@dataclass(frozen=True)
+class PendingSearch:
+    """An automatic layer search left to the call's own pass, which records the last candidates (``tried``): their
+    gradients settle it where they can (see :func:`settle`).
+
+    Attributes:
+        key: Where the settled layer is kept in the model's context.
+        tried: The last :data:`SEARCH_IN_PASS` candidates, in forward order.
+    """
+
+    key: Hashable
+    tried: list[LayerInfo]
+
+
+def pending_search(
+    model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None, target: TargetLike
+) -> PendingSearch | None:
+    """A search of the automatic layer that the call's own pass can settle, or None where it is known already,
+    declared by the model, or where the last candidate is tokens (whose towers need every candidate's gradient).
+
+    Raises:
+        LayerError: No layer qualifies.
+    """
+    key = (input_signature(x, model_kwargs), target_kind(as_target(target)))
+    if key in learned(model, modules_of(model)).automatic:
+        return None
+    infos = list(traced_layers(model, x, model_kwargs).values())
+    if declared_layers(model, infos) is not None:
+        return None
+    candidates = search_candidates(infos)
+    if candidates[-1].layout.kind == "tokens":
+        return None
+    return PendingSearch(key, candidates[-SEARCH_IN_PASS:])
+
+
+def settle(model: nn.Module, search: PendingSearch, reached: Collection[str]) -> str | None:
+    """The automatic layer (see :func:`find_auto_layers`) where the tried candidates decide it, kept in the model's
+    context: the last one the score reaches that is no adaptive pool or identity, when it is a grid, not an output
+    entry standing for another module. Every candidate after it was tried, so the search over all of them would
+    choose it too. None where they do not decide it."""
     modules = dict(model.named_modules())
-    chosen = [info for info in usable if not isinstance(modules[layer_entry(info.name)[0]], _NOT_AUTOMATIC)]
-    return [info.name for info in _towers(chosen or usable)]
+    for info in reversed(search.tried):
+        if info.name not in reached or isinstance(modules[layer_entry(info.name)[0]], _NOT_AUTOMATIC):
+            continue
+        if info.layout.kind == "tokens" or info.alias is not None:
+            return None
+        learned(model, modules_of(model)).automatic[search.key] = [info.name]
+        return info.name
+    return None
 
 
 def _towers(usable: list[LayerInfo]) -> list[LayerInfo]:

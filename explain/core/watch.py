@@ -5,8 +5,8 @@ and again on noise: what the automatic layers' search needs. A pass whose layers
 layouts. An output with one axis more than the input's rank (channels first or last) that its sizes alone lay out
 needs two facts more, which the pass's own forward tells as it runs (:class:`PassWatch`): that no module around the
 layer computes attention, and that the output is no attention probabilities. Anything else (tokens, an output whose
-sizes read both ways) is laid out from the full trace, run only then. What a pass learns is kept in the model's
-context (see :mod:`explain.core.context`), per input signature.
+sizes read both ways) is laid out from the full trace, run only then, after the pass. What a pass learns is kept in
+the model's context (see :mod:`explain.core.context`), per input signature.
 """
 
 from __future__ import annotations
@@ -26,10 +26,6 @@ from .layers import LayerInfo, is_probabilities, traced_layers
 from .layouts import Geometry, Layout, find_layout
 from .model_state import modules_of
 from .op_trace import Observed, attention_call
-
-
-class TraceNeeded(Exception):
-    """Raised by a watched pass for a layout only the full trace can tell: the pass is run again after it."""
 
 
 class PassWatch(TorchFunctionMode):
@@ -84,8 +80,8 @@ class PassWatch(TorchFunctionMode):
 
 class PassLayouts:
     """The layouts of one pass's recorded layers: learned at this input signature, read from the pass's own
-    forward, or taken from the full trace (a layer the forward cannot lay out raises :class:`TraceNeeded`: the
-    caller runs :meth:`traced` and the pass again).
+    forward, or taken from the full trace, run where the forward cannot tell (after the pass, whose hooks would
+    record the trace's forwards).
 
     Args:
         model: The model.
@@ -130,7 +126,7 @@ class PassLayouts:
             return _traced_layout(self.model, name, activation, geometry, self._traced)
         found = None if self.watch is None else self.watch.layout(name, activation, geometry)
         if found is None:
-            raise TraceNeeded(name)
+            return _traced_layout(self.model, name, activation, geometry, self.traced())
         self._known[name] = found
         if self._learned_sequences is not None:
             self._learned_sequences.update(self.watch.sequences)
