@@ -247,8 +247,9 @@ def _forwards(model: nn.Module, call) -> list[int]:
 
 
 def test_a_first_call_runs_no_trace_for_a_grid_layer_and_one_after_its_pass_for_tokens() -> None:
-    """A given grid layer's layout is read during the call's own forward: no other forward. A ViT's token layout needs
-    the trace of one image, run once after the pass (never the pass twice); the second call runs its pass alone."""
+    """A given grid layer's layout is read during the call's own forward: no other forward. A ViT's token layout is
+    read there too for one image; for several it needs the trace of one image, run once after the pass (never the
+    pass twice); the second call runs its pass alone."""
     torch.manual_seed(0)
     cnn, x = torchvision.models.resnet18(num_classes=5).eval(), torch.randn(3, 3, 64, 64)
     assert _forwards(cnn, lambda: explain.gradcam(cnn, x, "layer3")) == [3]
@@ -256,3 +257,5 @@ def test_a_first_call_runs_no_trace_for_a_grid_layer_and_one_after_its_pass_for_
     vit = timm.create_model("vit_tiny_patch16_224", img_size=64, depth=3, num_classes=5).eval()
     assert _forwards(vit, lambda: explain.gradcam(vit, x, "blocks.1.norm1")) == [3, 1]
     assert _forwards(vit, lambda: explain.gradcam(vit, x, "blocks.1.norm1")) == [3]
+    alone = copy.deepcopy(vit)  # one image: its own forward lays the tokens out (see test_watch.py)
+    assert _forwards(alone, lambda: explain.gradcam(alone, x[:1], "blocks.1.norm1")) == [1]

@@ -1,12 +1,13 @@
 """How a pass's recorded layers become maps, read where it costs least.
 
-The full trace (:func:`explain.core.layers.trace_layers`) runs the model on one image under an operation trace,
-and again on noise: what the automatic layers' search needs. A pass whose layers are known needs of it only their
-layouts. An output with one axis more than the input's rank (channels first or last) that its sizes alone lay out
-needs two facts more, which the pass's own forward tells as it runs (:class:`PassWatch`): that no module around the
-layer computes attention, and that the output is no attention probabilities. Anything else (tokens, an output whose
-sizes read both ways) is laid out from the full trace, run only then, after the pass. What a pass learns is kept in
-the model's context (see :mod:`explain.core.context`), per input signature.
+The full trace (:func:`explain.core.layers.trace_layers`) runs the model on one image under the operation trace
+(:mod:`explain.core.op_trace`), and on noise: what the automatic layers' search needs. A pass whose layers are
+known needs of it only their layouts, and the operation trace can run during the pass's own forward
+(:class:`PassWatch`): the feature axes of the recorded outputs, the attention modules around them, their token
+marks. On a batch of several images, tokens are not laid out there (Hiera's unrolled tokens, moved across the
+batch axis, would keep the mark of a grid they no longer follow). A layout the forward does not tell is read from
+the full trace, run then, after the pass. What a pass learns is kept in the model's context (see
+:mod:`explain.core.context`), per input signature.
 """
 
 from __future__ import annotations
@@ -17,30 +18,32 @@ from functools import partial
 from typing import Any
 
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from ..errors import LayerError
 from .context import input_signature, learned
 from .hooks import Hooks, layer_entry
 from .layers import LayerInfo, is_probabilities, traced_layers
-from .layouts import Geometry, Layout, find_layout
+from .layouts import Geometry, Layout, find_layout, grid_fits
 from .model_state import modules_of
-from .op_trace import Observed, attention_call
+from .op_trace import OpTrace
 
 
-class PassWatch(TorchFunctionMode):
-    """Watch one forward: the modules that compute attention in their own forward, and the modules whose output is
-    a sequence (N, T, C).
+class PassWatch(OpTrace):
+    """The operation trace (see :mod:`explain.core.op_trace`) run during a call's own forward, on the whole batch:
+    the feature axes of the recorded layers' outputs, their token marks, the modules that compute attention, and the
+    modules whose output is a sequence (N, T, C). What a batch of several images cannot tell (tokens moved about,
+    whose cells are followed on one image only) is left untold, for the full trace.
 
     Args:
-        model: The model; every named module gets a forward pre-hook and a forward hook for the block.
+        model: The model; every named module gets a forward pre-hook and a forward hook for the block, registered
+            after the recorder's, so that they see the outputs the model goes on with.
+        x: The pass's input.
+        names: The recorded layers.
     """
 
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-        self.stack: list[str] = []
-        self.attention: set[str] = set()
+    def __init__(self, model: nn.Module, x: Tensor, names: Collection[str]) -> None:
+        super().__init__(partial(grid_fits, size=tuple(x.shape[2:])), rank=x.dim() - 2)
+        self.model, self.names = model, set(names)
         self.sequences: set[str] = set()
 
     @contextmanager
@@ -50,32 +53,30 @@ class PassWatch(TorchFunctionMode):
             for name, module in self.model.named_modules():
                 if name:
                     hooks.forward_pre(module, lambda module, args, name=name: self.stack.append(name))
-                    hooks.forward(module, partial(self._finished, name))
+                    hooks.forward(module, partial(self._finished, name), with_kwargs=True)
             with self:
                 yield self
 
-    def _finished(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+    def _finished(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         self.stack.pop()
+        self.module_output(name, args, kwargs, output)
         first = output[0] if isinstance(output, (tuple, list)) and output else output  # nn.MultiheadAttention's
         if isinstance(first, Tensor) and first.dim() == 3:
             self.sequences.add(name)
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if self.stack and attention_call(getattr(func, "__name__", "").strip("_"), args, kwargs):
-            self.attention.add(self.stack[-1])
-        return func(*args, **kwargs)
+        if name in self.names and isinstance(output, Tensor):
+            self.watch(name, output)
 
     def layout(self, name: str, activation: Tensor, geometry: Geometry) -> Layout | None:
-        """The layer's layout from what the forward told: a grid its sizes lay out alone, outside any attention,
-        and no probabilities; else None (the full trace must tell)."""
-        shape = tuple(activation.shape[1:])
-        if len(shape) != len(geometry.size) + 1 or is_probabilities(activation):
-            return None
+        """The layer's layout from what the forward told, or None where it did not tell (the full trace must).
+        Tokens are laid out from a pass of one image only: on several, tokens moved across the batch axis (Hiera's
+        unrolling) would keep a mark of the grid they no longer follow."""
         try:
-            return find_layout(self.model, name, shape, geometry, Observed(attention_modules=self.attention))
+            found = find_layout(
+                self.model, name, tuple(activation.shape[1:]), geometry, self.observed, is_probabilities(activation)
+            )
         except LayerError:
             return None
+        return None if found.kind == "tokens" and len(activation) != 1 else found
 
 
 class PassLayouts:
@@ -98,7 +99,7 @@ class PassLayouts:
         self._known = context.layouts.setdefault(key, {})
         self._sequences = context.sequences.get(key)
         unknown = self._traced is None and not set(names) <= set(self._known)
-        self.watch = PassWatch(model) if unknown else None
+        self.watch = PassWatch(model, x, names) if unknown else None
         self._learned_sequences = context.sequences.setdefault(key, set()) if unknown else None
 
     @property

@@ -1,0 +1,67 @@
+"""Layouts read during a call's own forward (explain/core/watch.py) against the full trace's: for every layer of
+several families, the watch either agrees with the trace or tells nothing (and the trace is run). On a batch of
+several images it never lays out tokens: Hiera's unrolled tokens, moved across the batch axis, would keep the
+mark of a grid they no longer follow."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision
+
+from explain.core import layers
+from explain.core.layouts import Geometry, grids_recorded
+from explain.core.watch import PassWatch
+
+timm = pytest.importorskip("timm")
+
+FAMILIES = {
+    "vit": lambda: timm.create_model("vit_tiny_patch16_224", img_size=64, depth=2, num_classes=5),
+    "swin": lambda: timm.create_model(
+        "swin_tiny_patch4_window7_224", img_size=112, window_size=7, depths=(1, 1, 1, 1), num_classes=5
+    ),
+    "hiera": lambda: timm.create_model("hiera_tiny_224", img_size=64, num_classes=5),
+    "levit": lambda: timm.create_model("levit_128s", img_size=64, num_classes=5),
+    "resnet18": lambda: torchvision.models.resnet18(num_classes=5),
+}
+
+
+def watched(model: torch.nn.Module, x: torch.Tensor, names: list[str]) -> tuple[PassWatch, dict, Geometry]:
+    """A forward of x under the watch, with each named layer's output."""
+    watch = PassWatch(model, x, names)
+    outputs = {}
+    handles = [
+        module.register_forward_hook(lambda module, args, output, name=name: outputs.setdefault(name, output))
+        for name, module in model.named_modules()
+        if name in names
+    ]
+    try:
+        with torch.no_grad(), grids_recorded(model) as grids, watch.watching():
+            model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return watch, outputs, Geometry(tuple(x.shape[2:]), grids[-1] if grids else None)
+
+
+@pytest.mark.parametrize("images", [1, 2])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_watch_agrees_with_the_trace_or_tells_nothing(family: str, images: int) -> None:
+    torch.manual_seed(0)
+    model = FAMILIES[family]().eval()
+    side = 112 if family == "swin" else 64
+    x = torch.randn(images, 3, side, side)
+    infos = layers.trace_layers(model, x, content=False)
+    names = [info.name for info in infos if info.shape is not None and ":" not in info.name]
+    watch, outputs, geometry = watched(model, x, names)
+    told = 0
+    for info in infos:
+        output = outputs.get(info.name)
+        if not isinstance(output, torch.Tensor):
+            continue
+        found = watch.layout(info.name, output, geometry)
+        if found is not None:
+            told += 1
+            assert found == info.layout, info.name
+            assert images == 1 or found.kind != "tokens", info.name
+    assert told > 0
