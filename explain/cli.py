@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
-from .catalog import BUNDLED_MODEL, DEFAULT_MODEL, FUSIONS, METRIC_NAMES, VIDEO_MODELS, is_user_model, method_table
+from .catalog import FUSIONS, METRIC_NAMES, method_table
 from .errors import ExplainError
 from .export.inputs import Input, collect_inputs, listed_inputs
 from .export.manifest import check_fresh
 from .export.ownership import check_free
 from .export.settings import ExportOptions, RenderOptions
+from .models.names import BUNDLED_MODEL, DEFAULT_MODEL, VIDEO_MODELS, is_user_model
 
 if TYPE_CHECKING:
     import torch

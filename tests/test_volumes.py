@@ -18,9 +18,9 @@ from PIL import Image
 from torch import nn
 
 import explain
-from explain.catalog import VIDEO_MODELS
 from explain.core.layers import find_auto_layers, traced_layers
 from explain.errors import ExplainError
+from explain.models.names import VIDEO_MODELS
 
 MODES = {3: "linear", 4: "bilinear", 5: "trilinear"}  # by the input's number of axes
 

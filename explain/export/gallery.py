@@ -21,9 +21,9 @@ from urllib.parse import quote
 
 from PIL import Image
 
-from ..catalog import INPUT_SUFFIXES
 from ..errors import ExplainError
 from ..io.atomic import write_atomically
+from ..io.files import INPUT_SUFFIXES
 from .manifest import chosen_records, previous_run
 
 PAGE = "index.html"

@@ -14,8 +14,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..catalog import input_suffix, is_dicom
 from ..errors import ExplainError
+from ..io.files import input_suffix, is_dicom
 from .manifest import named_outputs
 
 OUTPUT_MARKER = ".explain-output"
@@ -173,7 +173,7 @@ def collect_inputs(
         sources: Paths and patterns as the user gave them; an :class:`Input` passes as it is.
         exclude: A folder treated as an output folder (the current run's).
         kind: What a folder scan takes: ``"image"``, ``"video"``, ``"volume"`` or ``"signal"`` files (see
-            :data:`explain.catalog.INPUT_SUFFIXES`), as the model reads; for volumes, a folder of DICOM slices
+            :data:`explain.io.files.INPUT_SUFFIXES`), as the model reads; for volumes, a folder of DICOM slices
             is one input, its series (see :func:`explain.io.volumes.read_dicom_series`).
 
     Returns:

@@ -1,43 +1,49 @@
 """Models: the spec that pairs a network with its preprocessing, class names and task (``spec.py``); loading by
 name (``loaders.py``); users' checkpoints (``checkpoints.py``); the bundled EfficientNet-Lite0
 (``efficientnet_lite0.py``); object-query detectors and segmenters answering as torchvision's
-(``query_models.py``); Ultralytics YOLO answering as torchvision's detectors (``yolo.py``)."""
+(``query_models.py``); Ultralytics YOLO answering as torchvision's detectors (``yolo.py``); the names the command
+line takes (``names.py``, read without torch). Each public name below is imported from its module on first use.
+"""
 
-from .checkpoints import lite0_state_to_timm, read_state_dict
-from .loaders import TIMM_PREFIX, available_models, imagenet_labels, load_model, load_user_model
-from .query_models import QueryDetector, QuerySegmenter
-from .spec import (
-    IMAGENET_PREPROCESSING,
-    ClipPreprocessing,
-    ImageLike,
-    InputPreprocessing,
-    ModelSpec,
-    Preprocessing,
-    SignalPreprocessing,
-    Task,
-    VolumePreprocessing,
-)
-from .yolo import YoloDetector, load_yolo
+from __future__ import annotations
 
-__all__ = [
-    "IMAGENET_PREPROCESSING",
-    "TIMM_PREFIX",
-    "ClipPreprocessing",
-    "ImageLike",
-    "InputPreprocessing",
-    "ModelSpec",
-    "Preprocessing",
-    "QueryDetector",
-    "QuerySegmenter",
-    "SignalPreprocessing",
-    "Task",
-    "VolumePreprocessing",
-    "YoloDetector",
-    "available_models",
-    "imagenet_labels",
-    "lite0_state_to_timm",
-    "load_model",
-    "load_user_model",
-    "load_yolo",
-    "read_state_dict",
-]
+from importlib import import_module
+from typing import Any
+
+# Each public name and the module that defines it.
+_EXPORTS = {
+    "lite0_state_to_timm": "checkpoints",
+    "read_state_dict": "checkpoints",
+    "TIMM_PREFIX": "loaders",
+    "available_models": "loaders",
+    "imagenet_labels": "loaders",
+    "load_model": "loaders",
+    "load_user_model": "loaders",
+    "QueryDetector": "query_models",
+    "QuerySegmenter": "query_models",
+    "IMAGENET_PREPROCESSING": "spec",
+    "ClipPreprocessing": "spec",
+    "ImageLike": "spec",
+    "InputPreprocessing": "spec",
+    "ModelSpec": "spec",
+    "Preprocessing": "spec",
+    "SignalPreprocessing": "spec",
+    "Task": "spec",
+    "VolumePreprocessing": "spec",
+    "YoloDetector": "yolo",
+    "load_yolo": "yolo",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'explain.models' has no attribute {name!r}")
+    value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -14,10 +14,10 @@ from typing import Literal
 import torch
 from PIL import Image
 
-from ..catalog import BUNDLED_MODEL as BUNDLED
-from ..catalog import DEFAULT_MODEL, USER_MODEL, is_user_model
 from ..errors import ModelLoadError, first_line
 from .checkpoints import fit_checkpoint, lite0_state_to_timm, load_strictly, read_state_dict
+from .names import BUNDLED_MODEL as BUNDLED
+from .names import DEFAULT_MODEL, USER_MODEL, is_user_model
 from .spec import ClipPreprocessing, ModelSpec, Preprocessing, Task
 
 

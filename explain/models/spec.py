@@ -46,7 +46,7 @@ class Preprocessing:
         size = image.size if self.input_size is None else input_size(image, self.input_size, self.keep_aspect)
         return to_tensor(image, size, self.mean, self.std, self.resample)
 
-    kind = "image"  # what an export of the model reads (see explain.catalog.INPUT_SUFFIXES)
+    kind = "image"  # what an export of the model reads (see explain.io.files.INPUT_SUFFIXES)
 
     def with_aspect(self, keep_aspect: bool | None) -> Preprocessing:
         """The same preprocessing, resizing the short side (True) or the whole image (False); None: as it is."""
@@ -99,7 +99,7 @@ class ClipPreprocessing:
     std: tuple[float, float, float]
     stride: int | None = None
 
-    kind = "video"  # what an export of the model reads (see explain.catalog.INPUT_SUFFIXES)
+    kind = "video"  # what an export of the model reads (see explain.io.files.INPUT_SUFFIXES)
 
     def __post_init__(self) -> None:
         if self.stride is not None and not 1 <= self.stride <= self.frames:
@@ -216,7 +216,7 @@ class VolumePreprocessing(Standardizing):
     voxels (see :class:`Standardizing`). Read from a NIfTI file or a 3-D ``.npy`` (see
     :func:`explain.io.volumes.read_volume`)."""
 
-    kind = "volume"  # what an export of the model reads (see explain.catalog.INPUT_SUFFIXES)
+    kind = "volume"  # what an export of the model reads (see explain.io.files.INPUT_SUFFIXES)
 
     def read(self, path: Path) -> tuple[Tensor, Tensor]:
         """A scan's voxels (D, H, W) float32, what the maps are drawn on, and the model's input (1, D, H, W).
@@ -236,7 +236,7 @@ class SignalPreprocessing(Standardizing):
     (see :class:`Standardizing`). Read from a ``.npy`` (C, L) or a ``.csv`` of one sample per row (see
     :func:`explain.io.signals.read_signal`)."""
 
-    kind = "signal"  # what an export of the model reads (see explain.catalog.INPUT_SUFFIXES)
+    kind = "signal"  # what an export of the model reads (see explain.io.files.INPUT_SUFFIXES)
 
     def read(self, path: Path) -> tuple[Tensor, Tensor]:
         """A signal (C, L) float32, what the maps are drawn on, and the model's input (C, L).
