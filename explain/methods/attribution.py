@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.engine import CAM, CAMResult, Capture
-from ..core.hooks import rescale_rule
 from ..core.layers import LayerSpec
 from ..core.maps import postprocess
 from ..core.model_state import running, untouched
+from ..core.rules import rescale_rule
 from ..errors import ExplainError
 
 SmoothType = Literal["smoothgrad", "smoothgrad_sq", "vargrad"]
@@ -380,7 +380,7 @@ class DeepLift(FromBaseline):
 
     The reference :math:`x'` runs first, without autograd; then the input's gradient is taken with every
     element-wise nonlinearity's slope replaced by its secant between the two,
-    :math:`m = \Delta y / \Delta x` (see :func:`explain.core.hooks.rescale_rule`), and
+    :math:`m = \Delta y / \Delta x` (see :func:`explain.core.rules.rescale_rule`), and
     :math:`R = (x - x') \odot \partial^{\mathrm{rescale}} S / \partial x`. For a network of linear layers and
     element-wise nonlinearities the attributions sum to :math:`S(x) - S(x')` (the result's ``completeness`` is
     the difference). Max pooling passes its plain gradient (Captum has a rule of its own for it); nonlinearities

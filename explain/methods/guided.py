@@ -19,9 +19,9 @@ import torch
 from torch import Tensor, nn
 
 from ..core.engine import CAM, Capture
-from ..core.hooks import relu_rule
 from ..core.layers import LayerSpec
 from ..core.maps import map_axes
+from ..core.rules import relu_rule
 from ..errors import LayerError
 from .gradient import GradCAM
 
@@ -43,7 +43,7 @@ class GuidedBackprop(CAM):
     passes back only positive gradients (at positions where its input was
     positive): :math:`R_{l} = \mathrm{ReLU}(R_{l+1}) \cdot [x_l > 0]`. The rule is
     full-backward hooks on the ``nn.ReLU`` and ``nn.ReLU6`` modules around the engine's
-    forward and backward (see :func:`explain.core.hooks.relu_rule`); ReLUs applied as
+    forward and backward (see :func:`explain.core.rules.relu_rule`); ReLUs applied as
     functions are not guided. Fails the model-randomization sanity check (Adebayo et
     al. 2018): see this module's notes. Maps are shaped as the input, (N, C, *spatial); ``normalize``
     shows them as :func:`visible` does.

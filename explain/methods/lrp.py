@@ -4,7 +4,7 @@ rule per module type (zennit's design: rules by type, and the standard composite
 Each rule says how a layer with input x, function z = f(x; W, b) and output relevance R hands relevance to its
 input; most are :math:`x \\odot J^\\top (R / z')` for a modified input, weights or bias and a stabilized
 denominator :math:`z' = z + \\epsilon\\,\\mathrm{sign}(z)` (+1 where z is 0). They run as a backward rule context
-(:func:`explain.core.relevance.relevance_rules`), batch norms merged into the layer before them for the call.
+(:func:`explain.core.rules.relevance_rules`), batch norms merged into the layer before them for the call.
 References: Bach et al., "On Pixel-Wise Explanations for Non-Linear Classifier Decisions by Layer-Wise Relevance
 Propagation", PLOS ONE 2015; Montavon et al., "Layer-Wise Relevance Propagation: An Overview", 2019; Kohlbrenner
 et al., "Towards Best Practice in Explaining Neural Network Decisions with LRP", IJCNN 2020 (the composites).
@@ -20,10 +20,9 @@ import torch
 from torch import Tensor, nn
 
 from ..core.engine import Capture
-from ..core.hooks import ELEMENTWISE
 from ..core.layers import LayerSpec
 from ..core.maps import postprocess
-from ..core.relevance import BatchNorm, Rule, RuledLayer, passed, relevance_rules
+from ..core.rules import ELEMENTWISE, BatchNorm, Rule, RuledLayer, passed, relevance_rules
 from ..errors import ExplainError, LayerError
 from .attribution import InputAttribution
 
