@@ -11,10 +11,8 @@ so ``explain --help`` and ``explain --version`` start without loading torch.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
-
 from .catalog import METHOD_CATALOG
+from .lazy_names import lazy_names
 
 __version__ = "0.2.0"
 
@@ -54,15 +52,4 @@ __all__ = ["__version__", "metrics", *sorted(_EXPORTS)]
 _SUBPACKAGES = {"metrics", "methods", "targets", "models"}
 
 
-def __getattr__(name: str) -> Any:
-    if name in _SUBPACKAGES:
-        return import_module(f".{name}", __name__)
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'explain' has no attribute {name!r}")
-    value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS, *_SUBPACKAGES})
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, _SUBPACKAGES)

@@ -271,3 +271,30 @@ def test_a_first_call_runs_no_trace_for_a_grid_layer_and_one_after_its_pass_for_
     assert _forwards(vit, lambda: explain.gradcam(vit, x, "blocks.1.norm1")) == [3]
     alone = copy.deepcopy(vit)  # one image: its own forward lays the tokens out (see test_watch.py)
     assert _forwards(alone, lambda: explain.gradcam(alone, x[:1], "blocks.1.norm1")) == [1]
+
+
+@pytest.mark.parametrize("method", ["guided_gradcam", "gradcam"])
+def test_a_model_is_traced_once_whatever_flags_its_calls_change(method: str, counted_traces) -> None:
+    """Backward rules make in-place ReLUs out of place for their call, and the traces run in eval mode: neither is a
+    change of the model, so three calls trace it once."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=5).eval()
+    assert any(getattr(m, "inplace", False) for m in model.modules())
+    x = torch.randn(2, 3, 64, 64)
+    for _ in range(3):
+        explain.cam(model, x, method, None, 3)
+    assert len(counted_traces) == 1
+
+
+def test_the_structure_is_checked_once_per_call(monkeypatch) -> None:
+    """The structure check walks every module's attributes: once per call, on entering it, not at each look-up."""
+    from explain.core import context
+
+    checks: list[int] = []
+    original = context.structure
+    monkeypatch.setattr(context, "structure", lambda modules: (checks.append(1), original(modules))[1])
+    model, x = branchy(), images()
+    explain.gradcam(model, x)  # first call: trace, settled layer
+    explain.gradcam(model, x)
+    explain.gradcam(model, x, "stem")
+    assert len(checks) == 3

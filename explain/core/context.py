@@ -4,11 +4,13 @@ A call learns facts that later calls reuse: the layers' trace at an input signat
 a kind of target, the folded copy for scoring forwards, how far a head's branches read. Each lives in the model's
 context under a key that holds everything that decides it:
 
-- the **structure** of the model, checked at every look-up: the identity of each module in order, the shape,
-  dtype and device of each parameter and buffer, and each module's switches (its attributes that are booleans or
-  strings, as ``global_pool = "avg"`` or ``aux_logits = True``; the ``training`` flag aside, since the traces
-  run in eval mode). A change to any of them drops every learned entry, so that a replaced stage, a swapped
-  head or a switched branch is traced afresh;
+- the **structure** of the model, checked once per call (on entering
+  :func:`explain.core.model_state.untouched`) or at a look-up outside a call: the identity of each module in
+  order, the shape, dtype and device of each parameter and buffer, and each module's switches (its attributes
+  that are booleans or strings, as ``global_pool = "avg"`` or ``aux_logits = True``; the ``training`` and
+  ``inplace`` flags aside, which explain's calls change for their length: the traces run in eval mode, the
+  backward rules out of place). A change to any of them drops every learned entry, so that a replaced stage, a
+  swapped head or a switched branch is traced afresh;
 - per entry, the **input signature** (:func:`input_signature`: the shape of one input without its batch axis,
   dtype and device, and the model's further keyword arguments), and for the automatic layers the **target's
   kind** (:func:`target_kind`).
@@ -28,6 +30,7 @@ from typing import Any
 from torch import Tensor, nn
 
 _SWITCHES = (bool, str)  # the attribute types that switch a module's branches
+_NO_SWITCHES = {"training", "inplace"}  # flags explain's own calls change for their length (eval mode, the rules)
 
 
 @dataclass(eq=False)
@@ -80,7 +83,7 @@ def structure(modules: Iterable[nn.Module]) -> tuple[Any, ...]:
         found.extend(
             (key, value)
             for key, value in module.__dict__.items()
-            if type(value) in _SWITCHES and key != "training" and not key.startswith("_")
+            if type(value) in _SWITCHES and key not in _NO_SWITCHES and not key.startswith("_")
         )
     return tuple(found)
 

@@ -568,18 +568,6 @@ class CAM:
         given) refuses, for a method with gradients, layers the score does not reach."""
         hooked = {name: module for name, module in self._layers if module is not None}
         known = PassLayouts(self.model, x, model_kwargs, hooked if self.reshape is None else ())
-        return self._pass(x, goal, model_kwargs, plain, hooked, known)
-
-    def _pass(
-        self,
-        x: Tensor,
-        goal: Target | BoundTarget,
-        model_kwargs: Mapping[str, Any],
-        plain: bool,
-        hooked: Mapping[str, nn.Module],
-        known: PassLayouts,
-    ) -> PassRecord:
-        """:meth:`_record`'s pass, its layers' layouts from ``known``."""
         recording = self.recorder(hooked)
         if self.input_gradient:  # the whole network is recorded, for the gradient at the input
             x = x.detach().requires_grad_(True)

@@ -27,7 +27,8 @@ import torch
 from torch import Tensor, fx, nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
-from .context import context_of, learned
+from .context import context_of
+from .model_state import model_context
 
 # Subclasses of BatchNorm2d whose forward is act(drop(batch_norm(x))): what remains of them once folded.
 _NORM_ACT: set[type[nn.BatchNorm2d]] = set()
@@ -134,7 +135,7 @@ def folded_copy(model: nn.Module) -> nn.Module | None:
     with the model."""
     context = context_of(model)
     with context.lock:
-        entry = learned(model).folded
+        entry = model_context(model).folded
         if entry is None or not entry.current(model):
             entry = context.folded = _Folded(model)
         return entry.copy

@@ -15,11 +15,11 @@ from torch import Tensor, nn
 from ..errors import LayerError, TargetError
 from ..targets import BoundTarget, Target, TargetLike, as_target, bound_on
 from ..targets.base import read_output
-from .context import input_signature, learned, target_kind
+from .context import input_signature, target_kind
 from .detectors import canvas_recorded
 from .hooks import Hooks, layer_entry, output_entry, with_entry
 from .layouts import Geometry, Layout, find_layout, grid_fits, grids_recorded
-from .model_state import eval_mode, frozen_parameters, modules_of
+from .model_state import eval_mode, frozen_parameters, model_context
 from .op_trace import Observed, OpTrace
 
 LayerSpec = str | nn.Module | None
@@ -324,7 +324,7 @@ def traced_layers(
     """:func:`trace_layers` by name, traced once per input signature and kept in the model's context (see
     :mod:`explain.core.context`: a change of the model's structure traces it again); with ``content``, traced again
     where the kept trace did not check which outputs vary with the image."""
-    known = learned(model, modules_of(model)).traces
+    known = model_context(model).traces
     key = input_signature(x, model_kwargs)
     if key not in known or (content and any(info.varies is None for info in known[key].values())):
         known[key] = {info.name: info for info in trace_layers(model, x, model_kwargs, content)}
@@ -356,6 +356,11 @@ BACKBONE = "backbone"  # torchvision's detectors and segmenters: the module whos
 _NOT_AUTOMATIC = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Identity)  # a resampling or an alias of a map
 
 
+def automatic_key(x: Tensor, model_kwargs: Mapping[str, Any] | None, target: TargetLike) -> Hashable:
+    """Where a call's automatic layers are kept in the model's context: its input signature and kind of target."""
+    return input_signature(x, model_kwargs), target_kind(as_target(target))
+
+
 def auto_layers(
     model: nn.Module,
     x: Tensor,
@@ -366,8 +371,8 @@ def auto_layers(
 ) -> list[tuple[str, nn.Module]]:
     """The automatic target layers (see :func:`find_auto_layers`), searched once per input signature and kind of
     target, and kept in the model's context (see :mod:`explain.core.context`); ``fresh`` searches again."""
-    known = learned(model, modules_of(model)).automatic
-    key = (input_signature(x, model_kwargs), target_kind(as_target(target)))
+    known = model_context(model).automatic
+    key = automatic_key(x, model_kwargs, target)
     if fresh or key not in known:
         known[key] = find_auto_layers(model, x, model_kwargs, target, labels)
     modules = dict(model.named_modules())
@@ -517,8 +522,8 @@ def pending_search(
     Raises:
         LayerError: No layer qualifies.
     """
-    key = (input_signature(x, model_kwargs), target_kind(as_target(target)))
-    if key in learned(model, modules_of(model)).automatic:
+    key = automatic_key(x, model_kwargs, target)
+    if key in model_context(model).automatic:
         return None
     infos = list(traced_layers(model, x, model_kwargs).values())
     if declared_layers(model, infos) is not None:
@@ -542,7 +547,7 @@ def settle(model: nn.Module, search: PendingSearch, reached: Collection[str]) ->
             continue
         if info.alias is not None or (info.layout.kind == "tokens" and not search.one_grid):
             return None
-        learned(model, modules_of(model)).automatic[search.key] = [info.name]
+        model_context(model).automatic[search.key] = [info.name]
         return info.name
     return None
 

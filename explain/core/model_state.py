@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import ExplainError
-from .context import context_of
+from .context import ModelContext, context_of, learned
 
 _PASSES = threading.local()  # .models: the ids of the models whose pass this thread is running
 
@@ -121,11 +121,14 @@ def buffers_kept(model: nn.Module, modules: list[nn.Module] | None = None) -> It
 def untouched(model: nn.Module) -> Iterator[None]:
     """Everything a CAM call must leave as it was: parameter flags, training flags, buffers; other threads' calls
     on the model wait meanwhile. The model's modules are walked once, on entry, and serve :func:`modules_of`
-    within the block."""
+    within the block; on the outermost entry, that walk checks what explain learned about the model against its
+    structure (see :func:`model_context`), before any rule changes a module's flags."""
     with exclusive(model):
         modules = list(model.modules())
         walks = _PASSES.__dict__.setdefault("walks", {})
         outer = walks.get(id(model))
+        if outer is None:
+            learned(model, modules)
         walks[id(model)] = modules
         try:
             with frozen_parameters(model, modules), training_flags_kept(model, modules), buffers_kept(model, modules):
@@ -135,6 +138,14 @@ def untouched(model: nn.Module) -> Iterator[None]:
                 del walks[id(model)]
             else:
                 walks[id(model)] = outer
+
+
+def model_context(model: nn.Module) -> ModelContext:
+    """The model's context (see :mod:`explain.core.context`): within :func:`untouched` on this thread, as checked
+    against the model's structure on entry, once per call; else checked now."""
+    if id(model) in _PASSES.__dict__.get("walks", {}):
+        return context_of(model)
+    return learned(model)
 
 
 def modules_of(model: nn.Module) -> list[nn.Module]:

@@ -13,18 +13,18 @@ the full trace, run then, after the pass. What a pass learns is kept in the mode
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
 from torch import Tensor, nn
 
 from ..errors import LayerError
-from .context import input_signature, learned
+from .context import input_signature
 from .hooks import Hooks, layer_entry
 from .layers import LayerInfo, is_probabilities, traced_layers
 from .layouts import Geometry, Layout, find_layout, grid_fits
-from .model_state import modules_of
+from .model_state import model_context
 from .op_trace import OpTrace
 
 
@@ -93,14 +93,11 @@ class PassLayouts:
 
     def __init__(self, model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any], names: Collection[str]) -> None:
         self.model, self.x, self.model_kwargs = model, x, model_kwargs
-        context = learned(model, modules_of(model))
-        key = input_signature(x, model_kwargs)
-        self._traced: Mapping[str, LayerInfo] | None = context.traces.get(key)
-        self._known = context.layouts.setdefault(key, {})
-        self._sequences = context.sequences.get(key)
+        self._context, self._key = model_context(model), input_signature(x, model_kwargs)
+        self._traced: Mapping[str, LayerInfo] | None = self._context.traces.get(self._key)
+        self._known = self._context.layouts.setdefault(self._key, {})
         unknown = self._traced is None and not set(names) <= set(self._known)
         self.watch = PassWatch(model, x, names) if unknown else None
-        self._learned_sequences = context.sequences.setdefault(key, set()) if unknown else None
 
     @property
     def sequences(self) -> set[str] | None:
@@ -109,11 +106,17 @@ class PassLayouts:
         if self._traced is not None:
             found = self._traced.items()
             return {layer_entry(name)[0] for name, info in found if info.shape is not None and len(info.shape) == 2}
-        return self._sequences
+        return self._context.sequences.get(self._key)
 
-    def watched(self) -> Any:
-        """The context the pass's forward runs in."""
-        return nullcontext() if self.watch is None else self.watch.watching()
+    @contextmanager
+    def watched(self) -> Iterator[None]:
+        """The context the pass's forward runs in: watched where a layout is unknown, its sequences kept after."""
+        if self.watch is None:
+            yield
+            return
+        with self.watch.watching():
+            yield
+        self._context.sequences[self._key] = set(self.watch.sequences)
 
     def layout(self, name: str, activation: Tensor, geometry: Geometry) -> Layout:
         """How a recorded layer's output becomes a map (see the module's docstring).
@@ -121,16 +124,14 @@ class PassLayouts:
         Raises:
             LayerError: The full trace found the output no map of the image.
         """
-        if self._traced is None and name in self._known:
-            return self._known[name]
         if self._traced is not None:
             return _traced_layout(self.model, name, activation, geometry, self._traced)
+        if name in self._known:
+            return self._known[name]
         found = None if self.watch is None else self.watch.layout(name, activation, geometry)
         if found is None:
             return _traced_layout(self.model, name, activation, geometry, self.traced())
         self._known[name] = found
-        if self._learned_sequences is not None:
-            self._learned_sequences.update(self.watch.sequences)
         return found
 
     def traced(self) -> Mapping[str, LayerInfo]:

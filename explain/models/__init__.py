@@ -7,8 +7,7 @@ line takes (``names.py``, read without torch). Each public name below is importe
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from ..lazy_names import lazy_names
 
 # Each public name and the module that defines it.
 _EXPORTS = {
@@ -36,14 +35,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'explain.models' has no attribute {name!r}")
-    value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
