@@ -15,10 +15,9 @@ from typing import Any
 
 from torch import nn
 
-from .catalog import FUSIONS
 from .errors import ExplainError
-from .explorer.session import Explorer, Shown, View, method_choices
-from .explorer.web import COLORMAPS
+from .explorer.controls import ALPHA_STEP, CONTROLS, Control
+from .explorer.session import Explorer, Shown, View
 from .models import IMAGENET_PREPROCESSING, ImageLike, ModelSpec, Preprocessing
 
 
@@ -29,6 +28,29 @@ def widgets() -> Any:
     except ImportError:
         raise ExplainError('the notebook explorer needs ipywidgets: pip install "explain[notebook]"') from None
     return ipywidgets
+
+
+def widget(control: Control, explorer: Explorer) -> Any:
+    """A control as a widget (see :mod:`explain.explorer.controls`), hidden where the model has no use for it."""
+    w = widgets()
+    options, value = control.options_for(explorer), control.value_for(explorer)
+    common = {"description": control.label_for(explorer), "style": {"description_width": "initial"}}
+    if not control.shown_for(explorer):
+        common["layout"] = w.Layout(display="none")
+    if control.kind == "menu":
+        return w.Dropdown(options=options, value=value if options else None, **common)
+    if control.kind == "menus":
+        return w.SelectMultiple(options=options, rows=6, **common)
+    if control.kind == "buttons":
+        return w.ToggleButtons(options=options, **common)
+    if control.kind == "search":
+        names = [name for name, _ in options]
+        return w.Combobox(options=names, placeholder="type a class", ensure_option=True, **common)
+    if control.kind == "check":
+        return w.Checkbox(value=value, **common)
+    if control.kind == "slider":
+        return w.FloatSlider(value=value, min=0.0, max=1.0, step=ALPHA_STEP, **common)
+    return w.IntSlider(min=0, value=value, **common)
 
 
 def png(shown: Shown, alpha: float, colormap: str, index: int | None = None) -> bytes:
@@ -55,33 +77,7 @@ class NotebookExplorer:
     def __init__(self, explorer: Explorer, folder: Path) -> None:
         w = widgets()
         self.explorer, self.folder = explorer, folder
-        classifier = explorer.task == "classification"
-        labels = explorer.spec.labels
-        self.controls: dict[str, Any] = {
-            "photo": w.Dropdown(options=list(explorer.photos), description="photo"),
-            "entries": w.ToggleButtons(description="top classes" if classifier else "entries"),
-            "typed": w.Combobox(
-                options=labels,
-                placeholder="type a class",
-                ensure_option=True,
-                description="class",
-                layout=w.Layout(display=None if classifier else "none"),
-            ),
-            "method": w.Dropdown(options=method_choices(), value="gradcam", description="method"),
-            "layers": w.SelectMultiple(description="layers", rows=6),
-            "fuse": w.Dropdown(options=list(FUSIONS), value="mean", description="fusion"),
-            "aug_smooth": w.Checkbox(description="aug smooth"),
-            "eigen_smooth": w.Checkbox(description="eigen smooth"),
-            "alpha": w.FloatSlider(value=0.5, min=0.0, max=1.0, step=0.05, description="alpha"),
-            "colormap": w.Dropdown(options=list(COLORMAPS), value="jet", description="colormap"),
-            "index": w.IntSlider(
-                min=0,
-                description="frame" if explorer.spec.preprocessing.kind == "video" else "slice",
-                layout=w.Layout(display=None if explorer.spec.preprocessing.kind in ("video", "volume") else "none"),
-            ),
-            "method_b": w.Dropdown(options=method_choices(), value="layercam", description="compare"),
-            "target_b": w.Dropdown(description="its class" if classifier else "its entry"),
-        }
+        self.controls: dict[str, Any] = {control.name: widget(control, explorer) for control in CONTROLS}
         self.overlay, self.overlay_b = w.Image(format="png"), w.Image(format="png")
         self.caption, self.caption_b = w.Label(), w.Label()
         self.problem = w.HTML()
@@ -89,43 +85,37 @@ class NotebookExplorer:
         self.index: int | None = None  # the frame or slice drawn; None: the map's peak
         self._opening = False
         self.metrics_output = w.Output()
-        measure = w.Button(description="faithfulness")
-        save = w.Button(description="save view")
+        measure, save = w.Button(description="faithfulness"), w.Button(description="save view")
         measure.on_click(lambda _: self.measure())
         save.on_click(lambda _: self.save())
+
+        def group(*names: str) -> Any:
+            return w.VBox([self.controls[c.name] for c in CONTROLS if c.group in names])
+
+        self.widget = w.VBox([
+            w.HBox([group("view"), group("style", "compare")]),
+            w.HBox([w.VBox([self.overlay, self.caption]), w.VBox([self.overlay_b, self.caption_b])]),
+            w.HBox([measure, save]),
+            self.problem,
+            self.metrics_output,
+        ])  # fmt: skip
+        self._wire()
+        self.opened()
+
+    def _wire(self) -> None:
+        """Each control draws again the overlays it names (see :mod:`explain.explorer.controls`); a photo opens,
+        a typed class draws its map, a moved slider draws that frame or slice."""
         c = self.controls
-        self.widget = w.VBox(
-            [
-                w.HBox(
-                    [
-                        w.VBox([c[name] for name in ("photo", "entries", "typed", "method", "layers", "fuse")]),
-                        w.VBox(
-                            [
-                                c["aug_smooth"],
-                                c["eigen_smooth"],
-                                c["alpha"],
-                                c["colormap"],
-                                c["index"],
-                                c["method_b"],
-                                c["target_b"],
-                            ]
-                        ),
-                    ]
-                ),
-                w.HBox([w.VBox([self.overlay, self.caption]), w.VBox([self.overlay_b, self.caption_b])]),
-                w.HBox([measure, save]),
-                self.problem,
-                self.metrics_output,
-            ]
-        )
         c["photo"].observe(lambda _: self.opened(), names="value")
         c["typed"].observe(self._typed, names="value")
         c["index"].observe(self._moved, names="value")
-        for name in ("entries", "method", "layers", "fuse", "aug_smooth", "eigen_smooth", "alpha", "colormap"):
-            c[name].observe(lambda _: self.draw(), names="value")
-        for name in ("method_b", "target_b", "layers", "fuse", "aug_smooth", "eigen_smooth", "alpha", "colormap"):
-            c[name].observe(lambda _: self.draw_b(), names="value")
-        self.opened()
+        for control in CONTROLS:
+            if control.name in ("photo", "typed", "index"):
+                continue
+            if "a" in control.redraws:
+                c[control.name].observe(lambda _: self.draw(), names="value")
+            if "b" in control.redraws:
+                c[control.name].observe(lambda _: self.draw_b(), names="value")
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         return self.widget._repr_mimebundle_(**kwargs)

@@ -298,3 +298,56 @@ def test_the_structure_is_checked_once_per_call(monkeypatch) -> None:
     explain.gradcam(model, x)
     explain.gradcam(model, x, "stem")
     assert len(checks) == 3
+
+
+class Headed(nn.Module):
+    """A convolution, then a head that declares itself local (as a YOLO detector's branches)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Conv2d(8, 4, 1)
+        self.local_heads = [self.head]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.stem(x))).mean((2, 3))
+
+
+def test_a_models_families_are_asked_once_and_again_after_a_change(monkeypatch) -> None:
+    from explain.core import families
+
+    asked: list[str] = []
+    watched = [
+        families.Family(f.name, lambda model, modules, f=f: asked.append(f.name) or f.member(model, modules), f.context)
+        for f in families.FAMILIES
+    ]
+    monkeypatch.setattr(families, "FAMILIES", tuple(watched))
+    torch.manual_seed(0)
+    model, x = Headed().eval(), torch.randn(1, 3, 32, 32)
+    first = explain.GradCAM(model, "stem")(x, 1).cams
+    assert [f.name for f in families.families_of(model)] == ["local heads (YOLO)"]
+    explain.GradCAM(model, "stem")(x, 1)
+    assert asked == [f.name for f in families.FAMILIES]  # once, for the first call
+    model.head = nn.Conv2d(8, 4, 1)  # replaced: the local head the model declares is now another module
+    model.local_heads = []
+    asked.clear()
+    assert [f.name for f in families.families_of(model)] == []
+    assert asked == [f.name for f in families.FAMILIES]
+    again = explain.GradCAM(model, "stem")(x, 1).cams
+    torch.testing.assert_close(again, explain.GradCAM(copy.deepcopy(model), "stem")(x, 1).cams)
+    assert not torch.allclose(again, first)  # the new head's map, not a kept one
+
+
+def test_each_family_is_found_from_what_the_model_holds() -> None:
+    from explain.core.families import families_of
+
+    torch.manual_seed(0)
+    rcnn = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_fpn(
+        weights=None, weights_backbone=None, num_classes=3
+    ).eval()
+    names = {f.name for f in families_of(rcnn)}
+    assert "torchvision R-CNN" in names and "local heads (YOLO)" not in names
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1)
+    assert [f.name for f in families_of(encoder)] == ["sequences (transformers)"]
+    convs = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(inplace=True))
+    assert families_of(convs) == ()

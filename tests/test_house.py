@@ -307,3 +307,43 @@ def test_an_export_of_six_metrics_builds_one_scorer_per_batch(tmp_path, monkeypa
     assert summary.written == 4 and len(scorers) == 2 and len(folds) == 1
     record = manifest(tmp_path / "out")[0]
     assert set(record["targets"][0]["metrics"]) == {"deletion", "insertion", "drop", "increase", "gain", "road"}
+
+
+def test_no_function_of_the_package_is_over_60_lines() -> None:
+    long = [
+        f"{path.relative_to(PACKAGE.parent)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60
+    ]
+    assert long == []
+
+
+def test_the_explorers_controls_are_declared_once_and_built_by_both_front_ends(tmp_path) -> None:
+    """The web page's components and the notebook's widgets are the declared controls, by name, with the same
+    labels and options."""
+    pytest.importorskip("gradio")
+    pytest.importorskip("ipywidgets")
+    from explain.explorer import Explorer, bundled_photos
+    from explain.explorer.controls import CONTROLS
+    from explain.explorer.web import App, build
+    from explain.notebook import NotebookExplorer
+
+    spec = explain.load_model("efficientnet_lite0")
+    app = App(spec, explain.load_model)
+    page = build(app)
+    components = {block.elem_id: block for block in page.blocks.values() if getattr(block, "elem_id", None)}
+    explorer = Explorer(spec)
+    for path in bundled_photos():
+        explorer.add(path)
+    widgets = NotebookExplorer(explorer, tmp_path).controls
+    assert list(widgets) == [control.name for control in CONTROLS]
+    for control in CONTROLS:
+        component, widget = components[control.name], widgets[control.name]
+        assert component.label == widget.description == control.label_for(app.explorer)
+        if control.kind == "menu" and control.options is not None:
+            assert [value for _, value in component.choices] == [
+                option[1] if isinstance(option, tuple) else option for option in widget.options
+            ]
+    assert components["typed"].visible and widgets["typed"].layout.display != "none"  # a classifier's classes
+    assert not components["index"].visible and widgets["index"].layout.display == "none"  # no frames in a photo

@@ -124,7 +124,7 @@ def test_class_token_vit_differentiates_its_last_block_at_the_class_token_alone(
     cams = explain.GradCAM(model, layer)(x).cams
     assert seen == [3 * 17, 3]  # 16 patches and the class token per image forward, the class tokens backward
     assert attended == [[0, 17, 34]]  # the last attention recomputed at the class tokens alone
-    monkeypatch.setattr(explain.core.engine, "reached_rows", lambda model, skip, sequences: torch.enable_grad())
+    monkeypatch.setattr(explain.core.families, "reached_rows", lambda model, skip, sequences: torch.enable_grad())
     torch.testing.assert_close(cams, explain.GradCAM(model, layer)(x).cams, rtol=1e-4, atol=1e-5)
 
 

@@ -46,6 +46,8 @@ class ModelContext:
         automatic: The automatic layers' names, by input signature and target kind.
         folded: The folded copy for scoring forwards (see :mod:`explain.core.folding`), or None.
         reaches: How far a local module reads its input, by module and input signature.
+        families: The model families whose passes spare part of the backward (see :mod:`explain.core.families`),
+            or None until asked.
     """
 
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -56,6 +58,7 @@ class ModelContext:
     automatic: dict[Hashable, list[str]] = field(default_factory=dict)
     folded: Any = None
     reaches: dict[Hashable, Any] = field(default_factory=dict)
+    families: tuple[Any, ...] | None = None
 
     def clear(self) -> None:
         """Drop every learned entry; the lock stays."""
@@ -66,6 +69,7 @@ class ModelContext:
         self.automatic.clear()
         self.folded = None
         self.reaches.clear()
+        self.families = None
 
 
 _CONTEXTS: weakref.WeakKeyDictionary[nn.Module, ModelContext] = weakref.WeakKeyDictionary()

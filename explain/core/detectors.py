@@ -104,6 +104,14 @@ def _is_proposal_network(module: nn.Module) -> bool:
     return all(hasattr(module, part) for part in ("head", "anchor_generator", "box_coder", "filter_proposals"))
 
 
+def is_rcnn(model: nn.Module) -> bool:
+    """Whether the model is a torchvision R-CNN (``GeneralizedRCNN``: Faster, Mask, Keypoint R-CNN), by its parts."""
+    proposer, head = getattr(model, "rpn", None), getattr(model, "roi_heads", None)
+    return (isinstance(proposer, nn.Module) and _is_proposal_network(proposer)) or (
+        isinstance(head, nn.Module) and _is_box_head(head)
+    )
+
+
 @contextmanager
 def sparse_box_heads(model: nn.Module) -> Iterator[None]:
     """For the block, differentiate a torchvision R-CNN's kept detections through their own proposals only.

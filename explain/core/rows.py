@@ -18,7 +18,7 @@ nothing to the input's gradient, and the recomputation computes the other rows a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, NamedTuple
@@ -260,6 +260,11 @@ def _attention_joined(
     recompute = lambda sources, rows: _attention_rows(parts, sources[0], rows)  # noqa: E731
     joined = RowsRecomputed.apply(recompute, Recorded(gradients, serves), (out.detach(),), x)
     return (joined, *output[1:]) if isinstance(module, nn.MultiheadAttention) else joined
+
+
+def has_sequence_layers(modules: Iterable[nn.Module]) -> bool:
+    """Whether any of the modules is a position-wise layer or a self-attention that :func:`reached_rows` hooks."""
+    return any(_positionwise(module) or attention_parts(module) is not None for module in modules)
 
 
 @contextmanager

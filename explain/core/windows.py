@@ -123,6 +123,11 @@ def _joined(inputs: dict[nn.Module, tuple[Tensor, tuple[int, ...]]], module: nn.
     return WindowRecomputed.apply(module, span, (output,), x)
 
 
+def has_local_heads(model: nn.Module) -> bool:
+    """Whether the model declares local heads (its ``local_heads`` attribute, as a YOLO detector's)."""
+    return bool(getattr(model, "local_heads", ()))
+
+
 @contextmanager
 def windowed_heads(model: nn.Module, skip: Collection[nn.Module] = ()) -> Iterator[None]:
     """For the block, differentiate each of the model's local heads only over the windows its gradient reaches.

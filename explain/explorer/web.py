@@ -22,14 +22,13 @@ from typing import Any
 
 from PIL import Image
 
-from ..catalog import FUSIONS
 from ..errors import ExplainError
 from ..io.render import data_uri
 from ..models import ModelSpec, load_model
 from ..targets import class_index
-from .session import Explorer, Shown, View, bundled_photos, method_choices
+from .controls import ALPHA_STEP, CONTROLS, VIEW, Control
+from .session import Explorer, Shown, View, bundled_photos
 
-COLORMAPS = ("jet", "turbo", "viridis", "inferno", "magma", "gray")
 LOCAL = "127.0.0.1"
 MAX_FILE_SIZE = "100mb"  # an upload larger than this is refused before it is read
 SHOWN_FORMAT = "JPEG"  # how the page gets an overlay's layers: a tenth of PNG's encoding time; downloads are PNG
@@ -273,109 +272,109 @@ class App:
         return shown.picture(), top, shown.layer
 
 
+def component(control: Control, explorer: Explorer) -> Any:
+    """A control as the page's component (see :mod:`explain.explorer.controls`), its element id its name."""
+    gr = gradio()
+    options, value = control.options_for(explorer), control.value_for(explorer)
+    common = {"label": control.label_for(explorer), "elem_id": control.name, "visible": control.shown_for(explorer)}
+    if control.kind in ("menu", "menus", "search"):  # every menu filters its options as the user types
+        return gr.Dropdown(choices=options, value=value, multiselect=control.kind == "menus", **common)
+    if control.kind == "buttons":
+        return gr.Radio(choices=options, value=value, **common)
+    if control.kind == "check":
+        return gr.Checkbox(value=value, **common)
+    if control.kind == "slider":
+        return gr.Slider(0.0, 1.0, value=value, step=ALPHA_STEP, **common)
+    return gr.Slider(0, 1, value=value, step=1, **common)
+
+
+def components(explorer: Explorer, groups: tuple[str, ...]) -> dict[str, Any]:
+    """The components of the controls of these groups, by name, in their order."""
+    return {control.name: component(control, explorer) for control in CONTROLS if control.group in groups}
+
+
 def build(app: App) -> Any:
     """The page: photos and their entries on the left, the overlay and a second one to compare in the middle and
     on the right, the faithfulness metrics and the downloads below."""
     gr = gradio()
     explorer = app.explorer
-    photos = list(explorer.photos)
-    first = photos[0] if photos else None
-    classifier = explorer.task == "classification"
     with gr.Blocks(title=f"explain: {explorer.spec.name}") as page:
         gr.Markdown(f"### explain · {explorer.spec.name} ({explorer.task})")
         with gr.Row():
             with gr.Column(scale=1):
                 files = gr.File(file_count="multiple", label="Images: drop, paste or click to upload", height=120)
-                photo = gr.Dropdown(choices=photos, value=first, label="Photo", elem_id="photo")
-                entries = gr.Radio(
-                    label="Top classes: click one to explain it" if classifier else "Entries", elem_id="entries"
-                )
-                typed = gr.Dropdown(
-                    choices=[(name, i) for i, name in enumerate(explorer.spec.labels)],
-                    value=None,
-                    label="Or type a class",
-                    filterable=True,
-                    visible=classifier,
-                    elem_id="typed",
-                )
-                method = gr.Dropdown(method_choices(), value="gradcam", label="Method", elem_id="method")
-                layers = gr.Dropdown(
-                    multiselect=True, label="Layers (none: the automatic one; several: fused)", elem_id="layers"
-                )
-                with gr.Row():
-                    fuse = gr.Dropdown(list(FUSIONS), value="mean", label="Fusion")
-                    colormap = gr.Dropdown(list(COLORMAPS), value="jet", label="Colormap")
-                with gr.Row():
-                    aug = gr.Checkbox(label="aug smooth")
-                    eigen = gr.Checkbox(label="eigen smooth")
-                alpha = gr.Slider(0.0, 1.0, value=0.5, step=0.05, label="Alpha", elem_id="alpha")
-                frame = gr.Slider(0, 1, value=0, step=1, visible=False, label="frame", elem_id="index")
+                c = components(explorer, ("view", "style"))
             with gr.Column(scale=2):
-                overlay = gr.HTML(elem_id="overlay")
-                caption = gr.Markdown(elem_id="caption")
+                shown = [gr.HTML(elem_id="overlay"), gr.Markdown(elem_id="caption"), c["index"]]
             with gr.Column(scale=2):
                 with gr.Row():
-                    method_b = gr.Dropdown(method_choices(), value="layercam", label="Compare: method")
-                    target_b = gr.Dropdown(label="Compare: class" if classifier else "Compare: entry")
-                overlay_b = gr.HTML(elem_id="overlay_b")
-                caption_b = gr.Markdown()
+                    c.update(components(explorer, ("compare",)))
+                shown_b = [gr.HTML(elem_id="overlay_b"), gr.Markdown()]
         with gr.Row():
             measure = gr.Button("Faithfulness of the overlay")
             download = gr.Button("Download overlay, map and record")
-        curves = gr.Plot(label="Deletion and insertion")
-        scores = gr.Markdown()
+        curves, scores = gr.Plot(label="Deletion and insertion"), gr.Markdown()
         saved = gr.File(label="Files", file_count="multiple", interactive=False)
         problems = gr.Markdown(elem_id="problems")
-        with gr.Row(visible=False):  # the endpoint's own fields
-            api_image = gr.File(type="filepath")
-            api_model, api_method, api_target = gr.Textbox(), gr.Textbox(), gr.Textbox()
-            api_overlay = gr.Image(type="pil", format="png")
-            api_classes, api_layer = gr.Label(), gr.Textbox()
-            api_call = gr.Button()
-
-        target, index = gr.State(), gr.State()
-        view = [method, layers, target, fuse, aug, eigen]
-        drawn = [photo, *view, alpha, colormap, index]
-        drawn_b = [photo, method_b, layers, target_b, fuse, aug, eigen, alpha, colormap, index]
-        draw, opened = user_errors(app.draw), user_errors(app.opened)
-        shown, shown_b = [overlay, caption, frame], [overlay_b, caption_b]
-        live = {"trigger_mode": "always_last", "show_progress": "hidden", "queue": False}
-
-        def draw_b(*controls: Any) -> tuple[Any, ...]:
-            return draw(*controls)[:2]
-
-        def picked(slot: int) -> Callable[..., tuple[Any, ...]]:
-            """Draw with the value a user picked in the control at ``slot`` of ``drawn``, and keep it: one trip
-            to the server for a click."""
-            return lambda *controls: (*draw(*controls), controls[slot])
-
-        def reopen(event: Any) -> None:
-            """After a photo is opened, its first entry drawn, and compared."""
-            event.then(draw, drawn, shown, show_progress="hidden")
-            event.then(draw_b, drawn_b, shown_b, show_progress="hidden")
-
-        chosen = [entries, layers, target_b, target, index]
-        files.upload(user_errors(app.add), files, [photo, problems])
-        reopen(photo.change(opened, photo, chosen))
-        for control, slot, kept in ((entries, 3, target), (typed, 3, target), (frame, 9, index)):
-            inputs = [*drawn[:slot], control, *drawn[slot + 1 :]]
-            control.input(picked(slot), inputs, [*shown, kept], **live)
-        frame.input(draw_b, [*drawn_b[:9], frame], shown_b, **live)
-        for control in (method, layers, fuse, aug, eigen, colormap):
-            control.change(draw, drawn, shown, **live)
-        for control in (target_b, method_b, layers, fuse, aug, eigen, colormap):
-            control.change(draw_b, drawn_b, shown_b, **live)
-        alpha.change(None, alpha, None, js=OPACITY)
-        measure.click(user_errors(app.metrics), [photo, *view], [curves, scores])
-        download.click(user_errors(app.save), drawn, saved)
-        api_call.click(
-            user_errors(app.explain),
-            [api_image, api_model, api_method, api_target],
-            [api_overlay, api_classes, api_layer],
-            api_name="explain",
-        )
-        reopen(page.load(opened, photo, chosen))
+        c["target"], c["drawn"] = gr.State(), gr.State()  # the entry explained; the frame or slice drawn
+        view = [c[name] for name in VIEW]
+        files.upload(user_errors(app.add), files, [c["photo"], problems])
+        measure.click(user_errors(app.metrics), [c["photo"], *view], [curves, scores])
+        download.click(user_errors(app.save), [c["photo"], *view, c["alpha"], c["colormap"], c["drawn"]], saved)
+        wire(app, page, c, shown, shown_b)
+        endpoint(app)
     return page
+
+
+OWN_WIRING = ("photo", "entries", "typed", "index", "alpha")  # the controls :func:`wire` wires its own way
+
+
+def wire(app: App, page: Any, c: dict[str, Any], shown: list[Any], shown_b: list[Any]) -> None:
+    """The page's draws: each control draws again the overlays it names (see :mod:`explain.explorer.controls`);
+    a clicked or typed entry, or a moved frame, is kept in one trip to the server; the alpha is set in the page;
+    an opened photo lists its entries and layers and draws its first entry."""
+    drawn = [c[name] for name in ("photo", *VIEW, "alpha", "colormap", "drawn")]
+    drawn_b = [*drawn[:1], c["method_b"], c["layers"], c["target_b"], *drawn[4:]]
+    draw, opened = user_errors(app.draw), user_errors(app.opened)
+    live = {"trigger_mode": "always_last", "show_progress": "hidden", "queue": False}
+
+    def draw_b(*controls: Any) -> tuple[Any, ...]:
+        return draw(*controls)[:2]
+
+    def picked(slot: int) -> Callable[..., tuple[Any, ...]]:
+        """Draw with the value a user picked in the control at ``slot`` of ``drawn``, and keep it."""
+        return lambda *controls: (*draw(*controls), controls[slot])
+
+    def reopen(event: Any) -> None:
+        """After a photo is opened, its first entry drawn, and compared."""
+        event.then(draw, drawn, shown, show_progress="hidden")
+        event.then(draw_b, drawn_b, shown_b, show_progress="hidden")
+
+    chosen = [c["entries"], c["layers"], c["target_b"], c["target"], c["drawn"]]
+    reopen(c["photo"].change(opened, c["photo"], chosen))
+    for name, slot, kept in (("entries", 3, "target"), ("typed", 3, "target"), ("index", 9, "drawn")):
+        inputs = [*drawn[:slot], c[name], *drawn[slot + 1 :]]
+        c[name].input(picked(slot), inputs, [*shown, c[kept]], **live)
+    c["index"].input(draw_b, [*drawn_b[:9], c["index"]], shown_b, **live)
+    for control in CONTROLS:
+        if control.name not in OWN_WIRING and "a" in control.redraws:
+            c[control.name].change(draw, drawn, shown, **live)
+        if control.name not in OWN_WIRING and "b" in control.redraws:
+            c[control.name].change(draw_b, drawn_b, shown_b, **live)
+    c["alpha"].change(None, c["alpha"], None, js=OPACITY)
+    reopen(page.load(opened, c["photo"], chosen))
+
+
+def endpoint(app: App) -> None:
+    """The endpoint ``/explain`` (see :meth:`App.explain`), on fields the page hides."""
+    gr = gradio()
+    with gr.Row(visible=False):
+        image = gr.File(type="filepath")
+        model, method, target = gr.Textbox(), gr.Textbox(), gr.Textbox()
+        overlay = gr.Image(type="pil", format="png")
+        classes, layer = gr.Label(), gr.Textbox()
+        call = gr.Button()
+    call.click(user_errors(app.explain), [image, model, method, target], [overlay, classes, layer], api_name="explain")
 
 
 def serve(

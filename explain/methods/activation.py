@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from ..core.engine import CAM, Capture
+from ..core.engine import CAM, Capture, Needs
 from ..core.layers import LayerSpec, classifier
 from ..core.maps import KERNELS, kernel_projection, principal_projection
 from ..errors import ExplainError, LayerError, TargetError
@@ -41,7 +41,7 @@ class OriginalCAM(CAM):
     """
 
     name = "cam"
-    needs_gradients = False
+    needs = Needs(gradients=False)
     relu = False
 
     def weights(self, capture: Capture) -> Tensor:
@@ -63,7 +63,7 @@ class EigenCAM(CAM):
     """
 
     name = "eigencam"
-    needs_gradients = False
+    needs = Needs(gradients=False)
 
     def weighted_activations(self, capture: Capture) -> Tensor:
         return capture.activations
@@ -78,7 +78,7 @@ class RandomCAM(CAM):
     A method that scores no better than this on a metric is not explaining the model."""
 
     name = "random"
-    needs_gradients = False
+    needs = Needs(gradients=False)
 
     def weights(self, capture: Capture) -> Tensor:
         shape = capture.activations.shape[:2]
@@ -141,7 +141,7 @@ class FEM(CAM):
     """
 
     name = "fem"
-    needs_gradients = False
+    needs = Needs(gradients=False)
 
     def __init__(
         self,

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.engine import CAM, CAMResult, Capture
+from ..core.engine import CAM, CAMResult, Capture, Needs
 from ..core.layers import LayerSpec
 from ..core.maps import postprocess
 from ..core.model_state import running, untouched
@@ -51,9 +51,7 @@ class InputAttribution(CAM):
         batch_size: Most inputs per extra forward pass (Integrated Gradients' steps).
     """
 
-    needs_gradients = False  # no layer's: the input's
-    map_of_input = True
-    input_gradient = True
+    needs = Needs(gradients=False, input_gradient=True, map_of_input=True)  # no layer's gradient: the input's
     relu = False
 
     def __init__(
@@ -222,7 +220,7 @@ class IntegratedGradients(FromBaseline):
     """
 
     name = "integrated_gradients"
-    input_gradient = False  # the plain pass only binds the target: the path's points give the gradients
+    needs = Needs(gradients=False, map_of_input=True)  # the plain pass binds; the path's points give the gradients
 
     def __init__(
         self,
@@ -286,7 +284,7 @@ class GradientSHAP(InputAttribution):
     """
 
     name = "gradient_shap"
-    input_gradient = False  # the plain pass only binds the target: the draws give the gradients
+    needs = Needs(gradients=False, map_of_input=True)  # the plain pass binds; the draws give the gradients
 
     def __init__(
         self,
@@ -351,7 +349,7 @@ class SobelCAM(InputAttribution):
     """
 
     name = "sobel"
-    input_gradient = False
+    needs = Needs(gradients=False, map_of_input=True)
 
     def attribution(self, capture: Capture) -> Tensor:
         x = capture.x
@@ -396,7 +394,8 @@ class DeepLift(FromBaseline):
     """
 
     name = "deeplift"
-    whole_backward = True  # the rule replaces the nonlinearities' slopes wherever the gradient goes
+    # the rule replaces the nonlinearities' slopes wherever the gradient goes
+    needs = Needs(gradients=False, input_gradient=True, whole_backward=True, map_of_input=True)
 
     def __init__(
         self,

@@ -338,14 +338,14 @@ class CheferRelevance(GradientRollout):
     name = "chefer"
 
     def recorder(self, modules: Mapping[str, nn.Module]) -> BlockInputRecorder:
-        return BlockInputRecorder(self._attention, self.layer, vit_parts(self.model))
+        return BlockInputRecorder(self._attention, self._label, vit_parts(self.model))
 
     def weighted(self, capture: Capture) -> Tensor:
         return capture.gradients.double().clamp(min=0).mean(dim=2)  # the "gradients" are ∇A ⊙ R_A already
 
     def layer_gradients(self, recorder: Any, score: Tensor, rescore: Callable[[Any], Tensor]) -> dict[str, Tensor]:
         """The gradient at each chosen attention times its relevance, stacked: (N, layers, heads, T, T)."""
-        gradients = recorder.backward(score)[self.layer]
+        gradients = recorder.backward(score)[self._label]
         (relevance,) = torch.autograd.grad(score, recorder.head_output, retain_graph=True)
         names = {m: name for name, m in self._attention.items()}
         parts = recorder.parts
@@ -363,4 +363,4 @@ class CheferRelevance(GradientRollout):
                 if block.attention in names:
                     found[names[block.attention]] = of_probabilities
         stacked = torch.stack([found[name] for name in self._attention], dim=1)
-        return {self.layer: gradients * stacked.to(gradients.dtype)}
+        return {self._label: gradients * stacked.to(gradients.dtype)}

@@ -10,10 +10,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core.engine import CAM, Capture, check_images
+from ..core.engine import CAM, Capture, Needs, check_images
 from ..core.layers import LayerSpec
 from ..core.maps import nmf, normalize_maps, upsample
 from ..core.model_state import exclusive, untouched
+from ..core.runner import PassRunner
 from ..errors import ExplainError, LayerError
 from ..targets import as_target
 from .activation import classifier_over
@@ -65,7 +66,7 @@ class DeepFeatureFactorization(CAM):
     """
 
     name = "dff"
-    needs_gradients = False
+    needs = Needs(gradients=False)
     relu = False
 
     def __init__(
@@ -117,13 +118,13 @@ class DeepFeatureFactorization(CAM):
         """
         check_images(x)
         kwargs = dict(model_kwargs or {})
-        with exclusive(self.model):
-            self._layers = self.target_layers(x, kwargs, None)
+        generator = None if self.seed is None else torch.Generator(device=x.device).manual_seed(self.seed)
+        with exclusive(self.model), untouched(self.model), torch.inference_mode(False), torch.no_grad():
+            runner = PassRunner(self, x, as_target(None), kwargs, generator)
+            self._layers = runner.layers
             if len(self._layers) != 1:
                 raise LayerError(f"Deep Feature Factorization factorizes one layer, not {self.layer}")
-            generator = None if self.seed is None else torch.Generator(device=x.device).manual_seed(self.seed)
-            with untouched(self.model), torch.inference_mode(False), torch.no_grad():
-                recorded = self._record(x.detach(), as_target(None), kwargs)
+            recorded = runner.record(x.detach(), as_target(None))
         name = self._layers[0][0]
         found = self.factorized(recorded.activations[name], name, generator)
         size = x.shape[2:]

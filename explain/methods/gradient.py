@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from ..core.engine import CAM, INPUT, Capture
+from ..core.engine import CAM, INPUT, Capture, Needs
 from ..core.layers import LayerSpec, traced_layers
 from ..core.maps import normalize_maps, principal_projection, upsample
 from ..errors import ExplainError, LayerError, TargetError
@@ -164,7 +164,7 @@ class ShapleyCAM(CAM):
     """
 
     name = "shapleycam"
-    curvature = True
+    needs = Needs(curvature=True)
 
     def weights(self, capture: Capture) -> Tensor:
         return (capture.gradients - 0.5 * capture.curvature).mean(dim=capture.spatial)
@@ -212,8 +212,7 @@ class FullGrad(CAM):
     """
 
     name = "fullgrad"
-    map_of_input = True
-    input_gradient = True
+    needs = Needs(input_gradient=True, map_of_input=True)
 
     def __init__(
         self,

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core.engine import CAM, Capture
+from ..core.engine import CAM, Capture, Needs
 from ..core.layers import LayerSpec
 from ..core.maps import map_axes
 from ..core.rules import relu_rule
@@ -55,9 +55,7 @@ class GuidedBackprop(CAM):
     """
 
     name = "guided_backprop"
-    needs_gradients = False  # no layer's: the input's
-    map_of_input = True
-    input_gradient = True
+    needs = Needs(gradients=False, input_gradient=True, map_of_input=True)  # no layer's gradient: the input's
 
     def __init__(self, model: nn.Module, layer: LayerSpec = None, *, labels: Sequence[str] | None = None) -> None:
         super().__init__(model, None, labels=labels)

@@ -8,7 +8,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from ..core.attention_capture import AttentionRecorder
-from ..core.engine import Capture
+from ..core.engine import Capture, Needs
 from ..core.layers import LayerSpec
 from ..errors import LayerError
 from .rollout import Rollout, class_head
@@ -72,7 +72,7 @@ class LeGrad(Rollout):
     """
 
     name = "legrad"
-    whole_backward = True  # every block's read-out reads every token: no rows to spare
+    needs = Needs(whole_backward=True, layer_outputs=False)  # every block's read-out reads every token
 
     def __init__(
         self,
@@ -92,7 +92,7 @@ class LeGrad(Rollout):
                 f"{type(self.model).__name__} give read_out=, a function of a block's tokens (N, T, C)"
             )
         blocks = [self.model.get_submodule(name.rpartition(".")[0]) for name in self._attention]
-        return ReadOutRecorder(self._attention, self.layer, blocks, self.read_out)
+        return ReadOutRecorder(self._attention, self._label, blocks, self.read_out)
 
     def layer_gradients(self, recorder: Any, score: Tensor, rescore: Callable[[Any], Tensor]) -> dict[str, Tensor]:
         return recorder.backward_each([rescore(read) for read in recorder.read_outs])

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core.engine import Capture
+from ..core.engine import Capture, Needs
 from ..core.layers import LayerSpec
 from ..core.maps import postprocess
 from ..core.rules import ELEMENTWISE, BatchNorm, Rule, RuledLayer, passed, relevance_rules
@@ -247,7 +247,7 @@ class LRP(InputAttribution):
     """
 
     name = "lrp"
-    whole_backward = True
+    needs = Needs(gradients=False, input_gradient=True, whole_backward=True, map_of_input=True)
 
     def __init__(
         self,

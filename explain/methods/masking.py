@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.engine import CAM, Capture
+from ..core.engine import CAM, Capture, Needs
 from ..core.fields import per_axis
 from ..core.folding import ScoringForwards
 from ..core.layers import LayerSpec
@@ -66,8 +66,7 @@ class MaskedCopies(CAM):
         seed: Seed of random masks.
     """
 
-    needs_gradients = False
-    map_of_input = True
+    needs = Needs(gradients=False, map_of_input=True)
 
     def __init__(
         self,

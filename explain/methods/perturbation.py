@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..core.engine import CAM, Capture
+from ..core.engine import CAM, Capture, Needs
 from ..core.folding import ScoringForwards
 from ..core.hooks import output_replaced
 from ..core.maps import has_nonzero, normalize_maps
@@ -33,7 +33,7 @@ from ..errors import LayerError
 class PerturbationCAM(CAM):
     """Base of the methods that score perturbed copies of the input, one per (image, channel) row."""
 
-    needs_gradients = False
+    needs = Needs(gradients=False)
     folds = False  # whether the perturbed inputs may be scored by a copy of the model (see ScoringForwards)
 
     def perturbed(self, capture: Capture, images: Tensor, channels: Tensor) -> Iterator[tuple[Tensor, Any]]:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ..core.attention_capture import AttentionRecorder, attention_modules
-from ..core.engine import CAM, Capture
+from ..core.engine import CAM, Capture, Needs
 from ..core.layers import LayerSpec
 from ..core.layouts import Geometry, Layout
 from ..core.watch import PassLayouts
@@ -69,7 +69,9 @@ class Rollout(CAM):
         labels: Class names, to accept a class name as target.
     """
 
+    needs = Needs(layer_outputs=False)  # the attention probabilities and their gradients
     relu = False  # the rolled-out attention is not negative
+    automatic = False  # no layer given: every attention module, not a searched layer
 
     def __init__(
         self,
@@ -80,18 +82,19 @@ class Rollout(CAM):
     ) -> None:
         super().__init__(model, layer, labels=labels)
         self.fused = False  # the layers are rolled out together, not fused map by map
-        self._attention: dict[str, nn.Module] = {}
+        self._attention: dict[str, nn.Module] = {}  # the call's attention modules, by name
+        self._label = ""  # their layer's name in the call's records
 
     def target_layers(
         self, x: Tensor, model_kwargs: Mapping[str, Any], target: TargetLike = None
     ) -> list[tuple[str, nn.Module | None]]:
         readable = attention_modules(self.model)
-        if self._requested is None:
+        if self.requested is None:
             chosen = readable
         else:
             named = dict(self.model.named_modules())
             chosen = {}
-            for spec in self._requested:
+            for spec in self.requested:
                 name = next((n for n, m in named.items() if m is spec), None) if isinstance(spec, nn.Module) else spec
                 if name not in readable:
                     raise LayerError(
@@ -107,11 +110,11 @@ class Rollout(CAM):
             )
         self._attention = chosen
         names = list(chosen)
-        label = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]} ({len(names)} attention layers)"
-        return [(label, None)]
+        self._label = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]} ({len(names)} attention layers)"
+        return [(self._label, None)]
 
     def recorder(self, modules: Mapping[str, nn.Module]) -> AttentionRecorder:
-        return AttentionRecorder(self._attention, self.layer, gradients=self.needs_gradients)
+        return AttentionRecorder(self._attention, self._label, gradients=self.needs.gradients)
 
     def layout(self, name: str, activation: Tensor, geometry: Geometry, known: PassLayouts) -> Layout:
         return Layout("attention")
@@ -158,7 +161,7 @@ class AttentionRollout(Rollout):
     """
 
     name = "attention_rollout"
-    needs_gradients = False
+    needs = Needs(gradients=False, layer_outputs=False)
 
     def rolled_out(self, capture: Capture) -> Tensor:
         layers = capture.activations.double().mean(dim=2)  # (N, layers, T, T)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.engine import CAM, Capture
+from ..core.engine import CAM, Capture, Needs
 from ..core.layers import LayerSpec
 from ..core.maps import upsample
 from ..core.model_state import running
@@ -70,7 +70,7 @@ class SESS(CAM):
     """
 
     name = "sess"
-    needs_gradients = False  # the plain pass binds the target; the base method's passes explain the windows
+    needs = Needs(gradients=False, map_of_input=True)  # the plain pass binds; the base method explains the windows
 
     def __init__(
         self,
@@ -99,7 +99,6 @@ class SESS(CAM):
         self.base = create_method(base, model, layer, labels=labels, batch_size=batch_size, **options)
         self.scales, self.window, self.step = scales, window, step
         self.pre_filter, self.theta, self.pool, self.smooth = pre_filter, theta, pool, smooth
-        self.map_of_input = True
 
     @property
     def layer(self) -> str:

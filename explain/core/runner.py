@@ -1,0 +1,465 @@
+"""The pass runner: the passes of one call, run as a method says it needs them (its :class:`Needs`).
+
+A call's runner finds the layers (the automatic one settled in the call's own pass where it can, see
+:func:`explain.core.layers.pending_search`), runs the plain pass (the input as given: it binds the target), then
+the views and noisy copies a method's smoothing asks for, and hands the method one :class:`Capture` per layer and
+target. Around each pass it enters the model's families (:mod:`explain.core.families`: a detector's canvas, a
+transformer's patch grid, the backwards spared where the score does not reach), the method's backward rule and
+the recorder of the layers. The method holds only its formula (:class:`explain.core.engine.CAM`).
+
+One pass costs one forward plus a backward through the part of the network after the target layer: parameters'
+gradients are switched off for the call, so autograd records nothing before the layer and computes no weight
+gradient (see :mod:`explain.core.hooks`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import LayerError, TargetError
+from ..targets import BoundTarget, Target, bound_on
+from ..targets.base import spatial_axes
+from .families import PassScope, partial_backward, picture_recorded
+from .hooks import ActivationGradientRecorder, layer_entry
+from .layers import BACKBONE, PendingSearch, auto_layers, pending_search, settle
+from .layouts import Geometry, Layout
+from .maps import INTERPOLATION, Canvas, has_nonzero, normalize_maps, upsample
+from .model_state import running
+from .watch import PassLayouts
+
+if TYPE_CHECKING:
+    from .engine import CAM
+
+AUG_SCALES = (0.9, 1.0, 1.1)
+PLAIN_VIEW = (False, 1.0)  # (flip, scale): the input as given
+INPUT = "input"  # the layer name of the input, for methods whose map is the input's
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a method's formula needs from each pass; the runner runs that and no more.
+
+    Attributes:
+        gradients: The target's gradient at each layer; without it, a forward records the layers' outputs.
+        input_gradient: The target's gradient at the input (guided methods, Saliency).
+        curvature: The Hessian-vector product H·A at each layer (ShapleyCAM).
+        whole_backward: Every module differentiated as it ran: a backward rule replaces gradients (LRP), or the
+            scores read every token (LeGrad); no family spares a part of the backward, which would only recompute
+            it.
+        map_of_input: The map is the input's, not a layer's (guided methods, pixel attributions).
+        layer_outputs: The layers' outputs and plain gradients, as the base recorder takes them; False for a
+            method that records something else (attention, block inputs).
+    """
+
+    gradients: bool = True
+    input_gradient: bool = False
+    curvature: bool = False
+    whole_backward: bool = False
+    map_of_input: bool = False
+    layer_outputs: bool = True
+
+    @property
+    def spared(self) -> bool:
+        """Whether the families may spare part of the backward: not where it is differentiated again
+        (``curvature``) or ruled (``whole_backward``)."""
+        return not (self.curvature or self.whole_backward)
+
+
+@dataclass(frozen=True)
+class Capture:
+    """What one pass recorded at one target layer for one target: a method's input.
+
+    Attributes:
+        x: The images the pass ran on (N, 3, H, W).
+        activations: The layer's output (N, C, h, w), float32.
+        gradients: The target score's gradient with respect to it, or None for a
+            method that needs none.
+        name: The layer's name: a dotted module name, with ``:entry`` for an entry of a dict or list output.
+        module: The layer's module (None for the input).
+        scores: The explained score of each image (N,).
+        target: The call's bound target.
+        k: Which of its K targets per image this capture explains.
+        to_input: Brings maps (..., h, w) at the layer's resolution onto the input's
+            (H, W): upsampled, and for a detector, its canvas's padding cut off first.
+        curvature: The Hessian of the score with respect to the activations times the activations, H·A, shaped
+            like them, for a method that asks for it (``Needs.curvature``); else None.
+        generator: The call's random number generator (from ``seed``), or None for
+            PyTorch's global one.
+        model_kwargs: The call's further keyword arguments of the model's forward.
+        shared: What a method computes once per pass for all its targets and layers (see :meth:`once`).
+        layout: How the layer's output became ``activations`` (None for the input).
+        geometry: The picture the pass's layers saw, and the patch grid.
+    """
+
+    x: Tensor
+    activations: Tensor
+    gradients: Tensor | None
+    name: str
+    module: nn.Module | None
+    scores: Tensor
+    target: BoundTarget
+    k: int
+    to_input: Callable[[Tensor], Tensor]
+    curvature: Tensor | None
+    generator: torch.Generator | None
+    model_kwargs: Mapping[str, Any]
+    shared: dict[str, Any]
+    layout: Layout | None
+    geometry: Geometry
+
+    @property
+    def spatial(self) -> tuple[int, ...]:
+        """The spatial axes of the activations and gradients (N, C, *spatial), which every formula reduces over."""
+        return spatial_axes(self.activations)
+
+    def once(self, key: str, compute: Callable[[], Any]) -> Any:
+        """``compute()``, run at the pass's first capture that asks for ``key`` and shared by the others."""
+        if key not in self.shared:
+            self.shared[key] = compute()
+        return self.shared[key]
+
+    @property
+    def classes(self) -> Tensor | None:
+        """The explained class of each image (N,), a row of the classifier; None for a target that is not a
+        classifier's class."""
+        return self.target.classes[:, self.k] if self.target.classifier_rows else None
+
+    def score_rows(self, output: Any, images: Tensor) -> Tensor:
+        """The explained score in another forward's output, (rows,); ``images`` is the index (into x) of the
+        image each output row stands for."""
+        return self.target.score(output, images)[:, self.k]
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """What one pass recorded at every target layer, before any method's formula.
+
+    Attributes:
+        x: The images the pass ran on, detached.
+        output: The model's output.
+        bound: The call's bound target.
+        scores: Its (N, K) scores in this pass's output.
+        activations: Each layer's output as a map (N, C, h, w), float32 (and the input's, for a method whose map
+            is the input's).
+        gradients: For each of the K targets, each layer's gradient as a map like its activation (empty maps for
+            a method without gradients).
+        curvatures: For each of the K targets, each layer's Hessian-vector product H·A as a map (empty maps for a
+            method that asks for none).
+        layouts: How each layer's output became its map.
+        canvas: A detector's canvas (its maps are brought onto the image), or None.
+        geometry: The picture the pass's layers saw, and the patch grid.
+    """
+
+    x: Tensor
+    output: Any
+    bound: BoundTarget
+    scores: Tensor
+    activations: dict[str, Tensor]
+    gradients: list[dict[str, Tensor]]
+    curvatures: list[dict[str, Tensor]]
+    layouts: dict[str, Layout]
+    canvas: Canvas | None
+    geometry: Geometry
+
+    def kept(self, name: str) -> PassRecord:
+        """The record of one of its layers alone."""
+
+        def of(values: dict[str, Any]) -> dict[str, Any]:
+            return {key: value for key, value in values.items() if key == name}
+
+        return replace(
+            self,
+            activations=of(self.activations),
+            gradients=[of(g) for g in self.gradients],
+            curvatures=[of(c) for c in self.curvatures],
+            layouts=of(self.layouts),
+        )
+
+
+def summed_score(bound: BoundTarget, k: int, images: Tensor, output: Any) -> Tensor:
+    """The k-th target's score in an output whose row r stands for image ``images[r]``, summed over the rows."""
+    return bound.score(output, images)[:, k].sum()
+
+
+def target_scores(bound: BoundTarget, output: Any, x: Tensor) -> Tensor:
+    """The (N, K) scores of a bound target in the output of a pass over the call's N images ``x``."""
+    scores = bound.score(output, torch.arange(x.shape[0], device=x.device))
+    if scores.shape[0] != x.shape[0]:
+        raise TargetError(f"{scores.shape[0]} target scores for a batch of {x.shape[0]} images")
+    return scores
+
+
+def _laid_out(values: Mapping[str, Tensor], layouts: Mapping[str, Layout]) -> dict[str, Tensor]:
+    """Each layer's tensor shaped like its output, as a map (the input's own, which has no layout, as it is)."""
+    return {name: layouts[name](value) if name in layouts else value for name, value in values.items()}
+
+
+def _augment(x: Tensor, flip: bool, scale: float) -> Tensor:
+    """x flipped along its last axis and rescaled along its last two, the image plane: a volume's or a clip's
+    first spatial axis (depth or time) is left as it is."""
+    if scale != 1.0:
+        size = [*x.shape[2:-2], *(round(side * scale) for side in x.shape[-2:])]
+        x = F.interpolate(x, size=size, mode=INTERPOLATION[len(size)], align_corners=False)
+    return x.flip(-1) if flip else x
+
+
+def _deaugment(maps: Tensor, flip: bool, size: Sequence[int]) -> Tensor:
+    """Bring maps of an augmented pass back to the original geometry (``size``), normalized."""
+    maps = upsample(maps, size)
+    return normalize_maps(maps.flip(-1) if flip else maps, len(size))
+
+
+def check_reached(gradients: list[dict[str, Tensor]], bound: BoundTarget, automatic: bool) -> None:
+    """Refuse maps of a gradient that is zero everywhere: they would be flat, a confident picture of nothing.
+    The message's way out depends on whether the layers are the automatic ones.
+
+    Raises:
+        LayerError: For some image and target, the gradient is zero at every position of every layer.
+    """
+    for k, by_layer in enumerate(gradients):
+        zero = torch.stack([g.flatten(1).abs().amax(dim=1) == 0 for g in by_layer.values()]).all(dim=0)
+        if bound.valid is not None:
+            zero &= bound.valid[:, k]
+        if not zero.any():
+            continue
+        if automatic and all(layer_entry(name)[0] == BACKBONE for name in by_layer):
+            why = (
+                "The automatic layers leave out a detector's pyramid levels one cell wide, too coarse to map, "
+                "and a detection there reaches none of the others: choose a layer inside the backbone, "
+                "whose maps feed every level (explain --layers)"
+            )
+        else:
+            why = (
+                "At the last block of a class-token transformer, say, the head never reads the patch tokens: "
+                "choose an earlier layer (explain --layers)" + ("" if automatic else ", or the automatic one")
+            )
+        raise LayerError(
+            f"the target score's gradient is zero at every position of layer(s) {', '.join(by_layer)} "
+            f"(image {int(zero.nonzero()[0])}): the score does not depend on the map there. {why}"
+        )
+
+
+class PassRunner:
+    """The passes of one call of a method.
+
+    Args:
+        method: The method: what it needs (``needs``), its recorder, rules and formula.
+        x: The call's input, whose signature decides the layers.
+        goal: The call's target, bound by the plain pass.
+        model_kwargs: The model's further keyword arguments.
+        generator: The call's random number generator, or None.
+
+    Attributes:
+        layers: The call's target layers, by name and module; after the plain pass, the ones its maps are of.
+        automatic: Whether they are the automatic ones.
+        search: The automatic layer the plain pass settles, or None.
+    """
+
+    def __init__(
+        self,
+        method: CAM,
+        x: Tensor,
+        goal: Target | BoundTarget,
+        model_kwargs: Mapping[str, Any],
+        generator: torch.Generator | None,
+    ) -> None:
+        self.method, self.model, self.needs = method, method.model, method.needs
+        self.model_kwargs, self.generator, self.goal = model_kwargs, generator, goal
+        self.automatic = method.automatic
+        self.search: PendingSearch | None = None
+        if self.automatic and self._settles_in_pass():
+            self.search = pending_search(self.model, x, model_kwargs, goal)
+        if self.search is not None:  # the call's own pass records the last candidates and settles it
+            modules = dict(self.model.named_modules())
+            self.layers = [(info.name, modules[layer_entry(info.name)[0]]) for info in self.search.tried]
+        else:
+            self.layers = method.target_layers(x, model_kwargs, goal)
+
+    def _settles_in_pass(self) -> bool:
+        """Whether the plain pass can settle the automatic layer: a method whose pass takes the plain gradient at
+        its layers' outputs, on a model in eval mode (as the search's own probe runs it)."""
+        needs = self.needs
+        plain = needs.spared and not (needs.input_gradient or self.model.training)
+        return needs.gradients and needs.layer_outputs and plain
+
+    def plain_pass(self, x: Tensor) -> PassRecord:
+        """The pass over the input as given (see :meth:`record`). Automatic layers kept from an earlier call that
+        the score no longer reaches (the model's forward changed in a way its structure does not show, or this
+        target reaches other layers than that call's) are searched again for this call, once; the error stands if
+        the search finds them again."""
+        try:
+            recorded = self.record(x, self.goal, plain=True)
+        except LayerError:
+            if not self.automatic or self.search is not None:
+                raise
+            layers = auto_layers(self.model, x, self.model_kwargs, self.goal, self.method.labels, fresh=True)
+            if [name for name, _ in layers] == [name for name, _ in self.layers]:
+                raise
+            self.layers = layers
+            return self.record(x, self.goal, plain=True)
+        return recorded if self.search is None else self._settled(recorded, x)
+
+    def _settled(self, recorded: PassRecord, x: Tensor) -> PassRecord:
+        """The plain pass at the automatic layer its last candidates' gradients settle (see
+        :func:`explain.core.layers.settle`): the first image's, as the search's probe reads them. Where they do
+        not settle it, the layer is searched in full and the pass run again."""
+        search, self.search = self.search, None
+        reached = {name for by_layer in recorded.gradients for name, g in by_layer.items() if has_nonzero(g[0])}
+        chosen = settle(self.model, search, reached)
+        if chosen is None:
+            self.layers = auto_layers(self.model, x, self.model_kwargs, self.goal, self.method.labels, fresh=True)
+            return self.record(x, self.goal, plain=True)
+        self.layers = [(name, module) for name, module in self.layers if name == chosen]
+        recorded = recorded.kept(chosen)
+        check_reached(recorded.gradients, recorded.bound, automatic=True)
+        return recorded
+
+    def record(self, x: Tensor, goal: Target | BoundTarget, plain: bool = False) -> PassRecord:
+        """One forward (and backward) pass over ``x``: the layers' activations and, for each of the K targets, their
+        gradients. ``goal`` is bound on the output unless it is bound already. The ``plain`` pass (the input as
+        given) refuses, for a method with gradients, layers the score does not reach."""
+        method, needs, model_kwargs = self.method, self.needs, self.model_kwargs
+        hooked = {name: module for name, module in self.layers if module is not None}
+        known = PassLayouts(self.model, x, model_kwargs, hooked if method.reshape is None else ())
+        if self.search is not None:  # the candidates, one computed from another, by tensor hooks
+            recording = ActivationGradientRecorder(hooked, tensor_hook=True, gradients=needs.gradients)
+        else:
+            recording = method.recorder(hooked)
+        if needs.input_gradient:  # the whole network is recorded, for the gradient at the input
+            x = x.detach().requires_grad_(True)
+        scope = PassScope(recording.modules.values(), known.sequences)
+        with (
+            running(self.model),
+            torch.enable_grad() if needs.gradients or needs.input_gradient else torch.no_grad(),
+            method.backward_rule(x, model_kwargs),
+            picture_recorded(self.model) as picture,
+            partial_backward(self.model, scope) if needs.spared else nullcontext(),
+            recording as recorder,
+        ):
+            with known.watched():
+                output = recorder.forward(partial(self.model, **model_kwargs), x)
+            bound = bound_on(goal, output, method.labels)
+            scores = target_scores(bound, output, x)
+            count, images = scores.shape[1], torch.arange(len(x), device=x.device)
+            derivatives = [
+                self._gradients(recorder, partial(summed_score, bound, k, images), scores[:, k].sum(), x, more)
+                for k, more in zip(range(count), [True] * (count - 1) + [False])
+            ]
+            recorded = recorder.activations
+        geometry = picture.geometry(x)
+        # Laid out after the pass: a layout its forward could not tell is traced now, without the pass's hooks.
+        layouts = {name: method.layout(name, a, geometry, known) for name, a in recorded.items()}
+        gradients, curvatures = ([_laid_out(found[i], layouts) for found in derivatives] for i in (0, 1))
+        if plain and needs.gradients and self.search is None:  # a pending search checks its choice
+            check_reached(gradients, bound, automatic=method.requested is None)
+        activations = {name: layouts[name](a).float() for name, a in recorded.items()}
+        if needs.map_of_input:
+            activations[INPUT] = x.detach().float()
+        return PassRecord(
+            x.detach(), output, bound, scores, activations, gradients, curvatures, layouts, picture.canvas, geometry
+        )
+
+    def _gradients(
+        self,
+        recorder: ActivationGradientRecorder,
+        rescore: Callable[[Any], Tensor],
+        score: Tensor,
+        x: Tensor,
+        more: bool,
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """The gradient of one summed score at each layer, shaped like the layer's output (laid out as a map by the
+        caller), and at the input for a method that takes it there; the whole network's graph, which that needs, is
+        kept only when ``more`` scores follow. Second: each layer's Hessian-vector product, for a method that asks
+        for it (else empty)."""
+        found, curved = {}, {}
+        if self.needs.gradients:
+            raw = self.method.layer_gradients(recorder, score, rescore)
+            if self.needs.curvature:
+                curved = dict(recorder.curvature(raw))
+            found = {name: g.detach() for name, g in raw.items()}
+        if self.needs.input_gradient:
+            found[INPUT] = torch.autograd.grad(score, x, retain_graph=more or self.needs.gradients)[0]
+        return found, curved
+
+    def views(self) -> list[tuple[bool, float]]:
+        """The (flip, scale) of each view of the input the call averages over: the plain one first."""
+        if not self.method.aug_smooth:
+            return [PLAIN_VIEW]
+        return [PLAIN_VIEW] + [(flip, s) for s in AUG_SCALES for flip in (False, True) if (flip, s) != PLAIN_VIEW]
+
+    def averaged(self, images: Tensor, plain: PassRecord) -> list[Tensor]:
+        """Each layer's (N, K, h, w) maps averaged over the call's passes: the plain pass, its flipped and rescaled
+        views (``aug_smooth``), each as ``smooth_samples`` noisy copies (the plain pass then only binds). Averaged
+        as the method's ``smooth_statistic`` says: the maps' mean, the mean of their squares, or their variance."""
+        samples, statistic = self.method.smooth_samples, self.method.smooth_statistic
+        total: list[Tensor] = []
+        squares: list[Tensor] = []
+        passes = 0
+        for flip, scale in self.views():
+            for _ in range(max(1, samples)):
+                if (flip, scale) == PLAIN_VIEW and not samples:
+                    recorded = plain
+                else:
+                    seen = _augment(images, flip, scale)
+                    recorded = self.record(self._noisy(seen) if samples else seen, plain.bound)
+                maps = self.maps(recorded)
+                if self.method.aug_smooth:
+                    maps = [_deaugment(m, flip, images.shape[2:]) for m in maps]
+                total = maps if not total else [t + m for t, m in zip(total, maps)]
+                if statistic != "mean":
+                    squares = [m * m for m in maps] if not squares else [q + m * m for q, m in zip(squares, maps)]
+                passes += 1
+        means = [t / passes for t in total]
+        if statistic == "mean":
+            return means
+        mean_squares = [q / passes for q in squares]
+        return mean_squares if statistic == "square" else [q - m * m for q, m in zip(mean_squares, means)]
+
+    def _noisy(self, x: Tensor) -> Tensor:
+        """x plus Gaussian noise of the method's ``smooth_sigma`` times each image's value range."""
+        axes = tuple(range(1, x.dim()))
+        spread = x.amax(dim=axes, keepdim=True) - x.amin(dim=axes, keepdim=True)
+        noise = torch.randn(x.shape, device=x.device, generator=self.generator)
+        return x + self.method.smooth_sigma * spread * noise
+
+    def maps(self, recorded: PassRecord) -> list[Tensor]:
+        """Each layer's (N, K, h, w) maps of one recorded pass: the method's formula per layer and target."""
+        canvas, x = recorded.canvas, recorded.x
+
+        def to_input(maps: Tensor) -> Tensor:
+            return upsample(canvas.crop(maps) if canvas else maps, x.shape[2:])
+
+        maps, shared = [], {}
+        for name, module in self.layers:
+            per_target = []
+            for k, (gradients, curvatures) in enumerate(zip(recorded.gradients, recorded.curvatures)):
+                gradient, curvature = gradients.get(name), curvatures.get(name)
+                capture = Capture(
+                    x=x,
+                    activations=recorded.activations[name],
+                    gradients=None if gradient is None else gradient.float(),
+                    name=name,
+                    module=module,
+                    scores=recorded.scores[:, k].detach(),
+                    target=recorded.bound,
+                    k=k,
+                    to_input=to_input,
+                    curvature=None if curvature is None else curvature.float(),
+                    generator=self.generator,
+                    model_kwargs=self.model_kwargs,
+                    shared=shared,
+                    layout=recorded.layouts.get(name),
+                    geometry=recorded.geometry,
+                )
+                per_target.append(self.method.compute(capture))
+            stacked = torch.stack(per_target, dim=1)
+            maps.append(canvas.crop(stacked) if canvas and module is not None else stacked)
+        return maps
