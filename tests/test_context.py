@@ -184,11 +184,12 @@ def test_a_first_call_equals_the_second_and_the_traced_one(method: str) -> None:
     torch.testing.assert_close(first, traced)
 
 
-@pytest.mark.parametrize("method", ["gradcam", "cam", "scorecam", "integrated_gradients"])
-def test_a_first_call_at_the_automatic_layer_equals_the_second_and_the_traced_one(method: str) -> None:
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("method", ["gradcam", "gradcampp", "cam", "scorecam", "integrated_gradients"])
+def test_a_first_call_at_the_automatic_layer_equals_the_second_and_the_traced_one(method: str, batch: int) -> None:
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=5).eval()
-    first, second, traced = _three_calls(model, torch.randn(2, 3, 64, 64), method, None, [1, 2])
+    first, second, traced = _three_calls(model, torch.randn(batch, 3, 64, 64), method, None, [1, 2][:batch])
     torch.testing.assert_close(first, second)
     torch.testing.assert_close(first, traced)
 
@@ -232,14 +233,15 @@ def _hf_vit() -> nn.Module:
     return transformers.ViTForImageClassification(config)
 
 
+@pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_layer_a_first_call_settles_is_the_full_searchs(family: str) -> None:
-    """A first call settles the automatic layer from the gradients its own pass records at the last candidates;
-    the search over every candidate with its own probe (find_auto_layers, on a copy) finds the same layer, and the
-    call's maps are those of that layer given."""
+def test_the_layer_a_first_call_settles_is_the_full_searchs(family: str, batch: int) -> None:
+    """A first call settles the automatic layer from the gradients its own pass records at the last candidates
+    (of one image: the trace's own forward, run with autograd); the search over every candidate with its own probe
+    (find_auto_layers, on a copy) finds the same layer, and the call's maps are those of that layer given."""
     torch.manual_seed(0)
     model = FAMILIES[family]().eval()
-    x = torch.randn(2, 3, 112, 112) if family == "swin" else torch.randn(2, 3, 64, 64)
+    x = torch.randn(batch, 3, 112, 112) if family == "swin" else torch.randn(batch, 3, 64, 64)
     searched = explain.find_auto_layers(copy.deepcopy(model), x, target=3)
     result = explain.GradCAM(model)(x, 3)
     assert result.layer == "+".join(searched)
@@ -351,3 +353,28 @@ def test_each_family_is_found_from_what_the_model_holds() -> None:
     assert [f.name for f in families_of(encoder)] == ["sequences (transformers)"]
     convs = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(inplace=True))
     assert families_of(convs) == ()
+
+
+@pytest.mark.parametrize("family", ["resnet18", "vit"])
+def test_a_first_call_of_one_image_at_the_automatic_layer_runs_one_forward(family: str) -> None:
+    """The trace's own forward, run with autograd, is the call's pass: one forward, then the same maps as a model
+    whose layer is known (a second call runs one forward too)."""
+    torch.manual_seed(0)
+    model = FAMILIES[family]().eval()
+    x = torch.randn(1, 3, 64, 64)
+    found: list[explain.CAMResult] = []
+    assert _forwards(model, lambda: found.append(explain.GradCAM(model)(x, 3))) == [1]
+    assert _forwards(model, lambda: found.append(explain.GradCAM(model)(x, 3))) == [1]
+    torch.testing.assert_close(found[0].cams, found[1].cams)
+    assert found[0].layer == found[1].layer == explain.find_auto_layers(copy.deepcopy(model), x, target=3)[0]
+
+
+def test_a_candidate_changed_in_place_is_not_read_from_the_traced_forward() -> None:
+    """ResNet's last block adds its shortcut to its last batch norm's output in place: that output as the trace saw
+    it is gone, so the candidates before it are left to the search; the layer and maps are those of a known model."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=5).eval()
+    x = torch.randn(1, 3, 64, 64)
+    first = explain.GradCAM(model)(x, 2)
+    assert first.layer == "layer4"
+    torch.testing.assert_close(first.cams, explain.GradCAM(copy.deepcopy(model), "layer4")(x, 2).cams)

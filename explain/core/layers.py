@@ -16,9 +16,9 @@ from ..errors import LayerError, TargetError
 from ..targets import BoundTarget, Target, TargetLike, as_target, bound_on
 from ..targets.base import read_output
 from .context import input_signature, target_kind
-from .detectors import canvas_recorded
+from .families import Picture, picture_recorded
 from .hooks import Hooks, layer_entry, output_entry, with_entry
-from .layouts import Geometry, Layout, find_layout, grid_fits, grids_recorded
+from .layouts import Geometry, Layout, find_layout, grid_fits
 from .model_state import eval_mode, frozen_parameters, model_context
 from .op_trace import Observed, OpTrace
 
@@ -169,8 +169,11 @@ class _Recorder:
     """What the trace's module hooks record: each module's start, its outputs' infos and, with ``content``, their
     fingerprints on the image (pass 0) and on noise (pass 1); the operations are watched by :attr:`ops`."""
 
-    def __init__(self, x: Tensor, modules: Mapping[str, nn.Module], content: bool) -> None:
-        self.image, self.content, self.passes = x[:1], content, 0
+    def __init__(
+        self, x: Tensor, modules: Mapping[str, nn.Module], content: bool, kept: TracedForward | None = None
+    ) -> None:
+        self.image = x[:1] if kept is None else kept.image
+        self.content, self.passes, self.kept = content, 0, kept
         self.ops = OpTrace(partial(grid_fits, size=tuple(x.shape[2:])), rank=x.dim() - 2)
         self.ops.free_modules = {name for name, module in modules.items() if next(module.parameters(), None) is None}
         self.infos: dict[str, LayerInfo] = {}
@@ -219,9 +222,11 @@ class _Recorder:
             label, kind, shape, 1, start=self.starts[name], finish=next(self.clock), alias=alias
         )
         if shape is not None:
+            if self.kept is not None:
+                self.kept.outputs[label] = (value, value._version)
             self.ops.watch(label, value)
             self.ops.produced(label, value)
-            if is_probabilities(value):
+            if is_probabilities(value.detach()):
                 self.probabilities.add(label)
 
     def varies(self, label: str) -> bool | None:
@@ -242,15 +247,50 @@ def trace_layers(
     an image of noise, to tell which outputs depend on the image (else ``varies`` is None). The model is left as
     it was.
     """
+    return _traced(model, x, model_kwargs, content, None)
+
+
+@dataclass
+class TracedForward:
+    """The trace's forward of one image, run with autograd from the image: a call's own pass where its batch is
+    that image.
+
+    Attributes:
+        image: The image the model saw, which requires grad.
+        output: The model's output.
+        outputs: Each per-image tensor output by layer name, with its version counter when the module returned it
+            (an output the model changed in place afterwards has a later one).
+        picture: The forward's canvas and patch grid.
+    """
+
+    image: Tensor
+    output: Any
+    outputs: dict[str, tuple[Tensor, int]]
+    picture: Picture
+
+
+def traced_forward(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> TracedForward:
+    """Trace x's first image (see :func:`trace_layers`, without the noise pass) with autograd from the image, so that
+    the gradient of a score of its output reaches every layer's output; the trace is kept in the model's context,
+    as :func:`traced_layers` keeps it. The parameters' flags are the caller's to freeze."""
+    forward = TracedForward(x[:1].detach().requires_grad_(True), None, {}, Picture())
+    infos = _traced(model, x, model_kwargs, False, forward)
+    model_context(model).traces[input_signature(x, model_kwargs)] = {info.name: info for info in infos}
+    return forward
+
+
+def _traced(
+    model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None, content: bool, kept: TracedForward | None
+) -> list[LayerInfo]:
+    """:func:`trace_layers`; with ``kept``, its image's forward runs with autograd and fills ``kept``."""
     modules = {name: module for name, module in model.named_modules() if name}
-    recorder = _Recorder(x, modules, content)
+    recorder = _Recorder(x, modules, content, kept)
     image, kwargs = recorder.image, model_kwargs or {}
     with (
         Hooks() as hooks,
         eval_mode(model),
-        torch.no_grad(),  # not inference mode: a tensor the model caches in its forward (anchors) stays usable
-        canvas_recorded(model) as canvases,
-        grids_recorded(model) as grids,
+        torch.enable_grad() if kept else torch.no_grad(),  # not inference mode: a tensor the model caches in its
+        picture_recorded(model) as picture,  # forward (anchors) stays usable
     ):
         for name, module in modules.items():
             hooks.forward_pre(module, partial(recorder.started, name), with_kwargs=True)
@@ -258,14 +298,18 @@ def trace_layers(
         with recorder.ops:
             output = model(image, **kwargs)
         outputs = recorder.ops.returned(list(_tensors(output)))
+        if kept is not None:
+            kept.output = output
         del output
+        geometry = picture.geometry(image)
         recorder.passes = 1
         recorder.ops.stack.clear()
         if content:
             other = torch.randn(image.shape, generator=torch.Generator().manual_seed(OTHER_IMAGE_SEED)).to(image)
             with recorder.ops.quiet():
                 model(other, **kwargs)
-    geometry = Geometry(canvases[0].size if canvases else tuple(x.shape[2:]), grids[0] if grids else None)
+    if kept is not None:
+        kept.picture.canvases[:], kept.picture.grids[:] = picture.canvases[:1], picture.grids[:1]
     heads = _heads(outputs, recorder.reads_image)
     return [
         _as_map(
@@ -361,6 +405,14 @@ def automatic_key(x: Tensor, model_kwargs: Mapping[str, Any] | None, target: Tar
     return input_signature(x, model_kwargs), target_kind(as_target(target))
 
 
+def knows_layers(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None, target: TargetLike) -> bool:
+    """Whether the model's context holds the automatic layers of a call, or the trace of its input signature."""
+    context = model_context(model)
+    return automatic_key(x, model_kwargs, target) in context.automatic or input_signature(x, model_kwargs) in (
+        context.traces
+    )
+
+
 def auto_layers(
     model: nn.Module,
     x: Tensor,
@@ -452,6 +504,12 @@ def choose_auto_layers(
     return [info.name for info in _towers(chosen or usable)]
 
 
+def declares_layers(model: nn.Module) -> bool:
+    """Whether the model may declare its automatic layers (see :func:`declared_layers`): its ``feature_levels``, or
+    a detector's or segmenter's ``backbone``, whose levels its trace tells."""
+    return bool(getattr(model, "feature_levels", None)) or isinstance(getattr(model, BACKBONE, None), nn.Module)
+
+
 def declared_layers(model: nn.Module, infos: list[LayerInfo]) -> list[str] | None:
     """The automatic layers a model declares (its ``feature_levels``) or a detector's backbone levels (see
     :func:`find_auto_layers`), None for a model whose layer is searched.
@@ -541,9 +599,8 @@ def settle(model: nn.Module, search: PendingSearch, reached: Collection[str]) ->
     context: the last one the score reaches that is no adaptive pool or identity, when it is not an output entry
     standing for another module, nor tokens beside towers on other grids. Every candidate after it was tried, so
     the search over all of them would choose it too. None where they do not decide it."""
-    modules = dict(model.named_modules())
     for info in reversed(search.tried):
-        if info.name not in reached or isinstance(modules[layer_entry(info.name)[0]], _NOT_AUTOMATIC):
+        if info.name not in reached or isinstance(model.get_submodule(layer_entry(info.name)[0]), _NOT_AUTOMATIC):
             continue
         if info.alias is not None or (info.layout.kind == "tokens" and not search.one_grid):
             return None

@@ -269,7 +269,6 @@ class OpTrace(TorchFunctionMode):
         self.rank = rank
         self.stack: list[str] = []
         self.observed = Observed()
-        self._quiet = False
         # id -> (tensor, its mark), and id -> (tensor, its elements' cells) for tokens moved about; held weakly, so
         # that the trace keeps no tensor alive that the model let go
         self._marks: dict[int, tuple[weakref.ref[Tensor], TokenMark]] = {}
@@ -283,12 +282,11 @@ class OpTrace(TorchFunctionMode):
 
     @contextmanager
     def quiet(self) -> Iterator[None]:
-        """For the block, the calls are not watched: the caller's own reading of a tensor tells nothing."""
-        self._quiet, before = True, self._quiet
-        try:
+        """For the block, the calls are not watched: the caller's own reading of a tensor tells nothing. They skip
+        every ``__torch_function__`` (PyTorch's ``DisableTorchFunction``), this mode's included, so that reading
+        costs no dispatch through it."""
+        with torch._C.DisableTorchFunction():
             yield
-        finally:
-            self._quiet = before
 
     def producer(self, output: Tensor) -> str | None:
         """The first layer noted (:meth:`produced`) whose output is this very tensor, or None."""
@@ -499,8 +497,6 @@ class OpTrace(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        if self._quiet:
-            return result
         name = getattr(func, "__name__", "").strip("_")
         if self._outputs:
             self._note_reads(name, args, kwargs, result)

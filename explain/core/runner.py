@@ -29,7 +29,16 @@ from ..targets import BoundTarget, Target, bound_on
 from ..targets.base import spatial_axes
 from .families import PassScope, partial_backward, picture_recorded
 from .hooks import ActivationGradientRecorder, layer_entry
-from .layers import BACKBONE, PendingSearch, auto_layers, pending_search, settle
+from .layers import (
+    BACKBONE,
+    PendingSearch,
+    auto_layers,
+    declares_layers,
+    knows_layers,
+    pending_search,
+    settle,
+    traced_forward,
+)
 from .layouts import Geometry, Layout
 from .maps import INTERPOLATION, Canvas, has_nonzero, normalize_maps, upsample
 from .model_state import running
@@ -217,6 +226,11 @@ def _deaugment(maps: Tensor, flip: bool, size: Sequence[int]) -> Tensor:
     return normalize_maps(maps.flip(-1) if flip else maps, len(size))
 
 
+def _intact(found: tuple[Tensor, int] | None) -> bool:
+    """Whether a traced output is in the image's graph as its module returned it (not changed in place since)."""
+    return found is not None and found[0].requires_grad and found[0]._version == found[1]
+
+
 def check_reached(gradients: list[dict[str, Tensor]], bound: BoundTarget, automatic: bool) -> None:
     """Refuse maps of a gradient that is zero everywhere: they would be flat, a confident picture of nothing.
     The message's way out depends on whether the layers are the automatic ones.
@@ -275,13 +289,24 @@ class PassRunner:
         self.model_kwargs, self.generator, self.goal = model_kwargs, generator, goal
         self.automatic = method.automatic
         self.search: PendingSearch | None = None
-        if self.automatic and self._settles_in_pass():
-            self.search = pending_search(self.model, x, model_kwargs, goal)
+        self.layers: list[tuple[str, nn.Module | None]] = []
+        settles = self.automatic and self._settles_in_pass()
+        fresh = len(x) == 1 and method.reshape is None and not knows_layers(self.model, x, model_kwargs, goal)
+        fresh = fresh and not declares_layers(self.model)
+        self.traced = settles and fresh
+        if not self.traced:
+            self._find_layers(x, settles)
+
+    def _find_layers(self, x: Tensor, settles: bool) -> None:
+        """The call's layers: the last candidates of the automatic layer where the plain pass settles it (see
+        :func:`explain.core.layers.pending_search`), else the method's."""
+        if settles:
+            self.search = pending_search(self.model, x, self.model_kwargs, self.goal)
         if self.search is not None:  # the call's own pass records the last candidates and settles it
             modules = dict(self.model.named_modules())
             self.layers = [(info.name, modules[layer_entry(info.name)[0]]) for info in self.search.tried]
         else:
-            self.layers = method.target_layers(x, model_kwargs, goal)
+            self.layers = self.method.target_layers(x, self.model_kwargs, self.goal)
 
     def _settles_in_pass(self) -> bool:
         """Whether the plain pass can settle the automatic layer: a method whose pass takes the plain gradient at
@@ -294,7 +319,13 @@ class PassRunner:
         """The pass over the input as given (see :meth:`record`). Automatic layers kept from an earlier call that
         the score no longer reaches (the model's forward changed in a way its structure does not show, or this
         target reaches other layers than that call's) are searched again for this call, once; the error stands if
-        the search finds them again."""
+        the search finds them again. A call of one image on a model whose layers it knows nothing of runs the trace's
+        own forward as its plain pass (see :meth:`_traced_pass`)."""
+        if self.traced:
+            traced = self._traced_pass(x)
+            if traced is not None:
+                return traced
+            self._find_layers(x, settles=True)
         try:
             recorded = self.record(x, self.goal, plain=True)
         except LayerError:
@@ -306,6 +337,46 @@ class PassRunner:
             self.layers = layers
             return self.record(x, self.goal, plain=True)
         return recorded if self.search is None else self._settled(recorded, x)
+
+    def _traced_pass(self, x: Tensor) -> PassRecord | None:
+        """The plain pass of one image as the trace's own forward, run with autograd from the image (see
+        :func:`explain.core.layers.traced_forward`): the trace finds the last candidates, their gradients settle the
+        automatic layer (see :func:`explain.core.layers.settle`), and its activation and gradient are the pass's.
+        None where the candidates do not settle it, or where the model changed a candidate's output in place after
+        returning it: the trace is kept, and the call's pass runs as for a known model."""
+        traced = traced_forward(self.model, x, self.model_kwargs)
+        search = pending_search(self.model, x, self.model_kwargs, self.goal)
+        if search is None:
+            return None
+        intact = [info for info in search.tried if _intact(traced.outputs.get(info.name))]
+        while intact and intact[0] is not search.tried[len(search.tried) - len(intact)]:
+            intact.pop(0)  # the candidates after the last one changed in place: every later one is tried
+        if not intact:
+            return None
+        search = replace(search, tried=intact)
+        leaves = [traced.outputs[info.name][0] for info in intact]
+        with running(self.model):
+            bound = bound_on(self.goal, traced.output, self.method.labels)
+            scores = target_scores(bound, traced.output, x)
+            count = scores.shape[1]
+            found = [
+                torch.autograd.grad(scores[:, k].sum(), leaves, retain_graph=k < count - 1, allow_unused=True)
+                for k in range(count)
+            ]
+        laid = [{info.name: info.layout(g) for info, g in zip(intact, by_k) if g is not None} for by_k in found]
+        chosen = settle(self.model, search, {name for by_k in laid for name, g in by_k.items() if has_nonzero(g)})
+        if chosen is None:
+            return None
+        self.layers = [(chosen, self.model.get_submodule(layer_entry(chosen)[0]))]
+        layout = next(info.layout for info in intact if info.name == chosen)
+        activation = layout(traced.outputs[chosen][0].detach())
+        gradients = [{chosen: by_k.get(chosen, torch.zeros_like(activation))} for by_k in laid]
+        check_reached(gradients, bound, automatic=True)
+        picture = traced.picture
+        return PassRecord(
+            x.detach(), traced.output, bound, scores, {chosen: activation.float()}, gradients, [{} for _ in laid],
+            {chosen: layout}, picture.canvas, picture.geometry(x),
+        )  # fmt: skip
 
     def _settled(self, recorded: PassRecord, x: Tensor) -> PassRecord:
         """The plain pass at the automatic layer its last candidates' gradients settle (see
