@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -15,7 +17,7 @@ from PIL import Image
 
 import explain
 from explain.io.images import load_image, to_tensor
-from explain.models import load_model
+from explain.models import cache, load_model
 
 
 def predict(spec: explain.ModelSpec, image: Image.Image) -> torch.Tensor:
@@ -196,11 +198,16 @@ def test_bad_checkpoints_and_labels(tmp_path) -> None:
 
 
 def test_unknown_model_suggests_names() -> None:
-    with pytest.raises(explain.ModelLoadError, match="did you mean: resnet50"):
+    with pytest.raises(explain.ModelLoadError, match="did you mean: resnet50") as caught:
         load_model("resnet05")
+    assert len(str(caught.value)) < 400  # a few close names and the forms --model takes, not all 130 names
+    assert "timm/NAME" in str(caught.value) and "FILE.py:NAME" in str(caught.value)
+    with pytest.raises(explain.ModelLoadError, match=r"^unknown model 'blorp'; --model takes efficientnet_lite0"):
+        load_model("blorp")
 
 
 def test_missing_imagenet_weights_name_the_offline_options(monkeypatch, tmp_path) -> None:
+    """Online (the host answers) but the download fails: the error names the ways out."""
     asked = []
 
     def offline(url, *args, **kwargs):
@@ -208,7 +215,109 @@ def test_missing_imagenet_weights_name_the_offline_options(monkeypatch, tmp_path
         raise urllib.error.URLError("no network")
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # an empty cache
+    monkeypatch.setattr(cache, "reachable", lambda host: True)
     monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
     with pytest.raises(explain.ModelLoadError, match=r"efficientnet_lite0.*--weights"):
         load_model("resnet18")
     assert asked and asked[0].endswith(".pth")
+
+
+def _no_network(monkeypatch) -> list[tuple]:
+    """Every connection the process tries, refused and recorded; and the download clients failing the test."""
+    tried: list[tuple] = []
+
+    def refused(address, *args, **kwargs):
+        tried.append(address)
+        raise OSError("no network")
+
+    def downloaded(*args, **kwargs):
+        raise AssertionError("a download was tried")
+
+    import huggingface_hub
+
+    monkeypatch.setattr(socket, "create_connection", refused)
+    monkeypatch.setattr(torch.hub, "download_url_to_file", downloaded)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", downloaded)
+    return tried
+
+
+@pytest.mark.parametrize("name", ["timm/resnet18", "resnet18"])
+def test_weights_not_cached_on_an_offline_machine_are_one_line_at_once(name, monkeypatch, tmp_path) -> None:
+    """No retries of the download clients: one probe of the weights' host, then the error naming the ways out."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    tried = _no_network(monkeypatch)
+    with pytest.raises(explain.ModelLoadError) as caught:
+        load_model(name)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"{name}: its pretrained weights")
+    assert "not in the local cache" in message and "--weights FILE" in message and "efficientnet_lite0" in message
+    host = "huggingface.co" if name.startswith("timm/") else "download.pytorch.org"
+    assert tried == [(host, 443)]
+
+
+def test_an_offline_hub_client_is_not_even_probed(monkeypatch, tmp_path) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tried = _no_network(monkeypatch)
+    with pytest.raises(explain.ModelLoadError, match=r"huggingface\.co cannot be reached"):
+        load_model("timm/resnet18")
+    assert tried == []
+
+
+def test_the_command_line_says_one_line_for_uncached_hub_weights(tmp_path) -> None:
+    """As a new user meets it: nothing of the Hub client's, one line of explain's, a failing exit code."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "TORCH_HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "explain", str(CAT), "--model", "timm/resnet18", "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert done.stderr.startswith("explain: error: timm/resnet18: its pretrained weights (timm/resnet18.a1_in1k")
+    assert not (tmp_path / "out").exists()
+
+
+def test_timm_weights_in_the_hub_cache_load_without_a_network_call(monkeypatch, tmp_path) -> None:
+    """A Hub cache laid out as the Hub's client lays it out (refs/main naming the snapshot), holding random weights:
+    they are the model's, read without any connection."""
+    import timm
+    from huggingface_hub import constants
+    from safetensors.torch import save_file
+
+    config = timm.models.get_pretrained_cfg("mobilenetv3_small_050")
+    repo = tmp_path / "hub" / f"models--{config.hf_hub_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    torch.manual_seed(3)
+    saved = timm.create_model("mobilenetv3_small_050").state_dict()
+    save_file({key: value.contiguous() for key, value in saved.items()}, snapshot / "model.safetensors")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    tried = _no_network(monkeypatch)
+    spec = load_model("timm/mobilenetv3_small_050")
+    assert tried == []
+    loaded = spec.model.state_dict()
+    assert all(torch.equal(loaded[key], value) for key, value in saved.items())
+
+
+def test_torchvision_weights_in_torchs_cache_load_without_a_network_call(monkeypatch, tmp_path) -> None:
+    weights = torchvision.models.get_model_weights("mobilenet_v3_small").DEFAULT
+    (tmp_path / "hub" / "checkpoints").mkdir(parents=True)
+    torch.manual_seed(4)
+    saved = torchvision.models.mobilenet_v3_small().state_dict()
+    torch.save(saved, tmp_path / "hub" / "checkpoints" / weights.url.rsplit("/", 1)[1])
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    tried = _no_network(monkeypatch)
+    spec = load_model("mobilenet_v3_small")
+    assert tried == []
+    assert all(torch.equal(spec.model.state_dict()[key], value) for key, value in saved.items())

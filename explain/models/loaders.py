@@ -10,11 +10,13 @@ from functools import partial
 from importlib import resources
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlparse
 
 import torch
 from PIL import Image
 
 from ..errors import ModelLoadError, first_line
+from .cache import HUB_HOST, check_online, timm_cached, torch_cached
 from .checkpoints import fit_checkpoint, lite0_state_to_timm, load_strictly, read_state_dict
 from .names import BUNDLED_MODEL as BUNDLED
 from .names import DEFAULT_MODEL, USER_MODEL, is_user_model
@@ -36,6 +38,12 @@ def _torchvision_tasks() -> dict[str, Task | Literal["video"]]:
         "video": models.video,
     }  # fmt: skip
     return {name: task for task, module in modules.items() for name in models.list_models(module=module)}
+
+
+MODEL_FORMS = (
+    f"--model takes {BUNDLED} (bundled, offline), a torchvision model's name (explain.models.available_models() lists "
+    "them), timm/NAME, a YOLO .pt or .yaml file, or FILE.py:NAME"
+)
 
 
 def available_models() -> list[str]:
@@ -84,9 +92,9 @@ def load_model(
         return _finished(_load_yolo(name, weights), labels, device)
     tasks = {BUNDLED: "classification"} if name == BUNDLED else {BUNDLED: "classification", **_torchvision_tasks()}
     if name not in tasks:  # the bundled model needs no torchvision
-        close = difflib.get_close_matches(name, list(tasks), n=5, cutoff=0.5)
-        hint = f"; did you mean: {', '.join(close)}" if close else f"; choose from: {', '.join(tasks)}"
-        raise ModelLoadError(f"unknown model {name!r}{hint}")
+        close = difflib.get_close_matches(name, list(tasks), n=3, cutoff=0.5)
+        hint = f"did you mean: {', '.join(close)}? " if close else ""
+        raise ModelLoadError(f"unknown model {name!r}; {hint}{MODEL_FORMS}")
     spec = _load_efficientnet_lite0(weights) if name == BUNDLED else _load_torchvision(name, tasks[name], weights)
     return _finished(spec, labels, device)
 
@@ -180,6 +188,8 @@ def _load_torchvision(name: str, task: Task | Literal["video"], weights: str | P
     default = torchvision.models.get_model_weights(name).DEFAULT
     known = list(default.meta["categories"])
     if weights is None:
+        if torch_cached(default.url) is None:
+            check_online(name, default.url, urlparse(default.url).hostname or "")
         try:
             model = torchvision.models.get_model(name, weights=default)
         except (OSError, RuntimeError) as err:  # no network, or an unreadable cached file
@@ -244,9 +254,13 @@ def _load_timm(name: str, weights: str | Path | None) -> ModelSpec:
         hint = f"; did you mean: {', '.join(TIMM_PREFIX + c for c in close)}" if close else ""
         raise ModelLoadError(f"unknown timm model {architecture!r}{hint}")
     if weights is None:
+        cached, source, host = timm_cached(architecture)
+        if cached is None:
+            check_online(name, source, host, hub=host == HUB_HOST)
+        overlay = None if cached is None else {"file": str(cached)}  # read from the cache, no network call
         try:
-            model = timm.create_model(architecture, pretrained=True)
-        except Exception as err:  # no network and no cached file, or a tag without weights
+            model = timm.create_model(architecture, pretrained=True, pretrained_cfg_overlay=overlay)
+        except Exception as err:  # a cached file that cannot be read, or the download failing midway
             raise ModelLoadError(
                 f"cannot get the pretrained weights of {name} (offline and not in timm's cache? {first_line(err)}); "
                 f"use --weights FILE (a state_dict for {architecture}), or --model {BUNDLED} for the bundled model"
