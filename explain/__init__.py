@@ -38,6 +38,8 @@ _EXPORTS = {
     "candidate_layers": "core.layers",
     "find_auto_layers": "core.layers",
     "ModelSpec": "models.spec",
+    "AnswerMaps": "methods.answers",
+    "explain_answer": "methods.answers",
     "load_model": "models.loaders",
     "figure": "io.render",
     "overlay": "io.render",

@@ -1,8 +1,10 @@
 """Models: the spec that pairs a network with its preprocessing, class names and task (``spec.py``); loading by
 name (``loaders.py``); users' checkpoints (``checkpoints.py``); the bundled EfficientNet-Lite0
 (``efficientnet_lite0.py``); object-query detectors and segmenters answering as torchvision's
-(``query_models.py``); Ultralytics YOLO answering as torchvision's detectors (``yolo.py``); the names the command
-line takes (``names.py``, read without torch). Each public name below is imported from its module on first use.
+(``query_models.py``); vision-language models reading fixed text (``vision_language.py``); Ultralytics YOLO
+answering as torchvision's detectors (``yolo.py``); the names the command line takes (``names.py``, read without
+torch); pretrained weights from the local cache first (``cache.py``). Each public name below is imported from its
+module on first use.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ _EXPORTS = {
     "SignalPreprocessing": "spec",
     "Task": "spec",
     "VolumePreprocessing": "spec",
+    "VisionLanguage": "vision_language",
+    "generate_answer": "vision_language",
     "YoloDetector": "yolo",
     "load_yolo": "yolo",
 }

@@ -3,7 +3,8 @@
 ``base.py`` holds the protocol (:class:`Target` binds on a call's plain pass into a :class:`BoundTarget`, which
 scores any later pass); ``classification.py`` a classifier's classes, regression values and embedding
 similarities; ``segmentation.py`` a segmenter's regions; ``detection.py`` a detector's boxes and an instance
-segmenter's instances; ``shorthand.py`` what an int, a name, a sequence or a callable stands for.
+segmenter's instances; ``language.py`` the tokens of a language model's answer; ``shorthand.py`` what an int, a
+name, a sequence or a callable stands for.
 """
 
 from .base import (
@@ -20,6 +21,7 @@ from .base import (
 )
 from .classification import ClassScore, ClassTarget, ContrastTarget, RegressionTarget, SimilarityTarget, TopK
 from .detection import DetectionTarget, InstanceTarget, box_iou
+from .language import TokenTarget
 from .segmentation import SegmentationTarget
 from .shorthand import as_target
 
@@ -37,6 +39,7 @@ __all__ = [
     "SimilarityTarget",
     "Target",
     "TargetLike",
+    "TokenTarget",
     "TopK",
     "as_target",
     "bound_on",

@@ -1,0 +1,100 @@
+"""What a vision-language model says, word by word: the map of every token of its answer, from one forward over
+the prompt and the answer (teacher forcing) and one backward per token."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..core.layers import LayerSpec
+from ..core.result import CAMResult
+from ..errors import ExplainError
+from ..models.vision_language import VisionLanguage, generate_answer
+from ..targets.language import TokenTarget
+
+
+@dataclass(frozen=True)
+class AnswerMaps:
+    """The maps of an answer, one per token.
+
+    Attributes:
+        prompt: The prompt's token ids (P,), its image tokens included.
+        answer: The answer's token ids (A,): generated (greedy), or given.
+        words: Each answer token as text, where a decode was given; else its id as text.
+        maps: Each token's map over the image (A, H, W), normalized.
+        result: The call's result: ``result.probabilities`` holds each token's probability given what precedes
+            it, ``result.layer`` the layer.
+        whole: The map of the whole answer (the sum of its tokens' log-probabilities), (H, W), where asked.
+    """
+
+    prompt: Tensor
+    answer: Tensor
+    words: list[str]
+    maps: Tensor
+    result: CAMResult
+    whole: Tensor | None = None
+
+
+def explain_answer(
+    model: nn.Module,
+    pixel_values: Tensor,
+    input_ids: Tensor,
+    *,
+    answer: Tensor | Sequence[int] | None = None,
+    attention_mask: Tensor | None = None,
+    max_new_tokens: int = 16,
+    decode: Callable[[int], str] | None = None,
+    method: str = "gradcam",
+    layer: LayerSpec = None,
+    whole: bool = False,
+    **options: Any,
+) -> AnswerMaps:
+    """Explain each token of a vision-language model's answer to a prompt about one image.
+
+    The answer is the model's own (greedy, at most ``max_new_tokens``), or the one given. Each token's score is
+    its log-probability given the image, the prompt and the answer before it, all tokens scored in one forward
+    over the whole sequence; the K axis of the call holds the tokens (see :class:`explain.targets.TokenTarget`).
+
+    Args:
+        model: A HuggingFace image-text-to-text model (LLaVA 1.5 and its kind, see
+            :mod:`explain.models.vision_language`), left as it was.
+        pixel_values: The image as the model's processor prepares it, (1, 3, H, W).
+        input_ids: The prompt as the model's processor builds it, (1, P), its image tokens included.
+        answer: The answer's token ids to explain instead of the model's own.
+        attention_mask: The prompt's attention mask, or None.
+        max_new_tokens: The longest answer generated.
+        decode: Turns a token id into its text (a tokenizer's ``decode``), for ``words``.
+        method: Any method that takes a target (``explain.METHODS``).
+        layer: The layer (None: the automatic one, the last map of the image before the language model).
+        whole: Also map the whole answer.
+        **options: The method's options.
+
+    Raises:
+        ExplainError: More than one image, an empty answer, or a model of no supported kind.
+    """
+    from . import create_method
+
+    if pixel_values.dim() != 4 or len(pixel_values) != 1 or input_ids.reshape(-1, input_ids.shape[-1]).shape[0] != 1:
+        raise ExplainError(
+            "explain_answer explains one image and one prompt: pixel_values (1, 3, H, W), input_ids (1, P)"
+        )
+    prompt = input_ids.reshape(-1)
+    if answer is None:
+        answer = generate_answer(model, prompt[None], pixel_values, attention_mask, max_new_tokens)
+    answer = torch.as_tensor(answer, device=prompt.device).reshape(-1)
+    if not len(answer):
+        raise ExplainError("the answer is empty: nothing to explain (the model ended at once; give answer=)")
+    sequence = torch.cat([prompt, answer])
+    mask = None if attention_mask is None else torch.cat([attention_mask.reshape(-1), torch.ones_like(answer)])
+    reader = VisionLanguage(model, sequence[None], None if mask is None else mask[None])
+    positions = range(len(prompt), len(sequence))
+    explainer = create_method(method, reader, layer, **options)
+    result = explainer(pixel_values, TokenTarget(sequence, positions))
+    maps = result.cams.reshape(len(answer), *result.cams.shape[-2:])
+    total = explainer(pixel_values, TokenTarget(sequence, positions, "sum")).cams[0] if whole else None
+    words = [decode(int(token)) if decode else str(int(token)) for token in answer]
+    return AnswerMaps(prompt, answer, words, maps, result, total)

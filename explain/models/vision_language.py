@@ -1,0 +1,124 @@
+"""Vision-language models (HuggingFace image-text-to-text) as explain explains them: a model reading fixed text,
+whose forward takes the image and returns the logits over that text.
+
+Supported: LLaVA (1.5) and the models built as it is, a vision tower whose tokens a ``multi_modal_projector``
+brings into the language model's sequence at the positions of the model's image token. The positions come from
+the text's own tokens (the config's image token id), checked at every forward against the count of tokens the
+projector produced: a mismatch is an error, never a guess.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..core.hooks import Hooks
+from ..errors import ExplainError
+
+PROJECTOR = "multi_modal_projector"  # LLaVA's: the vision tokens as the language model reads them
+
+
+def image_token_id(model: nn.Module) -> int:
+    """The id of the token that stands for one vision token in the model's text (its config's).
+
+    Raises:
+        ExplainError: The config names none: not a model of the supported kind.
+    """
+    config = getattr(model, "config", None)
+    for key in ("image_token_id", "image_token_index"):
+        found = getattr(config, key, None)
+        if isinstance(found, int):
+            return found
+    raise ExplainError(
+        f"{type(model).__name__} names no image token in its config (image_token_id / image_token_index): explain "
+        "explains vision-language models that put the image's tokens into the text (LLaVA 1.5 and its kind)"
+    )
+
+
+def projector(model: nn.Module) -> nn.Module:
+    """The module that brings the vision tokens into the language model's sequence.
+
+    Raises:
+        ExplainError: The model has none under the name explain knows.
+    """
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == PROJECTOR:
+            return module
+    raise ExplainError(
+        f"{type(model).__name__} has no {PROJECTOR}: explain reads the vision tokens' count there (LLaVA 1.5 and "
+        "models built as it is)"
+    )
+
+
+class VisionLanguage(nn.Module):
+    """A vision-language model reading fixed text: ``forward(pixel_values)`` returns the logits over the text.
+
+    Args:
+        model: A HuggingFace image-text-to-text model (``LlavaForConditionalGeneration``), left as it was.
+        input_ids: The text the model reads, (1, T), with one image token per vision token, as the model's
+            processor builds it (prompt and answer).
+        attention_mask: Its attention mask, or None.
+
+    Raises:
+        ExplainError: The model is of no supported kind, or the text holds no image token.
+    """
+
+    def __init__(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.image_token = image_token_id(model)
+        self.projector = projector(model)
+        self.input_ids = input_ids.reshape(1, -1)
+        self.attention_mask = attention_mask
+        self.image_tokens = int((self.input_ids == self.image_token).sum())
+        if not self.image_tokens:
+            raise ExplainError(
+                f"the text holds no image token (id {self.image_token}): build it with the model's processor, "
+                "which puts one per vision token where the prompt says <image>"
+            )
+
+    def forward(self, pixel_values: Tensor) -> Tensor:
+        """The logits (N, T, vocabulary) of the text, given each image of ``pixel_values``.
+
+        Raises:
+            ExplainError: The vision tower made another number of tokens than the text has image tokens.
+        """
+        ids = self.input_ids.to(pixel_values.device).expand(len(pixel_values), -1)
+        mask = None if self.attention_mask is None else self.attention_mask.to(pixel_values.device).expand_as(ids)
+        with Hooks() as hooks:
+            hooks.forward(self.projector, lambda module, inputs, output: self._check(output, len(pixel_values)))
+            return self.model(input_ids=ids, pixel_values=pixel_values, attention_mask=mask, use_cache=False).logits
+
+    def _check(self, projected: Tensor, images: int) -> None:
+        """The vision tokens the projector made must be the text's image tokens, one for one."""
+        made = projected.shape[:-1].numel() // images
+        if made != self.image_tokens:
+            raise ExplainError(
+                f"the vision tower made {made} tokens per image, but the text holds {self.image_tokens} image "
+                f"tokens (id {self.image_token}): build the text with the model's own processor, for an image of the "
+                "size it expects"
+            )
+
+
+def generate_answer(
+    model: nn.Module,
+    input_ids: Tensor,
+    pixel_values: Tensor,
+    attention_mask: Tensor | None = None,
+    max_new_tokens: int = 16,
+) -> Tensor:
+    """The model's greedy answer to a prompt about one image: the new tokens' ids (A,), an end of sequence left
+    out. The model is left as it was."""
+    from ..core.model_state import untouched
+
+    with untouched(model), torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids, pixel_values=pixel_values, attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens, do_sample=False,
+        )  # fmt: skip
+    answer = out[0, input_ids.shape[-1] :]
+    end = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ends = {end} if isinstance(end, int) else set(end or ())
+    while len(answer) and int(answer[-1]) in ends:
+        answer = answer[:-1]
+    return answer

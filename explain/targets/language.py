@@ -1,0 +1,76 @@
+"""Targets of a language model's output: the tokens of an answer, each scored by its log-probability given the
+image, the prompt and the answer before it (teacher forcing: one forward over the whole sequence)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from ..errors import TargetError
+from .base import BoundTarget, OutputPicker, Target
+
+
+class TokenTarget(Target):
+    r"""Tokens of the sequence a causal language model reads, as targets.
+
+    The score of the token :math:`y_p` at position :math:`p` is its log-probability given everything before it,
+    :math:`\log \mathrm{softmax}(z_{p-1})_{y_p}`, where :math:`z_{p-1}` are the output's logits at position
+    :math:`p - 1` (the model predicts position :math:`p` there). One forward over the whole sequence scores every
+    token at once.
+
+    Args:
+        tokens: The token ids of the sequence the model reads (prompt and answer), (T,) or (1, T).
+        positions: Where the explained tokens are in it (each at least 1).
+        combine: ``"each"``: one map per token, the K axis in their order (a word by word strip); ``"sum"``: one
+            map of their summed log-probabilities (the whole answer, or a span of words).
+        output: See :class:`Target` (default: the output's ``logits``).
+
+    Raises:
+        TargetError: No position, or a position outside the sequence or at its first token.
+    """
+
+    def __init__(
+        self,
+        tokens: Tensor | Sequence[int],
+        positions: Sequence[int],
+        combine: Literal["each", "sum"] = "each",
+        *,
+        output: OutputPicker = None,
+    ) -> None:
+        super().__init__(output)
+        self.tokens = torch.as_tensor(tokens).reshape(-1)
+        self.positions = [int(p) for p in positions]
+        if combine not in ("each", "sum"):
+            raise TargetError(f"combine must be 'each' or 'sum', got {combine!r}")
+        if not self.positions or not all(1 <= p < len(self.tokens) for p in self.positions):
+            raise TargetError(
+                f"positions {self.positions} must be at least one, each from 1 to {len(self.tokens) - 1}: a token is "
+                "scored by the logits before it, so the sequence's first token has no score"
+            )
+        self.combine = combine
+
+    def log_probabilities(self, output: Any) -> Tensor:
+        """Each explained token's log-probability in every row of an output (rows, K), K tokens."""
+        logits = self.read(output)
+        if logits.dim() != 3 or logits.shape[1] != len(self.tokens):
+            raise TargetError(
+                f"the model's logits are {tuple(logits.shape)}, not (N, {len(self.tokens)}, vocabulary) over the "
+                f"{len(self.tokens)} tokens the target scores: give the target the sequence the model reads"
+            )
+        before = torch.tensor([p - 1 for p in self.positions], device=logits.device)
+        tokens = self.tokens.to(logits.device)[torch.tensor(self.positions, device=logits.device)]
+        read = logits[:, before].float().log_softmax(dim=-1)  # (rows, K, vocabulary)
+        return read.gather(2, tokens.view(1, -1, 1).expand(len(read), -1, 1))[..., 0]
+
+    def bind(self, output: Any, labels: Sequence[str] | None) -> BoundTarget:
+        found = self.log_probabilities(output).detach()
+
+        def score(out: Any, images: Tensor) -> Tensor:
+            values = self.log_probabilities(out)
+            return values.sum(dim=1, keepdim=True) if self.combine == "sum" else values
+
+        probabilities = found.sum(dim=1, keepdim=True).exp() if self.combine == "sum" else found.exp()
+        return BoundTarget(score=score, probabilities=probabilities, keeps_k=self.combine == "each")

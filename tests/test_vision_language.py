@@ -1,0 +1,137 @@
+"""Vision-language models word by word: a tiny random LLaVA, each answer token's map against Grad-CAM written here
+from hooks and autograd (the grid from the config), the vision tokens' places checked by a planted token, the
+count of image tokens checked, and the model left as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import explain
+from explain.models import VisionLanguage, generate_answer
+from explain.targets import TokenTarget
+
+transformers = pytest.importorskip("transformers")
+
+IMAGE, PATCH, IMAGE_TOKEN = 32, 8, 99
+GRID = IMAGE // PATCH  # 4 x 4 vision tokens, the class token dropped by LLaVA's "default" selection
+
+
+def tiny_llava() -> torch.nn.Module:
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=IMAGE,
+        patch_size=PATCH, projection_dim=32,
+    )  # fmt: skip
+    text = transformers.LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN)
+    torch.manual_seed(0)
+    return transformers.LlavaForConditionalGeneration(config).eval()
+
+
+PROMPT = torch.tensor([[1, 5, 6] + [IMAGE_TOKEN] * GRID**2 + [7, 8]])
+
+
+def image() -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randn(1, 3, IMAGE, IMAGE)
+
+
+def reference(model: torch.nn.Module, x: torch.Tensor, sequence: torch.Tensor, position: int) -> torch.Tensor:
+    """Grad-CAM of one token's log-probability at the projector's output, written out: its 16 tokens on the 4 x 4
+    patch grid, row by row as the patch embedding flattens them."""
+    kept = {}
+    handle = model.model.multi_modal_projector.register_forward_hook(lambda m, i, o: kept.update(a=o))
+    try:
+        logits = model(input_ids=sequence[None], pixel_values=x, use_cache=False).logits
+    finally:
+        handle.remove()
+    score = logits[0, position - 1].log_softmax(-1)[sequence[position]]
+    (gradient,) = torch.autograd.grad(score, kept["a"])
+    activation = kept["a"][0].detach().T.reshape(-1, GRID, GRID)
+    weights = gradient[0].mean(dim=0)
+    cam = torch.relu((weights[:, None, None] * activation).sum(0))
+    cam = F.interpolate(cam[None, None], size=(IMAGE, IMAGE), mode="bilinear", align_corners=False)[0, 0]
+    return (cam - cam.min()) / (cam.max() - cam.min())
+
+
+def test_each_answer_tokens_map_is_grad_cam_of_its_log_probability() -> None:
+    model, x = tiny_llava(), image()
+    found = explain.explain_answer(model, x, PROMPT, max_new_tokens=4)
+    assert torch.equal(found.answer, generate_answer(model, PROMPT, x, max_new_tokens=4))
+    assert found.result.layer == "model.model.multi_modal_projector"  # the last map of the image before the text
+    sequence = torch.cat([PROMPT[0], found.answer])
+    for k, position in enumerate(range(PROMPT.shape[1], len(sequence))):
+        expected = reference(model, x, sequence, position)
+        r = torch.corrcoef(torch.stack([found.maps[k].flatten(), expected.flatten()]))[0, 1]
+        assert r > 0.999
+    probabilities = found.result.probabilities.reshape(-1)
+    logits = model(input_ids=sequence[None], pixel_values=x).logits[0]
+    wanted = [logits[p - 1].softmax(-1)[sequence[p]] for p in range(PROMPT.shape[1], len(sequence))]
+    torch.testing.assert_close(probabilities, torch.stack(wanted).detach())
+
+
+def test_the_whole_answer_is_the_sum_of_its_tokens() -> None:
+    model, x = tiny_llava(), image()
+    answer = torch.tensor([10, 11, 12])
+    found = explain.explain_answer(model, x, PROMPT, answer=answer, whole=True, decode=lambda t: f"w{t}")
+    assert found.words == ["w10", "w11", "w12"] and found.maps.shape == (3, IMAGE, IMAGE)
+    sequence = torch.cat([PROMPT[0], answer])
+    reader = VisionLanguage(model, sequence[None])
+    positions = range(PROMPT.shape[1], len(sequence))
+    summed = explain.GradCAM(reader, "model.model.multi_modal_projector")(x, TokenTarget(sequence, positions, "sum")).cams
+    torch.testing.assert_close(found.whole, summed[0])
+
+
+def test_a_vision_token_lands_on_its_own_cell() -> None:
+    """Only one vision token left non-zero at the projector: the map at the grid's resolution is non-zero at that
+    token's cell alone (row-major patches), whatever the text does with it."""
+    model, x = tiny_llava(), image()
+    token = 6  # row 1, column 2
+    keep = torch.zeros(1, GRID**2, 1)
+    keep[0, token] = 1
+    handle = model.model.multi_modal_projector.linear_2.register_forward_hook(lambda m, i, o: o * keep)
+    try:
+        method = explain.GradCAM(VisionLanguage(model, PROMPT), "model.model.multi_modal_projector")
+        method.relu = False  # the weighted sum itself: its sign at the token's cell is the text's business
+        maps = method(x, TokenTarget(PROMPT[0], [PROMPT.shape[1] - 1]), resize=False, normalize=False).cams[0, 0]
+    finally:
+        handle.remove()
+    assert maps.shape == (GRID, GRID)
+    assert maps[token // GRID, token % GRID] != 0 and torch.count_nonzero(maps) == 1
+
+
+def test_a_text_whose_image_tokens_do_not_match_the_vision_tower_is_refused() -> None:
+    model, x = tiny_llava(), image()
+    short = torch.tensor([[1] + [IMAGE_TOKEN] * (GRID**2 - 1) + [7, 8]])
+    with pytest.raises(explain.ExplainError, match="made 16 tokens per image, but the text holds 15 image tokens"):
+        explain.explain_answer(model, x, short, answer=[5])
+    with pytest.raises(explain.ExplainError, match="the text holds no image token"):
+        VisionLanguage(model, torch.tensor([[1, 2, 3]]))
+    with pytest.raises(explain.TargetError, match="the sequence's first token has no score"):
+        TokenTarget(PROMPT[0], [0])
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_model_is_left_as_it_was(fails: bool) -> None:
+    model, x = tiny_llava(), image()
+    model.model.language_model.layers[0].train()
+    flags = [p.requires_grad for p in model.parameters()]
+    with torch.no_grad():  # transformers installs its own output-capturing hooks at a model's first forward
+        model(input_ids=PROMPT, pixel_values=x)
+    hooks = [(m._forward_hooks.copy(), m._forward_pre_hooks.copy(), m._backward_hooks.copy()) for m in model.modules()]
+    cache = model.config.text_config.use_cache
+    prompt = torch.tensor([[1] + [IMAGE_TOKEN] * 3]) if fails else PROMPT
+    if fails:
+        with pytest.raises(explain.ExplainError):
+            explain.explain_answer(model, x, prompt, answer=[5, 6])
+    else:
+        explain.explain_answer(model, x, prompt, max_new_tokens=2)
+    assert [p.requires_grad for p in model.parameters()] == flags
+    assert all(p.grad is None for p in model.parameters())
+    assert model.model.language_model.layers[0].training and not model.model.vision_tower.training
+    assert model.config.text_config.use_cache == cache
+    assert [(m._forward_hooks, m._forward_pre_hooks, m._backward_hooks) for m in model.modules()] == hooks
