@@ -82,7 +82,8 @@ def test_the_whole_answer_is_the_sum_of_its_tokens() -> None:
     sequence = torch.cat([PROMPT[0], answer])
     reader = VisionLanguage(model, sequence[None])
     positions = range(PROMPT.shape[1], len(sequence))
-    summed = explain.GradCAM(reader, "model.model.multi_modal_projector")(x, TokenTarget(sequence, positions, "sum")).cams
+    method = explain.GradCAM(reader, "model.model.multi_modal_projector")
+    summed = method(x, TokenTarget(sequence, positions, "sum")).cams
     torch.testing.assert_close(found.whole, summed[0])
 
 
