@@ -40,6 +40,7 @@ _EXPORTS = {
     "ModelSpec": "models.spec",
     "AnswerMaps": "methods.answers",
     "explain_answer": "methods.answers",
+    "explain_prompts": "methods.answers",
     "load_model": "models.loaders",
     "figure": "io.render",
     "overlay": "io.render",

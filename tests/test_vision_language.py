@@ -136,3 +136,47 @@ def test_the_model_is_left_as_it_was(fails: bool) -> None:
     assert model.model.language_model.layers[0].training and not model.model.vision_tower.training
     assert model.config.text_config.use_cache == cache
     assert [(m._forward_hooks, m._forward_pre_hooks, m._backward_hooks) for m in model.modules()] == hooks
+
+
+def tiny_contrastive(kind: str) -> torch.nn.Module:
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
+    vision |= {"image_size": IMAGE, "patch_size": PATCH}
+    text = {"vocab_size": 50, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    text |= {"num_attention_heads": 2, "max_position_embeddings": 16, "eos_token_id": 2}
+    torch.manual_seed(0)
+    if kind == "clip":
+        config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+        return transformers.CLIPModel(config).eval()
+    return transformers.SiglipModel(transformers.SiglipConfig(text_config=text, vision_config=vision)).eval()
+
+
+@pytest.mark.parametrize(("kind", "layer", "prefix"), [
+    ("clip", "vision_model.encoder.layers.1.layer_norm1", 1),  # the class token read by the last block
+    ("siglip", "vision_model.post_layernorm", 0),  # every token read by the attention-pooling head
+])  # fmt: skip
+def test_each_prompts_map_is_grad_cam_of_the_images_logit_against_it(kind: str, layer: str, prefix: int) -> None:
+    model = tiny_contrastive(kind)
+    torch.manual_seed(2)
+    x, prompts = torch.randn(2, 3, IMAGE, IMAGE), torch.tensor([[1, 5, 6, 2], [1, 7, 8, 2], [1, 9, 2, 0]])
+    found = explain.explain_prompts(model, x, prompts, prompts=["a cat", "a dog", "a mat"])
+    assert found.layer == f"model.{layer}" and found.cams.shape == (2, 3, IMAGE, IMAGE)
+    for k in range(3):
+        kept = {}
+        handle = model.get_submodule(layer).register_forward_hook(lambda m, i, o: kept.update(a=o))
+        try:
+            logits = model(input_ids=prompts, pixel_values=x).logits_per_image
+        finally:
+            handle.remove()
+        torch.testing.assert_close(found.scores[:, k], logits[:, k].detach())
+        (gradient,) = torch.autograd.grad(logits[:, k].sum(), kept["a"])
+        a, g = (t[:, prefix:].transpose(1, 2).reshape(2, -1, GRID, GRID) for t in (kept["a"].detach(), gradient))
+        cam = torch.relu((g.mean(dim=(2, 3))[..., None, None] * a).sum(1))
+        cam = F.interpolate(cam[:, None], size=(IMAGE, IMAGE), mode="bilinear", align_corners=False)[:, 0]
+        for n in range(2):
+            r = torch.corrcoef(torch.stack([found.cams[n, k].flatten(), cam[n].flatten()]))[0, 1]
+            assert r > 0.999
+
+
+def test_a_model_without_a_text_tower_takes_no_prompts() -> None:
+    with pytest.raises(explain.ExplainError, match="has no text tower"):
+        explain.explain_prompts(torch.nn.Conv2d(3, 4, 3), image(), torch.tensor([[1, 2]]))

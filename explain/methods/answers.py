@@ -1,5 +1,5 @@
-"""What a vision-language model says, word by word: the map of every token of its answer, from one forward over
-the prompt and the answer (teacher forcing) and one backward per token."""
+"""What vision-language models see: the map of every token of an answer, from one forward over the prompt and the
+answer (teacher forcing) and one backward per token; and the map of every text prompt of a CLIP-style model."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from torch import Tensor, nn
 from ..core.layers import LayerSpec
 from ..core.result import CAMResult
 from ..errors import ExplainError
-from ..models.vision_language import VisionLanguage, generate_answer
+from ..models.vision_language import TextPrompts, VisionLanguage, generate_answer
+from ..targets.classification import ClassesTarget
 from ..targets.language import TokenTarget
 
 
@@ -98,3 +99,37 @@ def explain_answer(
     total = explainer(pixel_values, TokenTarget(sequence, positions, "sum")).cams[0] if whole else None
     words = [decode(int(token)) if decode else str(int(token)) for token in answer]
     return AnswerMaps(prompt, answer, words, maps, result, total)
+
+
+def explain_prompts(
+    model: nn.Module,
+    pixel_values: Tensor,
+    input_ids: Tensor,
+    *,
+    prompts: Sequence[str] | None = None,
+    attention_mask: Tensor | None = None,
+    method: str = "gradcam",
+    layer: LayerSpec = None,
+    **options: Any,
+) -> CAMResult:
+    """Map each text prompt on each image of a contrastive image-text model (CLIP, SigLIP).
+
+    The score of a prompt is the model's logit of the image against it (its scaled similarity); every prompt's
+    map comes from one forward, in the order given (the K axis).
+
+    Args:
+        model: HuggingFace's ``CLIPModel``, ``SiglipModel`` or their kind (see
+            :class:`explain.models.vision_language.TextPrompts`), left as it was.
+        pixel_values: The images as the model's processor prepares them, (N, 3, H, W).
+        input_ids: The prompts as the model's tokenizer builds them, (prompts, L).
+        prompts: The prompts' texts, the result's labels.
+        attention_mask: The prompts' attention mask, or None.
+        method: Any method that takes a target (``explain.METHODS``).
+        layer: The layer (None: the automatic one).
+        **options: The method's options.
+    """
+    from . import create_method
+
+    labels = list(prompts) if prompts is not None else [f"prompt {i}" for i in range(len(input_ids))]
+    explainer = create_method(method, TextPrompts(model, input_ids, attention_mask), layer, labels=labels, **options)
+    return explainer(pixel_values, ClassesTarget(range(len(labels))))

@@ -31,6 +31,7 @@ _EXPORTS = {
     "SignalPreprocessing": "spec",
     "Task": "spec",
     "VolumePreprocessing": "spec",
+    "TextPrompts": "vision_language",
     "VisionLanguage": "vision_language",
     "generate_answer": "vision_language",
     "YoloDetector": "yolo",

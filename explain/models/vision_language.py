@@ -1,5 +1,9 @@
-"""Vision-language models (HuggingFace image-text-to-text) as explain explains them: a model reading fixed text,
-whose forward takes the image and returns the logits over that text.
+"""Vision-language models as explain explains them: a model reading fixed text, whose forward takes the image.
+
+- :class:`VisionLanguage`: a HuggingFace image-text-to-text model, its logits over the text (its answer's tokens
+  are the targets, see :class:`explain.targets.TokenTarget`).
+- :class:`TextPrompts`: a contrastive image-text model (CLIP, SigLIP), the image's logits against each prompt,
+  as a classifier's scores (the prompts are its classes).
 
 Supported: LLaVA (1.5) and the models built as it is, a vision tower whose tokens a ``multi_modal_projector``
 brings into the language model's sequence at the positions of the model's image token. The positions come from
@@ -98,6 +102,37 @@ class VisionLanguage(nn.Module):
                 f"tokens (id {self.image_token}): build the text with the model's own processor, for an image of the "
                 "size it expects"
             )
+
+
+class TextPrompts(nn.Module):
+    """A contrastive image-text model with fixed prompts: ``forward(pixel_values)`` returns each image's logits
+    against each prompt (N, prompts), which explain explains as a classifier's scores.
+
+    Args:
+        model: HuggingFace's ``CLIPModel``, ``SiglipModel`` or a model answering as they do (``logits_per_image``),
+            left as it was.
+        input_ids: The prompts as the model's tokenizer builds them, (prompts, L).
+        attention_mask: Their attention mask, or None.
+
+    Raises:
+        ExplainError: The model has no text tower (no ``get_text_features``).
+    """
+
+    def __init__(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None) -> None:
+        super().__init__()
+        if not callable(getattr(model, "get_text_features", None)):
+            raise ExplainError(
+                f"{type(model).__name__} has no text tower (get_text_features): text prompts need a contrastive "
+                "image-text model such as CLIPModel or SiglipModel"
+            )
+        self.model, self.input_ids, self.attention_mask = model, input_ids, attention_mask
+
+    def forward(self, pixel_values: Tensor) -> Tensor:
+        """The logits (N, prompts) of each image against each prompt."""
+        device = pixel_values.device
+        mask = None if self.attention_mask is None else self.attention_mask.to(device)
+        out = self.model(input_ids=self.input_ids.to(device), pixel_values=pixel_values, attention_mask=mask)
+        return out.logits_per_image
 
 
 def generate_answer(

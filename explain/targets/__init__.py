@@ -19,7 +19,15 @@ from .base import (
     ragged,
     read_output,
 )
-from .classification import ClassScore, ClassTarget, ContrastTarget, RegressionTarget, SimilarityTarget, TopK
+from .classification import (
+    ClassesTarget,
+    ClassScore,
+    ClassTarget,
+    ContrastTarget,
+    RegressionTarget,
+    SimilarityTarget,
+    TopK,
+)
 from .detection import DetectionTarget, InstanceTarget, box_iou
 from .language import TokenTarget
 from .segmentation import SegmentationTarget
@@ -30,6 +38,7 @@ __all__ = [
     "CallableTarget",
     "ClassScore",
     "ClassTarget",
+    "ClassesTarget",
     "ContrastTarget",
     "DetectionTarget",
     "InstanceTarget",

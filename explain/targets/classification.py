@@ -99,6 +99,31 @@ class TopK(ClassTarget):
         return scores.topk(self.k, dim=1).indices
 
 
+class ClassesTarget(ClassTarget):
+    """The same classes for every image, one map each, in the order given (prompts of a CLIP-style model, say).
+
+    Args:
+        classes: Class indices or names.
+        score: As for :class:`ClassTarget`.
+        output: See :class:`Target`.
+
+    Raises:
+        TargetError: No class given.
+    """
+
+    keeps_k = True
+
+    def __init__(self, classes: Sequence[int | str], score: ClassScore = "logit", *, output: OutputPicker = None):
+        super().__init__(None, score, output=output)
+        self.each = list(classes)
+        if not self.each:
+            raise TargetError("ClassesTarget needs at least one class")
+
+    def indices(self, scores: Tensor, labels: Sequence[str] | None) -> Tensor:
+        chosen = [class_index(c, labels, scores.shape[1]) for c in self.each]
+        return torch.tensor(chosen, device=scores.device).expand(len(scores), -1)
+
+
 class RegressionTarget(Target):
     """A scalar output: (N,), (N, 1) or column ``index`` of (N, D). A one-logit binary classifier is one too.
 
