@@ -160,8 +160,8 @@ def test_each_prompts_map_is_grad_cam_of_the_images_logit_against_it(kind: str, 
     x, prompts = torch.randn(2, 3, IMAGE, IMAGE), torch.tensor([[1, 5, 6, 2], [1, 7, 8, 2], [1, 9, 2, 0]])
     found = explain.explain_prompts(model, x, prompts, prompts=["a cat", "a dog", "a mat"])
     assert found.layer == f"model.{layer}" and found.cams.shape == (2, 3, IMAGE, IMAGE)
+    kept: dict[str, torch.Tensor] = {}
     for k in range(3):
-        kept = {}
         handle = model.get_submodule(layer).register_forward_hook(lambda m, i, o: kept.update(a=o))
         try:
             logits = model(input_ids=prompts, pixel_values=x).logits_per_image
