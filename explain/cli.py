@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
-from .catalog import FUSIONS, METRIC_NAMES, method_table
+from .catalog import FUSIONS, METRIC_NAMES, check_method, method_table
 from .errors import ExplainError
 from .export.inputs import Input, collect_inputs, listed_inputs
 from .export.manifest import check_fresh
@@ -51,8 +51,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _what_to_read(parser.add_argument)
     _how_to_explain(parser.add_argument)
+    _what_to_say(parser.add_argument)
     _what_to_write(parser.add_argument)
     return parser
+
+
+def _what_to_say(add: Callable[..., Any]) -> None:
+    """A vision-language model's text: a prompt to answer, an answer to explain, text prompts to score."""
+    add(
+        "--prompt",
+        help="a question about each image to a vision-language model that answers (--model FOLDER, LLaVA 1.5 and "
+        "its kind): one overlay per word of its answer, and a strip of them all",
+    )
+    add("--answer", help="with --prompt: explain this answer instead of the model's own")
+    add(
+        "--text",
+        help="text prompts, comma-separated, to a contrastive image-text model (--model FOLDER: CLIP, SigLIP): one "
+        "overlay per prompt",
+    )
+    add("--max-new-tokens", type=int, default=16, help="the longest answer generated for --prompt (default 16)")
 
 
 def _what_to_read(add: Callable[..., Any]) -> None:
@@ -352,6 +369,8 @@ def _print_record(record: dict[str, Any], out: Path, quiet: bool) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     """Everything after the arguments are known to be well-formed: inputs, device, model, export."""
+    if args.prompt is not None or args.text is not None or args.answer is not None:
+        return _explain_words(args)
     if args.gallery and not args.inputs and args.from_list is None and args.layers is None:
         return _write_gallery(args.out, args.quiet)  # rebuilt from the manifest alone: no model
     spec = _loaded(args) if is_user_model(args.model) else None  # the user's code says what its model reads
@@ -372,6 +391,41 @@ def _run(args: argparse.Namespace) -> int:
             raise UsageError(f"--sanity-check explains a classifier's class; {spec.name} is a {spec.task} model")
         return _sanity_check(args, spec, inputs, options, device)
     return _export(args, spec, inputs, options, device)
+
+
+def _explain_words(args: argparse.Namespace) -> int:
+    """``--prompt``, ``--answer``, ``--text``: what a vision-language model says or sees in each image, word by
+    word (see :mod:`explain.export.words`)."""
+    from .export.words import WordsRequest, explain_words
+    from .models.text_image import load_text_image_model
+
+    if args.answer is not None and args.prompt is None:
+        raise UsageError("--answer explains an answer to a --prompt: give the prompt too")
+    if args.text is not None and args.prompt is not None:
+        raise UsageError("--prompt asks a model that answers, --text scores prompts with a contrastive one: give one")
+    check_method(args.method)
+    inputs = _check_inputs(args, "image")
+    check_free(args.out)
+    spec = load_text_image_model(args.model, _device(args.device))
+    if spec.answers != (args.prompt is not None):
+        wanted = "--prompt QUESTION" if spec.answers else "--text 'a cat, a remote'"
+        raise UsageError(f"{args.model} {'answers prompts' if spec.answers else 'scores text prompts'}: give {wanted}")
+    texts = [text.strip() for text in (args.text or "").split(",") if text.strip()]
+    if args.text is not None and not texts:
+        raise UsageError("--text holds no prompt: give them comma-separated, as --text 'a cat, a remote'")
+    request = WordsRequest(args.prompt, args.answer, texts, args.max_new_tokens, args.method, args.alpha, args.colormap)
+    report = partial(_print_words, out=args.out, quiet=args.quiet)
+    records = explain_words(spec, inputs, args.out, request, report, overwrite=args.overwrite)
+    return EXIT_SOME_FAILED if any(record["error"] for record in records) else EXIT_OK
+
+
+def _print_words(record: dict[str, Any], out: Path, quiet: bool) -> None:
+    """One image's words, or its error, as the command reports them."""
+    if record["error"]:
+        print(f"explain: error: {record['error']}", file=sys.stderr)
+    elif not quiet:
+        said = record.get("answer") or ", ".join(record.get("texts", ()))
+        print(f"{record['input']}: {said!r} layer={record['layer']} -> {out / record['figure']}")
 
 
 def _loaded(args: argparse.Namespace) -> ModelSpec:

@@ -4,9 +4,18 @@ count of image tokens checked, and the model left as it was."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import CAT, COFFEE
+from PIL import Image
 
 import explain
 from explain.models import VisionLanguage, generate_answer
@@ -180,3 +189,122 @@ def test_each_prompts_map_is_grad_cam_of_the_images_logit_against_it(kind: str, 
 def test_a_model_without_a_text_tower_takes_no_prompts() -> None:
     with pytest.raises(explain.ExplainError, match="has no text tower"):
         explain.explain_prompts(torch.nn.Conv2d(3, 4, 3), image(), torch.tensor([[1, 2]]))
+
+
+# The command line, on folders written by save_pretrained with processors whose tokenizers are built offline.
+
+WORDS = ["<unk>", "<s>", "</s>", "<pad>", "USER:", "ASSISTANT:", "what", "is", "on", "the", "table?", "a", "cat"]
+
+
+def _tokenizer(words: list[str], image_token: str | None = None):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    special = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    extra = {"additional_special_tokens": [image_token]} if image_token else {}
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **special, **extra)
+
+
+@pytest.fixture(scope="module")
+def llava_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("llava")
+    words = WORDS + [f"w{i}" for i in range(len(WORDS), IMAGE_TOKEN)] + ["<image>"]
+    images = transformers.CLIPImageProcessor(size={"shortest_edge": IMAGE}, crop_size={"height": IMAGE, "width": IMAGE})
+    processor = transformers.LlavaProcessor(
+        image_processor=images, tokenizer=_tokenizer(words, "<image>"), patch_size=PATCH,
+        vision_feature_select_strategy="default", image_token="<image>", num_additional_image_tokens=1,
+    )  # fmt: skip
+    tiny_llava().save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def clip_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("clip")
+    images = transformers.CLIPImageProcessor(size={"shortest_edge": IMAGE}, crop_size={"height": IMAGE, "width": IMAGE})
+    words = ["<unk>", "<s>", "</s>", "<pad>", "a", "cat", "remote", "dog"] + [f"w{i}" for i in range(8, 50)]
+    transformers.CLIPProcessor(image_processor=images, tokenizer=_tokenizer(words)).save_pretrained(folder)
+    tiny_contrastive("clip").save_pretrained(folder)
+    return folder
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "manifest.words.jsonl").read_text().splitlines()]
+
+
+def test_the_command_line_writes_one_overlay_per_word_of_the_answer(llava_folder, tmp_path) -> None:
+    from explain.cli import main
+    from explain.io.images import load_image
+    from explain.io.render import overlay
+
+    out = tmp_path / "out"
+    assert main([str(CAT), "--model", str(llava_folder), "--prompt", "what is on the table?",
+                 "--max-new-tokens", "3", "-o", str(out), "--quiet"]) == 0  # fmt: skip
+    (record,) = _records(out)
+    assert record["prompt"] == "what is on the table?" and record["layer"] == "model.model.multi_modal_projector"
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(llava_folder).eval()
+    processor = transformers.AutoProcessor.from_pretrained(llava_folder)
+    image = load_image(CAT)
+    inputs = processor(images=image, text="USER: <image>\nwhat is on the table? ASSISTANT:", return_tensors="pt",
+                       do_center_crop=False, size={"height": IMAGE, "width": IMAGE})  # fmt: skip
+    found = explain.explain_answer(model, inputs["pixel_values"], inputs["input_ids"], max_new_tokens=3)
+    assert [token["text"] for token in record["tokens"]] == [processor.tokenizer.decode([t]) for t in found.answer]
+    assert record["answer"] == processor.tokenizer.decode(found.answer.tolist())
+    for token, cam in zip(record["tokens"], found.maps):
+        written = np.asarray(Image.open(out / token["output"]), dtype=np.int16)
+        assert np.abs(written - np.asarray(overlay(image, cam), dtype=np.int16)).max() <= 1
+    assert (out / record["figure"]).is_file()
+
+
+def test_the_command_line_explains_a_given_answer_and_text_prompts(llava_folder, clip_folder, tmp_path) -> None:
+    from explain.cli import main
+
+    assert main([str(CAT), "--model", str(llava_folder), "--prompt", "what is on the table?", "--answer", "a cat",
+                 "-o", str(tmp_path / "answer"), "--quiet"]) == 0  # fmt: skip
+    (record,) = _records(tmp_path / "answer")
+    assert [token["text"] for token in record["tokens"]] == ["a", "cat"] and record["answer"] == "a cat"
+    assert main([str(CAT), str(COFFEE), "--model", str(clip_folder), "--text", "a cat, a remote",
+                 "-o", str(tmp_path / "texts"), "--quiet"]) == 0  # fmt: skip
+    records = _records(tmp_path / "texts")
+    assert [r["texts"] for r in records] == [["a cat", "a remote"]] * 2
+    assert all((tmp_path / "texts" / t["output"]).is_file() for r in records for t in r["tokens"])
+
+
+def test_the_command_lines_text_errors_are_one_line(llava_folder, clip_folder, tmp_path, capsys) -> None:
+    from explain.cli import main
+
+    bad = tmp_path / "notes.jpg"
+    bad.write_text("not an image")
+    out = tmp_path / "out"
+    assert main([str(CAT), str(bad), "--model", str(clip_folder), "--text", "a cat", "-o", str(out), "--quiet"]) == 1
+    assert [r["error"] is None for r in _records(out)] == [True, False]  # the good image is written all the same
+    assert (
+        main([str(CAT), "--model", str(clip_folder), "--text", "a cat", "-o", str(out), "--quiet"]) == 2
+    )  # not afresh
+    assert main([str(CAT), "--model", str(llava_folder), "--text", "a cat", "-o", str(tmp_path / "b")]) == 2
+    assert main([str(CAT), "--model", str(clip_folder), "--prompt", "what?", "-o", str(tmp_path / "c")]) == 2
+    assert main([str(CAT), "--model", str(llava_folder), "--answer", "a cat", "-o", str(tmp_path / "d")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0] == f"explain: error: {bad}: not an image, or a format Pillow cannot read"
+    assert "holds the words of an earlier run" in lines[1] and "--overwrite" in lines[1]
+    assert lines[2:] == [
+        f"explain: error: {llava_folder} answers prompts: give --prompt QUESTION",
+        f"explain: error: {clip_folder} scores text prompts: give --text 'a cat, a remote'",
+        "explain: error: --answer explains an answer to a --prompt: give the prompt too",
+    ]
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+def test_a_hub_name_that_is_not_cached_is_one_line_without_the_hub_clients_output(tmp_path) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    done = subprocess.run(
+        [sys.executable, "-m", "explain", str(CAT), "--model", "llava-hf/llava-1.5-7b-hf", "--prompt", "hi",
+         "-o", str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("explain: error: llava-hf/llava-1.5-7b-hf is not a folder with a config.json, and is not")
+    assert "save_pretrained" in line and not (tmp_path / "out").exists()

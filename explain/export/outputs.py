@@ -25,7 +25,7 @@ from .manifest import record
 from .settings import RenderOptions
 
 
-def _slug(name: str) -> str:
+def slug(name: str) -> str:
     """A class name as part of a file name: lower case, runs of other characters than letters and digits as '-'."""
     return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split()) or "class"
 
@@ -125,7 +125,7 @@ class OutputWriter:
         if self.task == "detection":
             return f".{method}.box{k + 1}"
         if self.task == "segmentation":
-            return f".{method}.{_slug(class_name)}"
+            return f".{method}.{slug(class_name)}"
         return f".{method}" + (f".top{k + 1}" if self.topk else "")
 
     def paths(

@@ -1,0 +1,181 @@
+"""The command line's maps of what a vision-language model says or sees, for each image: one overlay per word of
+its answer (``--prompt``, or ``--answer`` given) or per text prompt (``--text``), a strip of them all, and a record
+in the run's manifest of words (:data:`MANIFEST`, one JSON line per image).
+
+The image reaches the model whole: its processor resizes it to the model's input size without a centre crop, so
+that every map covers the whole picture it is drawn on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from ..errors import ExplainError, first_line
+from ..io.atomic import write_atomically
+from ..io.images import load_image, save_image
+from ..io.render import grid, overlay
+from ..methods.answers import explain_answer, explain_prompts
+from ..models.text_image import TextImageSpec
+from .inputs import Input
+from .manifest import ResumeError
+from .outputs import slug
+from .ownership import FolderLock
+
+MANIFEST = "manifest.words.jsonl"
+STRIP_COLUMNS = 6  # words per row of the strip figure
+
+
+@dataclass(frozen=True)
+class WordsRequest:
+    """What to explain and how to draw it.
+
+    Attributes:
+        prompt: The question to a model that answers, or None.
+        answer: The answer to explain instead of the model's own, or None.
+        texts: The text prompts of a contrastive model (empty for one that answers).
+        max_new_tokens: The longest answer generated.
+        method: The method's name.
+        alpha: The heatmap's opacity.
+        colormap: The heatmap's colours.
+    """
+
+    prompt: str | None
+    answer: str | None
+    texts: Sequence[str]
+    max_new_tokens: int = 16
+    method: str = "gradcam"
+    alpha: float = 0.5
+    colormap: str = "jet"
+
+
+def explain_words(
+    spec: TextImageSpec,
+    inputs: Sequence[Input],
+    out: Path,
+    request: WordsRequest,
+    report: Callable[[dict[str, Any]], None],
+    overwrite: bool = False,
+) -> list[dict[str, Any]]:
+    """Explain each image, write its files and its record; an image that fails gets its error in its record, and
+    the others go on. The output folder is held for the run (no other run writes there meanwhile).
+
+    Returns:
+        Each image's record, in order.
+
+    Raises:
+        ResumeError: The folder holds an earlier run's words, and ``overwrite`` is not set.
+    """
+    manifest = out / MANIFEST
+    if manifest.is_file() and not overwrite:
+        raise ResumeError(f"{out}: holds the words of an earlier run ({MANIFEST}); add --overwrite to start afresh")
+    lock = FolderLock(out)
+    lock.take()
+    try:
+        manifest.unlink(missing_ok=True)
+        return [_recorded(spec, item, out, request, report) for item in inputs]
+    finally:
+        lock.release()
+
+
+def _recorded(
+    spec: TextImageSpec, item: Input, out: Path, request: WordsRequest, report: Callable[[dict[str, Any]], None]
+) -> dict[str, Any]:
+    """One input explained, its record added to the manifest and reported; its error is its record's."""
+    try:
+        if item.path is None:
+            raise ExplainError(item.error or f"{item.name}: not found")
+        found = _explained_image(spec, item.path, out, item.relative or Path(item.path.stem), request)
+    except ExplainError as err:
+        found = {"input": item.name, "error": first_line(err)}
+    _append(out / MANIFEST, found)
+    report(found)
+    return found
+
+
+def _explained_image(
+    spec: TextImageSpec, path: Path, out: Path, relative: Path, request: WordsRequest
+) -> dict[str, Any]:
+    """One image's maps, written under ``out`` at ``relative`` (its outputs' path without suffix), and its record,
+    which names the files relative to ``out``."""
+    image = load_image(path)
+    words, maps, scores, record = _answer(spec, image, request) if spec.answers else _prompts(spec, image, request)
+    tokens = []
+    for i, (word, cam, score) in enumerate(zip(words, maps, scores)):
+        name = relative.with_name(f"{relative.name}.{i:02d}.{slug(word) or 'token'}.{request.method}.png")
+        save_image(overlay(image, cam, request.alpha, request.colormap), out / name)
+        tokens.append({"index": i, "text": word, "score": round(score, 6), "output": str(name)})
+    strip = relative.with_name(f"{relative.name}.words.{request.method}.png")
+    panels = {f"{i} {word}": cam for i, (word, cam) in enumerate(zip(words, maps))}
+    title = f"{path.name} · {request.method} · {record.get('answer') or ', '.join(words)}"
+    columns = min(STRIP_COLUMNS, len(panels) + 1)
+    save_image(grid(image, panels, title, request.alpha, request.colormap, columns=columns), out / strip)
+    return {"input": str(path), "model": spec.name, "method": request.method, **record, "tokens": tokens,
+            "figure": str(strip), "error": None}  # fmt: skip
+
+
+def _answer(
+    spec: TextImageSpec, image: Image.Image, request: WordsRequest
+) -> tuple[list[str], torch.Tensor, list[float], dict[str, Any]]:
+    """The answer's words, their maps, their probabilities and what the record says of them."""
+    processor, device = spec.processor, next(spec.model.parameters()).device
+    inputs = processor(images=image, text=_prompt_text(processor, request.prompt or ""), return_tensors="pt",
+                       **_whole_image(processor)).to(device)  # fmt: skip
+    answer = None
+    if request.answer is not None:
+        answer = processor.tokenizer(request.answer, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    found = explain_answer(
+        spec.model, inputs["pixel_values"], inputs["input_ids"], answer=answer,
+        attention_mask=inputs.get("attention_mask"), max_new_tokens=request.max_new_tokens,
+        decode=lambda token: processor.tokenizer.decode([token]), method=request.method,
+    )  # fmt: skip
+    probabilities = found.result.probabilities.reshape(-1).tolist()
+    text = processor.tokenizer.decode(found.answer.tolist())
+    record = {"prompt": request.prompt, "answer": text, "layer": found.result.layer}
+    return found.words, found.maps, probabilities, record
+
+
+def _prompts(
+    spec: TextImageSpec, image: Image.Image, request: WordsRequest
+) -> tuple[list[str], torch.Tensor, list[float], dict[str, Any]]:
+    """The text prompts, their maps, the image's logit against each, and what the record says of them."""
+    processor, device = spec.processor, next(spec.model.parameters()).device
+    texts = list(request.texts)
+    inputs = processor(text=texts, images=image, return_tensors="pt", padding=True, **_whole_image(processor))
+    inputs = inputs.to(device)
+    result = explain_prompts(
+        spec.model, inputs["pixel_values"], inputs["input_ids"], prompts=texts,
+        attention_mask=inputs.get("attention_mask"), method=request.method,
+    )  # fmt: skip
+    return texts, result.cams[0], result.scores[0].tolist(), {"texts": texts, "layer": result.layer}
+
+
+def _prompt_text(processor: Any, prompt: str) -> str:
+    """The prompt as the model reads it: through the processor's chat template where it has one, else as LLaVA
+    1.5 was trained (``USER: <image>\\n... ASSISTANT:``)."""
+    if getattr(processor, "chat_template", None):
+        turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+        return processor.apply_chat_template(turn, add_generation_prompt=True)
+    return f"USER: {getattr(processor, 'image_token', '<image>')}\n{prompt} ASSISTANT:"
+
+
+def _whole_image(processor: Any) -> dict[str, Any]:
+    """The processor's options that resize the whole image to the model's input, without a centre crop."""
+    images = getattr(processor, "image_processor", None)
+    crop = getattr(images, "crop_size", None)
+    if not getattr(images, "do_center_crop", False) or crop is None:
+        return {}
+    return {"do_center_crop": False, "size": {"height": crop["height"], "width": crop["width"]}}
+
+
+def _append(manifest: Path, record: dict[str, Any]) -> None:
+    """Add one record to the manifest, whole: the file is rewritten atomically with the new line."""
+    before = manifest.read_text(encoding="utf-8") if manifest.is_file() else ""
+    line = json.dumps(record, ensure_ascii=False) + "\n"
+    write_atomically(manifest, lambda temp: temp.write_text(before + line, encoding="utf-8"))

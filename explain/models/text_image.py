@@ -1,0 +1,90 @@
+"""Vision-language models by name: a folder written by ``save_pretrained``, or a Hugging Face Hub name found in the
+local cache (never downloaded here: a name that is not cached is one line that names the way out).
+
+Two kinds, told from the model's config: a model that answers (its config names an image token: LLaVA 1.5 and its
+kind), and a contrastive model (a text tower beside the vision tower: CLIP, SigLIP).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ModelLoadError, first_line
+
+
+@dataclass(frozen=True)
+class TextImageSpec:
+    """A vision-language model with its processor.
+
+    Attributes:
+        model: The model, in eval mode, on its device.
+        processor: Its processor (images and text in, the model's inputs out).
+        name: Its folder or Hub name.
+        answers: Whether it answers prompts (else it scores text prompts against the image).
+    """
+
+    model: nn.Module
+    processor: Any
+    name: str
+    answers: bool
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[Any]:
+    """For the block, ``transformers`` without its progress bars and its warnings (errors are raised anyway)."""
+    try:
+        import transformers
+    except ImportError:
+        raise ModelLoadError("vision-language models need transformers: pip install transformers") from None
+    logging = transformers.utils.logging
+    level, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield transformers
+    finally:
+        logging.set_verbosity(level)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def is_text_image_model(name: str) -> bool:
+    """Whether ``name`` is a folder holding a HuggingFace model's config (``config.json``)."""
+    return (Path(name) / "config.json").is_file()
+
+
+def load_text_image_model(name: str, device: str | torch.device = "cpu") -> TextImageSpec:
+    """Load a vision-language model and its processor from a folder, or from the Hub's local cache.
+
+    Raises:
+        ModelLoadError: Not a folder and not in the cache, a model of another kind, or files that cannot be read.
+    """
+    with _quiet_transformers() as transformers:
+        try:
+            config = transformers.AutoConfig.from_pretrained(name, local_files_only=True)
+        except (OSError, ValueError) as err:
+            where = "is not a folder with a config.json" if not Path(name).is_dir() else "holds no readable config"
+            raise ModelLoadError(
+                f"{name} {where}, and is not in the Hugging Face cache ({first_line(err)}): save the model with "
+                "save_pretrained into a folder and give --model FOLDER, or download it once where there is network"
+            ) from None
+        answers = any(isinstance(getattr(config, key, None), int) for key in ("image_token_id", "image_token_index"))
+        load = transformers.AutoModelForImageTextToText if answers else transformers.AutoModel
+        try:
+            model = load.from_pretrained(name, local_files_only=True)
+            processor = transformers.AutoProcessor.from_pretrained(name, local_files_only=True)
+        except (OSError, ValueError, KeyError) as err:
+            raise ModelLoadError(f"{name}: cannot load its model and processor: {first_line(err)}") from None
+    if not answers and not callable(getattr(model, "get_text_features", None)):
+        raise ModelLoadError(
+            f"{name} is a {type(model).__name__}: --prompt needs a model that answers (LLaVA 1.5 and its kind), "
+            "--text a contrastive image-text model (CLIP, SigLIP)"
+        )
+    return TextImageSpec(model.eval().to(device), processor, name, answers)
