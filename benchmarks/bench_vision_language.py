@@ -52,7 +52,7 @@ def main() -> None:
     prompt = [1, 306, 4966, 29901, *[IMAGE_TOKEN] * 256, 1724, 338, 373, 278, 1591, 29973]
     sequence = torch.tensor(prompt + torch.randint(100, 31000, (ANSWER,)).tolist())
     positions = list(range(len(prompt), len(sequence)))
-    reader = VisionLanguage(model, sequence[None])
+    reader = VisionLanguage(model, {"input_ids": sequence[None]})
     method = explain.GradCAM(reader)
     for parameter in model.parameters():
         parameter.requires_grad_(False)

@@ -69,8 +69,8 @@ def reference(model: torch.nn.Module, x: torch.Tensor, sequence: torch.Tensor, p
 
 def test_each_answer_tokens_map_is_grad_cam_of_its_log_probability() -> None:
     model, x = tiny_llava(), image()
-    found = explain.explain_answer(model, x, PROMPT, max_new_tokens=4)
-    assert torch.equal(found.answer, generate_answer(model, PROMPT, x, max_new_tokens=4))
+    found = explain.explain_answer(model, {"pixel_values": x, "input_ids": PROMPT}, max_new_tokens=4)
+    assert torch.equal(found.answer, generate_answer(model, x, {"input_ids": PROMPT}, max_new_tokens=4)[0])
     assert found.result.layer == "model.model.multi_modal_projector"  # the last map of the image before the text
     sequence = torch.cat([PROMPT[0], found.answer])
     for k, position in enumerate(range(PROMPT.shape[1], len(sequence))):
@@ -86,10 +86,11 @@ def test_each_answer_tokens_map_is_grad_cam_of_its_log_probability() -> None:
 def test_the_whole_answer_is_the_sum_of_its_tokens() -> None:
     model, x = tiny_llava(), image()
     answer = torch.tensor([10, 11, 12])
-    found = explain.explain_answer(model, x, PROMPT, answer=answer, whole=True, decode=lambda t: f"w{t}")
+    inputs = {"pixel_values": x, "input_ids": PROMPT}
+    found = explain.explain_answer(model, inputs, answer=answer, whole=True, decode=lambda t: f"w{t}")
     assert found.words == ["w10", "w11", "w12"] and found.maps.shape == (3, IMAGE, IMAGE)
     sequence = torch.cat([PROMPT[0], answer])
-    reader = VisionLanguage(model, sequence[None])
+    reader = VisionLanguage(model, {"input_ids": sequence[None]})
     positions = range(PROMPT.shape[1], len(sequence))
     method = explain.GradCAM(reader, "model.model.multi_modal_projector")
     summed = method(x, TokenTarget(sequence, positions, "sum")).cams
@@ -105,7 +106,7 @@ def test_a_vision_token_lands_on_its_own_cell() -> None:
     keep[0, token] = 1
     handle = model.model.multi_modal_projector.linear_2.register_forward_hook(lambda m, i, o: o * keep)
     try:
-        method = explain.GradCAM(VisionLanguage(model, PROMPT), "model.model.multi_modal_projector")
+        method = explain.GradCAM(VisionLanguage(model, {"input_ids": PROMPT}), "model.model.multi_modal_projector")
         method.relu = False  # the weighted sum itself: its sign at the token's cell is the text's business
         maps = method(x, TokenTarget(PROMPT[0], [PROMPT.shape[1] - 1]), resize=False, normalize=False).cams[0, 0]
     finally:
@@ -114,13 +115,79 @@ def test_a_vision_token_lands_on_its_own_cell() -> None:
     assert maps[token // GRID, token % GRID] != 0 and torch.count_nonzero(maps) == 1
 
 
+def tiny_paligemma() -> torch.nn.Module:
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=IMAGE,
+        patch_size=PATCH,
+    )  # fmt: skip
+    text = transformers.GemmaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
+    )  # fmt: skip
+    config = transformers.PaliGemmaConfig(
+        vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN, projection_dim=32
+    )
+    torch.manual_seed(3)
+    model = transformers.PaliGemmaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # weights large enough that the prefix's full attention changes the answer's scores
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0, 0.5)
+    return model
+
+
+def test_paligemmas_answer_is_scored_with_its_prefix_and_refused_without() -> None:
+    """PaliGemma's prompt attends to itself both ways (its token types mark the prefix): with the processor's
+    token_type_ids the explained forward scores the answer as generation did, and its maps are Grad-CAM's; without
+    them the scores differ, and the call is refused rather than explaining another sequence."""
+    model, x = tiny_paligemma(), image()
+    prompt = torch.tensor([[IMAGE_TOKEN] * GRID**2 + [1, 5, 6, 7]])
+    inputs = {"pixel_values": x, "input_ids": prompt, "token_type_ids": torch.zeros_like(prompt)}
+    found = explain.explain_answer(model, inputs, max_new_tokens=3)
+    assert found.result.layer == "model.model.multi_modal_projector"
+    sequence = torch.cat([prompt[0], found.answer])
+    types = torch.cat([torch.zeros_like(prompt[0]), torch.ones_like(found.answer)])
+    kept = {}
+    handle = model.model.multi_modal_projector.register_forward_hook(lambda m, i, o: kept.update(a=o))
+    try:
+        logits = model(input_ids=sequence[None], pixel_values=x, token_type_ids=types[None], use_cache=False).logits
+    finally:
+        handle.remove()
+    position = prompt.shape[1]
+    (gradient,) = torch.autograd.grad(logits[0, position - 1].log_softmax(-1)[sequence[position]], kept["a"])
+    cam = torch.relu((gradient[0].mean(0)[:, None, None] * kept["a"][0].detach().T.reshape(-1, GRID, GRID)).sum(0))
+    cam = F.interpolate(cam[None, None], size=(IMAGE, IMAGE), mode="bilinear", align_corners=False)[0, 0]
+    assert torch.corrcoef(torch.stack([found.maps[0].flatten(), cam.flatten()]))[0, 1] > 0.999
+    with pytest.raises(explain.ExplainError, match="scores the generated answer otherwise than generation did"):
+        explain.explain_answer(model, {"pixel_values": x, "input_ids": prompt}, max_new_tokens=3)
+
+
+def test_several_methods_take_an_answers_tokens() -> None:
+    """The pixel attributions differentiate through the vision tower to the image: Saliency is the largest
+    absolute gradient of the token's log-probability over the channels, as written here."""
+    model, x = tiny_llava(), image()
+    inputs = {"pixel_values": x, "input_ids": PROMPT}
+    for method in ("gradcampp", "layercam", "integrated_gradients"):
+        found = explain.explain_answer(model, inputs, answer=[10, 11], method=method)
+        assert found.maps.shape == (2, IMAGE, IMAGE) and bool(torch.isfinite(found.maps).all())
+    saliency = explain.explain_answer(model, inputs, answer=[10, 11], method="saliency")
+    sequence = torch.cat([PROMPT[0], torch.tensor([10, 11])])
+    pixels = x.clone().requires_grad_(True)
+    logits = model(input_ids=sequence[None], pixel_values=pixels, use_cache=False).logits[0]
+    position = PROMPT.shape[1] + 1
+    (gradient,) = torch.autograd.grad(logits[position - 1].log_softmax(-1)[11], pixels)
+    expected = gradient[0].abs().amax(dim=0)
+    expected = (expected - expected.min()) / (expected.max() - expected.min())
+    torch.testing.assert_close(saliency.maps[1], expected, rtol=1e-4, atol=1e-4)
+
+
 def test_a_text_whose_image_tokens_do_not_match_the_vision_tower_is_refused() -> None:
     model, x = tiny_llava(), image()
     short = torch.tensor([[1] + [IMAGE_TOKEN] * (GRID**2 - 1) + [7, 8]])
     with pytest.raises(explain.ExplainError, match="made 16 tokens per image, but the text holds 15 image tokens"):
-        explain.explain_answer(model, x, short, answer=[5])
+        explain.explain_answer(model, {"pixel_values": x, "input_ids": short}, answer=[5])
     with pytest.raises(explain.ExplainError, match="the text holds no image token"):
-        VisionLanguage(model, torch.tensor([[1, 2, 3]]))
+        VisionLanguage(model, {"input_ids": torch.tensor([[1, 2, 3]])})
     with pytest.raises(explain.TargetError, match="the sequence's first token has no score"):
         TokenTarget(PROMPT[0], [0])
 
@@ -137,9 +204,9 @@ def test_the_model_is_left_as_it_was(fails: bool) -> None:
     prompt = torch.tensor([[1] + [IMAGE_TOKEN] * 3]) if fails else PROMPT
     if fails:
         with pytest.raises(explain.ExplainError):
-            explain.explain_answer(model, x, prompt, answer=[5, 6])
+            explain.explain_answer(model, {"pixel_values": x, "input_ids": prompt}, answer=[5, 6])
     else:
-        explain.explain_answer(model, x, prompt, max_new_tokens=2)
+        explain.explain_answer(model, {"pixel_values": x, "input_ids": prompt}, max_new_tokens=2)
     assert [p.requires_grad for p in model.parameters()] == flags
     assert all(p.grad is None for p in model.parameters())
     assert model.model.language_model.layers[0].training and not model.model.vision_tower.training
@@ -249,7 +316,7 @@ def test_the_command_line_writes_one_overlay_per_word_of_the_answer(llava_folder
     image = load_image(CAT)
     inputs = processor(images=image, text="USER: <image>\nwhat is on the table? ASSISTANT:", return_tensors="pt",
                        do_center_crop=False, size={"height": IMAGE, "width": IMAGE})  # fmt: skip
-    found = explain.explain_answer(model, inputs["pixel_values"], inputs["input_ids"], max_new_tokens=3)
+    found = explain.explain_answer(model, inputs, max_new_tokens=3)
     assert [token["text"] for token in record["tokens"]] == [processor.tokenizer.decode([t]) for t in found.answer]
     assert record["answer"] == processor.tokenizer.decode(found.answer.tolist())
     for token, cam in zip(record["tokens"], found.maps):

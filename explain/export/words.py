@@ -131,8 +131,7 @@ def _answer(
     if request.answer is not None:
         answer = processor.tokenizer(request.answer, add_special_tokens=False, return_tensors="pt").input_ids[0]
     found = explain_answer(
-        spec.model, inputs["pixel_values"], inputs["input_ids"], answer=answer,
-        attention_mask=inputs.get("attention_mask"), max_new_tokens=request.max_new_tokens,
+        spec.model, dict(inputs), answer=answer, max_new_tokens=request.max_new_tokens,
         decode=lambda token: processor.tokenizer.decode([token]), method=request.method,
     )  # fmt: skip
     probabilities = found.result.probabilities.reshape(-1).tolist()

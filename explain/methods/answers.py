@@ -3,7 +3,7 @@ answer (teacher forcing) and one backward per token; and the map of every text p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from ..core.layers import LayerSpec
 from ..core.result import CAMResult
 from ..errors import ExplainError
-from ..models.vision_language import TextPrompts, VisionLanguage, generate_answer
+from ..models.vision_language import TextPrompts, VisionLanguage, generate_answer, with_answer
 from ..targets.classification import ClassesTarget
 from ..targets.language import TokenTarget
 
@@ -40,13 +40,14 @@ class AnswerMaps:
     whole: Tensor | None = None
 
 
+SCORE_TOLERANCE = 1e-3  # the largest difference of a generated token's log-probability, teacher-forced or generated
+
+
 def explain_answer(
     model: nn.Module,
-    pixel_values: Tensor,
-    input_ids: Tensor,
+    inputs: Mapping[str, Tensor],
     *,
     answer: Tensor | Sequence[int] | None = None,
-    attention_mask: Tensor | None = None,
     max_new_tokens: int = 16,
     decode: Callable[[int], str] | None = None,
     method: str = "gradcam",
@@ -59,14 +60,16 @@ def explain_answer(
     The answer is the model's own (greedy, at most ``max_new_tokens``), or the one given. Each token's score is
     its log-probability given the image, the prompt and the answer before it, all tokens scored in one forward
     over the whole sequence; the K axis of the call holds the tokens (see :class:`explain.targets.TokenTarget`).
+    A generated answer's scores in that forward must be those generation gave it: where they differ (the model
+    reads an input the call does not pass), the call is refused.
 
     Args:
-        model: A HuggingFace image-text-to-text model (LLaVA 1.5 and its kind, see
+        model: A HuggingFace image-text-to-text model (LLaVA 1.5, PaliGemma and their kind, see
             :mod:`explain.models.vision_language`), left as it was.
-        pixel_values: The image as the model's processor prepares it, (1, 3, H, W).
-        input_ids: The prompt as the model's processor builds it, (1, P), its image tokens included.
+        inputs: The model's processor's output for one image and one prompt: ``pixel_values`` (1, 3, H, W),
+            ``input_ids`` (1, P) with its image tokens, and ``attention_mask`` and ``token_type_ids`` where it
+            gives them.
         answer: The answer's token ids to explain instead of the model's own.
-        attention_mask: The prompt's attention mask, or None.
         max_new_tokens: The longest answer generated.
         decode: Turns a token id into its text (a tokenizer's ``decode``), for ``words``.
         method: Any method that takes a target (``explain.METHODS``).
@@ -75,30 +78,48 @@ def explain_answer(
         **options: The method's options.
 
     Raises:
-        ExplainError: More than one image, an empty answer, or a model of no supported kind.
+        ExplainError: More than one image, an empty answer, a model of no supported kind, or scores that are not
+            generation's.
     """
     from . import create_method
 
-    if pixel_values.dim() != 4 or len(pixel_values) != 1 or input_ids.reshape(-1, input_ids.shape[-1]).shape[0] != 1:
+    pixel_values, prompt = inputs["pixel_values"], inputs["input_ids"]
+    if pixel_values.dim() != 4 or len(pixel_values) != 1 or prompt.reshape(-1, prompt.shape[-1]).shape[0] != 1:
         raise ExplainError(
             "explain_answer explains one image and one prompt: pixel_values (1, 3, H, W), input_ids (1, P)"
         )
-    prompt = input_ids.reshape(-1)
+    text = {name: value for name, value in inputs.items() if name != "pixel_values"}
+    generated = None
     if answer is None:
-        answer = generate_answer(model, prompt[None], pixel_values, attention_mask, max_new_tokens)
+        answer, generated = generate_answer(model, pixel_values, text, max_new_tokens)
     answer = torch.as_tensor(answer, device=prompt.device).reshape(-1)
     if not len(answer):
         raise ExplainError("the answer is empty: nothing to explain (the model ended at once; give answer=)")
-    sequence = torch.cat([prompt, answer])
-    mask = None if attention_mask is None else torch.cat([attention_mask.reshape(-1), torch.ones_like(answer)])
-    reader = VisionLanguage(model, sequence[None], None if mask is None else mask[None])
-    positions = range(len(prompt), len(sequence))
-    explainer = create_method(method, reader, layer, **options)
+    read = with_answer(text, answer)
+    sequence, positions = read["input_ids"], range(prompt.shape[-1], prompt.shape[-1] + len(answer))
+    explainer = create_method(method, VisionLanguage(model, read), layer, **options)
     result = explainer(pixel_values, TokenTarget(sequence, positions))
+    if generated is not None:
+        _check_generated(result.probabilities.reshape(-1).log(), generated.to(result.probabilities))
     maps = result.cams.reshape(len(answer), *result.cams.shape[-2:])
     total = explainer(pixel_values, TokenTarget(sequence, positions, "sum")).cams[0] if whole else None
     words = [decode(int(token)) if decode else str(int(token)) for token in answer]
-    return AnswerMaps(prompt, answer, words, maps, result, total)
+    return AnswerMaps(prompt.reshape(-1), answer, words, maps, result, total)
+
+
+def _check_generated(scored: Tensor, generated: Tensor) -> None:
+    """The answer's log-probabilities in the explained forward must be generation's.
+
+    Raises:
+        ExplainError: They differ: the forward does not read the text as generation did.
+    """
+    worst = float((scored - generated).abs().max())
+    if worst > SCORE_TOLERANCE * (1 + float(generated.abs().max())):
+        raise ExplainError(
+            f"the explained forward scores the generated answer otherwise than generation did (log-probabilities "
+            f"{worst:.3g} apart): the model reads an input of the prompt that was not given; pass the processor's "
+            "whole output (its attention_mask and token_type_ids too)"
+        )
 
 
 def explain_prompts(

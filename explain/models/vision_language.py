@@ -13,6 +13,8 @@ projector produced: a mismatch is an error, never a guess.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor, nn
 
@@ -58,23 +60,23 @@ class VisionLanguage(nn.Module):
     """A vision-language model reading fixed text: ``forward(pixel_values)`` returns the logits over the text.
 
     Args:
-        model: A HuggingFace image-text-to-text model (``LlavaForConditionalGeneration``), left as it was.
-        input_ids: The text the model reads, (1, T), with one image token per vision token, as the model's
-            processor builds it (prompt and answer).
-        attention_mask: Its attention mask, or None.
+        model: A HuggingFace image-text-to-text model (``LlavaForConditionalGeneration``,
+            ``PaliGemmaForConditionalGeneration``), left as it was.
+        text: The text's inputs as the model's processor builds them, each (1, T): ``input_ids``, with one image
+            token per vision token (prompt and answer), and where the model takes them ``attention_mask`` and
+            ``token_type_ids`` (PaliGemma's prefix of the prompt); passed to every forward.
 
     Raises:
         ExplainError: The model is of no supported kind, or the text holds no image token.
     """
 
-    def __init__(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None) -> None:
+    def __init__(self, model: nn.Module, text: Mapping[str, Tensor]) -> None:
         super().__init__()
         self.model = model
         self.image_token = image_token_id(model)
         self.projector = projector(model)
-        self.input_ids = input_ids.reshape(1, -1)
-        self.attention_mask = attention_mask
-        self.image_tokens = int((self.input_ids == self.image_token).sum())
+        self.text = {name: value.reshape(1, -1) for name, value in text.items()}
+        self.image_tokens = int((self.text["input_ids"] == self.image_token).sum())
         if not self.image_tokens:
             raise ExplainError(
                 f"the text holds no image token (id {self.image_token}): build it with the model's processor, "
@@ -87,11 +89,11 @@ class VisionLanguage(nn.Module):
         Raises:
             ExplainError: The vision tower made another number of tokens than the text has image tokens.
         """
-        ids = self.input_ids.to(pixel_values.device).expand(len(pixel_values), -1)
-        mask = None if self.attention_mask is None else self.attention_mask.to(pixel_values.device).expand_as(ids)
+        n, device = len(pixel_values), pixel_values.device
+        text = {name: value.to(device).expand(n, -1) for name, value in self.text.items()}
         with Hooks() as hooks:
-            hooks.forward(self.projector, lambda module, inputs, output: self._check(output, len(pixel_values)))
-            return self.model(input_ids=ids, pixel_values=pixel_values, attention_mask=mask, use_cache=False).logits
+            hooks.forward(self.projector, lambda module, inputs, output: self._check(output, n))
+            return self.model(**text, pixel_values=pixel_values, use_cache=False).logits
 
     def _check(self, projected: Tensor, images: int) -> None:
         """The vision tokens the projector made must be the text's image tokens, one for one."""
@@ -102,6 +104,30 @@ class VisionLanguage(nn.Module):
                 f"tokens (id {self.image_token}): build the text with the model's own processor, for an image of the "
                 "size it expects"
             )
+
+
+EXTENDED = {"attention_mask": 1, "token_type_ids": 1}  # a per-token input, and its value at the answer's tokens
+
+
+def with_answer(text: Mapping[str, Tensor], answer: Tensor) -> dict[str, Tensor]:
+    """The prompt's text inputs followed by the answer: its ids after the prompt's, the attention mask and the
+    token types (PaliGemma's: 1 after the prefix) continued for it.
+
+    Raises:
+        ExplainError: A per-token input explain cannot continue for the answer.
+    """
+    prompt = text["input_ids"].reshape(-1)
+    found = {"input_ids": torch.cat([prompt, answer.to(prompt)])}
+    for name, value in text.items():
+        if name == "input_ids":
+            continue
+        if name not in EXTENDED:
+            raise ExplainError(
+                f"the text input {name!r} has a value per token, which explain cannot continue for the answer "
+                f"(it continues {', '.join(EXTENDED)})"
+            )
+        found[name] = torch.cat([value.reshape(-1), torch.full_like(answer, EXTENDED[name]).to(value)])
+    return found
 
 
 class TextPrompts(nn.Module):
@@ -136,24 +162,21 @@ class TextPrompts(nn.Module):
 
 
 def generate_answer(
-    model: nn.Module,
-    input_ids: Tensor,
-    pixel_values: Tensor,
-    attention_mask: Tensor | None = None,
-    max_new_tokens: int = 16,
-) -> Tensor:
+    model: nn.Module, pixel_values: Tensor, text: Mapping[str, Tensor], max_new_tokens: int = 16
+) -> tuple[Tensor, Tensor]:
     """The model's greedy answer to a prompt about one image: the new tokens' ids (A,), an end of sequence left
-    out. The model is left as it was."""
+    out, and each one's log-probability as generation scored it (A,). The model is left as it was."""
     from ..core.model_state import untouched
 
     with untouched(model), torch.inference_mode():
         out = model.generate(
-            input_ids=input_ids, pixel_values=pixel_values, attention_mask=attention_mask,
-            max_new_tokens=max_new_tokens, do_sample=False,
+            **text, pixel_values=pixel_values, max_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
+            return_dict_in_generate=True,
         )  # fmt: skip
-    answer = out[0, input_ids.shape[-1] :]
+    answer = out.sequences[0, text["input_ids"].shape[-1] :]
+    scored = torch.stack([step[0].float().log_softmax(-1)[token] for step, token in zip(out.scores, answer)])
     end = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ends = {end} if isinstance(end, int) else set(end or ())
     while len(answer) and int(answer[-1]) in ends:
         answer = answer[:-1]
-    return answer
+    return answer.clone(), scored[: len(answer)].clone()
