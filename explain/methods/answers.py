@@ -83,12 +83,7 @@ def explain_answer(
     """
     from . import create_method
 
-    pixel_values, prompt = inputs["pixel_values"], inputs["input_ids"]
-    if pixel_values.dim() != 4 or len(pixel_values) != 1 or prompt.reshape(-1, prompt.shape[-1]).shape[0] != 1:
-        raise ExplainError(
-            "explain_answer explains one image and one prompt: pixel_values (1, 3, H, W), input_ids (1, P)"
-        )
-    text = {name: value for name, value in inputs.items() if name != "pixel_values"}
+    pixel_values, prompt, text = _one_image(inputs)
     generated = None
     if answer is None:
         answer, generated = generate_answer(model, pixel_values, text, max_new_tokens)
@@ -105,6 +100,20 @@ def explain_answer(
     total = explainer(pixel_values, TokenTarget(sequence, positions, "sum")).cams[0] if whole else None
     words = [decode(int(token)) if decode else str(int(token)) for token in answer]
     return AnswerMaps(prompt.reshape(-1), answer, words, maps, result, total)
+
+
+def _one_image(inputs: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """The image, the prompt's ids and the text's inputs of a processor's output for one image and one prompt.
+
+    Raises:
+        ExplainError: More than one image or prompt.
+    """
+    pixel_values, prompt = inputs["pixel_values"], inputs["input_ids"]
+    if pixel_values.dim() != 4 or len(pixel_values) != 1 or prompt.reshape(-1, prompt.shape[-1]).shape[0] != 1:
+        raise ExplainError(
+            "explain_answer explains one image and one prompt: pixel_values (1, 3, H, W), input_ids (1, P)"
+        )
+    return pixel_values, prompt, {name: value for name, value in inputs.items() if name != "pixel_values"}
 
 
 def _check_generated(scored: Tensor, generated: Tensor) -> None:
