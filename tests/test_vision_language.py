@@ -89,6 +89,8 @@ def test_the_whole_answer_is_the_sum_of_its_tokens() -> None:
     inputs = {"pixel_values": x, "input_ids": PROMPT}
     found = explain.explain_answer(model, inputs, answer=answer, whole=True, decode=lambda t: f"w{t}")
     assert found.words == ["w10", "w11", "w12"] and found.maps.shape == (3, IMAGE, IMAGE)
+    page = found._repr_html_()  # how Jupyter shows it: each word under its map
+    assert page.count("<img") == 3 and all(f"w{t}" in page for t in (10, 11, 12))
     sequence = torch.cat([PROMPT[0], answer])
     reader = VisionLanguage(model, {"input_ids": sequence[None]})
     positions = range(PROMPT.shape[1], len(sequence))

@@ -39,6 +39,17 @@ class AnswerMaps:
     result: CAMResult
     whole: Tensor | None = None
 
+    def captions(self) -> list[str]:
+        """One line per token: its place, its text and its probability given what precedes it."""
+        probabilities = self.result.probabilities.reshape(-1).tolist()
+        return [f"{i}: {word!r} {p:.1%}" for i, (word, p) in enumerate(zip(self.words, probabilities))]
+
+    def _repr_html_(self) -> str:
+        """The answer as a strip of its words, each with its map on the image: how Jupyter shows it."""
+        from ..io.render import html_grid
+
+        return html_grid(self.result.pictures(), self.captions())
+
 
 SCORE_TOLERANCE = 1e-3  # the largest difference of a generated token's log-probability, teacher-forced or generated
 
