@@ -41,6 +41,7 @@ _EXPORTS = {
     "AnswerMaps": "methods.answers",
     "explain_answer": "methods.answers",
     "explain_prompts": "methods.answers",
+    "explain_queries": "methods.answers",
     "load_model": "models.loaders",
     "figure": "io.render",
     "overlay": "io.render",

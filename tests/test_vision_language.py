@@ -377,3 +377,48 @@ def test_a_hub_name_that_is_not_cached_is_one_line_without_the_hub_clients_outpu
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("explain: error: llava-hf/llava-1.5-7b-hf is not a folder with a config.json, and is not")
     assert "save_pretrained" in line and not (tmp_path / "out").exists()
+
+
+def tiny_owl(kind: str) -> torch.nn.Module:
+    text = {"vocab_size": 50, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    text |= {"num_attention_heads": 2, "max_position_embeddings": 16, "eos_token_id": 2}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
+    vision |= {"image_size": IMAGE, "patch_size": PATCH}
+    config, detector = {
+        "owlvit": (transformers.OwlViTConfig, transformers.OwlViTForObjectDetection),
+        "owlv2": (transformers.Owlv2Config, transformers.Owlv2ForObjectDetection),
+    }[kind]
+    torch.manual_seed(0)
+    model = detector(config(text_config=text, vision_config=vision, projection_dim=32)).eval()
+    with torch.no_grad():  # heads as a trained model's: boxes about their patches, scores away from 0 and 1
+        model.box_head.dense2.weight.zero_()
+        model.box_head.dense2.bias.zero_()
+        for parameter in model.class_head.parameters():
+            parameter.normal_(0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["owlvit", "owlv2"])
+def test_each_box_of_a_text_query_is_grad_cam_of_its_score(kind: str) -> None:
+    """Every patch's box above the threshold, explained by the sigmoid of its best query's logit, at the patch
+    embeddings both heads read (the model's layer_norm, 16 tokens on the 4 x 4 grid)."""
+    model, x = tiny_owl(kind), image()
+    queries = torch.tensor([[1, 5, 6, 2], [1, 7, 8, 2]])
+    found = explain.explain_queries(model, x, queries, queries=["a cat", "a dog"], score_threshold=0.4)
+    assert found.layer == "model.layer_norm"
+    kept = {}
+    handle = model.layer_norm.register_forward_hook(lambda m, i, o: kept.update(a=o))
+    try:
+        output = model(input_ids=queries, pixel_values=x)
+    finally:
+        handle.remove()
+    best, query = output.logits[0].sigmoid().max(dim=-1)
+    patches = (best >= 0.4).nonzero()[:, 0]
+    assert found.cams.shape == (1, len(patches), IMAGE, IMAGE) and len(patches) > 1
+    torch.testing.assert_close(found.class_indices[0], query[patches])
+    for k, patch in enumerate(patches.tolist()):
+        (gradient,) = torch.autograd.grad(best[patch], kept["a"], retain_graph=True)
+        a, g = kept["a"][0].detach().T.reshape(-1, GRID, GRID), gradient[0].T.reshape(-1, GRID, GRID)
+        cam = torch.relu((g.mean(dim=(1, 2))[:, None, None] * a).sum(0))
+        cam = F.interpolate(cam[None, None], size=(IMAGE, IMAGE), mode="bilinear", align_corners=False)[0, 0]
+        assert torch.corrcoef(torch.stack([found.cams[0, k].flatten(), cam.flatten()]))[0, 1] > 0.999

@@ -13,8 +13,10 @@ from torch import Tensor, nn
 from ..core.layers import LayerSpec
 from ..core.result import CAMResult
 from ..errors import ExplainError
+from ..models.query_models import TextQueryDetector
 from ..models.vision_language import TextPrompts, VisionLanguage, generate_answer, with_answer
 from ..targets.classification import ClassesTarget
+from ..targets.detection import DetectionTarget
 from ..targets.language import TokenTarget
 
 
@@ -174,3 +176,39 @@ def explain_prompts(
     labels = list(prompts) if prompts is not None else [f"prompt {i}" for i in range(len(input_ids))]
     explainer = create_method(method, TextPrompts(model, input_ids, attention_mask), layer, labels=labels, **options)
     return explainer(pixel_values, ClassesTarget(range(len(labels))))
+
+
+def explain_queries(
+    model: nn.Module,
+    pixel_values: Tensor,
+    input_ids: Tensor,
+    *,
+    queries: Sequence[str] | None = None,
+    attention_mask: Tensor | None = None,
+    score_threshold: float = 0.1,
+    method: str = "gradcam",
+    layer: LayerSpec = None,
+    **options: Any,
+) -> CAMResult:
+    """Map each box an open-vocabulary detector (OWL-ViT, OWLv2) finds for text queries.
+
+    Each image patch's box scoring at least ``score_threshold`` for its best query is one detection, explained by
+    that score (see :class:`explain.models.TextQueryDetector`); the result's ``target.boxes`` hold the boxes in the
+    input's pixels, ``class_indices`` the queries.
+
+    Args:
+        model: ``OwlViTForObjectDetection``, ``Owlv2ForObjectDetection`` or their kind, left as it was.
+        pixel_values: The images as the model's processor prepares them, (N, 3, H, W).
+        input_ids: The queries as the model's processor builds them, (queries, L).
+        queries: The queries' texts, the result's labels.
+        attention_mask: The queries' attention mask, or None.
+        score_threshold: The least score of an explained box.
+        method: Any method that takes a target (``explain.METHODS``).
+        layer: The layer (None: the automatic one).
+        **options: The method's options.
+    """
+    from . import create_method
+
+    detector = TextQueryDetector(model, input_ids, attention_mask, None if queries is None else list(queries))
+    explainer = create_method(method, detector, layer, labels=detector.labels, **options)
+    return explainer(pixel_values, DetectionTarget(score_threshold=score_threshold))

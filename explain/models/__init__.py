@@ -22,6 +22,7 @@ _EXPORTS = {
     "load_user_model": "loaders",
     "QueryDetector": "query_models",
     "QuerySegmenter": "query_models",
+    "TextQueryDetector": "query_models",
     "IMAGENET_PREPROCESSING": "spec",
     "ClipPreprocessing": "spec",
     "ImageLike": "spec",

@@ -1,6 +1,7 @@
 """Models with object queries from HuggingFace ``transformers``, answering as torchvision's models do: detectors
 (DETR, Conditional and Deformable DETR, RT-DETR) as torchvision's detectors, so that
-:class:`explain.targets.DetectionTarget` explains their queries; mask classifiers (MaskFormer, Mask2Former) as
+:class:`explain.targets.DetectionTarget` explains their queries; open-vocabulary detectors (OWL-ViT, OWLv2) with
+fixed text queries, likewise; mask classifiers (MaskFormer, Mask2Former) as
 torchvision's segmenters, so that :class:`explain.targets.SegmentationTarget` explains their classes' regions."""
 
 from __future__ import annotations
@@ -40,17 +41,70 @@ class QueryDetector(nn.Module):
         logits, boxes = _read(self.model, pixel_values, "logits", "pred_boxes")
         classes = getattr(getattr(self.model, "config", None), "num_labels", logits.shape[-1])
         probabilities = logits.softmax(dim=-1)[..., :-1] if logits.shape[-1] == classes + 1 else logits.sigmoid()
-        scores, labels = probabilities.max(dim=-1)
-        height, width = pixel_values.shape[-2:]
-        scale = boxes.new_tensor([width, height, width, height])
-        corners = torch.cat([boxes[..., :2] - boxes[..., 2:] / 2, boxes[..., :2] + boxes[..., 2:] / 2], dim=-1)
-        return [
-            {"boxes": image_boxes * scale, "labels": image_labels, "scores": image_scores}
-            for image_boxes, image_labels, image_scores in zip(corners, labels, scores)
-        ]
+        return detections(probabilities, boxes, pixel_values)
 
     def extra_repr(self) -> str:
         return f"queries of a {type(self.model).__name__}"
+
+
+def detections(probabilities: Tensor, boxes: Tensor, pixel_values: Tensor) -> list[dict[str, Tensor]]:
+    """torchvision's detections from queries' class probabilities (N, queries, classes) and boxes (N, queries, 4:
+    cx, cy, w, h relative to the input): each query labelled by its most probable class, its box in input pixels."""
+    scores, labels = probabilities.max(dim=-1)
+    height, width = pixel_values.shape[-2:]
+    scale = boxes.new_tensor([width, height, width, height])
+    corners = torch.cat([boxes[..., :2] - boxes[..., 2:] / 2, boxes[..., :2] + boxes[..., 2:] / 2], dim=-1)
+    return [
+        {"boxes": image_boxes * scale, "labels": image_labels, "scores": image_scores}
+        for image_boxes, image_labels, image_scores in zip(corners, labels, scores)
+    ]
+
+
+FEATURE_MAP = "layer_norm"  # OWL-ViT's and OWLv2's: the patches' embeddings that the class and box heads read
+
+
+class TextQueryDetector(nn.Module):
+    """An open-vocabulary detector with fixed text queries (HuggingFace's OWL-ViT and OWLv2), whose output is
+    torchvision's detectors': one dict per image of ``"boxes"`` (x1, y1, x2, y2 in input pixels), ``"labels"`` (the
+    query, an index into :attr:`labels`) and ``"scores"``, one entry per image patch.
+
+    Each patch of the image predicts a box and a logit per query; its score for a query is the logit's sigmoid, as
+    the model's own post-processing scores it, and its label its best query. There is no non-maximum suppression:
+    ``DetectionTarget(score_threshold=...)`` explains every patch's box above the threshold, each by its score.
+    The automatic layer (:attr:`feature_levels`) is the map of patch embeddings that both heads read, the model's
+    ``layer_norm``; the heads themselves, which read each patch on its own, are no map of the image to explain.
+
+    Args:
+        model: ``OwlViTForObjectDetection``, ``Owlv2ForObjectDetection`` or a model answering as they do.
+        input_ids: The queries as the model's processor builds them, (queries, L).
+        attention_mask: Their attention mask, or None.
+        queries: The queries' texts (the labels); default ``query 0``, ``query 1``, ...
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        queries: list[str] | None = None,
+    ) -> None:
+        super().__init__()
+        self.model, self.input_ids, self.attention_mask = model, input_ids, attention_mask
+        self.labels = list(queries) if queries is not None else [f"query {i}" for i in range(len(input_ids))]
+        norm = getattr(model, FEATURE_MAP, None)
+        self.feature_levels = [f"model.{FEATURE_MAP}"] if isinstance(norm, nn.Module) else None
+
+    def forward(self, pixel_values: Tensor) -> list[dict[str, Tensor]]:
+        device = pixel_values.device
+        mask = None if self.attention_mask is None else self.attention_mask.to(device)
+        output = self.model(input_ids=self.input_ids.to(device), pixel_values=pixel_values, attention_mask=mask)
+        logits, boxes = getattr(output, "logits", None), getattr(output, "pred_boxes", None)
+        if not isinstance(logits, Tensor) or not isinstance(boxes, Tensor):
+            raise TargetError(f"{type(self.model).__name__} returns no logits and pred_boxes of text queries")
+        return detections(logits.sigmoid(), boxes, pixel_values)
+
+    def extra_repr(self) -> str:
+        return f"{len(self.labels)} text queries of a {type(self.model).__name__}"
 
 
 class QuerySegmenter(nn.Module):
