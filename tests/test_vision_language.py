@@ -190,6 +190,9 @@ def test_a_text_whose_image_tokens_do_not_match_the_vision_tower_is_refused() ->
         explain.explain_answer(model, {"pixel_values": x, "input_ids": short}, answer=[5])
     with pytest.raises(explain.ExplainError, match="the text holds no image token"):
         VisionLanguage(model, {"input_ids": torch.tensor([[1, 2, 3]])})
+    tiles = {"pixel_values": x[:, None].expand(1, 5, 3, IMAGE, IMAGE), "input_ids": PROMPT}  # LLaVA-NeXt's
+    with pytest.raises(explain.ExplainError, match=r"not one image \(1, 3, H, W\): images cut into tiles"):
+        explain.explain_answer(model, tiles, answer=[5])
     with pytest.raises(explain.TargetError, match="the sequence's first token has no score"):
         TokenTarget(PROMPT[0], [0])
 

@@ -122,7 +122,13 @@ def _one_image(inputs: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, 
         ExplainError: More than one image or prompt.
     """
     pixel_values, prompt = inputs["pixel_values"], inputs["input_ids"]
-    if pixel_values.dim() != 4 or len(pixel_values) != 1 or prompt.reshape(-1, prompt.shape[-1]).shape[0] != 1:
+    if pixel_values.dim() != 4:
+        raise ExplainError(
+            f"the processor gives pixel_values of shape {tuple(pixel_values.shape)}, not one image (1, 3, H, W): "
+            "images cut into tiles or patches (LLaVA-NeXt, Qwen2-VL, Idefics3) are not explained yet; LLaVA 1.5 "
+            "and PaliGemma are"
+        )
+    if len(pixel_values) != 1 or prompt.reshape(-1, prompt.shape[-1]).shape[0] != 1:
         raise ExplainError(
             "explain_answer explains one image and one prompt: pixel_values (1, 3, H, W), input_ids (1, P)"
         )
