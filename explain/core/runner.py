@@ -15,10 +15,10 @@ gradient (see :mod:`explain.core.hooks`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -39,13 +39,10 @@ from .layers import (
     settle,
     traced_forward,
 )
-from .layouts import Geometry, Layout
+from .layouts import Geometry, Layout, Reshape
 from .maps import INTERPOLATION, Canvas, has_nonzero, normalize_maps, upsample
 from .model_state import running
 from .watch import PassLayouts
-
-if TYPE_CHECKING:
-    from .engine import CAM
 
 AUG_SCALES = (0.9, 1.0, 1.1)
 PLAIN_VIEW = (False, 1.0)  # (flip, scale): the input as given
@@ -261,6 +258,45 @@ def check_reached(gradients: list[dict[str, Tensor]], bound: BoundTarget, automa
         )
 
 
+class Method(Protocol):
+    """What the runner asks of a method: its options, what it needs, its recording and its formula (the protocol
+    :class:`explain.core.engine.CAM` implements)."""
+
+    model: nn.Module
+    labels: list[str] | None
+    needs: Needs
+    requested: list[Any] | None
+    reshape: Reshape | None
+    aug_smooth: bool
+    smooth_samples: int
+    smooth_sigma: float
+    smooth_statistic: str
+
+    @property
+    def automatic(self) -> bool:
+        """Whether the layers are the automatic ones."""
+
+    def target_layers(
+        self, x: Tensor, model_kwargs: Mapping[str, Any], target: Any
+    ) -> list[tuple[str, nn.Module | None]]:
+        """The layers by name and module."""
+
+    def recorder(self, modules: Mapping[str, nn.Module]) -> Any:
+        """What records the layers in a pass."""
+
+    def layer_gradients(self, recorder: Any, score: Tensor, rescore: Callable[[Any], Tensor]) -> dict[str, Tensor]:
+        """The layers' gradients of one summed score."""
+
+    def backward_rule(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> AbstractContextManager[Any]:
+        """A context around each pass that changes how gradients flow."""
+
+    def layout(self, name: str, activation: Tensor, geometry: Geometry, known: PassLayouts) -> Layout:
+        """How a layer's output becomes a map."""
+
+    def compute(self, capture: Capture) -> Tensor:
+        """The raw map (N, h, w) of one layer and one target."""
+
+
 class PassRunner:
     """The passes of one call of a method.
 
@@ -279,7 +315,7 @@ class PassRunner:
 
     def __init__(
         self,
-        method: CAM,
+        method: Method,
         x: Tensor,
         goal: Target | BoundTarget,
         model_kwargs: Mapping[str, Any],
