@@ -67,7 +67,8 @@ def _what_to_say(add: Callable[..., Any]) -> None:
     add(
         "--text",
         help="text prompts, comma-separated, to a contrastive image-text model (--model FOLDER: CLIP, SigLIP): one "
-        "overlay per prompt",
+        "overlay per prompt; or text queries to an open-vocabulary detector (OWL-ViT, OWLv2): one overlay per box "
+        "scoring at least --score-threshold",
     )
     add("--max-new-tokens", type=int, default=16, help="the longest answer generated for --prompt (default 16)")
 
@@ -407,13 +408,17 @@ def _explain_words(args: argparse.Namespace) -> int:
     inputs = _check_inputs(args, "image")
     check_free(args.out)
     spec = load_text_image_model(args.model, _device(args.device))
-    if spec.answers != (args.prompt is not None):
-        wanted = "--prompt QUESTION" if spec.answers else "--text 'a cat, a remote'"
-        raise UsageError(f"{args.model} {'answers prompts' if spec.answers else 'scores text prompts'}: give {wanted}")
+    if (spec.kind == "answers") != (args.prompt is not None):
+        does = {"answers": "answers prompts", "detects": "detects text queries", "scores": "scores text prompts"}
+        wanted = "--prompt QUESTION" if spec.kind == "answers" else "--text 'a cat, a remote'"
+        raise UsageError(f"{args.model} {does[spec.kind]}: give {wanted}")
     texts = [text.strip() for text in (args.text or "").split(",") if text.strip()]
     if args.text is not None and not texts:
         raise UsageError("--text holds no prompt: give them comma-separated, as --text 'a cat, a remote'")
-    request = WordsRequest(args.prompt, args.answer, texts, args.max_new_tokens, args.method, args.alpha, args.colormap)
+    request = WordsRequest(
+        args.prompt, args.answer, texts, args.max_new_tokens, args.method, args.alpha, args.colormap,
+        args.score_threshold,
+    )  # fmt: skip
     report = partial(_print_words, out=args.out, quiet=args.quiet)
     records = explain_words(spec, inputs, args.out, request, report, overwrite=args.overwrite)
     return EXIT_SOME_FAILED if any(record["error"] for record in records) else EXIT_OK
@@ -423,7 +428,11 @@ def _print_words(record: dict[str, Any], out: Path, quiet: bool) -> None:
     """One image's words, or its error, as the command reports them."""
     if record["error"]:
         print(f"explain: error: {record['error']}", file=sys.stderr)
-    elif not quiet:
+    elif quiet:
+        return
+    elif record.get("note"):
+        print(f"{record['input']}: {record['note']}")
+    else:
         said = record.get("answer") or ", ".join(record.get("texts", ()))
         print(f"{record['input']}: {said!r} layer={record['layer']} -> {out / record['figure']}")
 

@@ -425,3 +425,65 @@ def test_each_box_of_a_text_query_is_grad_cam_of_its_score(kind: str) -> None:
         cam = torch.relu((g.mean(dim=(1, 2))[:, None, None] * a).sum(0))
         cam = F.interpolate(cam[None, None], size=(IMAGE, IMAGE), mode="bilinear", align_corners=False)[0, 0]
         assert torch.corrcoef(torch.stack([found.cams[0, k].flatten(), cam.flatten()]))[0, 1] > 0.999
+
+
+@pytest.fixture(scope="module")
+def owlv2_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("owlv2")
+    words = ["<unk>", "<s>", "</s>", "<pad>", "a", "cat", "remote", "dog"] + [f"w{i}" for i in range(8, 50)]
+    images = transformers.Owlv2ImageProcessor(size={"height": IMAGE, "width": IMAGE})
+    transformers.Owlv2Processor(image_processor=images, tokenizer=_tokenizer(words)).save_pretrained(folder)
+    tiny_owl("owlv2").save_pretrained(folder)
+    return folder
+
+
+def test_the_command_line_draws_each_box_of_a_text_query_on_the_whole_image(owlv2_folder, tmp_path) -> None:
+    """OWLv2's processor pads the photo (451 x 300) to a square at its bottom and right: each box is the model's
+    scaled by the square's side, and each map is cut back to the photo before it is drawn."""
+    from explain.cli import main
+    from explain.io.images import load_image
+    from explain.io.render import annotate, overlay
+
+    out = tmp_path / "out"
+    assert main([str(CAT), "--model", str(owlv2_folder), "--text", "a cat, a dog", "--score-threshold", "0.4",
+                 "-o", str(out), "--quiet"]) == 0  # fmt: skip
+    (record,) = _records(out)
+    image = load_image(CAT)
+    model = transformers.Owlv2ForObjectDetection.from_pretrained(owlv2_folder).eval()
+    processor = transformers.AutoProcessor.from_pretrained(owlv2_folder)
+    inputs = processor(text=[["a cat", "a dog"]], images=image, return_tensors="pt", padding=True)
+    kept_rows = round(IMAGE * image.height / image.width)  # the photo's rows in the padded square
+    assert image.width > image.height and kept_rows < IMAGE
+    # below the photo the square is padding (two rows blend across the edge in the resize)
+    assert bool((inputs["pixel_values"][0, :, kept_rows + 2 :] == inputs["pixel_values"][0, :, -1:]).all())
+    found = explain.explain_queries(
+        model, inputs["pixel_values"], inputs["input_ids"], queries=["a cat", "a dog"],
+        attention_mask=inputs["attention_mask"], score_threshold=0.4,
+    )  # fmt: skip
+    scale = image.width / IMAGE
+    assert len(record["tokens"]) == found.cams.shape[1] > 1
+    for k, token in enumerate(record["tokens"]):
+        assert token["text"] == ["a cat", "a dog"][int(found.class_indices[0, k])]
+        torch.testing.assert_close(torch.tensor(token["box"]), found.target.boxes[0, k] * scale, atol=0.01, rtol=0)
+    first = record["tokens"][0]
+    drawn = overlay(image, found.cams[0, 0][:kept_rows])
+    drawn = annotate(drawn, f"{first['text']} {first['score']:.2f}", tuple(found.target.boxes[0, 0] * scale))
+    written = np.asarray(Image.open(out / first["output"]), dtype=np.int16)
+    assert np.abs(written - np.asarray(drawn, dtype=np.int16)).max() <= 1
+
+
+def test_a_detector_scoring_text_tokens_instead_of_queries_is_refused() -> None:
+    """Grounding DINO's logits score each text token (256 entries), not each query: never read as queries."""
+
+    class PerToken(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 8, stride=8)
+
+        def forward(self, input_ids, pixel_values, attention_mask=None):
+            features = self.conv(pixel_values).flatten(2).transpose(1, 2)  # (N, 16, 4)
+            logits = features.mean(-1, keepdim=True).expand(-1, -1, 256)
+            return transformers.utils.ModelOutput(logits=logits, pred_boxes=torch.full((*logits.shape[:2], 4), 0.5))
+
+    with pytest.raises(explain.TargetError, match="logits score 256 text entries, not the 2 queries"):
+        explain.explain_queries(PerToken(), image(), torch.tensor([[1, 5], [1, 6]]), score_threshold=0.0)

@@ -1,9 +1,11 @@
 """The command line's maps of what a vision-language model says or sees, for each image: one overlay per word of
-its answer (``--prompt``, or ``--answer`` given) or per text prompt (``--text``), a strip of them all, and a record
-in the run's manifest of words (:data:`MANIFEST`, one JSON line per image).
+its answer (``--prompt``, or ``--answer`` given), per text prompt (``--text``), or per box an open-vocabulary
+detector finds for the text queries (``--text``, its box drawn), a strip of them all, and a record in the run's
+manifest of words (:data:`MANIFEST`, one JSON line per image).
 
 The image reaches the model whole: its processor resizes it to the model's input size without a centre crop, so
-that every map covers the whole picture it is drawn on.
+that every map covers the whole picture it is drawn on. An OWLv2 processor pads the image to a square at its
+bottom and right first: the maps are cut back to the image, and the boxes scaled by the square's side.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from typing import Any
 import torch
 from PIL import Image
 
-from ..errors import ExplainError, first_line
+from ..errors import ExplainError, NothingToExplain, first_line
 from ..io.atomic import write_atomically
 from ..io.images import load_image, save_image
-from ..io.render import grid, overlay
-from ..methods.answers import explain_answer, explain_prompts
+from ..io.render import annotate, grid, overlay
+from ..methods.answers import explain_answer, explain_prompts, explain_queries
 from ..models.text_image import TextImageSpec
 from .inputs import Input
 from .manifest import ResumeError
@@ -39,11 +41,13 @@ class WordsRequest:
     Attributes:
         prompt: The question to a model that answers, or None.
         answer: The answer to explain instead of the model's own, or None.
-        texts: The text prompts of a contrastive model (empty for one that answers).
+        texts: The text prompts of a contrastive model, or the text queries of a detector (empty for a model that
+            answers).
         max_new_tokens: The longest answer generated.
         method: The method's name.
         alpha: The heatmap's opacity.
         colormap: The heatmap's colours.
+        score_threshold: A detector's least score of an explained box.
     """
 
     prompt: str | None
@@ -53,6 +57,24 @@ class WordsRequest:
     method: str = "gradcam"
     alpha: float = 0.5
     colormap: str = "jet"
+    score_threshold: float = 0.1
+
+
+@dataclass(frozen=True)
+class Word:
+    """One explained word, prompt or box of an image.
+
+    Attributes:
+        text: The word, the prompt, or the box's query.
+        cam: Its map over the whole image, in [0, 1].
+        score: Its probability (a word), the image's logit against it (a prompt), or the box's score.
+        box: The box (x1, y1, x2, y2) in the image's pixels, or None.
+    """
+
+    text: str
+    cam: torch.Tensor
+    score: float
+    box: list[float] | None = None
 
 
 def explain_words(
@@ -92,6 +114,8 @@ def _recorded(
         if item.path is None:
             raise ExplainError(item.error or f"{item.name}: not found")
         found = _explained_image(spec, item.path, out, item.relative or Path(item.path.stem), request)
+    except NothingToExplain as err:  # no box above the threshold: nothing to draw, and no failure
+        found = {"input": item.name, "note": first_line(err), "error": None}
     except ExplainError as err:
         found = {"input": item.name, "error": first_line(err)}
     _append(out / MANIFEST, found)
@@ -105,25 +129,28 @@ def _explained_image(
     """One image's maps, written under ``out`` at ``relative`` (its outputs' path without suffix), and its record,
     which names the files relative to ``out``."""
     image = load_image(path)
-    words, maps, scores, record = _answer(spec, image, request) if spec.answers else _prompts(spec, image, request)
+    explained = {"answers": _answer, "detects": _queries, "scores": _prompts}[spec.kind]
+    words, record = explained(spec, image, request)
     tokens = []
-    for i, (word, cam, score) in enumerate(zip(words, maps, scores)):
-        name = relative.with_name(f"{relative.name}.{i:02d}.{slug(word) or 'token'}.{request.method}.png")
-        save_image(overlay(image, cam, request.alpha, request.colormap), out / name)
-        tokens.append({"index": i, "text": word, "score": round(score, 6), "output": str(name)})
+    for i, word in enumerate(words):
+        name = relative.with_name(f"{relative.name}.{i:02d}.{slug(word.text) or 'token'}.{request.method}.png")
+        picture = overlay(image, word.cam, request.alpha, request.colormap)
+        if word.box is not None:
+            picture = annotate(picture, f"{word.text} {word.score:.2f}", tuple(word.box))
+        save_image(picture, out / name)
+        entry = {"index": i, "text": word.text, "score": round(word.score, 6), "output": str(name)}
+        tokens.append(entry if word.box is None else {**entry, "box": [round(v, 2) for v in word.box]})
     strip = relative.with_name(f"{relative.name}.words.{request.method}.png")
-    panels = {f"{i} {word}": cam for i, (word, cam) in enumerate(zip(words, maps))}
-    title = f"{path.name} · {request.method} · {record.get('answer') or ', '.join(words)}"
+    panels = {f"{i} {word.text}": word.cam for i, word in enumerate(words)}
+    title = f"{path.name} · {request.method} · {record.get('answer') or ', '.join(request.texts)}"
     columns = min(STRIP_COLUMNS, len(panels) + 1)
     save_image(grid(image, panels, title, request.alpha, request.colormap, columns=columns), out / strip)
     return {"input": str(path), "model": spec.name, "method": request.method, **record, "tokens": tokens,
             "figure": str(strip), "error": None}  # fmt: skip
 
 
-def _answer(
-    spec: TextImageSpec, image: Image.Image, request: WordsRequest
-) -> tuple[list[str], torch.Tensor, list[float], dict[str, Any]]:
-    """The answer's words, their maps, their probabilities and what the record says of them."""
+def _answer(spec: TextImageSpec, image: Image.Image, request: WordsRequest) -> tuple[list[Word], dict[str, Any]]:
+    """The answer's words with their maps and probabilities, and what the record says of them."""
     processor, device = spec.processor, next(spec.model.parameters()).device
     inputs = processor(images=image, text=_prompt_text(processor, request.prompt or ""), return_tensors="pt",
                        **_whole_image(processor)).to(device)  # fmt: skip
@@ -137,13 +164,11 @@ def _answer(
     probabilities = found.result.probabilities.reshape(-1).tolist()
     text = processor.tokenizer.decode(found.answer.tolist())
     record = {"prompt": request.prompt, "answer": text, "layer": found.result.layer}
-    return found.words, found.maps, probabilities, record
+    return [Word(w, cam, p) for w, cam, p in zip(found.words, found.maps, probabilities)], record
 
 
-def _prompts(
-    spec: TextImageSpec, image: Image.Image, request: WordsRequest
-) -> tuple[list[str], torch.Tensor, list[float], dict[str, Any]]:
-    """The text prompts, their maps, the image's logit against each, and what the record says of them."""
+def _prompts(spec: TextImageSpec, image: Image.Image, request: WordsRequest) -> tuple[list[Word], dict[str, Any]]:
+    """The text prompts with their maps and the image's logit against each, and what the record says of them."""
     processor, device = spec.processor, next(spec.model.parameters()).device
     texts = list(request.texts)
     inputs = processor(text=texts, images=image, return_tensors="pt", padding=True, **_whole_image(processor))
@@ -152,7 +177,34 @@ def _prompts(
         spec.model, inputs["pixel_values"], inputs["input_ids"], prompts=texts,
         attention_mask=inputs.get("attention_mask"), method=request.method,
     )  # fmt: skip
-    return texts, result.cams[0], result.scores[0].tolist(), {"texts": texts, "layer": result.layer}
+    words = [Word(text, cam, score) for text, cam, score in zip(texts, result.cams[0], result.scores[0].tolist())]
+    return words, {"texts": texts, "layer": result.layer}
+
+
+def _queries(spec: TextImageSpec, image: Image.Image, request: WordsRequest) -> tuple[list[Word], dict[str, Any]]:
+    """Each box the detector finds for the text queries, with its map and score, both in the image's geometry,
+    and what the record says of them."""
+    processor, device = spec.processor, next(spec.model.parameters()).device
+    texts = list(request.texts)
+    inputs = processor(text=[texts], images=image, return_tensors="pt", padding=True).to(device)
+    result = explain_queries(
+        spec.model, inputs["pixel_values"], inputs["input_ids"], queries=texts,
+        attention_mask=inputs.get("attention_mask"), score_threshold=request.score_threshold, method=request.method,
+    )  # fmt: skip
+    height, width = inputs["pixel_values"].shape[-2:]
+    side = max(image.size)
+    padded = getattr(getattr(processor, "image_processor", None), "do_pad", False)  # OWLv2's square
+    if padded:  # the image at the top left of a square of its longer side
+        scale = (side / width, side / height)
+        keep = (round(height * image.height / side), round(width * image.width / side))
+    else:
+        scale, keep = (image.width / width, image.height / height), (height, width)
+    boxes = result.target.boxes[0].cpu() * torch.tensor([*scale, *scale])
+    words = [
+        Word(texts[int(label)], cam[: keep[0], : keep[1]], float(score), box.tolist())
+        for cam, label, score, box in zip(result.cams[0], result.class_indices[0], result.scores[0], boxes)
+    ]
+    return words, {"texts": texts, "layer": result.layer, "score_threshold": request.score_threshold}
 
 
 def _prompt_text(processor: Any, prompt: str) -> str:

@@ -101,6 +101,12 @@ class TextQueryDetector(nn.Module):
         logits, boxes = getattr(output, "logits", None), getattr(output, "pred_boxes", None)
         if not isinstance(logits, Tensor) or not isinstance(boxes, Tensor):
             raise TargetError(f"{type(self.model).__name__} returns no logits and pred_boxes of text queries")
+        if logits.shape[-1] != len(self.labels):
+            raise TargetError(
+                f"{type(self.model).__name__}'s logits score {logits.shape[-1]} text entries, not the "
+                f"{len(self.labels)} queries: logits per text token (Grounding DINO's) are not grouped into "
+                "phrases yet; OWL-ViT and OWLv2 score each query"
+            )
         return detections(logits.sigmoid(), boxes, pixel_values)
 
     def extra_repr(self) -> str:

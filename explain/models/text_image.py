@@ -1,8 +1,9 @@
 """Vision-language models by name: a folder written by ``save_pretrained``, or a Hugging Face Hub name found in the
 local cache (never downloaded here: a name that is not cached is one line that names the way out).
 
-Two kinds, told from the model's config: a model that answers (its config names an image token: LLaVA 1.5 and its
-kind), and a contrastive model (a text tower beside the vision tower: CLIP, SigLIP).
+Three kinds, told from the model's config: a model that answers (its config names an image token: LLaVA 1.5,
+PaliGemma and their kind), an open-vocabulary detector (transformers' zero-shot object detection: OWL-ViT, OWLv2),
+and a contrastive model (a text tower beside the vision tower: CLIP, SigLIP).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -27,13 +28,14 @@ class TextImageSpec:
         model: The model, in eval mode, on its device.
         processor: Its processor (images and text in, the model's inputs out).
         name: Its folder or Hub name.
-        answers: Whether it answers prompts (else it scores text prompts against the image).
+        kind: What it does: ``"answers"`` prompts, ``"detects"`` boxes of text queries, or ``"scores"`` text
+            prompts against the image.
     """
 
     model: nn.Module
     processor: Any
     name: str
-    answers: bool
+    kind: Literal["answers", "detects", "scores"]
 
 
 @contextmanager
@@ -75,16 +77,28 @@ def load_text_image_model(name: str, device: str | torch.device = "cpu") -> Text
                 f"{name} {where}, and is not in the Hugging Face cache ({first_line(err)}): save the model with "
                 "save_pretrained into a folder and give --model FOLDER, or download it once where there is network"
             ) from None
-        answers = any(isinstance(getattr(config, key, None), int) for key in ("image_token_id", "image_token_index"))
-        load = transformers.AutoModelForImageTextToText if answers else transformers.AutoModel
+        kind = _kind(transformers, config)
+        load = {
+            "answers": transformers.AutoModelForImageTextToText,
+            "detects": transformers.AutoModelForZeroShotObjectDetection,
+            "scores": transformers.AutoModel,
+        }[kind]
         try:
             model = load.from_pretrained(name, local_files_only=True)
             processor = transformers.AutoProcessor.from_pretrained(name, local_files_only=True)
         except (OSError, ValueError, KeyError) as err:
             raise ModelLoadError(f"{name}: cannot load its model and processor: {first_line(err)}") from None
-    if not answers and not callable(getattr(model, "get_text_features", None)):
+    if kind == "scores" and not callable(getattr(model, "get_text_features", None)):
         raise ModelLoadError(
             f"{name} is a {type(model).__name__}: --prompt needs a model that answers (LLaVA 1.5 and its kind), "
-            "--text a contrastive image-text model (CLIP, SigLIP)"
+            "--text a contrastive image-text model (CLIP, SigLIP) or an open-vocabulary detector (OWL-ViT, OWLv2)"
         )
-    return TextImageSpec(model.eval().to(device), processor, name, answers)
+    return TextImageSpec(model.eval().to(device), processor, name, kind)
+
+
+def _kind(transformers: Any, config: Any) -> Literal["answers", "detects", "scores"]:
+    """What a model of this config does: it answers where it names an image token; it detects where transformers
+    builds a zero-shot object detector of it; else it scores text prompts."""
+    if any(isinstance(getattr(config, key, None), int) for key in ("image_token_id", "image_token_index")):
+        return "answers"
+    return "detects" if type(config) in transformers.MODEL_FOR_ZERO_SHOT_OBJECT_DETECTION_MAPPING else "scores"
