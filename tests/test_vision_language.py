@@ -87,7 +87,9 @@ def test_the_whole_answer_is_the_sum_of_its_tokens() -> None:
     model, x = tiny_llava(), image()
     answer = torch.tensor([10, 11, 12])
     inputs = {"pixel_values": x, "input_ids": PROMPT}
-    found = explain.explain_answer(model, inputs, answer=answer, whole=True, decode=lambda t: f"w{t}")
+    found = explain.explain_answer(
+        model, inputs, answer=answer, whole=True, decode=lambda ids: " ".join(f"w{t}" for t in ids)
+    )
     assert found.words == ["w10", "w11", "w12"] and found.maps.shape == (3, IMAGE, IMAGE)
     page = found._repr_html_()  # how Jupyter shows it: each word under its map
     assert page.count("<img") == 3 and all(f"w{t}" in page for t in (10, 11, 12))
@@ -97,6 +99,26 @@ def test_the_whole_answer_is_the_sum_of_its_tokens() -> None:
     method = explain.GradCAM(reader, "model.model.multi_modal_projector")
     summed = method(x, TokenTarget(sequence, positions, "sum")).cams
     torch.testing.assert_close(found.whole, summed[0])
+
+
+def test_a_word_of_several_tokens_is_one_map_of_their_summed_log_probability() -> None:
+    """Tokens 10 and 11 spell one word ("ta" "ble"), token 12 the next (" is"): two maps, the first of the two
+    tokens' summed log-probabilities, its probability their product."""
+    model, x = tiny_llava(), image()
+    pieces = {10: "ta", 11: "ble", 12: " is"}
+    answer = torch.tensor([10, 11, 12])
+    found = explain.explain_answer(
+        model, {"pixel_values": x, "input_ids": PROMPT}, answer=answer,
+        decode=lambda ids: "".join(pieces[t] for t in ids),
+    )  # fmt: skip
+    assert found.words == ["table", "is"] and found.tokens == [2, 1] and found.maps.shape == (2, IMAGE, IMAGE)
+    sequence = torch.cat([PROMPT[0], answer])
+    start = PROMPT.shape[1]
+    method = explain.GradCAM(VisionLanguage(model, {"input_ids": sequence[None]}))
+    word = method(x, TokenTarget(sequence, [start, start + 1], "sum"))
+    torch.testing.assert_close(found.maps[0], word.cams[0])
+    single = method(x, TokenTarget(sequence, [start, start + 1]))
+    torch.testing.assert_close(found.result.probabilities[0, 0], single.probabilities[0].prod())
 
 
 def test_a_vision_token_lands_on_its_own_cell() -> None:

@@ -150,7 +150,8 @@ def _explained_image(
 
 
 def _answer(spec: TextImageSpec, image: Image.Image, request: WordsRequest) -> tuple[list[Word], dict[str, Any]]:
-    """The answer's words with their maps and probabilities, and what the record says of them."""
+    """The answer's words (each one token or more) with their maps and probabilities, and what the record says of
+    them."""
     processor, device = spec.processor, next(spec.model.parameters()).device
     inputs = processor(images=image, text=_prompt_text(processor, request.prompt or ""), return_tensors="pt",
                        **_whole_image(processor)).to(device)  # fmt: skip
@@ -159,7 +160,7 @@ def _answer(spec: TextImageSpec, image: Image.Image, request: WordsRequest) -> t
         answer = processor.tokenizer(request.answer, add_special_tokens=False, return_tensors="pt").input_ids[0]
     found = explain_answer(
         spec.model, dict(inputs), answer=answer, max_new_tokens=request.max_new_tokens,
-        decode=lambda token: processor.tokenizer.decode([token]), method=request.method,
+        decode=processor.tokenizer.decode, method=request.method,
     )  # fmt: skip
     probabilities = found.result.probabilities.reshape(-1).tolist()
     text = processor.tokenizer.decode(found.answer.tolist())

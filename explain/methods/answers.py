@@ -22,14 +22,15 @@ from ..targets.language import TokenTarget
 
 @dataclass(frozen=True)
 class AnswerMaps:
-    """The maps of an answer, one per token.
+    """The maps of an answer, one per word (or per token, where no decode was given).
 
     Attributes:
         prompt: The prompt's token ids (P,), its image tokens included.
         answer: The answer's token ids (A,): generated (greedy), or given.
-        words: Each answer token as text, where a decode was given; else its id as text.
-        maps: Each token's map over the image (A, H, W), normalized.
-        result: The call's result: ``result.probabilities`` holds each token's probability given what precedes
+        words: Each word's text (each token's id as text, without a decode).
+        tokens: How many tokens each word takes, in order.
+        maps: Each word's map over the image (W, H, W), normalized: of its tokens' summed log-probabilities.
+        result: The call's result: ``result.probabilities`` holds each word's probability given what precedes
             it, ``result.layer`` the layer.
         whole: The map of the whole answer (the sum of its tokens' log-probabilities), (H, W), where asked.
     """
@@ -37,12 +38,13 @@ class AnswerMaps:
     prompt: Tensor
     answer: Tensor
     words: list[str]
+    tokens: list[int]
     maps: Tensor
     result: CAMResult
     whole: Tensor | None = None
 
     def captions(self) -> list[str]:
-        """One line per token: its place, its text and its probability given what precedes it."""
+        """One line per word: its place, its text and its probability given what precedes it."""
         probabilities = self.result.probabilities.reshape(-1).tolist()
         return [f"{i}: {word!r} {p:.1%}" for i, (word, p) in enumerate(zip(self.words, probabilities))]
 
@@ -62,17 +64,19 @@ def explain_answer(
     *,
     answer: Tensor | Sequence[int] | None = None,
     max_new_tokens: int = 16,
-    decode: Callable[[int], str] | None = None,
+    decode: Callable[[list[int]], str] | None = None,
     method: str = "gradcam",
     layer: LayerSpec = None,
     whole: bool = False,
     **options: Any,
 ) -> AnswerMaps:
-    """Explain each token of a vision-language model's answer to a prompt about one image.
+    """Explain each word of a vision-language model's answer to a prompt about one image.
 
-    The answer is the model's own (greedy, at most ``max_new_tokens``), or the one given. Each token's score is
-    its log-probability given the image, the prompt and the answer before it, all tokens scored in one forward
-    over the whole sequence; the K axis of the call holds the tokens (see :class:`explain.targets.TokenTarget`).
+    The answer is the model's own (greedy, at most ``max_new_tokens``), or the one given. A word's score is its
+    tokens' summed log-probability given the image, the prompt and the answer before it, all tokens scored in one
+    forward over the whole sequence; the K axis of the call holds the words (see
+    :class:`explain.targets.TokenTarget`). A token whose text begins with a space, in the answer decoded so far,
+    begins a word; without a decode each token is one.
     A generated answer's scores in that forward must be those generation gave it: where they differ (the model
     reads an input the call does not pass), the call is refused.
 
@@ -84,7 +88,7 @@ def explain_answer(
             gives them.
         answer: The answer's token ids to explain instead of the model's own.
         max_new_tokens: The longest answer generated.
-        decode: Turns a token id into its text (a tokenizer's ``decode``), for ``words``.
+        decode: Turns token ids into their text (a tokenizer's ``decode``), for ``words``.
         method: Any method that takes a target (``explain.METHODS``).
         layer: The layer (None: the automatic one, the last map of the image before the language model).
         whole: Also map the whole answer.
@@ -105,14 +109,35 @@ def explain_answer(
         raise ExplainError("the answer is empty: nothing to explain (the model ended at once; give answer=)")
     read = with_answer(text, answer)
     sequence, positions = read["input_ids"], range(prompt.shape[-1], prompt.shape[-1] + len(answer))
+    words, runs = words_of(answer, decode)
     explainer = create_method(method, VisionLanguage(model, read), layer, **options)
-    result = explainer(pixel_values, TokenTarget(sequence, positions))
+    result = explainer(pixel_values, TokenTarget(sequence, positions, runs))
     if generated is not None:
-        _check_generated(result.probabilities.reshape(-1).log(), generated.to(result.probabilities))
-    maps = result.cams.reshape(len(answer), *result.cams.shape[-2:])
+        _check_generated(result.probabilities.reshape(-1).log(), generated, runs)
+    maps = result.cams.reshape(len(words), *result.cams.shape[-2:])
     total = explainer(pixel_values, TokenTarget(sequence, positions, "sum")).cams[0] if whole else None
-    words = [decode(int(token)) if decode else str(int(token)) for token in answer]
-    return AnswerMaps(prompt.reshape(-1), answer, words, maps, result, total)
+    return AnswerMaps(prompt.reshape(-1), answer, words, runs, maps, result, total)
+
+
+def words_of(answer: Tensor, decode: Callable[[list[int]], str] | None) -> tuple[list[str], list[int]]:
+    """The answer's words and how many tokens each takes: a token whose text, in the answer decoded so far, begins
+    with a space begins a word. Without a decode, each token is a word, named by its id."""
+    if decode is None:
+        return [str(int(token)) for token in answer], [1] * len(answer)
+    words: list[str] = []
+    runs: list[int] = []
+    before = ""
+    for k in range(len(answer)):
+        text = decode(answer[: k + 1].tolist())
+        piece = text[len(before) :] if text.startswith(before) else decode([int(answer[k])])
+        if not runs or piece[:1].isspace():
+            words.append(piece.strip())
+            runs.append(1)
+        else:
+            words[-1] += piece
+            runs[-1] += 1
+        before = text
+    return words, runs
 
 
 def _one_image(inputs: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
@@ -135,12 +160,14 @@ def _one_image(inputs: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, 
     return pixel_values, prompt, {name: value for name, value in inputs.items() if name != "pixel_values"}
 
 
-def _check_generated(scored: Tensor, generated: Tensor) -> None:
-    """The answer's log-probabilities in the explained forward must be generation's.
+def _check_generated(scored: Tensor, generated: Tensor, runs: list[int]) -> None:
+    """The answer's words' log-probabilities in the explained forward must be generation's (its tokens' summed
+    over each word's run).
 
     Raises:
         ExplainError: They differ: the forward does not read the text as generation did.
     """
+    generated = torch.stack([part.sum() for part in generated.to(scored).split(runs)])
     worst = float((scored - generated).abs().max())
     if worst > SCORE_TOLERANCE * (1 + float(generated.abs().max())):
         raise ExplainError(

@@ -24,8 +24,10 @@ class TokenTarget(Target):
     Args:
         tokens: The token ids of the sequence the model reads (prompt and answer), (T,) or (1, T).
         positions: Where the explained tokens are in it (each at least 1).
-        combine: ``"each"``: one map per token, the K axis in their order (a word by word strip); ``"sum"``: one
-            map of their summed log-probabilities (the whole answer, or a span of words).
+        combine: ``"each"``: one map per token, the K axis in their order (a token by token strip); ``"sum"``: one
+            map of their summed log-probabilities (the whole answer, or a span of words); or the lengths of
+            consecutive runs of the positions, one map per run of its summed log-probabilities (a word of several
+            tokens is one run).
         output: See :class:`Target` (default: the output's ``logits``).
 
     Raises:
@@ -36,21 +38,30 @@ class TokenTarget(Target):
         self,
         tokens: Tensor | Sequence[int],
         positions: Sequence[int],
-        combine: Literal["each", "sum"] = "each",
+        combine: Literal["each", "sum"] | Sequence[int] = "each",
         *,
         output: OutputPicker = None,
     ) -> None:
         super().__init__(output)
         self.tokens = torch.as_tensor(tokens).reshape(-1)
         self.positions = [int(p) for p in positions]
-        if combine not in ("each", "sum"):
-            raise TargetError(f"combine must be 'each' or 'sum', got {combine!r}")
+        runs = (
+            {"each": [1] * len(self.positions), "sum": [len(self.positions)]}.get(combine)
+            if isinstance(combine, str)
+            else [int(n) for n in combine]
+        )
+        if runs is None or sum(runs) != len(self.positions) or min(runs, default=0) < 1:
+            raise TargetError(
+                f"combine must be 'each', 'sum' or run lengths (each at least 1) adding up to the "
+                f"{len(self.positions)} positions, got {combine!r}"
+            )
         if not self.positions or not all(1 <= p < len(self.tokens) for p in self.positions):
             raise TargetError(
                 f"positions {self.positions} must be at least one, each from 1 to {len(self.tokens) - 1}: a token is "
                 "scored by the logits before it, so the sequence's first token has no score"
             )
-        self.combine = combine
+        self.runs = torch.repeat_interleave(torch.arange(len(runs)), torch.tensor(runs))  # each position's run
+        self.keeps_k = combine != "sum"
 
     def log_probabilities(self, output: Any) -> Tensor:
         """Each explained token's log-probability in every row of an output (rows, K), K tokens."""
@@ -66,11 +77,10 @@ class TokenTarget(Target):
         return read.gather(2, tokens.view(1, -1, 1).expand(len(read), -1, 1))[..., 0]
 
     def bind(self, output: Any, labels: Sequence[str] | None) -> BoundTarget:
-        found = self.log_probabilities(output).detach()
-
         def score(out: Any, images: Tensor) -> Tensor:
             values = self.log_probabilities(out)
-            return values.sum(dim=1, keepdim=True) if self.combine == "sum" else values
+            summed = values.new_zeros(len(values), int(self.runs[-1]) + 1)
+            return summed.index_add(1, self.runs.to(values.device), values)
 
-        probabilities = found.sum(dim=1, keepdim=True).exp() if self.combine == "sum" else found.exp()
-        return BoundTarget(score=score, probabilities=probabilities, keeps_k=self.combine == "each")
+        probabilities = score(output, torch.arange(1)).detach().exp()
+        return BoundTarget(score=score, probabilities=probabilities, keeps_k=self.keeps_k)
