@@ -308,8 +308,8 @@ def _traced(
             other = torch.randn(image.shape, generator=torch.Generator().manual_seed(OTHER_IMAGE_SEED)).to(image)
             with recorder.ops.quiet():
                 model(other, **kwargs)
-    if kept is not None:
-        kept.picture.canvases[:], kept.picture.grids[:] = picture.canvases[:1], picture.grids[:1]
+    if kept is not None:  # the image's forward alone, not the noise's
+        kept.picture = Picture(picture.canvases[:1], picture.grids[:1])
     heads = _heads(outputs, recorder.reads_image)
     return [
         _as_map(

@@ -339,8 +339,9 @@ class PassRunner:
         if settles:
             self.search = pending_search(self.model, x, self.model_kwargs, self.goal)
         if self.search is not None:  # the call's own pass records the last candidates and settles it
-            modules = dict(self.model.named_modules())
-            self.layers = [(info.name, modules[layer_entry(info.name)[0]]) for info in self.search.tried]
+            self.layers = [
+                (info.name, self.model.get_submodule(layer_entry(info.name)[0])) for info in self.search.tried
+            ]
         else:
             self.layers = self.method.target_layers(x, self.model_kwargs, self.goal)
 
@@ -384,9 +385,8 @@ class PassRunner:
         search = pending_search(self.model, x, self.model_kwargs, self.goal)
         if search is None:
             return None
-        intact = [info for info in search.tried if _intact(traced.outputs.get(info.name))]
-        while intact and intact[0] is not search.tried[len(search.tried) - len(intact)]:
-            intact.pop(0)  # the candidates after the last one changed in place: every later one is tried
+        changed = [i for i, info in enumerate(search.tried) if not _intact(traced.outputs.get(info.name))]
+        intact = search.tried[changed[-1] + 1 :] if changed else search.tried  # after the last one changed in place
         if not intact:
             return None
         search = replace(search, tried=intact)
