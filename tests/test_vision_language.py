@@ -75,7 +75,8 @@ def reference(
 def test_each_answer_tokens_map_is_grad_cam_of_its_log_probability() -> None:
     model, x = tiny_llava(), image()
     found = explain.explain_answer(model, {"pixel_values": x, "input_ids": PROMPT}, max_new_tokens=4)
-    assert torch.equal(found.answer, generate_answer(model, x, {"input_ids": PROMPT}, max_new_tokens=4)[0])
+    generated = generate_answer(model, {"pixel_values": x, "input_ids": PROMPT}, max_new_tokens=4)[0]
+    assert torch.equal(found.answer, generated)
     assert found.result.layer == "model.model.multi_modal_projector"  # the last map of the image before the text
     sequence = torch.cat([PROMPT[0], found.answer])
     for k, position in enumerate(range(PROMPT.shape[1], len(sequence))):
@@ -294,13 +295,14 @@ def test_a_model_without_a_text_tower_takes_no_prompts() -> None:
 WORDS = ["<unk>", "<s>", "</s>", "<pad>", "USER:", "ASSISTANT:", "what", "is", "on", "the", "table?", "a", "cat"]
 
 
-def _tokenizer(words: list[str], image_token: str | None = None):
+def _tokenizer(words: list[str], image_token: str | list[str] | None = None):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     special = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
-    extra = {"additional_special_tokens": [image_token]} if image_token else {}
+    specials = [image_token] if isinstance(image_token, str) else image_token
+    extra = {"additional_special_tokens": specials} if specials else {}
     return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **special, **extra)
 
 

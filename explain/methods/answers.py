@@ -13,8 +13,17 @@ from torch import Tensor, nn
 from ..core.layers import LayerSpec
 from ..core.result import CAMResult
 from ..errors import ExplainError
+from ..models.image_readings import image_token_id
 from ..models.query_models import TextQueryDetector
-from ..models.vision_language import TextPrompts, VisionLanguage, generate_answer, with_answer
+from ..models.vision_language import (
+    Reading,
+    TextPrompts,
+    VisionLanguage,
+    generate_answer,
+    image_reading,
+    text_inputs,
+    with_answer,
+)
 from ..targets.classification import ClassesTarget
 from ..targets.detection import DetectionTarget
 from ..targets.language import TokenTarget
@@ -81,11 +90,12 @@ def explain_answer(
     reads an input the call does not pass), the call is refused.
 
     Args:
-        model: A HuggingFace image-text-to-text model (LLaVA 1.5, PaliGemma and their kind, see
-            :mod:`explain.models.vision_language`), left as it was.
-        inputs: The model's processor's output for one image and one prompt: ``pixel_values`` (1, 3, H, W),
-            ``input_ids`` (1, P) with its image tokens, and ``attention_mask`` and ``token_type_ids`` where it
-            gives them.
+        model: A HuggingFace image-text-to-text model (LLaVA 1.5, PaliGemma, Qwen2-VL, Qwen2.5-VL and their kind,
+            see :mod:`explain.models.vision_language`), left as it was.
+        inputs: The model's processor's output for one image and one prompt: ``pixel_values`` (1, 3, H, W), or
+            Qwen2-VL's patches with their ``image_grid_thw``; ``input_ids`` (1, P) with its image tokens; and
+            ``attention_mask``, ``token_type_ids`` and ``mm_token_type_ids`` where it gives them. The maps are of
+            the picture the model reads, (H, W) (Qwen2-VL's put back together from its patches).
         answer: The answer's token ids to explain instead of the model's own.
         max_new_tokens: The longest answer generated.
         decode: Turns token ids into their text (a tokenizer's ``decode``), for ``words``.
@@ -100,23 +110,41 @@ def explain_answer(
     """
     from . import create_method
 
-    pixel_values, prompt, text = _one_image(inputs)
-    generated = None
-    if answer is None:
-        answer, generated = generate_answer(model, pixel_values, text, max_new_tokens)
-    answer = torch.as_tensor(answer, device=prompt.device).reshape(-1)
-    if not len(answer):
-        raise ExplainError("the answer is empty: nothing to explain (the model ended at once; give answer=)")
+    prompt, text, reading = _one_image(model, inputs)
+    picture = reading.picture(inputs)
+    answer, generated = _answer_of(model, inputs, answer, max_new_tokens)
     read = with_answer(text, answer)
     sequence, positions = read["input_ids"], range(prompt.shape[-1], prompt.shape[-1] + len(answer))
     words, runs = words_of(answer, decode)
-    explainer = create_method(method, VisionLanguage(model, read), layer, **options)
-    result = explainer(pixel_values, TokenTarget(sequence, positions, runs))
+    explainer = create_method(method, VisionLanguage(model, read, reading), layer, **options)
+    result = explainer(picture, TokenTarget(sequence, positions, runs))
     if generated is not None:
         _check_generated(result.probabilities.reshape(-1).log(), generated, runs)
     maps = result.cams.reshape(len(words), *result.cams.shape[-2:])
-    total = explainer(pixel_values, TokenTarget(sequence, positions, "sum")).cams[0] if whole else None
+    total = explainer(picture, TokenTarget(sequence, positions, "sum")).cams[0] if whole else None
     return AnswerMaps(prompt.reshape(-1), answer, words, runs, maps, result, total)
+
+
+def _answer_of(
+    model: nn.Module, inputs: Mapping[str, Tensor], answer: Tensor | Sequence[int] | None, max_new_tokens: int
+) -> tuple[Tensor, Tensor | None]:
+    """The answer's ids (A,): the one given, or the model's own with generation's log-probabilities.
+
+    Raises:
+        ExplainError: The answer is empty, or holds the image token.
+    """
+    generated = None
+    if answer is None:
+        answer, generated = generate_answer(model, inputs, max_new_tokens)
+    answer = torch.as_tensor(answer, device=inputs["input_ids"].device).reshape(-1)
+    if not len(answer):
+        raise ExplainError("the answer is empty: nothing to explain (the model ended at once; give answer=)")
+    if bool((answer == image_token_id(model)).any()):
+        raise ExplainError(
+            f"the answer holds the image token (id {image_token_id(model)}), which the model reads as a place of "
+            "the image: explain another answer (answer=)"
+        )
+    return answer, generated
 
 
 def words_of(answer: Tensor, decode: Callable[[list[int]], str] | None) -> tuple[list[str], list[int]]:
@@ -140,24 +168,17 @@ def words_of(answer: Tensor, decode: Callable[[list[int]], str] | None) -> tuple
     return words, runs
 
 
-def _one_image(inputs: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """The image, the prompt's ids and the text's inputs of a processor's output for one image and one prompt.
+def _one_image(model: nn.Module, inputs: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor], Reading]:
+    """The prompt's ids, the text's inputs and how the model reads the image, of a processor's output for one image
+    and one prompt.
 
     Raises:
-        ExplainError: More than one image or prompt.
+        ExplainError: More than one prompt, or an image the model reads in a way explain does not.
     """
-    pixel_values, prompt = inputs["pixel_values"], inputs["input_ids"]
-    if pixel_values.dim() != 4:
-        raise ExplainError(
-            f"the processor gives pixel_values of shape {tuple(pixel_values.shape)}, not one image (1, 3, H, W): "
-            "images cut into tiles or patches (LLaVA-NeXt, Qwen2-VL, Idefics3) are not explained yet; LLaVA 1.5 "
-            "and PaliGemma are"
-        )
-    if len(pixel_values) != 1 or prompt.reshape(-1, prompt.shape[-1]).shape[0] != 1:
-        raise ExplainError(
-            "explain_answer explains one image and one prompt: pixel_values (1, 3, H, W), input_ids (1, P)"
-        )
-    return pixel_values, prompt, {name: value for name, value in inputs.items() if name != "pixel_values"}
+    prompt = inputs["input_ids"]
+    if prompt.reshape(-1, prompt.shape[-1]).shape[0] != 1:
+        raise ExplainError("explain_answer explains one image and one prompt: input_ids (1, P)")
+    return prompt, text_inputs(inputs), image_reading(model, inputs)
 
 
 def _check_generated(scored: Tensor, generated: Tensor, runs: list[int]) -> None:

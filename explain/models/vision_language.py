@@ -5,10 +5,12 @@
 - :class:`TextPrompts`: a contrastive image-text model (CLIP, SigLIP), the image's logits against each prompt,
   as a classifier's scores (the prompts are its classes).
 
-Supported: LLaVA (1.5) and the models built as it is, a vision tower whose tokens a ``multi_modal_projector``
-brings into the language model's sequence at the positions of the model's image token. The positions come from
-the text's own tokens (the config's image token id), checked at every forward against the count of tokens the
-projector produced: a mismatch is an error, never a guess.
+Supported: LLaVA (1.5), PaliGemma and the models built as they are, a vision tower whose tokens a
+``multi_modal_projector`` brings into the language model's sequence at the positions of the model's image token;
+Qwen2-VL and Qwen2.5-VL, whose tower merges groups of patches into one token each (how each reads the image:
+:mod:`explain.models.image_readings`). The positions come from the text's own tokens (the config's image token
+id), checked at every forward against the count of tokens the vision tower produced: a mismatch is an error, never
+a guess.
 """
 
 from __future__ import annotations
@@ -20,93 +22,73 @@ from torch import Tensor, nn
 
 from ..core.hooks import Hooks
 from ..errors import ExplainError
+from .image_readings import MergedPatches, WholeImage, image_token_id
 
-PROJECTOR = "multi_modal_projector"  # LLaVA's: the vision tokens as the language model reads them
-
-
-def image_token_id(model: nn.Module) -> int:
-    """The id of the token that stands for one vision token in the model's text (its config's).
-
-    Raises:
-        ExplainError: The config names none: not a model of the supported kind.
-    """
-    config = getattr(model, "config", None)
-    for key in ("image_token_id", "image_token_index"):
-        found = getattr(config, key, None)
-        if isinstance(found, int):
-            return found
-    raise ExplainError(
-        f"{type(model).__name__} names no image token in its config (image_token_id / image_token_index): explain "
-        "explains vision-language models that put the image's tokens into the text (LLaVA 1.5 and its kind)"
-    )
+Reading = WholeImage | MergedPatches
 
 
-def projector(model: nn.Module) -> nn.Module:
-    """The module that brings the vision tokens into the language model's sequence.
+def image_reading(model: nn.Module, inputs: Mapping[str, Tensor]) -> Reading:
+    """How the model reads the image of a processor's output (see :mod:`explain.models.image_readings`): cut into
+    merged patches where the output has an ``image_grid_thw``, else whole.
 
     Raises:
-        ExplainError: The model has none under the name explain knows.
+        ExplainError: The model is of no supported kind, or the text holds no image token.
     """
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] == PROJECTOR:
-            return module
-    raise ExplainError(
-        f"{type(model).__name__} has no {PROJECTOR}: explain reads the vision tokens' count there (LLaVA 1.5 and "
-        "models built as it is)"
-    )
+    token = image_token_id(model)
+    tokens = int((inputs["input_ids"] == token).sum())
+    if not tokens:
+        raise ExplainError(
+            f"the text holds no image token (id {token}): build it with the model's processor, which puts one per "
+            "vision token where the prompt says <image>"
+        )
+    if "image_grid_thw" in inputs:
+        return MergedPatches(model, text_inputs(inputs), inputs["image_grid_thw"])
+    return WholeImage(model, tokens)
+
+
+def text_inputs(inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The text's inputs of a processor's output (1, T) each: all but the image's."""
+    return {name: value for name, value in inputs.items() if name not in MergedPatches.inputs}
 
 
 class VisionLanguage(nn.Module):
-    """A vision-language model reading fixed text: ``forward(pixel_values)`` returns the logits over the text.
+    """A vision-language model reading fixed text: ``forward(picture)`` returns the logits over the text.
 
     Args:
         model: A HuggingFace image-text-to-text model (``LlavaForConditionalGeneration``,
-            ``PaliGemmaForConditionalGeneration``), left as it was.
+            ``PaliGemmaForConditionalGeneration``, ``Qwen2VLForConditionalGeneration``,
+            ``Qwen2_5_VLForConditionalGeneration``), left as it was.
         text: The text's inputs as the model's processor builds them, each (1, T): ``input_ids``, with one image
-            token per vision token (prompt and answer), and where the model takes them ``attention_mask`` and
-            ``token_type_ids`` (PaliGemma's prefix of the prompt); passed to every forward.
+            token per vision token (prompt and answer), and where the model takes them ``attention_mask``,
+            ``token_type_ids`` (PaliGemma's prefix of the prompt) and ``mm_token_type_ids`` (Qwen2-VL's); passed
+            to every forward.
+        reading: How the model reads the picture (see :func:`image_reading`); None: whole, as LLaVA 1.5 does.
 
     Raises:
         ExplainError: The model is of no supported kind, or the text holds no image token.
     """
 
-    def __init__(self, model: nn.Module, text: Mapping[str, Tensor]) -> None:
+    def __init__(self, model: nn.Module, text: Mapping[str, Tensor], reading: Reading | None = None) -> None:
         super().__init__()
         self.model = model
-        self.image_token = image_token_id(model)
-        self.projector = projector(model)
         self.text = {name: value.reshape(1, -1) for name, value in text.items()}
-        self.image_tokens = int((self.text["input_ids"] == self.image_token).sum())
-        if not self.image_tokens:
-            raise ExplainError(
-                f"the text holds no image token (id {self.image_token}): build it with the model's processor, "
-                "which puts one per vision token where the prompt says <image>"
-            )
+        self.reading = reading if reading is not None else image_reading(model, self.text)
 
-    def forward(self, pixel_values: Tensor) -> Tensor:
-        """The logits (N, T, vocabulary) of the text, given each image of ``pixel_values``.
+    def forward(self, picture: Tensor) -> Tensor:
+        """The logits (N, T, vocabulary) of the text, given each picture (N, 3, H, W).
 
         Raises:
             ExplainError: The vision tower made another number of tokens than the text has image tokens.
         """
-        n, device = len(pixel_values), pixel_values.device
+        n, device = len(picture), picture.device
         text = {name: value.to(device).expand(n, -1) for name, value in self.text.items()}
         with Hooks() as hooks:
-            hooks.forward(self.projector, lambda module, inputs, output: self._check(output, n))
-            return self.model(**text, pixel_values=pixel_values, use_cache=False).logits
-
-    def _check(self, projected: Tensor, images: int) -> None:
-        """The vision tokens the projector made must be the text's image tokens, one for one."""
-        made = projected.shape[:-1].numel() // images
-        if made != self.image_tokens:
-            raise ExplainError(
-                f"the vision tower made {made} tokens per image, but the text holds {self.image_tokens} image "
-                f"tokens (id {self.image_token}): build the text with the model's own processor, for an image of the "
-                "size it expects"
-            )
+            self.reading.watch(hooks, n)
+            return self.model(**text, **self.reading.model_inputs(picture), use_cache=False).logits
 
 
-EXTENDED = {"attention_mask": 1, "token_type_ids": 1}  # a per-token input, and its value at the answer's tokens
+# a per-token input, and its value at the answer's tokens
+EXTENDED = {"attention_mask": 1, "token_type_ids": 1, "mm_token_type_ids": 0}
 
 
 def with_answer(text: Mapping[str, Tensor], answer: Tensor) -> dict[str, Tensor]:
@@ -161,19 +143,17 @@ class TextPrompts(nn.Module):
         return out.logits_per_image
 
 
-def generate_answer(
-    model: nn.Module, pixel_values: Tensor, text: Mapping[str, Tensor], max_new_tokens: int = 16
-) -> tuple[Tensor, Tensor]:
-    """The model's greedy answer to a prompt about one image: the new tokens' ids (A,), an end of sequence left
-    out, and each one's log-probability as generation scored it (A,). The model is left as it was."""
+def generate_answer(model: nn.Module, inputs: Mapping[str, Tensor], max_new_tokens: int = 16) -> tuple[Tensor, Tensor]:
+    """The model's greedy answer to a prompt about one image (``inputs``: its processor's output): the new tokens'
+    ids (A,), an end of sequence left out, and each one's log-probability as generation scored it (A,). The model
+    is left as it was."""
     from ..core.model_state import untouched
 
     with untouched(model), torch.inference_mode():
         out = model.generate(
-            **text, pixel_values=pixel_values, max_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
-            return_dict_in_generate=True,
-        )  # fmt: skip
-    answer = out.sequences[0, text["input_ids"].shape[-1] :]
+            **inputs, max_new_tokens=max_new_tokens, do_sample=False, output_scores=True, return_dict_in_generate=True
+        )
+    answer = out.sequences[0, inputs["input_ids"].shape[-1] :]
     scored = torch.stack([step[0].float().log_softmax(-1)[token] for step, token in zip(out.scores, answer)])
     end = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ends = {end} if isinstance(end, int) else set(end or ())
