@@ -208,3 +208,24 @@ def test_the_command_line_explains_each_word_of_qwens_answer(qwen_folder, tmp_pa
     for token, cam in zip(record["tokens"], found.maps):
         written = np.asarray(Image.open(out / token["output"]), dtype=np.int16)
         assert np.abs(written - np.asarray(overlay(photo, cam), dtype=np.int16)).max() <= 1
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_qwens_model_is_left_as_it_was(fails: bool) -> None:
+    model, given = tiny_qwen("qwen2_5_vl"), inputs()
+    model.model.visual.blocks[0].train()
+    flags = [p.requires_grad for p in model.parameters()]
+    with torch.no_grad():  # transformers installs its own output-capturing hooks at a model's first forward
+        model(**given)
+    hooks = [(m._forward_hooks.copy(), m._forward_pre_hooks.copy(), m._backward_hooks.copy()) for m in model.modules()]
+    cache = model.config.text_config.use_cache
+    if fails:
+        with pytest.raises(explain.ExplainError):
+            explain.explain_answer(model, {**given, "input_ids": given["input_ids"][:, :-5]}, answer=[5])
+    else:
+        explain.explain_answer(model, given, max_new_tokens=2, method="gradcampp")
+    assert [p.requires_grad for p in model.parameters()] == flags
+    assert all(p.grad is None for p in model.parameters())
+    assert model.model.visual.blocks[0].training and not model.model.visual.blocks[1].training
+    assert model.config.text_config.use_cache == cache
+    assert [(m._forward_hooks, m._forward_pre_hooks, m._backward_hooks) for m in model.modules()] == hooks
