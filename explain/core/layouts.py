@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from ..errors import LayerError
 from .hooks import Hooks, layer_entry
+from .maps import covered
 from .op_trace import Observed, TokenMark
 
 Reshape = Callable[[Tensor], Tensor]
@@ -141,7 +142,8 @@ def find_layout(
         model: The model.
         name: The layer's name.
         shape: Its output's shape without the batch axis.
-        geometry: What the pass's layers saw.
+        geometry: What the pass's layers saw (for a layer whose module says which canvas its map covers, see
+            :func:`explain.core.maps.covered`: that canvas).
         observed: What the operations of a traced pass told (feature axes, attention); without it, only
             the sizes speak, and an output that reads both ways is refused.
         probabilities: Whether the output is non-negative and sums to one over its last axis.
@@ -153,6 +155,9 @@ def find_layout(
     traced = observed is not None
     observed = observed or Observed()
     module_name = layer_entry(name)[0]
+    covers = covered(_module(model, module_name))
+    if covers is not None:  # a map of a picture of its own: laid out on that one's canvas
+        geometry = Geometry(covers.size)
     for outer in (module_name.rsplit(".", depth)[0] for depth in range(1, module_name.count(".") + 1)):
         if outer in observed.attention_modules:
             raise LayerError(
@@ -180,6 +185,14 @@ def find_layout(
             f"{'x'.join(map(str, geometry.grid))} patch grid; {WAY_OUT}"
         )
     raise LayerError(f"layer {name!r} outputs {shape}: tokens without a patch embedding to lay them out; {WAY_OUT}")
+
+
+def _module(model: nn.Module, name: str) -> nn.Module | None:
+    """The model's module of that name, or None."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _token_layout(name: str, shape: tuple[int, int], geometry: Geometry, mark: TokenMark | None) -> Layout:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 INTERPOLATION = {1: "linear", 2: "bilinear", 3: "trilinear"}  # by rank
 
@@ -88,6 +88,20 @@ class Canvas:
             return maps.new_zeros(*maps.shape[:-2], *self.image)
         top, left = self.offset
         return upsample(maps, self.size)[..., top : top + self.image[0], left : left + self.image[1]]
+
+
+COVERS = "covers"  # a layer module's canvas of its own: the one its map covers (see covered)
+
+
+def covered(module: nn.Module | None) -> Canvas | None:
+    """The canvas a layer module says its map covers (its ``covers`` attribute), or None where it says none.
+
+    A model that hands its layers pictures of its own makes such modules: LLaVA-NeXt's tiles lie on a padded canvas
+    around the image, and its base image is the whole image squeezed into a square (see
+    :mod:`explain.models.image_readings`). Their maps are laid out on, and brought back from, that canvas.
+    """
+    covers = getattr(module, COVERS, None)
+    return covers if isinstance(covers, Canvas) else None
 
 
 def postprocess(raw: Tensor, rank: int, size: Sequence[int] | None, normalize: bool) -> Tensor:

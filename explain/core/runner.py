@@ -40,7 +40,7 @@ from .layers import (
     traced_forward,
 )
 from .layouts import Geometry, Layout, Reshape
-from .maps import INTERPOLATION, Canvas, has_nonzero, normalize_maps, upsample
+from .maps import INTERPOLATION, Canvas, covered, has_nonzero, normalize_maps, upsample
 from .model_state import running
 from .watch import PassLayouts
 
@@ -538,14 +538,17 @@ class PassRunner:
         return x + self.method.smooth_sigma * spread * noise
 
     def maps(self, recorded: PassRecord) -> list[Tensor]:
-        """Each layer's (N, K, h, w) maps of one recorded pass: the method's formula per layer and target."""
-        canvas, x = recorded.canvas, recorded.x
-
-        def to_input(maps: Tensor) -> Tensor:
-            return upsample(canvas.crop(maps) if canvas else maps, x.shape[2:])
-
+        """Each layer's (N, K, h, w) maps of one recorded pass: the method's formula per layer and target. A layer
+        whose module says which canvas its map covers (:func:`explain.core.maps.covered`) is brought onto the image
+        through that one, else through the pass's."""
+        x = recorded.x
         maps, shared = [], {}
         for name, module in self.layers:
+            canvas = covered(module) or recorded.canvas
+
+            def to_input(maps: Tensor, canvas: Canvas | None = canvas) -> Tensor:
+                return upsample(canvas.crop(maps) if canvas else maps, x.shape[2:])
+
             per_target = []
             for k, (gradients, curvatures) in enumerate(zip(recorded.gradients, recorded.curvatures)):
                 gradient, curvature = gradients.get(name), curvatures.get(name)

@@ -7,7 +7,8 @@
 
 Supported: LLaVA (1.5), PaliGemma and the models built as they are, a vision tower whose tokens a
 ``multi_modal_projector`` brings into the language model's sequence at the positions of the model's image token;
-Qwen2-VL and Qwen2.5-VL, whose tower merges groups of patches into one token each (how each reads the image:
+LLaVA-NeXt, which reads the image as tiles of a padded canvas after a base tile; Qwen2-VL and Qwen2.5-VL, whose
+tower merges groups of patches into one token each (how each reads the image:
 :mod:`explain.models.image_readings`). The positions come from the text's own tokens (the config's image token
 id), checked at every forward against the count of tokens the vision tower produced: a mismatch is an error, never
 a guess.
@@ -22,14 +23,16 @@ from torch import Tensor, nn
 
 from ..core.hooks import Hooks
 from ..errors import ExplainError
-from .image_readings import MergedPatches, WholeImage, image_token_id
+from .image_readings import MergedPatches, Tiles, WholeImage, image_token_id
 
-Reading = WholeImage | MergedPatches
+Reading = WholeImage | MergedPatches | Tiles
+IMAGE_INPUTS = {*WholeImage.inputs, *MergedPatches.inputs, *Tiles.inputs}  # a processor's inputs of the image
 
 
 def image_reading(model: nn.Module, inputs: Mapping[str, Tensor]) -> Reading:
     """How the model reads the image of a processor's output (see :mod:`explain.models.image_readings`): cut into
-    merged patches where the output has an ``image_grid_thw``, else whole.
+    merged patches where the output has an ``image_grid_thw``, into tiles where it has ``image_sizes`` beside
+    tiles (N, tiles, 3, s, s), else whole.
 
     Raises:
         ExplainError: The model is of no supported kind, or the text holds no image token.
@@ -43,12 +46,14 @@ def image_reading(model: nn.Module, inputs: Mapping[str, Tensor]) -> Reading:
         )
     if "image_grid_thw" in inputs:
         return MergedPatches(model, text_inputs(inputs), inputs["image_grid_thw"])
+    if "image_sizes" in inputs and inputs["pixel_values"].dim() == 5:
+        return Tiles(model, inputs, tokens)
     return WholeImage(model, tokens)
 
 
 def text_inputs(inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """The text's inputs of a processor's output (1, T) each: all but the image's."""
-    return {name: value for name, value in inputs.items() if name not in MergedPatches.inputs}
+    return {name: value for name, value in inputs.items() if name not in IMAGE_INPUTS}
 
 
 class VisionLanguage(nn.Module):
@@ -73,6 +78,12 @@ class VisionLanguage(nn.Module):
         self.model = model
         self.text = {name: value.reshape(1, -1) for name, value in text.items()}
         self.reading = reading if reading is not None else image_reading(model, self.text)
+
+    @property
+    def feature_levels(self) -> list[str] | None:
+        """The layers the reading declares (LLaVA-NeXt's tiles and base image, fused), or None: searched."""
+        levels = getattr(self.reading, "levels", None)
+        return list(levels) if levels else None
 
     def forward(self, picture: Tensor) -> Tensor:
         """The logits (N, T, vocabulary) of the text, given each picture (N, 3, H, W).

@@ -1,0 +1,199 @@
+"""LLaVA-NeXt word by word: a tiny random config whose processor pads a wide image into a canvas of three tiles
+after a base tile; each word's map against Grad-CAM written here (the tiles' map on the canvas, cut to the image,
+fused with the base's), a vision token planted alone landing on its own pixels, the tiles' padding and count
+checked, and the command line end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import CAT
+from PIL import Image
+
+import explain
+from explain.io.images import load_image
+from explain.io.render import overlay
+
+transformers = pytest.importorskip("transformers")
+
+SIDE, PATCH, IMAGE_TOKEN = 16, 4, 110
+G = SIDE // PATCH  # 4 x 4 tokens per tile
+PINPOINTS = [[16, 32], [32, 16], [32, 32], [16, 48]]
+PHOTO = (21, 50)  # resized to 16 x 39 on a 16 x 48 canvas of 1 x 3 tiles, 4 columns of padding left, 5 right
+BOX = (0, 4, 16, 39)  # top, left, height, width on the canvas
+TOKENS = G * G + 4 * 10 + 4  # the base, then the tiles' 4 x 12 tokens cut to 4 x 10, and a token closing each row
+
+
+def tiny_llava_next() -> torch.nn.Module:
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=SIDE,
+        patch_size=PATCH, projection_dim=32,
+    )  # fmt: skip
+    text = transformers.LlamaConfig(
+        vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=119,
+    )  # fmt: skip
+    config = transformers.LlavaNextConfig(
+        vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN, image_grid_pinpoints=PINPOINTS
+    )
+    torch.manual_seed(0)
+    return transformers.LlavaNextForConditionalGeneration(config).eval()
+
+
+def image_processor():
+    return transformers.LlavaNextImageProcessor(
+        size={"shortest_edge": SIDE}, crop_size={"height": SIDE, "width": SIDE}, image_grid_pinpoints=PINPOINTS
+    )
+
+
+def inputs(seed: int = 1) -> dict[str, torch.Tensor]:
+    photo = np.random.default_rng(seed).integers(0, 256, (*PHOTO, 3), dtype=np.uint8)
+    found = dict(image_processor()(images=[photo], return_tensors="pt"))
+    return {**found, "input_ids": torch.tensor([[1, 5] + [IMAGE_TOKEN] * TOKENS + [6, 7]])}
+
+
+def _normalized(cam: torch.Tensor) -> torch.Tensor:
+    return (cam - cam.min()) / (cam.max() - cam.min())
+
+
+def reference(model: torch.nn.Module, given: dict, sequence: torch.Tensor, position: int) -> torch.Tensor:
+    """Grad-CAM of one token's log-probability at the projector, written out: the three tiles' 4 x 4 tokens side by
+    side on the 16 x 48 canvas, cut to the image's 16 x 39 there; the base tile's 4 x 4 tokens stretched over the
+    image; the two maps, each normalized, averaged."""
+    kept = {}
+    handle = model.model.multi_modal_projector.register_forward_hook(lambda m, i, o: kept.update(a=o))
+    try:
+        logits = model(input_ids=sequence[None], pixel_values=given["pixel_values"],
+                       image_sizes=given["image_sizes"], use_cache=False).logits  # fmt: skip
+    finally:
+        handle.remove()
+    (gradient,) = torch.autograd.grad(logits[0, position - 1].log_softmax(-1)[sequence[position]], kept["a"])
+    activation = kept["a"].detach()  # (1 + 3 tiles, 16 tokens, C)
+
+    top, left, height, width = BOX
+    weights = gradient[1:].mean((0, 1))  # over the canvas's 4 x 12 cells: the three tiles' tokens
+    tiles = torch.relu(torch.cat([(activation[t] @ weights).reshape(G, G) for t in (1, 2, 3)], dim=1))
+    on_canvas = F.interpolate(tiles[None, None], size=(SIDE, 3 * SIDE), mode="bilinear", align_corners=False)[0, 0]
+    tiles = on_canvas[top : top + height, left : left + width]
+    base = torch.relu((activation[0] @ gradient[0].mean(0)).reshape(G, G))
+    base = F.interpolate(base[None, None], size=(height, width), mode="bilinear", align_corners=False)[0, 0]
+    return _normalized(_normalized(tiles) + _normalized(base))
+
+
+def test_each_words_map_is_grad_cam_of_the_tiles_on_their_canvas_fused_with_the_base() -> None:
+    model, given = tiny_llava_next(), inputs()
+    found = explain.explain_answer(model, given, max_new_tokens=3)
+    assert found.result.layer == "reading.tiles+reading.base" and found.maps.shape[-2:] == BOX[2:]
+    sequence = torch.cat([given["input_ids"][0], found.answer])
+    for k, position in enumerate(range(given["input_ids"].shape[1], len(sequence))):
+        expected = reference(model, given, sequence, position)
+        assert torch.corrcoef(torch.stack([found.maps[k].flatten(), expected.flatten()]))[0, 1] > 0.999
+
+
+def test_the_picture_is_the_image_on_its_tiles_and_is_cut_into_them_again() -> None:
+    from explain.models.vision_language import image_reading
+
+    model, given = tiny_llava_next(), inputs()
+    reading = image_reading(model, given)
+    picture = reading.picture(given)
+    _, left, height, width = BOX
+    assert picture.shape == (1, 3, height, width)
+    assert torch.equal(picture[0, :, :, :12], given["pixel_values"][0, 1, :, :, left:])  # the first tile, unpadded
+    again = reading.model_inputs(picture)
+    assert torch.equal(again["pixel_values"], given["pixel_values"])
+    assert torch.equal(again["image_sizes"], given["image_sizes"])
+
+
+def test_a_vision_token_planted_alone_lands_on_its_own_pixels() -> None:
+    """Encoder layers that pass their input on, and one token of the second tile alone left at the projector: the
+    gradient of a word reaches that token's 4 x 4 pixels of the canvas, moved by the padding onto the picture, and
+    no other."""
+    model, given = tiny_llava_next(), inputs()
+    tile, cell = 2, 5  # the middle tile; its row 1, column 1
+    keep = torch.zeros(1 + 3, G * G, 1)
+    keep[tile, cell] = 1
+    handles = [layer.register_forward_hook(lambda m, args, out: args[0]) for layer in
+               model.model.vision_tower.encoder.layers]  # fmt: skip
+    handles.append(model.model.multi_modal_projector.register_forward_hook(lambda m, i, o: o * keep))
+    try:
+        saliency = explain.explain_answer(model, given, answer=[20], method="saliency")
+    finally:
+        for handle in handles:
+            handle.remove()
+    row, column = divmod(cell, G)
+    top = row * PATCH - BOX[0]
+    left = (tile - 1) * SIDE + column * PATCH - BOX[1]
+    where = torch.zeros(BOX[2:], dtype=torch.bool)
+    where[top : top + PATCH, left : left + PATCH] = True
+    assert bool((saliency.maps[0][~where] == 0).all()) and bool((saliency.maps[0][where] > 0).any())
+
+
+def test_tiles_that_are_not_the_processors_are_refused() -> None:
+    model, given = tiny_llava_next(), inputs()
+    with pytest.raises(explain.ExplainError, match="made 60 tokens per image, but the text holds 59 image tokens"):
+        explain.explain_answer(model, {**given, "input_ids": given["input_ids"][:, :-3]}, answer=[5])
+    moved = given["pixel_values"].clone()
+    moved[0, 1, :, :, 0] += 1  # the padding at the canvas's left edge changed
+    with pytest.raises(explain.ExplainError, match="not padded around the 21x50 image"):
+        explain.explain_answer(model, {**given, "pixel_values": moved}, answer=[5])
+    with pytest.raises(explain.ExplainError, match="not a base tile and the 1x3 tiles"):
+        explain.explain_answer(model, {**given, "pixel_values": given["pixel_values"][:, :3]}, answer=[5])
+
+
+@pytest.fixture(scope="module")
+def llava_next_folder(tmp_path_factory) -> Path:
+    from test_vision_language import WORDS, _tokenizer
+
+    folder = tmp_path_factory.mktemp("llava_next")
+    words = WORDS + [f"w{i}" for i in range(len(WORDS), IMAGE_TOKEN)] + ["<image>"]
+    processor = transformers.LlavaNextProcessor(
+        image_processor=image_processor(), tokenizer=_tokenizer(words, "<image>"), patch_size=PATCH,
+        vision_feature_select_strategy="default", image_token="<image>", num_additional_image_tokens=1,
+    )  # fmt: skip
+    tiny_llava_next().save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+def test_the_command_line_explains_each_word_of_llava_nexts_answer(llava_next_folder, tmp_path) -> None:
+    from explain.cli import main
+
+    out = tmp_path / "out"
+    assert main([str(CAT), "--model", str(llava_next_folder), "--prompt", "what is on the table?",
+                 "--answer", "a cat", "-o", str(out), "--quiet"]) == 0  # fmt: skip
+    (record,) = [json.loads(line) for line in (out / "manifest.words.jsonl").read_text().splitlines()]
+    assert [token["text"] for token in record["tokens"]] == ["a", "cat"]
+    assert record["layer"] == "reading.tiles+reading.base"
+    model = transformers.AutoModelForImageTextToText.from_pretrained(llava_next_folder).eval()
+    processor = transformers.AutoProcessor.from_pretrained(llava_next_folder)
+    photo = load_image(CAT)
+    given = processor(images=photo, text="USER: <image>\nwhat is on the table? ASSISTANT:", return_tensors="pt",
+                      do_center_crop=False, size={"height": SIDE, "width": SIDE})  # fmt: skip
+    found = explain.explain_answer(model, dict(given), answer=processor.tokenizer("a cat").input_ids)
+    for token, cam in zip(record["tokens"], found.maps):
+        written = np.asarray(Image.open(out / token["output"]), dtype=np.int16)
+        assert np.abs(written - np.asarray(overlay(photo, cam), dtype=np.int16)).max() <= 1
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_llava_next_is_left_as_it_was(fails: bool) -> None:
+    model, given = tiny_llava_next(), inputs()
+    model.model.vision_tower.encoder.layers[0].train()
+    flags = [p.requires_grad for p in model.parameters()]
+    with torch.no_grad():  # transformers installs its own output-capturing hooks at a model's first forward
+        model(**given)
+    hooks = [(m._forward_hooks.copy(), m._forward_pre_hooks.copy(), m._backward_hooks.copy()) for m in model.modules()]
+    if fails:
+        with pytest.raises(explain.ExplainError):
+            explain.explain_answer(model, {**given, "input_ids": given["input_ids"][:, :-3]}, answer=[5])
+    else:
+        explain.explain_answer(model, given, max_new_tokens=2, method="layercam")
+    assert [p.requires_grad for p in model.parameters()] == flags
+    assert all(p.grad is None for p in model.parameters())
+    assert model.model.vision_tower.encoder.layers[0].training and not model.model.vision_tower.encoder.training
+    assert [(m._forward_hooks, m._forward_pre_hooks, m._backward_hooks) for m in model.modules()] == hooks
