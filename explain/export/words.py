@@ -11,7 +11,7 @@ bottom and right first: the maps are cut back to the image, and the boxes scaled
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from ..io.images import load_image, save_image
 from ..io.render import annotate, grid, overlay
 from ..methods.answers import explain_answer, explain_prompts, explain_queries
 from ..models.text_image import TextImageSpec
+from ..models.tiles import ROWS_AND_COLUMNS
 from .inputs import Input
 from .manifest import ResumeError
 from .outputs import slug
@@ -155,11 +156,12 @@ def _answer(spec: TextImageSpec, image: Image.Image, request: WordsRequest) -> t
     processor, device = spec.processor, next(spec.model.parameters()).device
     inputs = processor(images=image, text=_prompt_text(processor, request.prompt or ""), return_tensors="pt",
                        **_whole_image(processor)).to(device)  # fmt: skip
+    inputs = {**inputs, **_rows_and_columns(processor, inputs, image)}
     answer = None
     if request.answer is not None:
         answer = processor.tokenizer(request.answer, add_special_tokens=False, return_tensors="pt").input_ids[0]
     found = explain_answer(
-        spec.model, dict(inputs), answer=answer, max_new_tokens=request.max_new_tokens,
+        spec.model, inputs, answer=answer, max_new_tokens=request.max_new_tokens,
         decode=processor.tokenizer.decode, method=request.method,
     )  # fmt: skip
     probabilities = found.result.probabilities.reshape(-1).tolist()
@@ -215,6 +217,15 @@ def _prompt_text(processor: Any, prompt: str) -> str:
         turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
         return processor.apply_chat_template(turn, add_generation_prompt=True)
     return f"USER: {getattr(processor, 'image_token', '<image>')}\n{prompt} ASSISTANT:"
+
+
+def _rows_and_columns(processor: Any, inputs: Mapping[str, Any], image: Image.Image) -> dict[str, Any]:
+    """For an image split into tiles with a pixel mask (Idefics3's), how many rows and columns of them: the image
+    processor tells where asked (``return_row_col_info``), the processor drops it. Nothing for another image."""
+    if "pixel_attention_mask" not in inputs:
+        return {}
+    info = processor.image_processor(images=[[image]], return_row_col_info=True)
+    return {key: info[key] for key in ROWS_AND_COLUMNS if key in info}
 
 
 def _whole_image(processor: Any) -> dict[str, Any]:

@@ -10,19 +10,12 @@ made of it, and the map of the vision tokens as the language model reads them.
   out as a map (:class:`VisionTokens`): each in the cell the language model's own position ids (its rotary index
   of height and width) give it. Qwen2.5-VL's windows reorder the patches inside the tower; the tower undoes
   that before the language model reads them, and the map is taken after it.
-- :class:`Tiles`: LLaVA-NeXt's "any resolution" input: the image resized into a padded canvas cut into square tiles,
-  after a base tile of the whole image squeezed into one square (``pixel_values`` (1, 1 + tiles, 3, s, s) and
-  ``image_sizes``). The picture is the image's part of the canvas, padded and cut again inside the forward; the
-  base tile is the processor's, fixed. Two maps: the tiles' tokens on the canvas, each tile where it came from,
-  and the base tile's tokens on its square; each module says which canvas its map covers
-  (:func:`explain.core.maps.covered`), and the two are fused, both brought onto the picture.
+- Tiles of the image beside a base image (LLaVA-NeXt, Idefics3): :mod:`explain.models.tiles`.
 """
 
 from __future__ import annotations
 
 import inspect
-import math
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,7 +23,6 @@ import torch
 from torch import Tensor, nn
 
 from ..core.hooks import Hooks
-from ..core.maps import Canvas
 from ..errors import ExplainError
 
 PROJECTOR = "multi_modal_projector"  # LLaVA's: the vision tokens as the language model reads them
@@ -100,8 +92,8 @@ class WholeImage(nn.Module):
         if pixel_values.dim() != 4 or len(pixel_values) != 1:
             raise ExplainError(
                 f"the processor gives pixel_values of shape {tuple(pixel_values.shape)}, not one image (1, 3, H, W): "
-                "images cut into tiles are explained with the image_sizes LLaVA-NeXt's processor gives (pass its "
-                "whole output); Idefics3's split images are not explained yet"
+                "images cut into tiles are explained with what their processor gives beside them (LLaVA-NeXt's "
+                "image_sizes, Idefics3's pixel_attention_mask): pass its whole output"
             )
         return pixel_values
 
@@ -267,178 +259,3 @@ def token_cells(model: nn.Module, text: Mapping[str, Tensor], grid_thw: Tensor, 
             f"{grid[0]}x{grid[1]} grid of merged patches: build the text with the model's own processor"
         )
     return cells
-
-
-class TileTokens(nn.Module):
-    """The tokens of a grid of square tiles as one map (N, C, rows * g, columns * g), each tile where it lies.
-
-    Args:
-        tiles: The tiles' (rows, columns), row by row.
-        side: The tokens on a tile's side (g).
-        covers: The canvas the map covers (see :func:`explain.core.maps.covered`).
-    """
-
-    def __init__(self, tiles: tuple[int, int], side: int, covers: Canvas) -> None:
-        super().__init__()
-        self.tiles, self.side, self.covers = tiles, side, covers
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        """The map of tokens (N, rows * columns, g * g, C), each tile's row by row."""
-        (rows, columns), g = self.tiles, self.side
-        n, channels = len(tokens), tokens.shape[-1]
-        cells = tokens.reshape(n, rows, columns, g, g, channels).permute(0, 5, 1, 3, 2, 4)
-        return cells.reshape(n, channels, rows * g, columns * g)
-
-    def tokens(self, mapped: Tensor) -> Tensor:
-        """The tokens (N, rows * columns, g * g, C) of a map."""
-        (rows, columns), g = self.tiles, self.side
-        n, channels = mapped.shape[:2]
-        cells = mapped.reshape(n, channels, rows, g, columns, g).permute(0, 2, 4, 3, 5, 1)
-        return cells.reshape(n, rows * columns, g * g, channels)
-
-
-class Tiles(nn.Module):
-    """LLaVA-NeXt's tiles around a base image (see the module's docstring).
-
-    Args:
-        model: The model: its config (the tiles' resolutions, the vision tower's patch size), its projector, and its
-            rules for the tiles' grid and the features it reads (``get_anyres_image_grid_shape``,
-            ``pack_image_features``).
-        inputs: The processor's output for one image: ``pixel_values`` (1, 1 + tiles, 3, s, s), ``image_sizes``.
-        image_tokens: The image tokens of the text.
-
-    Raises:
-        ExplainError: The tiles are not the model's grid for the image, their padding is not where the processor
-            puts it, or the text's image tokens are not as many as the features the model reads.
-    """
-
-    inputs = ("pixel_values", "image_sizes")
-    levels = ("reading.tiles", "reading.base")  # the layers, fused: as the wrapper names them
-
-    def __init__(self, model: nn.Module, inputs: Mapping[str, Tensor], image_tokens: int) -> None:
-        super().__init__()
-        self.projector = submodule(model, PROJECTOR, "the tiles' tokens (LLaVA-NeXt and models built as it is)")
-        pixel_values, self.image_sizes = inputs["pixel_values"], inputs["image_sizes"].reshape(1, 2).cpu()
-        side = pixel_values.shape[-1]
-        rows, columns = _tile_grid(model, self.image_sizes[0], side)
-        tiles = pixel_values[0, 1 : 1 + rows * columns]
-        if pixel_values.dim() != 5 or len(tiles) != rows * columns:
-            raise ExplainError(
-                f"pixel_values {tuple(pixel_values.shape)} are not a base tile and the {rows}x{columns} tiles the "
-                "model reads for this image: pass the processor's output for one image"
-            )
-        canvas = tiles.reshape(rows, columns, -1, side, side).permute(2, 0, 3, 1, 4)
-        canvas = canvas.reshape(1, -1, rows * side, columns * side)
-        self.box, self.pad = _image_on(canvas, [int(v) for v in self.image_sizes[0]])
-        top, left, height, width = self.box
-        self.register_buffer("base_image", pixel_values[:, :1].detach(), persistent=False)
-        self.register_buffer("image", canvas[..., top : top + height, left : left + width].detach(), persistent=False)
-        g = side // model.config.vision_config.patch_size
-        canvas_size = (rows * side, columns * side)
-        self.tiles = TileTokens((rows, columns), g, Canvas(canvas_size, (height, width), (top, left)))
-        self.base = VisionTokens((g, g), torch.arange(g * g))
-        self.base.covers = Canvas((g, g), (g, g))  # the whole image, squeezed into a square
-        self.token, self.side = image_token_id(model), side
-        _check_count(model, pixel_values[0, : 1 + rows * columns], self.image_sizes, g, image_tokens, self.token)
-
-    def picture(self, inputs: Mapping[str, Tensor]) -> Tensor:
-        """The picture (1, 3, h, w): the image's part of the tiles' canvas."""
-        return self.image
-
-    def model_inputs(self, picture: Tensor) -> dict[str, Tensor]:
-        """The model's image inputs for pictures (N, 3, h, w): the base tile, then the canvas's tiles.
-
-        Raises:
-            ExplainError: Pictures of another size than the image's on the canvas.
-        """
-        top, left, height, width = self.box
-        (rows, columns), s = self.tiles.tiles, self.side
-        n = len(picture)
-        if tuple(picture.shape[2:]) != (height, width):
-            raise ExplainError(f"pictures {tuple(picture.shape)} are not of the image's {height}x{width} on its tiles")
-        canvas = self.pad.to(picture).expand(n, -1, rows * s, columns * s).clone()
-        canvas[..., top : top + height, left : left + width] = picture  # the padding's values kept bit for bit
-        tiles = canvas.reshape(n, -1, rows, s, columns, s).permute(0, 2, 4, 1, 3, 5)
-        tiles = tiles.reshape(n, rows * columns, -1, s, s)
-        pixel_values = torch.cat([self.base_image.to(picture).expand(n, 1, *tiles.shape[2:]), tiles], dim=1)
-        return {"pixel_values": pixel_values, "image_sizes": self.image_sizes.to(picture.device).expand(n, 2)}
-
-    def watch(self, hooks: Hooks, images: int) -> None:
-        """In the forward of ``images`` pictures, pass the projector's tokens through the base's and the tiles'
-        maps (:attr:`base`, :attr:`tiles`)."""
-
-        def as_maps(module: nn.Module, inputs: Any, projected: Tensor) -> Tensor:
-            g, channels = self.tiles.side, projected.shape[-1]
-            per_image = projected.reshape(images, -1, *projected.shape[1:])
-            if projected.shape[1] != g * g:
-                raise ExplainError(
-                    f"the projector makes {projected.shape[1]} tokens per tile, not the {g}x{g} patches of a tile: "
-                    "explain reads tiles without a class token (vision_feature_select_strategy 'default')"
-                )
-            base = self.base.tokens(self.base(per_image[:, 0].reshape(-1, channels))).reshape(images, 1, g * g, -1)
-            tiles = self.tiles.tokens(self.tiles(per_image[:, 1:]))
-            return torch.cat([base, tiles], dim=1).reshape(projected.shape)
-
-        hooks.forward(self.projector, as_maps)
-
-
-def _tile_grid(model: nn.Module, image_size: Tensor, side: int) -> tuple[int, int]:
-    """The (rows, columns) of tiles the model reads for an image of ``image_size`` (H, W), by its own rule.
-
-    Raises:
-        ExplainError: The model has no such rule.
-    """
-    rule = getattr(sys.modules.get(type(model).__module__), "get_anyres_image_grid_shape", None)
-    pinpoints = getattr(model.config, "image_grid_pinpoints", None)
-    if rule is None or pinpoints is None:
-        raise ExplainError(
-            f"{type(model).__name__} has no rule for its tiles' grid (get_anyres_image_grid_shape and "
-            "image_grid_pinpoints): explain reads tiles of LLaVA-NeXt and models built as it is"
-        )
-    rows, columns = rule(image_size.tolist(), pinpoints, side)
-    return int(rows), int(columns)
-
-
-def _image_on(canvas: Tensor, size: list[int]) -> tuple[tuple[int, int, int, int], Tensor]:
-    """Where the processor put the image (H, W) on the tiles' canvas (1, 3, Hc, Wc): resized to fit, its aspect
-    kept, centred; and the padding's value per channel (1, 3, 1, 1).
-
-    Raises:
-        ExplainError: The canvas is not padded so around the image.
-    """
-    (height, width), (rows, columns) = size, canvas.shape[2:]
-    if columns / width < rows / height:
-        box = (min(math.ceil(height * columns / width), rows), columns)
-    else:
-        box = (rows, min(math.ceil(width * rows / height), columns))
-    top, left = (rows - box[0]) // 2, (columns - box[1]) // 2
-    outside = torch.ones(rows, columns, dtype=torch.bool)
-    outside[top : top + box[0], left : left + box[1]] = False
-    padding = canvas[0][:, outside]
-    pad = padding[:, :1] if padding.numel() else canvas.new_zeros(canvas.shape[1], 1)
-    if not torch.equal(padding, pad.expand_as(padding)):
-        raise ExplainError(
-            f"the tiles' canvas is not padded around the {height}x{width} image where the processor puts it: pass "
-            "the processor's output for this image"
-        )
-    return (top, left, *box), pad.reshape(1, -1, 1, 1)
-
-
-def _check_count(model: nn.Module, tiles: Tensor, sizes: Tensor, side: int, image_tokens: int, token: int) -> None:
-    """The features the model reads of the tiles (its own ``pack_image_features``: the base, then the tiles'
-    tokens with their padding cut and a token closing each row) must be the text's image tokens, one for one.
-
-    Raises:
-        ExplainError: They are not, or the model has no such rule.
-    """
-    owner = next((m for m in (getattr(model, "model", None), model) if hasattr(m, "pack_image_features")), None)
-    if owner is None:
-        raise ExplainError(f"{type(model).__name__} has no pack_image_features: explain reads its tiles' count there")
-    features = [tiles.new_zeros(len(tiles), side * side, 1)]
-    holders = (owner, getattr(model, "model", None))
-    newline = next((m.image_newline for m in holders if hasattr(m, "image_newline")), None)
-    with torch.no_grad():
-        packed = owner.pack_image_features(features, sizes, "default", None if newline is None else newline[:1])
-    made = int(packed[1][0]) if isinstance(packed, tuple) else len(packed[0])
-    if made != image_tokens:
-        raise count_error(made, image_tokens, token)

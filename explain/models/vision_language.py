@@ -7,8 +7,8 @@
 
 Supported: LLaVA (1.5), PaliGemma and the models built as they are, a vision tower whose tokens a
 ``multi_modal_projector`` brings into the language model's sequence at the positions of the model's image token;
-LLaVA-NeXt, which reads the image as tiles of a padded canvas after a base tile; Qwen2-VL and Qwen2.5-VL, whose
-tower merges groups of patches into one token each (how each reads the image:
+LLaVA-NeXt and Idefics3 (SmolVLM), which read the image as tiles beside a base image (:mod:`explain.models.tiles`);
+Qwen2-VL and Qwen2.5-VL, whose tower merges groups of patches into one token each (how each reads the image:
 :mod:`explain.models.image_readings`). The positions come from the text's own tokens (the config's image token
 id), checked at every forward against the count of tokens the vision tower produced: a mismatch is an error, never
 a guess.
@@ -23,16 +23,18 @@ from torch import Tensor, nn
 
 from ..core.hooks import Hooks
 from ..errors import ExplainError
-from .image_readings import MergedPatches, Tiles, WholeImage, image_token_id
+from .image_readings import MergedPatches, WholeImage, image_token_id
+from .tiles import ROWS_AND_COLUMNS, AnyResolution, SplitImage
 
-Reading = WholeImage | MergedPatches | Tiles
-IMAGE_INPUTS = {*WholeImage.inputs, *MergedPatches.inputs, *Tiles.inputs}  # a processor's inputs of the image
+Reading = WholeImage | MergedPatches | AnyResolution | SplitImage
+IMAGE_INPUTS = {*WholeImage.inputs, *MergedPatches.inputs, *AnyResolution.inputs, *SplitImage.inputs}
 
 
 def image_reading(model: nn.Module, inputs: Mapping[str, Tensor]) -> Reading:
     """How the model reads the image of a processor's output (see :mod:`explain.models.image_readings`): cut into
-    merged patches where the output has an ``image_grid_thw``, into tiles where it has ``image_sizes`` beside
-    tiles (N, tiles, 3, s, s), else whole.
+    merged patches where the output has an ``image_grid_thw``, into LLaVA-NeXt's tiles where it has
+    ``image_sizes`` beside tiles (N, tiles, 3, s, s), into Idefics3's where it has a ``pixel_attention_mask``, else
+    whole.
 
     Raises:
         ExplainError: The model is of no supported kind, or the text holds no image token.
@@ -47,7 +49,9 @@ def image_reading(model: nn.Module, inputs: Mapping[str, Tensor]) -> Reading:
     if "image_grid_thw" in inputs:
         return MergedPatches(model, text_inputs(inputs), inputs["image_grid_thw"])
     if "image_sizes" in inputs and inputs["pixel_values"].dim() == 5:
-        return Tiles(model, inputs, tokens)
+        return AnyResolution(model, inputs, tokens)
+    if "pixel_attention_mask" in inputs:
+        return SplitImage(model, inputs, tokens)
     return WholeImage(model, tokens)
 
 
@@ -160,9 +164,10 @@ def generate_answer(model: nn.Module, inputs: Mapping[str, Tensor], max_new_toke
     is left as it was."""
     from ..core.model_state import untouched
 
+    given = {name: value for name, value in inputs.items() if name not in ROWS_AND_COLUMNS}
     with untouched(model), torch.inference_mode():
         out = model.generate(
-            **inputs, max_new_tokens=max_new_tokens, do_sample=False, output_scores=True, return_dict_in_generate=True
+            **given, max_new_tokens=max_new_tokens, do_sample=False, output_scores=True, return_dict_in_generate=True
         )
     answer = out.sequences[0, inputs["input_ids"].shape[-1] :]
     scored = torch.stack([step[0].float().log_softmax(-1)[token] for step, token in zip(out.scores, answer)])
