@@ -24,6 +24,7 @@ from ..io.atomic import write_atomically
 from ..io.images import load_image, save_image
 from ..io.render import annotate, grid, overlay
 from ..methods.answers import explain_answer, explain_prompts, explain_queries
+from ..models.query_models import phrase_text, phrase_tokens
 from ..models.text_image import TextImageSpec
 from ..models.tiles import ROWS_AND_COLUMNS
 from .inputs import Input
@@ -187,17 +188,16 @@ def _prompts(spec: TextImageSpec, image: Image.Image, request: WordsRequest) -> 
 def _queries(spec: TextImageSpec, image: Image.Image, request: WordsRequest) -> tuple[list[Word], dict[str, Any]]:
     """Each box the detector finds for the text queries, with its map and score, both in the image's geometry,
     and what the record says of them."""
-    processor, device = spec.processor, next(spec.model.parameters()).device
     texts = list(request.texts)
-    inputs = processor(text=[texts], images=image, return_tensors="pt", padding=True).to(device)
+    inputs, phrases = _query_inputs(spec, image, texts)
     result = explain_queries(
-        spec.model, inputs["pixel_values"], inputs["input_ids"], queries=texts,
+        spec.model, inputs["pixel_values"], inputs["input_ids"], queries=texts, phrases=phrases,
         attention_mask=inputs.get("attention_mask"), score_threshold=request.score_threshold, method=request.method,
     )  # fmt: skip
     height, width = inputs["pixel_values"].shape[-2:]
     side = max(image.size)
-    padded = getattr(getattr(processor, "image_processor", None), "do_pad", False)  # OWLv2's square
-    if padded:  # the image at the top left of a square of its longer side
+    padded = getattr(getattr(spec.processor, "image_processor", None), "do_pad", False)
+    if padded and height == width:  # OWLv2's: the image at the top left of a square of its longer side
         scale = (side / width, side / height)
         keep = (round(height * image.height / side), round(width * image.width / side))
     else:
@@ -208,6 +208,17 @@ def _queries(spec: TextImageSpec, image: Image.Image, request: WordsRequest) -> 
         for cam, label, score, box in zip(result.cams[0], result.class_indices[0], result.scores[0], boxes)
     ]
     return words, {"texts": texts, "layer": result.layer, "score_threshold": request.score_threshold}
+
+
+def _query_inputs(spec: TextImageSpec, image: Image.Image, texts: list[str]) -> tuple[Any, list[list[int]] | None]:
+    """The detector's inputs for the queries, and where it scores the tokens of one text of them all (its config's
+    ``max_text_len``: Grounding DINO's), each query's tokens in that text."""
+    processor, device = spec.processor, next(spec.model.parameters()).device
+    if getattr(spec.model.config, "max_text_len", None) is None:  # a text per query: OWL-ViT's, OWLv2's
+        return processor(text=[texts], images=image, return_tensors="pt", padding=True).to(device), None
+    text, spans = phrase_text(texts)
+    offsets = processor.tokenizer(text, return_offsets_mapping=True)["offset_mapping"]
+    return processor(text=text, images=image, return_tensors="pt").to(device), phrase_tokens(offsets, spans)
 
 
 def _prompt_text(processor: Any, prompt: str) -> str:

@@ -239,12 +239,13 @@ def explain_queries(
     *,
     queries: Sequence[str] | None = None,
     attention_mask: Tensor | None = None,
+    phrases: Sequence[Sequence[int]] | None = None,
     score_threshold: float = 0.1,
     method: str = "gradcam",
     layer: LayerSpec = None,
     **options: Any,
 ) -> CAMResult:
-    """Map each box an open-vocabulary detector (OWL-ViT, OWLv2) finds for text queries.
+    """Map each box an open-vocabulary detector (OWL-ViT, OWLv2, Grounding DINO) finds for text queries.
 
     Each image patch's box scoring at least ``score_threshold`` for its best query is one detection, explained by
     that score (see :class:`explain.models.TextQueryDetector`); the result's ``target.boxes`` hold the boxes in the
@@ -253,9 +254,12 @@ def explain_queries(
     Args:
         model: ``OwlViTForObjectDetection``, ``Owlv2ForObjectDetection`` or their kind, left as it was.
         pixel_values: The images as the model's processor prepares them, (N, 3, H, W).
-        input_ids: The queries as the model's processor builds them, (queries, L).
+        input_ids: The queries as the model's processor builds them: (queries, L) for OWL; one text of them all
+            (1, L) for Grounding DINO ("a cat. a remote.").
         queries: The queries' texts, the result's labels.
         attention_mask: The queries' attention mask, or None.
+        phrases: For a model that scores each token of the text (Grounding DINO), each query's token positions
+            (see :func:`explain.models.query_models.phrase_tokens`).
         score_threshold: The least score of an explained box.
         method: Any method that takes a target (``explain.METHODS``).
         layer: The layer (None: the automatic one).
@@ -263,6 +267,7 @@ def explain_queries(
     """
     from . import create_method
 
-    detector = TextQueryDetector(model, input_ids, attention_mask, None if queries is None else list(queries))
+    spans = None if phrases is None else [list(p) for p in phrases]
+    detector = TextQueryDetector(model, input_ids, attention_mask, None if queries is None else list(queries), spans)
     explainer = create_method(method, detector, layer, labels=detector.labels, **options)
     return explainer(pixel_values, DetectionTarget(score_threshold=score_threshold))

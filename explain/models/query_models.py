@@ -6,6 +6,8 @@ torchvision's segmenters, so that :class:`explain.targets.SegmentationTarget` ex
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -64,21 +66,31 @@ FEATURE_MAP = "layer_norm"  # OWL-ViT's and OWLv2's: the patches' embeddings tha
 
 
 class TextQueryDetector(nn.Module):
-    """An open-vocabulary detector with fixed text queries (HuggingFace's OWL-ViT and OWLv2), whose output is
-    torchvision's detectors': one dict per image of ``"boxes"`` (x1, y1, x2, y2 in input pixels), ``"labels"`` (the
-    query, an index into :attr:`labels`) and ``"scores"``, one entry per image patch.
+    """An open-vocabulary detector with fixed text queries (HuggingFace's OWL-ViT, OWLv2 and Grounding DINO), whose
+    output is torchvision's detectors': one dict per image of ``"boxes"`` (x1, y1, x2, y2 in input pixels),
+    ``"labels"`` (the query, an index into :attr:`labels`) and ``"scores"``, one entry per image patch or object
+    query.
 
-    Each patch of the image predicts a box and a logit per query; its score for a query is the logit's sigmoid, as
-    the model's own post-processing scores it, and its label its best query. There is no non-maximum suppression:
-    ``DetectionTarget(score_threshold=...)`` explains every patch's box above the threshold, each by its score.
-    The automatic layer (:attr:`feature_levels`) is the map of patch embeddings that both heads read, the model's
-    ``layer_norm``; the heads themselves, which read each patch on its own, are no map of the image to explain.
+    Each patch of the image (OWL's) or object query (Grounding DINO's) predicts a box and a logit per query; its
+    score for a query is the logit's sigmoid, as the model's own post-processing scores it, and its label its best
+    query. Grounding DINO scores every token of one text of several phrases instead: a phrase's logit is the largest
+    of its tokens' (``phrases`` gives each one's tokens), as its post-processing takes the largest token score of a
+    box. There is no non-maximum suppression: ``DetectionTarget(score_threshold=...)`` explains every box above the
+    threshold, each by its score. OWL's automatic layer (:attr:`feature_levels`) is the map of patch embeddings that
+    both heads read, the model's ``layer_norm``; the heads themselves, which read each patch on its own, are no map
+    of the image to explain.
 
     Args:
-        model: ``OwlViTForObjectDetection``, ``Owlv2ForObjectDetection`` or a model answering as they do.
-        input_ids: The queries as the model's processor builds them, (queries, L).
+        model: ``OwlViTForObjectDetection``, ``Owlv2ForObjectDetection``, ``GroundingDinoForObjectDetection`` or a
+            model answering as they do.
+        input_ids: The queries as the model's processor builds them: (queries, L) for OWL, one text (1, L) for
+            Grounding DINO.
         attention_mask: Their attention mask, or None.
         queries: The queries' texts (the labels); default ``query 0``, ``query 1``, ...
+        phrases: For a model that scores the text's tokens, each query's token positions in the text.
+
+    Raises:
+        TargetError: Phrases that are empty or lie outside the text.
     """
 
     def __init__(
@@ -87,30 +99,77 @@ class TextQueryDetector(nn.Module):
         input_ids: Tensor,
         attention_mask: Tensor | None = None,
         queries: list[str] | None = None,
+        phrases: list[list[int]] | None = None,
     ) -> None:
         super().__init__()
         self.model, self.input_ids, self.attention_mask = model, input_ids, attention_mask
-        self.labels = list(queries) if queries is not None else [f"query {i}" for i in range(len(input_ids))]
+        count = len(phrases) if phrases is not None else len(input_ids)
+        self.labels = list(queries) if queries is not None else [f"query {i}" for i in range(count)]
+        self.phrases = None if phrases is None else _phrase_matrix(phrases, input_ids.shape[-1])
         norm = getattr(model, FEATURE_MAP, None)
         self.feature_levels = [f"model.{FEATURE_MAP}"] if isinstance(norm, nn.Module) else None
 
     def forward(self, pixel_values: Tensor) -> list[dict[str, Tensor]]:
-        device = pixel_values.device
-        mask = None if self.attention_mask is None else self.attention_mask.to(device)
-        output = self.model(input_ids=self.input_ids.to(device), pixel_values=pixel_values, attention_mask=mask)
+        device, n = pixel_values.device, len(pixel_values)
+        ids, mask = self.input_ids.to(device), None if self.attention_mask is None else self.attention_mask.to(device)
+        if self.phrases is not None:  # one text per image
+            ids, mask = ids.expand(n, -1), None if mask is None else mask.expand(n, -1)
+        output = self.model(input_ids=ids, pixel_values=pixel_values, attention_mask=mask)
         logits, boxes = getattr(output, "logits", None), getattr(output, "pred_boxes", None)
         if not isinstance(logits, Tensor) or not isinstance(boxes, Tensor):
             raise TargetError(f"{type(self.model).__name__} returns no logits and pred_boxes of text queries")
+        if self.phrases is not None:
+            tokens = logits[..., : self.phrases.shape[1]].unsqueeze(-2)  # (N, boxes, 1, tokens)
+            logits = tokens.masked_fill(~self.phrases.to(device), float("-inf")).amax(dim=-1)
         if logits.shape[-1] != len(self.labels):
             raise TargetError(
                 f"{type(self.model).__name__}'s logits score {logits.shape[-1]} text entries, not the "
-                f"{len(self.labels)} queries: logits per text token (Grounding DINO's) are not grouped into "
-                "phrases yet; OWL-ViT and OWLv2 score each query"
+                f"{len(self.labels)} queries: for a model that scores each token of one text (Grounding DINO), "
+                "give each query's tokens (phrases=)"
             )
         return detections(logits.sigmoid(), boxes, pixel_values)
 
     def extra_repr(self) -> str:
         return f"{len(self.labels)} text queries of a {type(self.model).__name__}"
+
+
+def phrase_text(queries: Sequence[str]) -> tuple[str, list[tuple[int, int]]]:
+    """One text of several queries as Grounding DINO reads it ("a cat. a remote."), and each query's span of
+    characters in it."""
+    text, spans = "", []
+    for query in queries:
+        phrase = query.strip().lower()
+        spans.append((len(text), len(text) + len(phrase)))
+        text += f"{phrase}. "
+    return text.rstrip(), spans
+
+
+def phrase_tokens(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> list[list[int]]:
+    """Each span's tokens: the positions of the tokens (their character ``offsets`` in the text, a fast tokenizer's
+    ``offset_mapping``; special tokens at (0, 0)) that lie within it.
+
+    Raises:
+        TargetError: A span that no token lies in.
+    """
+    found = [[i for i, (a, b) in enumerate(offsets) if b > a and start <= a and b <= end] for start, end in spans]
+    empty = [k for k, positions in enumerate(found) if not positions]
+    if empty:
+        raise TargetError(f"queries {empty} have no tokens of their own in the text")
+    return found
+
+
+def _phrase_matrix(phrases: list[list[int]], length: int) -> Tensor:
+    """Which of the text's ``length`` tokens each phrase holds, (phrases, length).
+
+    Raises:
+        TargetError: A phrase that is empty or names a token outside the text.
+    """
+    matrix = torch.zeros(len(phrases), length, dtype=torch.bool)
+    for k, positions in enumerate(phrases):
+        if not positions or not all(0 <= p < length for p in positions):
+            raise TargetError(f"phrase {k} has tokens {list(positions)}, not tokens of the text's {length}")
+        matrix[k, list(positions)] = True
+    return matrix
 
 
 class QuerySegmenter(nn.Module):
