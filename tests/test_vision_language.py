@@ -513,5 +513,5 @@ def test_a_detector_scoring_text_tokens_instead_of_queries_is_refused() -> None:
             logits = features.mean(-1, keepdim=True).expand(-1, -1, 256)
             return transformers.utils.ModelOutput(logits=logits, pred_boxes=torch.full((*logits.shape[:2], 4), 0.5))
 
-    with pytest.raises(explain.TargetError, match="logits score 256 text entries, not the 2 queries.*phrases="):
+    with pytest.raises(explain.TargetError, match=r"logits score 256 text entries, not the 2 queries.*phrases="):
         explain.explain_queries(PerToken(), image(), torch.tensor([[1, 5], [1, 6]]), score_threshold=0.0)
