@@ -229,3 +229,11 @@ def test_qwens_model_is_left_as_it_was(fails: bool) -> None:
     assert model.model.visual.blocks[0].training and not model.model.visual.blocks[1].training
     assert model.config.text_config.use_cache == cache
     assert [(m._forward_hooks, m._forward_pre_hooks, m._backward_hooks) for m in model.modules()] == hooks
+
+
+def test_a_layer_inside_the_tower_is_refused_with_the_way_out() -> None:
+    """Inside the tower the tokens of all images lie in one sequence, in merge groups and windows: no map of the
+    image is guessed from them."""
+    model, given = tiny_qwen("qwen2_5_vl"), inputs()
+    with pytest.raises(explain.ExplainError, match=r"not a map of the image.*reshape="):
+        explain.explain_answer(model, given, answer=[5], layer="model.model.visual.blocks.1")

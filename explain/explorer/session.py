@@ -12,6 +12,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Container
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -318,10 +319,7 @@ class Explorer:
         with self._lock:
             if digest in self._digests:
                 return self.photos[self._digests[digest]]
-            unique, count = name, 1
-            while unique in self.photos:
-                count += 1
-                unique = f"{_stem(name)} ({count}){name[len(_stem(name)) :]}"
+            unique = unique_name(name, self.photos)
             window = intensity_window(image.numpy()) if kind == "volume" else None
             photo = Photo(unique, image, x.to(self.spec.device), kind, window)
             self.photos[unique] = photo
@@ -513,6 +511,15 @@ class Explorer:
         if not entries:
             raise ExplainError(f"{photo.name}: the model finds nothing to explain (no detection or region)")
         return entries
+
+
+def unique_name(name: str, taken: Container[str]) -> str:
+    """``name``, or where it is taken, ``name`` with the first free suffix: ``chelsea (2).png``."""
+    unique, count = name, 1
+    while unique in taken:
+        count += 1
+        unique = f"{_stem(name)} ({count}){name[len(_stem(name)) :]}"
+    return unique
 
 
 def _stem(name: str) -> str:

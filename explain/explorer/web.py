@@ -25,6 +25,7 @@ from PIL import Image
 from ..errors import ExplainError
 from ..io.render import data_uri
 from ..models import ModelSpec, load_model
+from ..models.text_image import is_text_image_model, load_text_image_model
 from ..targets import class_index
 from .controls import ALPHA_STEP, CONTROLS, VIEW, Control
 from .session import Explorer, Shown, View, bundled_photos
@@ -388,7 +389,8 @@ def serve(
     """Start the app and serve until interrupted.
 
     Args:
-        model: The model's name (see :func:`explain.load_model`).
+        model: The model's name (see :func:`explain.load_model`), or the folder of a vision-language model (its
+            words' page, :mod:`explain.explorer.words`).
         weights: A checkpoint of it, or None.
         host: The address to listen on; anything but 127.0.0.1 lets others on the network use it (a warning says so).
         port: The port.
@@ -396,8 +398,14 @@ def serve(
         quiet: Print nothing but warnings.
     """
     gr = gradio()
-    spec = on_model_thread(load_model)(model, weights, device=device)  # the first torch calls there too
-    app = on_model_thread(App)(spec, lambda name: load_model(name, device=device))
+    if is_text_image_model(model):  # a vision-language model's folder: its words' page
+        from .words import WordsApp, build_words
+
+        spec = on_model_thread(load_text_image_model)(model, device)  # the first torch calls there too
+        page = build_words(on_model_thread(WordsApp)(spec))
+    else:
+        spec = on_model_thread(load_model)(model, weights, device=device)
+        page = build(on_model_thread(App)(spec, lambda name: load_model(name, device=device)))
     if host != LOCAL:
         print(
             f"explain app: warning: listening on {host}: anyone who can reach this machine can use the app and "
@@ -405,6 +413,6 @@ def serve(
             file=sys.stderr,
         )
     theme = gr.themes.Default(font=["system-ui", "sans-serif"], font_mono=["monospace"])  # no web fonts: offline
-    build(app).launch(
+    page.launch(
         server_name=host, server_port=port, quiet=quiet, theme=theme, max_file_size=MAX_FILE_SIZE, footer_links=["api"]
     )

@@ -131,15 +131,11 @@ def _explained_image(
     """One image's maps, written under ``out`` at ``relative`` (its outputs' path without suffix), and its record,
     which names the files relative to ``out``."""
     image = load_image(path)
-    explained = {"answers": _answer, "detects": _queries, "scores": _prompts}[spec.kind]
-    words, record = explained(spec, image, request)
+    words, record = words_of_image(spec, image, request)
     tokens = []
     for i, word in enumerate(words):
         name = relative.with_name(f"{relative.name}.{i:02d}.{slug(word.text) or 'token'}.{request.method}.png")
-        picture = overlay(image, word.cam, request.alpha, request.colormap)
-        if word.box is not None:
-            picture = annotate(picture, f"{word.text} {word.score:.2f}", tuple(word.box))
-        save_image(picture, out / name)
+        save_image(drawn(image, word, request.alpha, request.colormap), out / name)
         entry = {"index": i, "text": word.text, "score": round(word.score, 6), "output": str(name)}
         tokens.append(entry if word.box is None else {**entry, "box": [round(v, 2) for v in word.box]})
     strip = relative.with_name(f"{relative.name}.words.{request.method}.png")
@@ -149,6 +145,25 @@ def _explained_image(
     save_image(grid(image, panels, title, request.alpha, request.colormap, columns=columns), out / strip)
     return {"input": str(path), "model": spec.name, "method": request.method, **record, "tokens": tokens,
             "figure": str(strip), "error": None}  # fmt: skip
+
+
+def words_of_image(spec: TextImageSpec, image: Image.Image, request: WordsRequest) -> tuple[list[Word], dict[str, Any]]:
+    """An image's words (its answer's, its prompts, or its boxes' queries, as the model's kind asks) with their
+    maps, and what a record says of them.
+
+    Raises:
+        ExplainError: The request does not suit the model, or the image cannot be explained.
+    """
+    explained = {"answers": _answer, "detects": _queries, "scores": _prompts}[spec.kind]
+    return explained(spec, image, request)
+
+
+def drawn(image: Image.Image, word: Word, alpha: float = 0.5, colormap: str = "jet") -> Image.Image:
+    """A word's map over the image, its box drawn with its query and score where it has one."""
+    picture = overlay(image, word.cam, alpha, colormap)
+    if word.box is not None:
+        picture = annotate(picture, f"{word.text} {word.score:.2f}", tuple(word.box))
+    return picture
 
 
 def _answer(spec: TextImageSpec, image: Image.Image, request: WordsRequest) -> tuple[list[Word], dict[str, Any]]:

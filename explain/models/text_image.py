@@ -8,6 +8,7 @@ and a contrastive model (a text tower beside the vision tower: CLIP, SigLIP).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -58,8 +59,16 @@ def _quiet_transformers() -> Iterator[Any]:
 
 
 def is_text_image_model(name: str) -> bool:
-    """Whether ``name`` is a folder holding a HuggingFace model's config (``config.json``)."""
-    return (Path(name) / "config.json").is_file()
+    """Whether ``name`` is a folder holding a vision-language model's config (``config.json``): one that names an
+    image token, or a text tower (``text_config``) beside its vision side."""
+    path = Path(name) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and any(
+        key in config for key in ("image_token_id", "image_token_index", "text_config")
+    )
 
 
 def load_text_image_model(name: str, device: str | torch.device = "cpu") -> TextImageSpec:
