@@ -1,5 +1,6 @@
 """Images read as tiles, word by word: a tiny random LLaVA-NeXt whose processor pads a wide image into a canvas of
-three tiles after a base tile, and a tiny Idefics3 whose processor splits it into two tiles before its base image;
+three tiles after a base tile, and a tiny Idefics3 (and SmolVLM) whose processor splits it into two tiles before
+its base image;
 each word's map against Grad-CAM written here (the tiles' map on the canvas, cut to the image, fused with the
 base's), a vision token planted alone landing on its own pixels, the tiles' padding, grid and count checked, and
 the command line end to end."""
@@ -208,8 +209,15 @@ SPECIALS = {IMAGE_TOKEN: "<image>", 111: "<fake_token_around_image>", 112: "<end
             **{114 + 3 * i + j: f"<row_{i + 1}_col_{j + 1}>" for i in range(3) for j in range(3)}}  # fmt: skip
 
 
-def tiny_idefics3() -> torch.nn.Module:
-    vision = transformers.Idefics3VisionConfig(
+def tiny_idefics3(kind: str = "idefics3") -> torch.nn.Module:
+    """A tiny Idefics3, or SmolVLM (Idefics3's architecture under its own classes)."""
+    vision_config, config_class, model_class = {
+        "idefics3": (transformers.Idefics3VisionConfig, transformers.Idefics3Config,
+                     transformers.Idefics3ForConditionalGeneration),
+        "smolvlm": (transformers.SmolVLMVisionConfig, transformers.SmolVLMConfig,
+                    transformers.SmolVLMForConditionalGeneration),
+    }[kind]  # fmt: skip
+    vision = vision_config(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=SIDE,
         patch_size=PATCH,
     )  # fmt: skip
@@ -217,11 +225,9 @@ def tiny_idefics3() -> torch.nn.Module:
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=2, max_position_embeddings=512, eos_token_id=127,
     )  # fmt: skip
-    config = transformers.Idefics3Config(
-        vision_config=vision, text_config=text, scale_factor=SCALE, image_token_id=IMAGE_TOKEN
-    )
+    config = config_class(vision_config=vision, text_config=text, scale_factor=SCALE, image_token_id=IMAGE_TOKEN)
     torch.manual_seed(0)
-    return transformers.Idefics3ForConditionalGeneration(config).eval()
+    return model_class(config).eval()
 
 
 def split_processor():
@@ -256,8 +262,9 @@ def split_reference(model: torch.nn.Module, given: dict, sequence: torch.Tensor,
     return _normalized(_normalized(tiles) + _normalized(base))
 
 
-def test_each_words_map_of_a_split_image_is_grad_cam_of_its_tiles_fused_with_the_base() -> None:
-    model, given = tiny_idefics3(), split_inputs()
+@pytest.mark.parametrize("kind", ["idefics3", "smolvlm"])
+def test_each_words_map_of_a_split_image_is_grad_cam_of_its_tiles_fused_with_the_base(kind: str) -> None:
+    model, given = tiny_idefics3(kind), split_inputs()
     found = explain.explain_answer(model, given, max_new_tokens=3)
     assert found.result.layer == "reading.tiles+reading.base" and found.maps.shape[-2:] == (SIDE, 2 * SIDE)
     sequence = torch.cat([given["input_ids"][0], found.answer])

@@ -196,7 +196,7 @@ def test_several_methods_take_an_answers_tokens() -> None:
     absolute gradient of the token's log-probability over the channels, as written here."""
     model, x = tiny_llava(), image()
     inputs = {"pixel_values": x, "input_ids": PROMPT}
-    for method in ("gradcampp", "layercam", "integrated_gradients"):
+    for method in ("gradcampp", "layercam", "integrated_gradients", "lrp"):
         found = explain.explain_answer(model, inputs, answer=[10, 11], method=method)
         assert found.maps.shape == (2, IMAGE, IMAGE) and bool(torch.isfinite(found.maps).all())
     saliency = explain.explain_answer(model, inputs, answer=[10, 11], method="saliency")
