@@ -7,15 +7,25 @@ of ``batch_size``, and the model is left as it was.
 
 Files: ``scoring.py`` (binding the target and scoring perturbed copies), ``perturbation.py`` (deletion,
 insertion, ROAD), ``imputation.py`` (RISE's blur, ROAD's noisy linear imputer), ``confidence.py`` (Average
-Drop, Increase in Confidence, Average Gain), ``pointing.py`` (the pointing games), ``sanity.py`` (cascading
+Drop, Increase in Confidence, Average Gain), ``pointing.py`` (the pointing games), ``localisation.py`` (relevance
+mass and rank accuracy, top-k intersection, attribution localisation, AUC), ``complexity.py`` (sparseness,
+complexity, effective complexity), ``sanity.py`` (cascading
 randomization), ``report.py`` (the command line's per-image values and summary files).
 
 >>> result = explain.GradCAM(model)(x)
 >>> explain.metrics.deletion(model, x, result.cams, result.target).auc   # (N,), lower is better
 """
 
+from .complexity import complexity, effective_complexity, sparseness
 from .confidence import ConfidenceChange, average_drop, average_gain, increase_in_confidence
 from .imputation import gaussian_blur, noisy_linear_imputation
+from .localisation import (
+    attribution_localisation,
+    localisation_auc,
+    relevance_mass_accuracy,
+    relevance_rank_accuracy,
+    top_k_intersection,
+)
 from .perturbation import CurveResult, RoadResult, deletion, insertion, road
 from .pointing import energy_pointing_game, pointing_game
 from .sanity import SanityResult, cascading_blocks, sanity_check
@@ -25,16 +35,24 @@ __all__ = [
     "CurveResult",
     "RoadResult",
     "SanityResult",
+    "attribution_localisation",
     "average_drop",
     "average_gain",
     "cascading_blocks",
+    "complexity",
     "deletion",
+    "effective_complexity",
     "energy_pointing_game",
     "gaussian_blur",
     "increase_in_confidence",
     "insertion",
+    "localisation_auc",
     "noisy_linear_imputation",
     "pointing_game",
+    "relevance_mass_accuracy",
+    "relevance_rank_accuracy",
     "road",
     "sanity_check",
+    "sparseness",
+    "top_k_intersection",
 ]
