@@ -9,8 +9,8 @@ Files: ``scoring.py`` (binding the target and scoring perturbed copies), ``pertu
 insertion, ROAD), ``imputation.py`` (RISE's blur, ROAD's noisy linear imputer), ``confidence.py`` (Average
 Drop, Increase in Confidence, Average Gain), ``pointing.py`` (the pointing games), ``localisation.py`` (relevance
 mass and rank accuracy, top-k intersection, attribution localisation, AUC), ``complexity.py`` (sparseness,
-complexity, effective complexity), ``sanity.py`` (cascading
-randomization), ``report.py`` (the command line's per-image values and summary files).
+complexity, effective complexity), ``faithfulness.py`` (pixel flipping, region perturbation, selectivity),
+``sanity.py`` (cascading randomization), ``report.py`` (the command line's per-image values and summary files).
 
 >>> result = explain.GradCAM(model)(x)
 >>> explain.metrics.deletion(model, x, result.cams, result.target).auc   # (N,), lower is better
@@ -18,6 +18,7 @@ randomization), ``report.py`` (the command line's per-image values and summary f
 
 from .complexity import complexity, effective_complexity, sparseness
 from .confidence import ConfidenceChange, average_drop, average_gain, increase_in_confidence
+from .faithfulness import RegionResult, pixel_flipping, region_perturbation, selectivity
 from .imputation import gaussian_blur, noisy_linear_imputation
 from .localisation import (
     attribution_localisation,
@@ -33,6 +34,7 @@ from .sanity import SanityResult, cascading_blocks, sanity_check
 __all__ = [
     "ConfidenceChange",
     "CurveResult",
+    "RegionResult",
     "RoadResult",
     "SanityResult",
     "attribution_localisation",
@@ -48,11 +50,14 @@ __all__ = [
     "insertion",
     "localisation_auc",
     "noisy_linear_imputation",
+    "pixel_flipping",
     "pointing_game",
+    "region_perturbation",
     "relevance_mass_accuracy",
     "relevance_rank_accuracy",
     "road",
     "sanity_check",
+    "selectivity",
     "sparseness",
     "top_k_intersection",
 ]

@@ -56,11 +56,18 @@ def ranks(maps: Tensor) -> Tensor:
     return torch.empty_like(order).scatter_(1, order, places)
 
 
-def _substrate(x: Tensor, baseline: Baseline, metric: str) -> Tensor:
-    """What removed pixels show: a constant, a tensor broadcast to x, or ``"blur"`` (see :func:`gaussian_blur`)."""
+def substrate(x: Tensor, baseline: Baseline, metric: str) -> Tensor:
+    """What removed pixels show: a constant, a tensor broadcast to x, ``"blur"`` (see :func:`gaussian_blur`), or
+    each image's own ``"black"``, ``"white"`` or ``"mean"`` (its least, greatest or mean value, as Quantus'
+    baselines of those names)."""
     if isinstance(baseline, str):
+        own = {"black": torch.amin, "white": torch.amax, "mean": torch.mean}.get(baseline)
+        if own is not None:
+            return own(x, dim=tuple(range(1, x.dim())), keepdim=True).expand_as(x)
         if baseline != "blur":
-            raise ExplainError(f"{metric}: baseline must be a number, a tensor or 'blur', got {baseline!r}")
+            raise ExplainError(
+                f"{metric}: baseline must be a number, a tensor, 'blur', 'black', 'white' or 'mean', got {baseline!r}"
+            )
         return gaussian_blur(x)
     if isinstance(baseline, Tensor):
         try:
@@ -82,24 +89,32 @@ def _curve(
     if steps < 1:
         raise ExplainError(f"{metric}: steps must be >= 1, got {steps}")
     order = ranks(input_maps(maps.to(x.device), len(x), x.shape[2:], metric))
-    before = x if start is None else _substrate(x, start, metric)
-    after = x if end is None else _substrate(x, end, metric)
     pixels = order.shape[1]
     counts = torch.round(torch.arange(steps + 1, device=x.device) * pixels / steps).long()
+    before = x if start is None else substrate(x, start, metric)
+    after = x if end is None else substrate(x, end, metric)
     # The step whose copy is the image itself (deletion's first, insertion's last) takes its plain score.
-    own = 0 if start is None else steps if end is None else None
-    columns = torch.tensor([k for k in range(steps + 1) if k != own], device=x.device)
+    curve = turned(scoring, order, counts.expand(len(x), -1), before, after, 0 if start is None else steps)
+    fractions = counts.float() / pixels
+    return CurveResult(torch.trapezoid(curve, fractions, dim=1), curve, fractions)
+
+
+def turned(scoring: Scorer, order: Tensor, counts: Tensor, before: Tensor, after: Tensor, own: int | None) -> Tensor:
+    """The explained score of each image at each step, (N, S): at step s, the positions of each image whose place
+    in ``order`` (N, positions) is below ``counts[n, s]`` (N, S) show ``after``, the others ``before``. Step
+    ``own`` (whose copy is the image itself) takes the plain score without a forward; None: every step runs."""
+    x = scoring.x
+    columns = torch.tensor([k for k in range(counts.shape[1]) if k != own], device=x.device)
     images = torch.arange(len(x), device=x.device).repeat_interleave(len(columns))
     step = columns.repeat(len(x))
 
     def make(rows: Tensor) -> Tensor:
-        changed = (order[images[rows]] < counts[step[rows], None]).view(len(rows), 1, *x.shape[2:])
+        changed = (order[images[rows]] < counts[images[rows], step[rows], None]).view(len(rows), 1, *x.shape[2:])
         return torch.where(changed, after[images[rows]], before[images[rows]])
 
-    curve = scoring.original[:, None].repeat(1, steps + 1)
+    curve = scoring.original[:, None].repeat(1, counts.shape[1])
     curve[:, columns] = scoring.copies(images, make).view(len(x), len(columns))
-    fractions = counts.float() / pixels
-    return CurveResult(torch.trapezoid(curve, fractions, dim=1), curve, fractions)
+    return curve
 
 
 def deletion(

@@ -1,0 +1,216 @@
+"""Faithfulness by perturbation in the map's order, step by step: pixel flipping, region perturbation and
+selectivity. Deletion, insertion and ROAD are in :mod:`explain.metrics.perturbation`, whose machinery these share:
+every perturbed copy of every image is built on the input's device and scored a chunk of ``batch_size`` at a time
+(Quantus runs one forward per step of its loop).
+
+Maps are upsampled (bilinearly) to the input first. Positions are ranked by the map, highest first (ties in raster
+order); regions by the sum of the map over them. Baselines: a number, a tensor broadcast to x, or each image's own
+``"black"`` (its least value), ``"white"`` (its greatest) or ``"mean"``, as Quantus names them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import ExplainError
+from ..targets import TargetLike
+from .perturbation import Baseline, CurveResult, ranks, substrate, turned
+from .scoring import MetricScore, input_maps, scorer
+
+
+def pixel_flipping(
+    model: nn.Module,
+    x: Tensor,
+    maps: Tensor,
+    target: TargetLike = None,
+    *,
+    features_in_step: int = 1,
+    baseline: Baseline = "black",
+    score: MetricScore = "probability",
+    batch_size: int = 64,
+    model_kwargs: Mapping[str, Any] | None = None,
+) -> CurveResult:
+    """Pixel flipping (Bach et al., "On pixel-wise explanations for non-linear classifier decisions by layer-wise
+    relevance propagation", PLoS ONE 2015): the map's pixels, highest first, replaced by the baseline
+    ``features_in_step`` at a time; a faithful map makes the score fall fast.
+
+    Args:
+        model: The model, run as it is, without autograd; left as it was.
+        x: The images the maps explain, (N, C, H, W).
+        maps: One map per image, (N, h, w), any resolution.
+        target: What the maps explain (see :func:`explain.metrics.deletion`).
+        features_in_step: Pixels replaced per step (every channel of a pixel at once).
+        baseline: What replaced pixels become (Quantus' ``"black"``: each image's least value).
+        score: The explained class's ``"probability"`` (Quantus' softmax), ``"logit"``, or the target's own.
+        batch_size: Most perturbed copies per forward.
+        model_kwargs: Further keyword arguments of the model's forward.
+
+    Returns:
+        The curve (N, steps + 1), column 0 the plain image, each next column the score after one more step (what
+        Quantus returns, without column 0); its AUC over the fraction of pixels replaced; the fractions.
+    """
+    if features_in_step < 1:
+        raise ExplainError(f"pixel_flipping: features_in_step must be >= 1, got {features_in_step}")
+    scoring = scorer(model, x, target, score, "pixel_flipping", batch_size, model_kwargs)
+    order = ranks(input_maps(maps.to(x.device), len(x), x.shape[2:], "pixel_flipping"))
+    pixels = order.shape[1]
+    steps = math.ceil(pixels / features_in_step)
+    counts = (torch.arange(steps + 1, device=x.device) * features_in_step).clamp_max(pixels)
+    curve = turned(scoring, order, counts.expand(len(x), -1), x, substrate(x, baseline, "pixel_flipping"), 0)
+    fractions = counts.float() / pixels
+    return CurveResult(torch.trapezoid(curve, fractions, dim=1), curve, fractions)
+
+
+Order = Literal["morf", "lerf", "random"]
+
+
+def region_ranks(maps: Tensor, patch: int, order: Order, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """Square regions of ``patch`` pixels a side, on a grid centred on the image (where the image is not a whole
+    number of regions, those at its edges are cut, alike on both sides), ranked by the sum of the map over them:
+    ``"morf"`` most relevant first, ``"lerf"`` least relevant first, or a random order per image.
+
+    Args:
+        maps: The maps at the input's size, (N, H, W).
+        patch: A region's side.
+        order: How regions are ranked.
+        generator: The random order's generator.
+
+    Returns:
+        Each pixel's place (N, H * W), a region's pixels taking consecutive places in the regions' order; and how
+        many pixels the first k regions hold, (N, regions + 1).
+    """
+    n, (height, width) = len(maps), maps.shape[1:]
+    rows, columns = math.ceil(height / patch), math.ceil(width / patch)
+    # the grid centred on the image: the regions at both edges are cut alike (Quantus pads so)
+    ys = (torch.arange(height, device=maps.device) + (rows * patch - height) // 2) // patch
+    xs = (torch.arange(width, device=maps.device) + (columns * patch - width) // 2) // patch
+    region = (ys[:, None] * columns + xs[None, :]).flatten()  # each pixel's region, row-major
+    sizes = torch.bincount(region, minlength=rows * columns)
+    sums = torch.zeros(n, rows * columns, device=maps.device).index_add_(1, region, maps.flatten(1).float())
+    if order == "random":
+        ranked = torch.stack([torch.randperm(rows * columns, generator=generator).to(maps.device) for _ in range(n)])
+    elif order in ("morf", "lerf"):
+        ranked = sums.argsort(dim=1, descending=order == "morf", stable=True)
+    else:
+        raise ExplainError(f"order must be 'morf', 'lerf' or 'random', got {order!r}")
+    held = sizes[ranked].cumsum(dim=1)  # (N, regions): pixels of the first k + 1 regions
+    start = torch.empty_like(held).scatter_(1, ranked, held - sizes[ranked])  # each region's first place
+    by_region = region.argsort(stable=True)  # the pixels region by region, each region's in raster order
+    offsets = torch.empty_like(region)
+    offsets[by_region] = torch.arange(len(region), device=maps.device) - (sizes.cumsum(0) - sizes)[region[by_region]]
+    return start[:, region] + offsets, torch.cat([held.new_zeros(n, 1), held], dim=1)
+
+
+@dataclass(frozen=True)
+class RegionResult:
+    """Region perturbation's scores per image.
+
+    Attributes:
+        drops: The explained score's drop after each of the first regions replaced, f(x) - f(x_k), (N, regions).
+        aopc: The area over the perturbation curve, the mean drop over k = 0 (no region, no drop) to the last
+            region, (N,): higher is better for MoRF.
+    """
+
+    drops: Tensor
+    aopc: Tensor
+
+
+def region_perturbation(
+    model: nn.Module,
+    x: Tensor,
+    maps: Tensor,
+    target: TargetLike = None,
+    *,
+    patch_size: int = 8,
+    order: Order = "morf",
+    regions: int = 100,
+    baseline: Baseline = "black",
+    score: MetricScore = "probability",
+    seed: int | None = 0,
+    batch_size: int = 64,
+    model_kwargs: Mapping[str, Any] | None = None,
+) -> RegionResult:
+    """Region perturbation (Samek et al., "Evaluating the visualization of what a deep neural network has
+    learned", IEEE TNNLS 2017): square regions, ranked by the map's sum over them, replaced one more at a time;
+    AOPC = 1 / (L + 1) sum_{k=0}^{L} (f(x) - f(x_k)). Samek et al. fill a region with uniform noise; Quantus' and
+    this default is each image's least value (``"black"``); any baseline can be given.
+
+    Args:
+        model: The model, run as it is, without autograd; left as it was.
+        x: The images the maps explain, (N, C, H, W).
+        maps: One map per image, (N, h, w), any resolution.
+        target: What the maps explain (see :func:`explain.metrics.deletion`).
+        patch_size: A region's side, in pixels.
+        order: ``"morf"`` (most relevant first), ``"lerf"`` or ``"random"``.
+        regions: How many regions are replaced, at most all.
+        baseline: What replaced pixels become.
+        score: The explained class's ``"probability"`` (Quantus' softmax), ``"logit"``, or the target's own.
+        seed: The random order's seed (None: PyTorch's global generator).
+        batch_size: Most perturbed copies per forward.
+        model_kwargs: Further keyword arguments of the model's forward.
+
+    Returns:
+        The drops after each region (what Quantus returns) and the AOPC.
+    """
+    scoring = scorer(model, x, target, score, "region_perturbation", batch_size, model_kwargs)
+    places, held = _regions(x, maps, patch_size, order, seed, "region_perturbation")
+    held = held[:, : regions + 1]
+    after = turned(scoring, places, held, x, substrate(x, baseline, "region_perturbation"), 0)
+    drops = scoring.original[:, None] - after
+    return RegionResult(drops[:, 1:], drops.mean(dim=1))
+
+
+def _regions(
+    x: Tensor, maps: Tensor, patch_size: int, order: Order, seed: int | None, metric: str
+) -> tuple[Tensor, Tensor]:
+    """The regions' places and sizes (see :func:`region_ranks`) of maps brought to the input."""
+    if patch_size < 1:
+        raise ExplainError(f"{metric}: patch_size must be >= 1, got {patch_size}")
+    if x.dim() != 4:
+        raise ExplainError(f"{metric} perturbs square regions of an image (N, C, H, W), got {tuple(x.shape)}")
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    return region_ranks(input_maps(maps.to(x.device), len(x), x.shape[2:], metric), patch_size, order, generator)
+
+
+def selectivity(
+    model: nn.Module,
+    x: Tensor,
+    maps: Tensor,
+    target: TargetLike = None,
+    *,
+    patch_size: int = 8,
+    baseline: Baseline = "black",
+    score: MetricScore = "probability",
+    batch_size: int = 64,
+    model_kwargs: Mapping[str, Any] | None = None,
+) -> CurveResult:
+    """Selectivity (Montavon et al., "Methods for interpreting and understanding deep neural networks", Digital
+    Signal Processing 2018): square regions, most relevant first, replaced one more at a time until none is left;
+    a faithful map makes the score fall fast (a low AUC is better).
+
+    Args:
+        model: The model, run as it is, without autograd; left as it was.
+        x: The images the maps explain, (N, C, H, W).
+        maps: One map per image, (N, h, w), any resolution.
+        target: What the maps explain (see :func:`explain.metrics.deletion`).
+        patch_size: A region's side, in pixels.
+        baseline: What replaced pixels become (Quantus' ``"black"``).
+        score: The explained class's ``"probability"`` (Quantus' softmax), ``"logit"``, or the target's own.
+        batch_size: Most perturbed copies per forward.
+        model_kwargs: Further keyword arguments of the model's forward.
+
+    Returns:
+        The curve (N, regions + 1), column 0 the plain image (Quantus returns the others); its AUC over the
+        fraction of regions replaced; the fractions.
+    """
+    scoring = scorer(model, x, target, score, "selectivity", batch_size, model_kwargs)
+    places, held = _regions(x, maps, patch_size, "morf", None, "selectivity")
+    curve = turned(scoring, places, held, x, substrate(x, baseline, "selectivity"), 0)
+    fractions = torch.linspace(0, 1, held.shape[1], device=x.device)
+    return CurveResult(torch.trapezoid(curve, fractions, dim=1), curve, fractions)

@@ -1,0 +1,82 @@
+"""Faithfulness by perturbation in the map's order: pixel flipping, region perturbation and selectivity, each
+against Quantus 0.6.0 on the same tiny model, images, maps and baseline (Quantus runs a forward per step; here
+every copy of a batch is built at once and scored in chunks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from explain import metrics
+
+quantus = pytest.importorskip("quantus")  # a test dependency: installed by the README's test command
+
+N, CLASSES = 3, 5
+
+
+def tiny_model(channels: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(channels, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 8, 3, stride=2), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, CLASSES),
+    ).eval()  # fmt: skip
+
+
+def batch(channels: int, size: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(N, channels, *size)).astype(np.float32)
+    a = rng.random(size=(N, 1, *size)).astype(np.float32)  # no ties
+    return x, a, np.array([0, 3, 1])
+
+
+def _quantus(metric, model, x, a, y, **options) -> np.ndarray:
+    found = metric(disable_warnings=True, **options)(
+        model=model, x_batch=x, y_batch=y, a_batch=a.copy(), channel_first=True, device="cpu"
+    )
+    return np.asarray(found, dtype=np.float64)
+
+
+def test_pixel_flipping_equals_quantus() -> None:
+    """One channel, so that Quantus' features (each channel of each pixel) are the pixels flipped here."""
+    model, (x, a, y) = tiny_model(1), batch(1, (10, 12))
+    found = metrics.pixel_flipping(model, torch.from_numpy(x), torch.from_numpy(a[:, 0]), torch.from_numpy(y),
+                                   features_in_step=8)  # fmt: skip
+    expected = _quantus(quantus.PixelFlipping, model, x, a, y, features_in_step=8)
+    assert found.curve.shape == (N, 1 + expected.shape[1]) == (N, 16)  # 120 pixels, 8 a step
+    np.testing.assert_allclose(found.curve[:, 1:].numpy(), expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("order", ["morf", "lerf"])
+def test_region_perturbation_equals_quantus(order: str) -> None:
+    """Regions of 4 pixels on a 10 x 14 image: the grid centred, those at the edges cut."""
+    model, (x, a, y) = tiny_model(3), batch(3, (10, 14))
+    found = metrics.region_perturbation(model, torch.from_numpy(x), torch.from_numpy(a[:, 0]), torch.from_numpy(y),
+                                        patch_size=4, order=order, regions=8)  # fmt: skip
+    expected = _quantus(quantus.RegionPerturbation, model, x, a, y, patch_size=4, order=order, regions_evaluation=8)
+    np.testing.assert_allclose(found.drops.numpy(), expected, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(found.aopc.numpy(), np.concatenate([np.zeros((N, 1)), expected], 1).mean(1),
+                               rtol=1e-4, atol=1e-6)  # fmt: skip
+
+
+def test_selectivity_equals_quantus() -> None:
+    model, (x, a, y) = tiny_model(3), batch(3, (12, 12))
+    found = metrics.selectivity(model, torch.from_numpy(x), torch.from_numpy(a[:, 0]), torch.from_numpy(y),
+                                patch_size=4)  # fmt: skip
+    expected = _quantus(quantus.Selectivity, model, x, a, y, patch_size=4)
+    assert found.curve.shape == (N, 10)  # the plain image, then 9 regions
+    np.testing.assert_allclose(found.curve[:, 1:].numpy(), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_a_random_order_is_seeded_and_every_region_is_replaced_once() -> None:
+    """Random orders differ by seed and repeat with it; all regions replaced, the image is the baseline."""
+    model, (x, a, y) = tiny_model(3), batch(3, (8, 8))
+    x, maps, target = torch.from_numpy(x), torch.from_numpy(a[:, 0]), torch.from_numpy(y)
+    runs = [metrics.region_perturbation(model, x, maps, target, patch_size=4, order="random", seed=s).drops
+            for s in (0, 0, 1)]  # fmt: skip
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+    black = x.amin(dim=(1, 2, 3), keepdim=True).expand_as(x)
+    with torch.no_grad():
+        gone = model(black).softmax(-1)[torch.arange(N), target] - model(x).softmax(-1)[torch.arange(N), target]
+    torch.testing.assert_close(-runs[0][:, -1], gone)
