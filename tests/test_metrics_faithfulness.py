@@ -80,3 +80,56 @@ def test_a_random_order_is_seeded_and_every_region_is_replaced_once() -> None:
     with torch.no_grad():
         gone = model(black).softmax(-1)[torch.arange(N), target] - model(x).softmax(-1)[torch.arange(N), target]
     torch.testing.assert_close(-runs[0][:, -1], gone)
+
+
+def test_faithfulness_estimate_equals_quantus() -> None:
+    model, (x, a, y) = tiny_model(1), batch(1, (10, 12))
+    found = metrics.faithfulness_estimate(model, torch.from_numpy(x), torch.from_numpy(a[:, 0]), torch.from_numpy(y),
+                                          features_in_step=8)  # fmt: skip
+    expected = _quantus(quantus.FaithfulnessEstimate, model, x, a, y, features_in_step=8)
+    np.testing.assert_allclose(found.numpy(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_faithfulness_correlation_equals_quantus_on_the_same_subsets(monkeypatch) -> None:
+    """The subsets Quantus draws (numpy's choice, run after run, image after image) are recorded and passed to
+    explain."""
+    model, (x, a, y) = tiny_model(1), batch(1, (10, 12))
+    runs, size, drawn = 12, 20, []
+    choice = np.random.choice
+
+    def recorded(*args, **kwargs):
+        drawn.append(choice(*args, **kwargs))
+        return drawn[-1]
+
+    monkeypatch.setattr(np.random, "choice", recorded)
+    expected = _quantus(quantus.FaithfulnessCorrelation, model, x, a, y, nr_runs=runs, subset_size=size,
+                        return_aggregate=False)  # fmt: skip
+    subsets = torch.from_numpy(np.array(drawn)).view(runs, N, size).permute(1, 0, 2)  # (N, runs, size)
+    found = metrics.faithfulness_correlation(model, torch.from_numpy(x), torch.from_numpy(a[:, 0]),
+                                             torch.from_numpy(y), subsets=subsets)  # fmt: skip
+    np.testing.assert_allclose(found.numpy(), expected, rtol=1e-4, atol=1e-5)
+    drawn_here = metrics.faithfulness_correlation(model, torch.from_numpy(x), torch.from_numpy(a[:, 0]),
+                                                  torch.from_numpy(y), runs=runs, subset_size=size)  # fmt: skip
+    assert torch.isfinite(drawn_here).all()
+
+
+def test_monotonicity_follows_the_paper_and_not_quantus_baseline_over_baseline() -> None:
+    """From each image's least value, pixels come back least relevant first, 8 at a time: monotonic where the
+    probability never falls (the loop written out here). Quantus 0.6.0 writes the baseline over the baseline, so
+    its probabilities never move and it calls every map monotonic."""
+    model, (x, a, y) = tiny_model(1), batch(1, (10, 12))
+    xt, maps, target = torch.from_numpy(x), torch.from_numpy(a[:, 0]), torch.from_numpy(y)
+    found = metrics.monotonicity(model, xt, maps, target, features_in_step=8)
+    expected = []
+    for i in range(N):
+        order = maps[i].flatten().argsort(stable=True)  # least first
+        copy = xt[i].clone().flatten()
+        copy[:] = xt[i].min()
+        scores = []
+        for step in range(15):
+            copy[order[step * 8 : (step + 1) * 8]] = xt[i].flatten()[order[step * 8 : (step + 1) * 8]]
+            with torch.no_grad():
+                scores.append(model(copy.view(1, 1, 10, 12)).softmax(-1)[0, target[i]])
+        expected.append(bool((torch.stack(scores).diff() >= 0).all()))
+    assert found.tolist() == expected and not all(expected)
+    assert all(_quantus(quantus.Monotonicity, model, x, a, y, features_in_step=8))

@@ -9,7 +9,8 @@ Files: ``scoring.py`` (binding the target and scoring perturbed copies), ``pertu
 insertion, ROAD), ``imputation.py`` (RISE's blur, ROAD's noisy linear imputer), ``confidence.py`` (Average
 Drop, Increase in Confidence, Average Gain), ``pointing.py`` (the pointing games), ``localisation.py`` (relevance
 mass and rank accuracy, top-k intersection, attribution localisation, AUC), ``complexity.py`` (sparseness,
-complexity, effective complexity), ``faithfulness.py`` (pixel flipping, region perturbation, selectivity),
+complexity, effective complexity), ``faithfulness.py`` (pixel flipping, region perturbation, selectivity,
+monotonicity, faithfulness estimate and correlation),
 ``sanity.py`` (cascading randomization), ``report.py`` (the command line's per-image values and summary files).
 
 >>> result = explain.GradCAM(model)(x)
@@ -18,7 +19,15 @@ complexity, effective complexity), ``faithfulness.py`` (pixel flipping, region p
 
 from .complexity import complexity, effective_complexity, sparseness
 from .confidence import ConfidenceChange, average_drop, average_gain, increase_in_confidence
-from .faithfulness import RegionResult, pixel_flipping, region_perturbation, selectivity
+from .faithfulness import (
+    RegionResult,
+    faithfulness_correlation,
+    faithfulness_estimate,
+    monotonicity,
+    pixel_flipping,
+    region_perturbation,
+    selectivity,
+)
 from .imputation import gaussian_blur, noisy_linear_imputation
 from .localisation import (
     attribution_localisation,
@@ -45,10 +54,13 @@ __all__ = [
     "deletion",
     "effective_complexity",
     "energy_pointing_game",
+    "faithfulness_correlation",
+    "faithfulness_estimate",
     "gaussian_blur",
     "increase_in_confidence",
     "insertion",
     "localisation_auc",
+    "monotonicity",
     "noisy_linear_imputation",
     "pixel_flipping",
     "pointing_game",

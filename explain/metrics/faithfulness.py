@@ -1,5 +1,6 @@
-"""Faithfulness by perturbation in the map's order, step by step: pixel flipping, region perturbation and
-selectivity. Deletion, insertion and ROAD are in :mod:`explain.metrics.perturbation`, whose machinery these share:
+"""Faithfulness by perturbation: in the map's order, step by step (pixel flipping, region perturbation,
+selectivity, monotonicity), group by group (faithfulness estimate) or in random subsets (faithfulness
+correlation). Deletion, insertion and ROAD are in :mod:`explain.metrics.perturbation`, whose machinery these share:
 every perturbed copy of every image is built on the input's device and scored a chunk of ``batch_size`` at a time
 (Quantus runs one forward per step of its loop).
 
@@ -11,7 +12,7 @@ order); regions by the sum of the map over them. Baselines: a number, a tensor b
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,7 +22,7 @@ from torch import Tensor, nn
 from ..errors import ExplainError
 from ..targets import TargetLike
 from .perturbation import Baseline, CurveResult, ranks, substrate, turned
-from .scoring import MetricScore, input_maps, scorer
+from .scoring import MetricScore, Scorer, input_maps, scorer
 
 
 def pixel_flipping(
@@ -214,3 +215,178 @@ def selectivity(
     curve = turned(scoring, places, held, x, substrate(x, baseline, "selectivity"), 0)
     fractions = torch.linspace(0, 1, held.shape[1], device=x.device)
     return CurveResult(torch.trapezoid(curve, fractions, dim=1), curve, fractions)
+
+
+def replaced_copies(
+    scoring: Scorer, per_image: int, changed: Callable[[Tensor, Tensor], Tensor], after: Tensor
+) -> Tensor:
+    """The explained score of ``per_image`` copies of each image, (N, per_image): copy j of image i shows ``after``
+    where ``changed(images, columns)`` (the rows' image and copy numbers) is True, (rows, H * W), the image
+    elsewhere."""
+    x = scoring.x
+    images = torch.arange(len(x), device=x.device).repeat_interleave(per_image)
+    columns = torch.arange(per_image, device=x.device).repeat(len(x))
+
+    def make(rows: Tensor) -> Tensor:
+        mask = changed(images[rows], columns[rows]).view(len(rows), 1, *x.shape[2:])
+        return torch.where(mask, after[images[rows]], x[images[rows]])
+
+    return scoring.copies(images, make).view(len(x), per_image)
+
+
+def pearson(a: Tensor, b: Tensor) -> Tensor:
+    """Pearson's correlation of each row of ``a`` with the same row of ``b``, (N,); NaN where a row is constant."""
+    a, b = a.double() - a.double().mean(dim=1, keepdim=True), b.double() - b.double().mean(dim=1, keepdim=True)
+    spread = (a.square().sum(dim=1) * b.square().sum(dim=1)).sqrt()
+    return torch.where(spread > 0, (a * b).sum(dim=1) / spread, torch.full_like(spread, float("nan"))).float()
+
+
+def faithfulness_estimate(
+    model: nn.Module,
+    x: Tensor,
+    maps: Tensor,
+    target: TargetLike = None,
+    *,
+    features_in_step: int = 1,
+    baseline: Baseline = "black",
+    score: MetricScore = "logit",
+    batch_size: int = 64,
+    model_kwargs: Mapping[str, Any] | None = None,
+) -> Tensor:
+    """Faithfulness estimate (Alvarez-Melis and Jaakkola, "Towards robust interpretability with self-explaining
+    neural networks", NeurIPS 2018): the map's pixels, highest first, taken ``features_in_step`` at a time, each
+    group alone replaced by the baseline in a copy of the image; Pearson's correlation between each group's sum of
+    the map and the score's drop, f(x) - f(x without the group). Higher is better.
+
+    Args:
+        model: The model, run as it is, without autograd; left as it was.
+        x: The images the maps explain, (N, C, H, W).
+        maps: One map per image, (N, h, w), any resolution.
+        target: What the maps explain (see :func:`explain.metrics.deletion`).
+        features_in_step: Pixels per group.
+        baseline: What replaced pixels become (Quantus' ``"black"``).
+        score: The explained class's ``"logit"`` (Quantus' default), ``"probability"``, or the target's own.
+        batch_size: Most perturbed copies per forward.
+        model_kwargs: Further keyword arguments of the model's forward.
+
+    Returns:
+        Each image's correlation, (N,).
+    """
+    scoring = scorer(model, x, target, score, "faithfulness_estimate", batch_size, model_kwargs)
+    upsampled = input_maps(maps.to(x.device), len(x), x.shape[2:], "faithfulness_estimate").flatten(1)
+    order, pixels = ranks(upsampled), upsampled.shape[1]
+    groups = math.ceil(pixels / max(features_in_step, 1))
+    group = order // max(features_in_step, 1)  # each pixel's group, highest values first
+    after = substrate(x, baseline, "faithfulness_estimate")
+    scores = replaced_copies(scoring, groups, lambda i, k: group[i] == k[:, None], after)
+    sums = torch.zeros(len(x), groups, device=x.device).scatter_add_(1, group, upsampled)
+    return pearson(sums, scoring.original[:, None] - scores)
+
+
+def faithfulness_correlation(
+    model: nn.Module,
+    x: Tensor,
+    maps: Tensor,
+    target: TargetLike = None,
+    *,
+    runs: int = 100,
+    subset_size: int = 224,
+    subsets: Tensor | None = None,
+    baseline: Baseline = "black",
+    score: MetricScore = "logit",
+    seed: int | None = 0,
+    batch_size: int = 64,
+    model_kwargs: Mapping[str, Any] | None = None,
+) -> Tensor:
+    """Faithfulness correlation (Bhatt et al., "Evaluating and aggregating feature-based model explanations", IJCAI
+    2020): ``runs`` random subsets of ``subset_size`` pixels, each replaced by the baseline in a copy of the
+    image; Pearson's correlation between a subset's sum of the map and the score's drop. Higher is better.
+
+    Args:
+        model: The model, run as it is, without autograd; left as it was.
+        x: The images the maps explain, (N, C, H, W).
+        maps: One map per image, (N, h, w), any resolution.
+        target: What the maps explain (see :func:`explain.metrics.deletion`).
+        runs: How many subsets per image.
+        subset_size: Pixels per subset.
+        subsets: The subsets themselves, pixel indices (row-major) of shape (N, runs, subset_size), drawn here
+            when None (without replacement, from ``seed``).
+        baseline: What replaced pixels become (Quantus' ``"black"``).
+        score: The explained class's ``"logit"`` (Quantus' default), ``"probability"``, or the target's own.
+        seed: The subsets' seed (None: PyTorch's global generator).
+        batch_size: Most perturbed copies per forward.
+        model_kwargs: Further keyword arguments of the model's forward.
+
+    Returns:
+        Each image's correlation, (N,).
+    """
+    scoring = scorer(model, x, target, score, "faithfulness_correlation", batch_size, model_kwargs)
+    upsampled = input_maps(maps.to(x.device), len(x), x.shape[2:], "faithfulness_correlation").flatten(1)
+    subsets = _subsets(subsets, len(x), runs, subset_size, upsampled.shape[1], seed).to(x.device)
+    chosen = torch.zeros(len(x), subsets.shape[1], upsampled.shape[1], dtype=torch.bool, device=x.device)
+    chosen.scatter_(2, subsets, True)
+    after = substrate(x, baseline, "faithfulness_correlation")
+    scores = replaced_copies(scoring, subsets.shape[1], lambda i, k: chosen[i, k], after)
+    sums = upsampled.gather(1, subsets.flatten(1)).view(subsets.shape).sum(dim=2)
+    return pearson(sums, scoring.original[:, None] - scores)
+
+
+def _subsets(given: Tensor | None, n: int, runs: int, size: int, pixels: int, seed: int | None) -> Tensor:
+    """Random subsets of pixels, (N, runs, size), each without repetition: the ones given, checked, or drawn.
+
+    Raises:
+        ExplainError: Subsets of another shape, or pixels outside the image.
+    """
+    if given is None:
+        if not 0 < size <= pixels:
+            raise ExplainError(f"subset_size must lie in 1..{pixels} (the image's pixels), got {size}")
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        return torch.rand(n, runs, pixels, generator=generator).argsort(dim=2)[..., :size]
+    given = torch.as_tensor(given).long()
+    if given.dim() != 3 or len(given) != n or not bool(((given >= 0) & (given < pixels)).all()):
+        raise ExplainError(f"subsets must be pixel indices (N, runs, size) with N = {n}, each in 0..{pixels - 1}")
+    return given
+
+
+def monotonicity(
+    model: nn.Module,
+    x: Tensor,
+    maps: Tensor,
+    target: TargetLike = None,
+    *,
+    features_in_step: int = 1,
+    baseline: Baseline = "black",
+    score: MetricScore = "probability",
+    batch_size: int = 64,
+    model_kwargs: Mapping[str, Any] | None = None,
+) -> Tensor:
+    """Monotonicity (Arya et al., "One explanation does not fit all", 2019): from the baseline, the image's pixels
+    added back ``features_in_step`` at a time in the order of the map's magnitude, least first; the explanation is
+    monotonic where the score never falls as pixels come back.
+
+    Quantus 0.6.0 writes the baseline over the baseline instead of adding the image's pixels back, so its scores
+    never change and every map is monotonic there; this follows the paper.
+
+    Args:
+        model: The model, run as it is, without autograd; left as it was.
+        x: The images the maps explain, (N, C, H, W).
+        maps: One map per image, (N, h, w), any resolution; ranked by their absolute values.
+        target: What the maps explain (see :func:`explain.metrics.deletion`).
+        features_in_step: Pixels added back per step.
+        baseline: The start (Quantus' ``"black"``: each image's least value).
+        score: The explained class's ``"probability"`` (Quantus' softmax), ``"logit"``, or the target's own.
+        batch_size: Most perturbed copies per forward.
+        model_kwargs: Further keyword arguments of the model's forward.
+
+    Returns:
+        Whether each image's scores rise monotonically, (N,) bool.
+    """
+    scoring = scorer(model, x, target, score, "monotonicity", batch_size, model_kwargs)
+    magnitude = input_maps(maps.to(x.device), len(x), x.shape[2:], "monotonicity").abs()
+    order = ranks(-magnitude)  # least first
+    pixels = order.shape[1]
+    steps = math.ceil(pixels / max(features_in_step, 1))
+    counts = (torch.arange(1, steps + 1, device=x.device) * features_in_step).clamp_max(pixels)
+    start = substrate(x, baseline, "monotonicity")
+    curve = turned(scoring, order, counts.expand(len(x), -1), start, x, steps - 1)
+    return (curve.diff(dim=1) >= 0).all(dim=1)
