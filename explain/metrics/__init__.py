@@ -10,7 +10,7 @@ insertion, ROAD), ``imputation.py`` (RISE's blur, ROAD's noisy linear imputer), 
 Drop, Increase in Confidence, Average Gain), ``pointing.py`` (the pointing games), ``localisation.py`` (relevance
 mass and rank accuracy, top-k intersection, attribution localisation, AUC), ``complexity.py`` (sparseness,
 complexity, effective complexity), ``faithfulness.py`` (pixel flipping, region perturbation, selectivity,
-monotonicity, faithfulness estimate and correlation),
+monotonicity, faithfulness estimate and correlation), ``infidelity.py`` (infidelity, sensitivity-n),
 ``sanity.py`` (cascading randomization), ``report.py`` (the command line's per-image values and summary files).
 
 >>> result = explain.GradCAM(model)(x)
@@ -29,6 +29,7 @@ from .faithfulness import (
     selectivity,
 )
 from .imputation import gaussian_blur, noisy_linear_imputation
+from .infidelity import infidelity, sensitivity_n
 from .localisation import (
     attribution_localisation,
     localisation_auc,
@@ -58,6 +59,7 @@ __all__ = [
     "faithfulness_estimate",
     "gaussian_blur",
     "increase_in_confidence",
+    "infidelity",
     "insertion",
     "localisation_auc",
     "monotonicity",
@@ -70,6 +72,7 @@ __all__ = [
     "road",
     "sanity_check",
     "selectivity",
+    "sensitivity_n",
     "sparseness",
     "top_k_intersection",
 ]
