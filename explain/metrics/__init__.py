@@ -11,6 +11,7 @@ Drop, Increase in Confidence, Average Gain), ``pointing.py`` (the pointing games
 mass and rank accuracy, top-k intersection, attribution localisation, AUC), ``complexity.py`` (sparseness,
 complexity, effective complexity), ``faithfulness.py`` (pixel flipping, region perturbation, selectivity,
 monotonicity, faithfulness estimate and correlation), ``infidelity.py`` (infidelity, sensitivity-n),
+``robustness.py`` (max- and avg-sensitivity),
 ``sanity.py`` (cascading randomization), ``report.py`` (the command line's per-image values and summary files).
 
 >>> result = explain.GradCAM(model)(x)
@@ -39,6 +40,7 @@ from .localisation import (
 )
 from .perturbation import CurveResult, RoadResult, deletion, insertion, road
 from .pointing import energy_pointing_game, pointing_game
+from .robustness import avg_sensitivity, max_sensitivity, sensitivity
 from .sanity import SanityResult, cascading_blocks, sanity_check
 
 __all__ = [
@@ -50,6 +52,7 @@ __all__ = [
     "attribution_localisation",
     "average_drop",
     "average_gain",
+    "avg_sensitivity",
     "cascading_blocks",
     "complexity",
     "deletion",
@@ -62,6 +65,7 @@ __all__ = [
     "infidelity",
     "insertion",
     "localisation_auc",
+    "max_sensitivity",
     "monotonicity",
     "noisy_linear_imputation",
     "pixel_flipping",
@@ -72,6 +76,7 @@ __all__ = [
     "road",
     "sanity_check",
     "selectivity",
+    "sensitivity",
     "sensitivity_n",
     "sparseness",
     "top_k_intersection",

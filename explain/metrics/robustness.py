@@ -1,0 +1,106 @@
+"""How much a map moves when the image barely does: max-sensitivity and avg-sensitivity (Yeh et al.). The maps of
+every perturbed copy of every image are made by the explainer a chunk of ``batch_size`` at a time, each copy
+explaining the class the plain image's map explains.
+
+The explainer is an explain method (``explain.GradCAM(model)``, any :class:`explain.CAM`) or any callable
+``explainer(images, classes)`` returning one map per image, a tensor or a result with ``.cams``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from ..errors import ExplainError
+from ..targets import TargetLike
+
+Explainer = Callable[[Tensor, Any], Any]
+
+
+def _maps(found: Any) -> tuple[Tensor, Tensor | None]:
+    """An explainer's maps, (N, ...) float, and the classes they explain where it says (a result's)."""
+    if isinstance(found, Tensor):
+        return found.float(), None
+    cams, classes = getattr(found, "cams", None), getattr(found, "class_indices", None)
+    if not isinstance(cams, Tensor):
+        raise ExplainError(f"the explainer returned {type(found).__name__}: a tensor of maps or a result with .cams")
+    if cams.dim() == 4 and cams.shape[1] == 1:  # one target per image, kept on its own axis
+        cams = cams[:, 0]
+    return cams.float(), classes
+
+
+def _perturbations(x: Tensor, samples: int, radius: float, given: Tensor | None, seed: int | None) -> Tensor:
+    """Uniform noise in [-radius, radius] per element (Yeh et al.'s ball, Captum's default), (N, samples, ...), or
+    the perturbations given.
+
+    Raises:
+        ExplainError: Given perturbations of another shape.
+    """
+    if given is None:
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        given = (torch.rand(len(x), samples, *x.shape[1:], generator=generator) * 2 - 1) * radius
+    if given.dim() != x.dim() + 1 or given.shape[0] != len(x) or given.shape[2:] != x.shape[1:]:
+        raise ExplainError(f"perturbations must be (N, samples, *x.shape[1:]), got {tuple(given.shape)}")
+    return given.to(x.device, x.dtype)
+
+
+def sensitivity(
+    explainer: Explainer,
+    x: Tensor,
+    target: TargetLike = None,
+    *,
+    reduce: Literal["max", "mean"] = "max",
+    samples: int = 10,
+    radius: float = 0.02,
+    perturbations: Tensor | None = None,
+    relative: bool = False,
+    seed: int | None = 0,
+    batch_size: int = 64,
+) -> Tensor:
+    """Max-sensitivity or avg-sensitivity (Yeh et al., "On the (in)fidelity and sensitivity of explanations",
+    NeurIPS 2019): the largest, or the mean, of ||Phi(x + delta) - Phi(x)|| (the Frobenius norm) over ``samples``
+    perturbations delta drawn uniformly in the ball of ``radius`` (each element within it). Lower is better.
+
+    Args:
+        explainer: An explain method or a callable ``(images, classes) -> maps`` (see the module's docstring).
+        x: The images, (N, C, H, W).
+        target: What the maps explain: None for each image's top class, a class, or one per image.
+        reduce: ``"max"`` (max-sensitivity) or ``"mean"`` (avg-sensitivity).
+        samples: Perturbations per image.
+        radius: The ball's radius, in the input's units.
+        perturbations: The perturbations themselves, (N, samples, C, H, W), drawn from ``seed`` when None.
+        relative: Divide by ||Phi(x)|| (Captum's ``sensitivity_max``); the paper's is absolute.
+        seed: The perturbations' seed (None: PyTorch's global generator).
+        batch_size: Most perturbed copies per explainer call.
+
+    Returns:
+        Each image's sensitivity, (N,).
+    """
+    plain, classes = _maps(explainer(x, target))
+    noise = _perturbations(x, samples, radius, perturbations, seed)
+    count = noise.shape[1]
+    repeated = classes if classes is not None else target
+    if isinstance(repeated, Tensor) and repeated.dim() >= 1 and len(repeated) == len(x):
+        repeated = repeated.reshape(len(x), -1)[:, 0].repeat_interleave(count)
+    copies = (x[:, None] + noise).flatten(0, 1)
+    moved = []
+    for rows in torch.arange(len(copies)).split(batch_size):
+        chunk_target = repeated[rows] if isinstance(repeated, Tensor) and repeated.dim() == 1 else repeated
+        moved.append(_maps(explainer(copies[rows.to(x.device)], chunk_target))[0])
+    distances = (torch.cat(moved).view(len(x), count, -1) - plain.reshape(len(x), 1, -1)).norm(dim=2)
+    if relative:
+        distances = distances / plain.reshape(len(x), -1).norm(dim=1, keepdim=True)
+    return distances.amax(dim=1) if reduce == "max" else distances.mean(dim=1)
+
+
+def max_sensitivity(explainer: Explainer, x: Tensor, target: TargetLike = None, **options: Any) -> Tensor:
+    """Max-sensitivity: the largest move of the map over the perturbations (see :func:`sensitivity`)."""
+    return sensitivity(explainer, x, target, reduce="max", **options)
+
+
+def avg_sensitivity(explainer: Explainer, x: Tensor, target: TargetLike = None, **options: Any) -> Tensor:
+    """Avg-sensitivity: the mean move of the map over the perturbations (see :func:`sensitivity`)."""
+    return sensitivity(explainer, x, target, reduce="mean", **options)
