@@ -616,6 +616,31 @@ def _app(argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
+EVALUATE = "evaluate"  # ``explain evaluate ...``: which method to trust, measured on the user's images
+
+
+def _evaluate(argv: Sequence[str]) -> int:
+    """``explain evaluate``: score methods and layers with the metrics, rank them, write the report."""
+    from .evaluation import command
+    from .models import load_model
+
+    parser = _Parser(
+        prog="explain evaluate",
+        description="Which method should I trust here? Score a grid of methods and layers with the field's metrics "
+        "on your images, with bootstrap intervals, and rank them.",
+    )
+    command.add_arguments(parser, BUNDLED_MODEL)
+    args = parser.parse_args(argv)
+    command.check(args)  # named before the model loads
+    inputs = collect_inputs(args.inputs, exclude=args.out, kind="image")
+    missing = [item for item in inputs if item.path is None]
+    if missing:
+        raise UsageError(missing[0].error or f"{missing[0].name}: not found")
+    spec = load_model(args.model, args.weights, None, _device(args.device))
+    print(command.run(args, spec, [item.path for item in inputs]))
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status (0 all written, 1 some inputs failed, 2 usage error)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -623,6 +648,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if argv[:1] == [APP]:
             return _app(argv[1:])
+        if argv[:1] == [EVALUATE]:
+            return _evaluate(argv[1:])
         args = build_parser().parse_args(argv)
         if args.method == "list":
             print(method_table())

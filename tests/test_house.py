@@ -91,13 +91,14 @@ def test_what_a_result_draws_with_reaches_no_engine_export_or_front_end() -> Non
 
 
 FRONT_ENDS = {"cli", "__main__", "explorer", "notebook"}  # what a user runs: the command line, the app, the widgets
+JOBS = {"export", "evaluation"}  # runs that write an output folder (its lock, its log): export and evaluate
 
 
-def test_only_the_front_ends_import_export_and_none_imports_them() -> None:
+def test_only_the_front_ends_import_the_jobs_and_none_imports_them() -> None:
     for name, path in MODULES.items():
-        if layer_of(name) in {"export", *FRONT_ENDS} or name == "explain":  # the package's lazy names are strings
+        if layer_of(name) in {*JOBS, *FRONT_ENDS} or name == "explain":  # the package's lazy names are strings
             continue
-        reached = {m for m in imported_modules(path) if layer_of(m) in {"export", *FRONT_ENDS}}
+        reached = {m for m in imported_modules(path) if layer_of(m) in {*JOBS, *FRONT_ENDS}}
         assert not reached, f"{name} imports {sorted(reached)}"
 
 

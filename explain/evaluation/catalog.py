@@ -1,0 +1,89 @@
+"""The metrics ``explain evaluate`` runs, cheapest first: what each costs, which way is better, whether it needs the
+objects' masks, and how it scores one image's map."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torch import Tensor
+
+from .. import metrics
+from ..errors import ExplainError
+
+
+@dataclass(frozen=True)
+class Scene:
+    """What a metric reads of one image: the model, the image (1, C, H, W), its map (1, H, W), the class the map
+    explains (1,), the object's mask (1, H, W) or None, and the method that made the map (to explain copies)."""
+
+    model: Any
+    x: Tensor
+    maps: Tensor
+    target: Tensor
+    mask: Tensor | None
+    method: Any
+
+
+@dataclass(frozen=True)
+class EvalMetric:
+    """One metric of the evaluation.
+
+    Attributes:
+        name: Its name (``--metrics``).
+        cost: About how many forwards it runs per image: the order they run in, cheapest first.
+        better: Whether ``"higher"`` or ``"lower"`` values are better.
+        needs_masks: Whether it needs the objects' masks.
+        score: Its value for one image.
+    """
+
+    name: str
+    cost: int
+    better: Literal["higher", "lower"]
+    needs_masks: bool
+    score: Callable[[Scene], Tensor]
+
+
+def _subset(scene: Scene) -> int:
+    """Faithfulness correlation's subset: 224 of 224 x 224 pixels (Bhatt et al.'s), in proportion."""
+    return max(1, round(224 / 224**2 * scene.x.shape[-1] * scene.x.shape[-2]))
+
+
+CATALOG = (
+    EvalMetric("sparseness", 0, "higher", False, lambda s: metrics.sparseness(s.maps)),
+    EvalMetric("relevance_mass_accuracy", 0, "higher", True,
+               lambda s: metrics.relevance_mass_accuracy(s.maps, s.mask, s.x.shape[-2:])),
+    EvalMetric("pointing_game", 0, "higher", True,
+               lambda s: metrics.pointing_game(s.maps, s.mask, s.x.shape[-2:]).float()),
+    EvalMetric("average_drop", 1, "lower", False,
+               lambda s: metrics.average_drop(s.model, s.x, s.maps, s.target).value),
+    EvalMetric("deletion", 50, "lower", False, lambda s: metrics.deletion(s.model, s.x, s.maps, s.target).auc),
+    EvalMetric("insertion", 50, "higher", False, lambda s: metrics.insertion(s.model, s.x, s.maps, s.target).auc),
+    EvalMetric("faithfulness_correlation", 100, "higher", False,
+               lambda s: metrics.faithfulness_correlation(s.model, s.x, s.maps, s.target, subset_size=_subset(s))),
+    EvalMetric("avg_sensitivity", 200, "lower", False,
+               lambda s: metrics.avg_sensitivity(s.method, s.x, s.target)),
+)  # fmt: skip
+"""Every metric ``explain evaluate`` runs, cheapest first."""
+
+DEFAULT_METRICS = ("sparseness", "relevance_mass_accuracy", "pointing_game", "deletion", "insertion",
+                   "faithfulness_correlation")  # fmt: skip
+
+
+def chosen_metrics(names: list[str] | None, masks: bool) -> list[EvalMetric]:
+    """The metrics named (None: the defaults, those needing masks only where masks are given), cheapest first.
+
+    Raises:
+        ExplainError: An unknown name, or a metric needing masks without them.
+    """
+    by_name = {metric.name: metric for metric in CATALOG}
+    unknown = [name for name in names or () if name not in by_name]
+    if unknown:
+        raise ExplainError(f"unknown metric {unknown[0]!r}: explain evaluate runs {', '.join(by_name)}")
+    if names is None:
+        names = [name for name in DEFAULT_METRICS if masks or not by_name[name].needs_masks]
+    missing = [name for name in names if by_name[name].needs_masks and not masks]
+    if missing:
+        raise ExplainError(f"{missing[0]} scores a map against the object: give the objects' masks (--masks DIR)")
+    return sorted((by_name[name] for name in names), key=lambda metric: metric.cost)

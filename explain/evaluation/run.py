@@ -1,0 +1,228 @@
+"""``explain evaluate``: score a grid of methods and layers with the field's metrics on the user's own images, and
+rank them (see :mod:`explain.evaluation.ranking`).
+
+Each image is explained once per configuration (a method at a layer); then the metrics run, cheapest first, every
+configuration and image of one metric before the next metric, while the time budget lasts. Every value is a line
+of ``scores.jsonl`` in the output folder, appended as it is computed: a run killed midway is resumed with
+``resume=True`` (``--resume``), which computes only what the file lacks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ..errors import ExplainError, first_line
+from ..export.ownership import FolderLock
+from ..io.images import load_image
+from ..methods import create_method
+from ..models import ModelSpec
+from .catalog import EvalMetric, Scene, chosen_metrics
+from .ranking import Ranking, Summary, rank, summarize
+
+SCORES = "scores.jsonl"  # one line per (image, configuration, metric): the run's log, resumed from
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """A method at a layer (None: its automatic layer)."""
+
+    method: str
+    layer: str | None = None
+
+    @property
+    def label(self) -> str:
+        """How tables and files name it: ``gradcam`` or ``gradcam@layer4``."""
+        return self.method if self.layer is None else f"{self.method}@{self.layer}"
+
+
+@dataclass
+class Evaluation:
+    """What an evaluation found.
+
+    Attributes:
+        configurations: The configurations' labels, in the grid's order.
+        images: The images' names.
+        metrics: The metrics run (or begun), cheapest first.
+        values: Per metric, the values (configurations, images), NaN where not scored.
+        summaries: Per metric and configuration, the mean with its interval.
+        ranking: The configurations by mean rank over the metrics, and the recommendation.
+        seconds: Per stage (``explain`` and each metric), the wall time it took in this run.
+        unfinished: The metrics the budget left unfinished.
+    """
+
+    configurations: list[str]
+    images: list[str]
+    metrics: list[EvalMetric]
+    values: dict[str, np.ndarray]
+    summaries: dict[str, dict[str, Summary]] = field(default_factory=dict)
+    ranking: Ranking | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    unfinished: list[str] = field(default_factory=list)
+
+
+def evaluate(
+    spec: ModelSpec,
+    images: Sequence[Path],
+    out: Path,
+    *,
+    configurations: Sequence[Configuration] = (Configuration("gradcam"), Configuration("gradcampp")),
+    metric_names: list[str] | None = None,
+    masks: Path | None = None,
+    budget: float | None = None,
+    resume: bool = False,
+    progress: bool = False,
+    seed: int = 0,
+) -> Evaluation:
+    """Score every configuration on every image with every metric, and rank the configurations.
+
+    Args:
+        spec: The model, as :func:`explain.load_model` returns it (a classifier).
+        images: The images.
+        out: The output folder: ``scores.jsonl``, then the report (see :mod:`explain.evaluation.report`).
+        configurations: The methods and layers to compare.
+        metric_names: The metrics (see :data:`explain.evaluation.catalog.CATALOG`); None: the defaults.
+        masks: A folder of the objects' masks, one PNG per image named as its image (``cat.png`` for
+            ``cat.jpg``), at the image's size; nonzero pixels are the object.
+        budget: Seconds the run may take; the metrics it does not reach are listed, not run.
+        resume: Keep the values an earlier run of the folder computed, and compute the rest.
+        progress: Show a progress bar.
+        seed: The seed of the metrics' random draws and of the bootstrap.
+
+    Raises:
+        ExplainError: An unknown metric, masks missing or of the wrong size, an image that cannot be read, or a
+            folder that holds an earlier evaluation without ``resume``.
+    """
+    metrics = chosen_metrics(metric_names, masks is not None)
+    scenes = [_loaded(spec, Path(path), masks) for path in images]
+    names = [name for name, _ in scenes]
+    labels = [configuration.label for configuration in configurations]
+    log = out / SCORES
+    if log.is_file() and not resume:
+        raise ExplainError(f"{out}: holds an earlier evaluation ({SCORES}); add --resume to go on with it")
+    lock = FolderLock(out)
+    lock.take()
+    try:
+        done = _read_log(log)
+        found = Evaluation(
+            labels, names, metrics, {m.name: np.full((len(labels), len(names)), np.nan) for m in metrics}
+        )
+        _fill(found, done)
+        _run(spec, scenes, configurations, found, log, done, budget, progress, seed)
+    finally:
+        lock.release()
+    found.summaries = {m: {c: summarize(found.values[m][i], seed) for i, c in enumerate(labels)} for m in found.values}
+    higher = {metric.name: metric.better == "higher" for metric in metrics}
+    found.ranking = rank(found.values, labels, higher, seed)
+    return found
+
+
+def _loaded(spec: ModelSpec, path: Path, masks: Path | None) -> tuple[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """An image's name, its input (1, C, H, W) on the model's device and its object's mask (1, H, W) or None.
+
+    Raises:
+        ExplainError: The image cannot be read, or its mask is missing or not of the image's size.
+    """
+    image = load_image(path)
+    x = spec.preprocess(image).to(spec.device)
+    if masks is None:
+        return path.name, (x, None)
+    mask_path = masks / f"{path.stem}.png"
+    if not mask_path.is_file():
+        raise ExplainError(f"{path}: no mask {mask_path} (a PNG named as the image, in --masks)")
+    try:
+        mask = Image.open(mask_path)
+        mask.load()
+    except OSError as err:
+        raise ExplainError(f"{mask_path}: not a readable mask ({first_line(err)})") from None
+    if mask.size != image.size:
+        raise ExplainError(f"{mask_path}: a {mask.width}x{mask.height} mask for a {image.width}x{image.height} image")
+    resized = mask.convert("L").resize((x.shape[-1], x.shape[-2]), Image.Resampling.NEAREST)
+    return path.name, (x, torch.from_numpy(np.asarray(resized) > 0)[None].to(spec.device))
+
+
+def _read_log(log: Path) -> dict[tuple[str, str, str], float]:
+    """The values an earlier run wrote, by (image, configuration, metric); a line cut by a kill is passed over."""
+    done: dict[tuple[str, str, str], float] = {}
+    if not log.is_file():
+        return done
+    for line in log.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+            done[(record["image"], record["configuration"], record["metric"])] = float(record["value"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return done
+
+
+def _fill(found: Evaluation, done: dict[tuple[str, str, str], float]) -> None:
+    """Put the values already computed in their places."""
+    for (image, configuration, metric), value in done.items():
+        if metric in found.values and configuration in found.configurations and image in found.images:
+            found.values[metric][found.configurations.index(configuration), found.images.index(image)] = value
+
+
+def _run(
+    spec: ModelSpec,
+    scenes: list[tuple[str, tuple[torch.Tensor, torch.Tensor | None]]],
+    configurations: Sequence[Configuration],
+    found: Evaluation,
+    log: Path,
+    done: dict[tuple[str, str, str], float],
+    budget: float | None,
+    progress: bool,
+    seed: int,
+) -> None:
+    """Explain, then score metric by metric, cheapest first, while the budget lasts; each value logged."""
+    from tqdm.auto import tqdm
+
+    deadline = None if budget is None else time.monotonic() + budget
+    todo = [(m, c, s) for m in found.metrics for c in configurations for s in scenes
+            if (s[0], c.label, m.name) not in done]  # fmt: skip
+    started = time.monotonic()
+    methods = {c.label: create_method(c.method, spec.model, c.layer) for c in configurations}
+    maps = _maps(methods, configurations, scenes, {(s[0], c.label) for _, c, s in todo})
+    found.seconds["explain"] = time.monotonic() - started
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a", encoding="utf-8") as written, tqdm(total=len(todo), disable=not progress, unit="value") as bar:
+        for metric, configuration, (name, (x, mask)) in todo:
+            if deadline is not None and time.monotonic() > deadline:
+                found.unfinished = [m.name for m in found.metrics if bool(np.isnan(found.values[m.name]).any())]
+                return
+            cams, target = maps[(name, configuration.label)]
+            scene = Scene(spec.model, x, cams, target, mask, methods[configuration.label])
+            began = time.monotonic()
+            torch.manual_seed(seed)
+            value = float(metric.score(scene).reshape(-1)[0])
+            found.seconds[metric.name] = found.seconds.get(metric.name, 0.0) + time.monotonic() - began
+            row, column = found.configurations.index(configuration.label), found.images.index(name)
+            found.values[metric.name][row, column] = value
+            record = {"image": name, "configuration": configuration.label, "metric": metric.name, "value": value}
+            written.write(json.dumps(record) + "\n")
+            written.flush()
+            bar.update()
+
+
+def _maps(
+    methods: dict[str, Any],
+    configurations: Sequence[Configuration],
+    scenes: list[tuple[str, tuple[torch.Tensor, torch.Tensor | None]]],
+    needed: set[tuple[str, str]],
+) -> dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]]:
+    """Each needed image's map and explained class per configuration: (1, H, W) and (1,)."""
+    found = {}
+    for configuration in configurations:
+        for name, (x, _) in scenes:
+            if (name, configuration.label) in needed:
+                result = methods[configuration.label](x)
+                classes = result.class_indices.reshape(-1)[:1]
+                found[(name, configuration.label)] = (result.cams.reshape(1, *x.shape[-2:]), classes)
+    return found

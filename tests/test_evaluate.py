@@ -1,0 +1,134 @@
+"""``explain evaluate``: the bundled model and photos scored by a grid of methods with the metrics, each value the
+metric's own on the method's own map, the ranking and its files, a run killed midway resumed, a budget that runs
+out, and bad inputs refused with one line."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import explain
+from explain import metrics
+from explain.cli import main
+from explain.evaluation.ranking import rank
+from explain.explorer.session import bundled_photos
+
+
+def _masks(folder: Path) -> Path:
+    """A mask per bundled photo: its central quarter."""
+    folder.mkdir()
+    for photo in bundled_photos():
+        width, height = Image.open(photo).size
+        mask = np.zeros((height, width), dtype=np.uint8)
+        mask[height // 4 : 3 * height // 4, width // 4 : 3 * width // 4] = 255
+        Image.fromarray(mask).save(folder / f"{photo.stem}.png")
+    return folder
+
+
+def _scores(out: Path) -> dict[tuple[str, str, str], float]:
+    lines = (out / "scores.jsonl").read_text().splitlines()
+    return {(r["image"], r["configuration"], r["metric"]): r["value"] for r in map(json.loads, lines)}
+
+
+def test_the_bundled_photos_are_scored_ranked_and_reported(lite0, tmp_path, capsys) -> None:
+    out, photos = tmp_path / "out", bundled_photos()
+    assert main(["evaluate", *map(str, photos), "--methods", "gradcam,layercam", "--metrics",
+                 "sparseness,relevance_mass_accuracy,deletion", "--masks", str(_masks(tmp_path / "masks")),
+                 "-o", str(out), "--quiet"]) == 0  # fmt: skip
+    assert capsys.readouterr().out.strip().endswith(f"-> {out / 'evaluation.md'}")
+    scores = _scores(out)
+    assert len(scores) == 3 * 2 * 3
+    for photo in photos:  # each value is the metric's own, on the method's own map
+        image = explain.load_image(photo)
+        x = lite0.preprocess(image)
+        result = explain.GradCAM(lite0.model)(x)
+        mask = np.asarray(Image.open(tmp_path / "masks" / f"{photo.stem}.png").resize(x.shape[-1:-3:-1], 0)) > 0
+        expected = {
+            "sparseness": metrics.sparseness(result.cams),
+            "relevance_mass_accuracy": metrics.relevance_mass_accuracy(result.cams, torch.from_numpy(mask)[None],
+                                                                       x.shape[-2:]),
+            "deletion": metrics.deletion(lite0.model, x, result.cams, result.target).auc,
+        }  # fmt: skip
+        for name, value in expected.items():
+            assert scores[(photo.name, "gradcam", name)] == pytest.approx(float(value), rel=1e-4, abs=1e-6)
+    rows = list(csv.DictReader((out / "evaluation.csv").open()))
+    assert len(rows) == 2 * 3 and {r["metric"] for r in rows} == {"sparseness", "relevance_mass_accuracy", "deletion"}
+    gradcam = [v for (_, c, m), v in scores.items() if c == "gradcam" and m == "deletion"]
+    row = next(r for r in rows if r["configuration"] == "gradcam" and r["metric"] == "deletion")
+    assert float(row["mean"]) == pytest.approx(np.mean(gradcam)) and float(row["low"]) <= float(row["high"])
+    report = (out / "evaluation.md").read_text()
+    assert "## Ranking" in report and ("Recommended" in report or "No recommendation" in report)
+    assert Image.open(out / "evaluation.png").size[0] > 0
+
+
+def test_a_configuration_better_everywhere_is_recommended_and_a_tie_is_not() -> None:
+    rng = np.random.default_rng(0)
+    good, bad = rng.normal(1.0, 0.1, 40), rng.normal(0.0, 0.1, 40)
+    clear = rank({"a": np.stack([good, bad]), "b": np.stack([-good, -bad])}, ["x", "y"], {"a": True, "b": False})
+    assert clear.order == ["x", "y"] and clear.recommended == "x" and clear.rank[0].mean == 1.0
+    same = rng.normal(0.5, 0.3, (2, 40))
+    assert rank({"a": same}, ["x", "y"], {"a": True}).recommended is None
+
+
+def test_a_run_killed_midway_resumes_where_it_stopped(lite0, tmp_path) -> None:
+    """A run killed after its first values, then resumed: only the missing values are computed, and all equal an
+    uninterrupted run's."""
+    photos = [str(p) for p in bundled_photos()]
+    command = [sys.executable, "-m", "explain", "evaluate", *photos, "--methods", "gradcam,layercam", "--metrics",
+               "sparseness,deletion", "--quiet"]  # fmt: skip
+    killed = tmp_path / "killed"
+    process = subprocess.Popen([*command, "-o", str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = killed / "scores.jsonl"
+    for _ in range(600):
+        if log.is_file() and len(log.read_text().splitlines()) >= 7:  # the sparseness values and a deletion
+            break
+        time.sleep(0.1)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    before = _scores(killed)
+    assert 6 < len(before) < 12
+    assert main(["evaluate", *photos, "--methods", "gradcam,layercam", "--metrics", "sparseness,deletion",
+                 "-o", str(killed), "--resume", "--quiet"]) == 0  # fmt: skip
+    lines = (killed / "scores.jsonl").read_text().splitlines()
+    assert len(lines) == 12  # nothing computed twice
+    fresh = tmp_path / "fresh"
+    assert main(["evaluate", *photos, "--methods", "gradcam,layercam", "--metrics", "sparseness,deletion",
+                 "-o", str(fresh), "--quiet"]) == 0  # fmt: skip
+    assert _scores(killed) == pytest.approx(_scores(fresh))
+
+
+def test_a_budget_that_runs_out_leaves_the_costly_metrics_unfinished(lite0, tmp_path) -> None:
+    out = tmp_path / "out"
+    assert main(["evaluate", str(bundled_photos()[0]), "--metrics", "sparseness,deletion", "--budget", "0s",
+                 "-o", str(out), "--quiet"]) == 0  # fmt: skip
+    assert "ran out before these metrics finished: sparseness, deletion" in (out / "evaluation.md").read_text()
+
+
+def test_bad_inputs_are_one_line_each(lite0, tmp_path, capsys) -> None:
+    photo = bundled_photos()[0]
+    masks = tmp_path / "masks"
+    masks.mkdir()
+    Image.fromarray(np.zeros((10, 10), dtype=np.uint8)).save(masks / f"{photo.stem}.png")
+    out = tmp_path / "out"
+    assert main(["evaluate", str(photo), "--masks", str(masks), "-o", str(out)]) == 2
+    assert main(["evaluate", str(photo), "--metrics", "sparseness,nope", "-o", str(out)]) == 2
+    assert main(["evaluate", str(photo), "--metrics", "pointing_game", "-o", str(out)]) == 2
+    assert main(["evaluate", str(photo), "--metrics", "sparseness", "-o", str(out), "--quiet"]) == 0
+    assert main(["evaluate", str(photo), "--metrics", "sparseness", "-o", str(out), "--quiet"]) == 2  # not afresh
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith(f"explain: error: {masks / photo.stem}.png: a 10x10 mask for a ")
+    assert lines[1].startswith("explain: error: unknown metric 'nope'")
+    assert lines[2] == ("explain: error: pointing_game scores a map against the object: give the objects' masks "
+                        "(--masks DIR)")  # fmt: skip
+    assert "holds an earlier evaluation" in lines[3] and "--resume" in lines[3] and len(lines) == 4
