@@ -11,13 +11,15 @@ Drop, Increase in Confidence, Average Gain), ``pointing.py`` (the pointing games
 mass and rank accuracy, top-k intersection, attribution localisation, AUC), ``complexity.py`` (sparseness,
 complexity, effective complexity), ``faithfulness.py`` (pixel flipping, region perturbation, selectivity,
 monotonicity, faithfulness estimate and correlation), ``infidelity.py`` (infidelity, sensitivity-n),
-``robustness.py`` (max- and avg-sensitivity),
+``robustness.py`` (max- and avg-sensitivity), ``axiomatic.py`` (completeness,
+non-sensitivity),
 ``sanity.py`` (cascading randomization), ``report.py`` (the command line's per-image values and summary files).
 
 >>> result = explain.GradCAM(model)(x)
 >>> explain.metrics.deletion(model, x, result.cams, result.target).auc   # (N,), lower is better
 """
 
+from .axiomatic import completeness, non_sensitivity
 from .complexity import complexity, effective_complexity, sparseness
 from .confidence import ConfidenceChange, average_drop, average_gain, increase_in_confidence
 from .faithfulness import (
@@ -54,6 +56,7 @@ __all__ = [
     "average_gain",
     "avg_sensitivity",
     "cascading_blocks",
+    "completeness",
     "complexity",
     "deletion",
     "effective_complexity",
@@ -68,6 +71,7 @@ __all__ = [
     "max_sensitivity",
     "monotonicity",
     "noisy_linear_imputation",
+    "non_sensitivity",
     "pixel_flipping",
     "pointing_game",
     "region_perturbation",
