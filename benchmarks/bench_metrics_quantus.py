@@ -5,8 +5,9 @@ upsampled to the input); rounds interleaved, the model warm. For each metric:
 
 - **explain**: ``explain.metrics``' function, its copies built on the device and scored in chunks of 64;
 - **quantus**: Quantus 0.6.0's metric class on the same arrays (its loop of forwards per step or run);
-- **limit**: the perturbed forwards the metric needs (or the explanations, for max-sensitivity), run plainly in
-  chunks of 64 under ``no_grad`` on copies built beforehand: what any implementation must spend.
+- **limit**: the perturbed forwards the metric needs (for max-sensitivity, the explanations: the plain images'
+  and their perturbed copies', a call of 8 images each), run plainly in chunks of 64 under ``no_grad`` on copies
+  built beforehand: what any implementation must spend.
 
 Settings as in the issue: pixel flipping and faithfulness estimate in 28 steps, faithfulness correlation 20 runs of
 224 pixels, region perturbation 28 regions of 8², selectivity regions of 32² (49), max-sensitivity 5 samples.
@@ -90,8 +91,8 @@ def main() -> None:
         runs = {"explain": ours, "quantus": theirs}
         if copies > 0:
             runs["limit"] = plain_forwards(model, copies)
-        elif copies < 0:  # the explanations of -copies perturbed images
-            noisy = x.repeat(5, 1, 1, 1)
+        elif copies < 0:  # the explanations it needs: the plain images' and the -copies perturbed images'
+            noisy = x.repeat(1 + -copies // IMAGES, 1, 1, 1)
             runs["limit"] = lambda noisy=noisy: [gradcam(c, torch.tensor(target)) for c in noisy.split(IMAGES)]
         found = interleaved_medians(runs, args.rounds)
         limit, ours_s = found.get("limit"), found["explain"]

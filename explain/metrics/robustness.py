@@ -58,7 +58,7 @@ def sensitivity(
     perturbations: Tensor | None = None,
     relative: bool = False,
     seed: int | None = 0,
-    batch_size: int = 64,
+    batch_size: int | None = None,
 ) -> Tensor:
     """Max-sensitivity or avg-sensitivity (Yeh et al., "On the (in)fidelity and sensitivity of explanations",
     NeurIPS 2019): the largest, or the mean, of ||Phi(x + delta) - Phi(x)|| (the Frobenius norm) over ``samples``
@@ -74,7 +74,8 @@ def sensitivity(
         perturbations: The perturbations themselves, (N, samples, C, H, W), drawn from ``seed`` when None.
         relative: Divide by ||Phi(x)|| (Captum's ``sensitivity_max``); the paper's is absolute.
         seed: The perturbations' seed (None: PyTorch's global generator).
-        batch_size: Most perturbed copies per explainer call.
+        batch_size: Most perturbed copies per explainer call (None: as many as the images, the size the caller
+            explains at).
 
     Returns:
         Each image's sensitivity, (N,).
@@ -87,7 +88,7 @@ def sensitivity(
         repeated = repeated.reshape(len(x), -1)[:, 0].repeat_interleave(count)
     copies = (x[:, None] + noise).flatten(0, 1)
     moved = []
-    for rows in torch.arange(len(copies)).split(batch_size):
+    for rows in torch.arange(len(copies)).split(batch_size or len(x)):
         chunk_target = repeated[rows] if isinstance(repeated, Tensor) and repeated.dim() == 1 else repeated
         moved.append(_maps(explainer(copies[rows.to(x.device)], chunk_target))[0])
     distances = (torch.cat(moved).view(len(x), count, -1) - plain.reshape(len(x), 1, -1)).norm(dim=2)
