@@ -610,9 +610,15 @@ def _app(argv: Sequence[str]) -> int:
     """``explain app``: serve the explorer until interrupted."""
     args = build_app_parser().parse_args(argv)
     from .explorer.web import gradio, serve
+    from .models.text_image import is_text_image_model
 
     gradio()  # a missing extra is named before the model loads
-    serve(args.model, args.weights, args.host, args.port, _device(args.device), args.quiet)
+    if is_text_image_model(args.model):  # a vision-language model's folder: its words' page
+        from .explorer.words import serve_words
+
+        serve_words(args.model, args.host, args.port, _device(args.device), args.quiet)
+    else:
+        serve(args.model, args.weights, args.host, args.port, _device(args.device), args.quiet)
     return EXIT_OK
 
 

@@ -25,7 +25,6 @@ from PIL import Image
 from ..errors import ExplainError
 from ..io.render import data_uri
 from ..models import ModelSpec, load_model
-from ..models.text_image import is_text_image_model, load_text_image_model
 from ..targets import class_index
 from .controls import ALPHA_STEP, CONTROLS, VIEW, Control
 from .session import Explorer, Shown, View, bundled_photos
@@ -386,26 +385,25 @@ def serve(
     device: str = "cpu",
     quiet: bool = False,
 ) -> None:
-    """Start the app and serve until interrupted.
+    """Start the app and serve until interrupted (a vision-language model's page is
+    :func:`explain.explorer.words.serve_words`).
 
     Args:
-        model: The model's name (see :func:`explain.load_model`), or the folder of a vision-language model (its
-            words' page, :mod:`explain.explorer.words`).
+        model: The model's name (see :func:`explain.load_model`).
         weights: A checkpoint of it, or None.
         host: The address to listen on; anything but 127.0.0.1 lets others on the network use it (a warning says so).
         port: The port.
         device: Where the model runs.
         quiet: Print nothing but warnings.
     """
-    gr = gradio()
-    if is_text_image_model(model):  # a vision-language model's folder: its words' page
-        from .words import WordsApp, build_words
+    spec = on_model_thread(load_model)(model, weights, device=device)  # the first torch calls there too
+    launch(build(on_model_thread(App)(spec, lambda name: load_model(name, device=device))), host, port, quiet)
 
-        spec = on_model_thread(load_text_image_model)(model, device)  # the first torch calls there too
-        page = build_words(on_model_thread(WordsApp)(spec))
-    else:
-        spec = on_model_thread(load_model)(model, weights, device=device)
-        page = build(on_model_thread(App)(spec, lambda name: load_model(name, device=device)))
+
+def launch(page: Any, host: str, port: int, quiet: bool) -> None:
+    """Serve a page until interrupted, without web fonts (offline); a warning where others on the network can use
+    it."""
+    gr = gradio()
     if host != LOCAL:
         print(
             f"explain app: warning: listening on {host}: anyone who can reach this machine can use the app and "

@@ -1,6 +1,7 @@
 """The explorer of a vision-language model: its photos, and for each photo and question the maps of every word of
 the answer (or of every text prompt, or every box of the text queries), kept. Clicking another word draws its map
-again without running the model; the web page is :func:`build_words`, served by ``explain app --model FOLDER``.
+again without running the model; the web page is :func:`build_words`, served by ``explain app --model FOLDER``
+(:func:`serve_words`).
 """
 
 from __future__ import annotations
@@ -164,3 +165,12 @@ def build_words(app: WordsApp) -> Any:
         for control in (words, alpha, colormap):
             control.input(user_errors(app.show), [*fields, words], shown, api_name=False)
     return page
+
+
+def serve_words(folder: str, host: str, port: int, device: str, quiet: bool) -> None:
+    """Serve a vision-language model's words' page (``explain app --model FOLDER``) until interrupted."""
+    from ..models.text_image import load_text_image_model
+    from .web import launch, on_model_thread
+
+    spec = on_model_thread(load_text_image_model)(folder, device)  # the first torch calls there too
+    launch(build_words(on_model_thread(WordsApp)(spec)), host, port, quiet)
