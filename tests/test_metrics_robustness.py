@@ -44,3 +44,32 @@ def test_a_map_that_ignores_the_image_does_not_move() -> None:
     x = torch.randn(2, 3, 8, 8)
     still = metrics.avg_sensitivity(lambda images, classes: torch.ones(len(images), 8, 8), x, samples=4)
     assert torch.equal(still, torch.zeros(2))
+
+
+def test_the_local_lipschitz_estimate_equals_quantus_on_its_own_noise(monkeypatch) -> None:
+    """Quantus draws each sample's Gaussian noise with numpy's global generator: recorded, and passed to explain."""
+    import numpy as np
+    import quantus
+
+    model = tiny_model(3)
+    torch.manual_seed(6)
+    x, target = torch.randn(N, 3, 12, 12), torch.tensor([1, 0, 3])
+    gradcam = explain.GradCAM(model, "2")
+    plain = gradcam(x, target).cams
+    drawn, normal = [], np.random.normal
+
+    def recorded(*args, **kwargs):
+        drawn.append(normal(*args, **kwargs))
+        return drawn[-1]
+
+    def explained(model, inputs, targets, **kwargs):
+        return gradcam(torch.as_tensor(inputs), torch.as_tensor(targets)).cams[:, None].numpy()
+
+    monkeypatch.setattr(np.random, "normal", recorded)
+    expected = quantus.LocalLipschitzEstimate(nr_samples=SAMPLES, perturb_std=0.05, disable_warnings=True)(
+        model=model, x_batch=x.numpy(), y_batch=target.numpy(), a_batch=plain[:, None].numpy(), channel_first=True,
+        explain_func=explained, device="cpu",
+    )  # fmt: skip
+    noise = torch.from_numpy(np.stack(drawn, axis=1)).float().view(N, SAMPLES, 3, 12, 12)
+    found = metrics.local_lipschitz_estimate(gradcam, x, target, perturbations=noise)
+    np.testing.assert_allclose(found.numpy(), np.asarray(expected), rtol=1e-3, atol=1e-6)

@@ -11,7 +11,7 @@ Drop, Increase in Confidence, Average Gain), ``pointing.py`` (the pointing games
 mass and rank accuracy, top-k intersection, attribution localisation, AUC), ``complexity.py`` (sparseness,
 complexity, effective complexity), ``faithfulness.py`` (pixel flipping, region perturbation, selectivity,
 monotonicity, faithfulness estimate and correlation), ``infidelity.py`` (infidelity, sensitivity-n),
-``robustness.py`` (max- and avg-sensitivity), ``axiomatic.py`` (completeness,
+``robustness.py`` (max- and avg-sensitivity, the local Lipschitz estimate), ``axiomatic.py`` (completeness,
 non-sensitivity),
 ``sanity.py`` (cascading randomization), ``report.py`` (the command line's per-image values and summary files).
 
@@ -42,7 +42,7 @@ from .localisation import (
 )
 from .perturbation import CurveResult, RoadResult, deletion, insertion, road
 from .pointing import energy_pointing_game, pointing_game
-from .robustness import avg_sensitivity, max_sensitivity, sensitivity
+from .robustness import avg_sensitivity, local_lipschitz_estimate, max_sensitivity, sensitivity
 from .sanity import SanityResult, cascading_blocks, sanity_check
 
 __all__ = [
@@ -67,6 +67,7 @@ __all__ = [
     "increase_in_confidence",
     "infidelity",
     "insertion",
+    "local_lipschitz_estimate",
     "localisation_auc",
     "max_sensitivity",
     "monotonicity",

@@ -1,4 +1,5 @@
-"""How much a map moves when the image barely does: max-sensitivity and avg-sensitivity (Yeh et al.). The maps of
+"""How much a map moves when the image barely does: max-sensitivity and avg-sensitivity (Yeh et al.), and the
+local Lipschitz estimate (Alvarez-Melis and Jaakkola). The maps of
 every perturbed copy of every image are made by the explainer a chunk of ``batch_size`` at a time, each copy
 explaining the class the plain image's map explains.
 
@@ -32,16 +33,20 @@ def _maps(found: Any) -> tuple[Tensor, Tensor | None]:
     return cams.float(), classes
 
 
-def _perturbations(x: Tensor, samples: int, radius: float, given: Tensor | None, seed: int | None) -> Tensor:
-    """Uniform noise in [-radius, radius] per element (Yeh et al.'s ball, Captum's default), (N, samples, ...), or
-    the perturbations given.
+def _perturbations(
+    x: Tensor, samples: int, scale: float, given: Tensor | None, seed: int | None, uniform: bool
+) -> Tensor:
+    """Noise per element, (N, samples, ...): uniform in [-scale, scale] (Yeh et al.'s ball, Captum's default) or
+    Gaussian of standard deviation ``scale``; or the perturbations given.
 
     Raises:
         ExplainError: Given perturbations of another shape.
     """
     if given is None:
         generator = None if seed is None else torch.Generator().manual_seed(seed)
-        given = (torch.rand(len(x), samples, *x.shape[1:], generator=generator) * 2 - 1) * radius
+        shape = (len(x), samples, *x.shape[1:])
+        drawn = torch.rand(shape, generator=generator) * 2 - 1 if uniform else torch.randn(shape, generator=generator)
+        given = drawn * scale
     if given.dim() != x.dim() + 1 or given.shape[0] != len(x) or given.shape[2:] != x.shape[1:]:
         raise ExplainError(f"perturbations must be (N, samples, *x.shape[1:]), got {tuple(given.shape)}")
     return given.to(x.device, x.dtype)
@@ -80,8 +85,20 @@ def sensitivity(
     Returns:
         Each image's sensitivity, (N,).
     """
+    noise = _perturbations(x, samples, radius, perturbations, seed, uniform=True)
+    distances, plain = _moves(explainer, x, target, noise, batch_size)
+    if relative:
+        distances = distances / plain.reshape(len(x), -1).norm(dim=1, keepdim=True)
+    return distances.amax(dim=1) if reduce == "max" else distances.mean(dim=1)
+
+
+def _moves(
+    explainer: Explainer, x: Tensor, target: TargetLike, noise: Tensor, batch_size: int | None
+) -> tuple[Tensor, Tensor]:
+    """How far each perturbed copy's map lies from the image's, ||Phi(x + delta) - Phi(x)|| (N, samples), and the
+    images' maps; every copy explains the class the image's map explains, a call of ``batch_size`` copies (None: as
+    many as the images) at a time."""
     plain, classes = _maps(explainer(x, target))
-    noise = _perturbations(x, samples, radius, perturbations, seed)
     count = noise.shape[1]
     repeated = classes if classes is not None else target
     if isinstance(repeated, Tensor) and repeated.dim() >= 1 and len(repeated) == len(x):
@@ -91,10 +108,40 @@ def sensitivity(
     for rows in torch.arange(len(copies)).split(batch_size or len(x)):
         chunk_target = repeated[rows] if isinstance(repeated, Tensor) and repeated.dim() == 1 else repeated
         moved.append(_maps(explainer(copies[rows.to(x.device)], chunk_target))[0])
-    distances = (torch.cat(moved).view(len(x), count, -1) - plain.reshape(len(x), 1, -1)).norm(dim=2)
-    if relative:
-        distances = distances / plain.reshape(len(x), -1).norm(dim=1, keepdim=True)
-    return distances.amax(dim=1) if reduce == "max" else distances.mean(dim=1)
+    return (torch.cat(moved).view(len(x), count, -1) - plain.reshape(len(x), 1, -1)).norm(dim=2), plain
+
+
+def local_lipschitz_estimate(
+    explainer: Explainer,
+    x: Tensor,
+    target: TargetLike = None,
+    *,
+    samples: int = 200,
+    noise: float = 0.1,
+    perturbations: Tensor | None = None,
+    seed: int | None = 0,
+    batch_size: int | None = None,
+) -> Tensor:
+    """The local Lipschitz estimate (Alvarez-Melis and Jaakkola, "On the robustness of interpretability methods",
+    2018): max over perturbed copies x' of ||Phi(x) - Phi(x')||_2 / ||x - x'||_2, the copies x' = x + Gaussian noise
+    of standard deviation ``noise`` (Quantus' 0.1 and 200 samples). Lower is better.
+
+    Args:
+        explainer: An explain method or a callable ``(images, classes) -> maps`` (see the module's docstring).
+        x: The images, (N, C, H, W).
+        target: What the maps explain: None for each image's top class, a class, or one per image.
+        samples: Perturbed copies per image.
+        noise: The Gaussian noise's standard deviation, in the input's units.
+        perturbations: The noise itself, (N, samples, C, H, W), drawn from ``seed`` when None.
+        seed: The noise's seed (None: PyTorch's global generator).
+        batch_size: Most copies per explainer call (None: as many as the images).
+
+    Returns:
+        Each image's estimate, (N,).
+    """
+    drawn = _perturbations(x, samples, noise, perturbations, seed, uniform=False)
+    distances, _ = _moves(explainer, x, target, drawn, batch_size)
+    return (distances / (drawn.flatten(2).norm(dim=2) + 1e-10)).amax(dim=1)
 
 
 def max_sensitivity(explainer: Explainer, x: Tensor, target: TargetLike = None, **options: Any) -> Tensor:
