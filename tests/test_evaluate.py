@@ -70,6 +70,14 @@ def test_the_bundled_photos_are_scored_ranked_and_reported(lite0, tmp_path, caps
     report = (out / "evaluation.md").read_text()
     assert "## Ranking" in report and ("Recommended" in report or "No recommendation" in report)
     assert Image.open(out / "evaluation.png").size[0] > 0
+    curves = [json.loads(line) for line in (out / "scores.jsonl").read_text().splitlines()]
+    first = next(r for r in curves if r["metric"] == "deletion" and r["configuration"] == "gradcam")
+    image = explain.load_image(next(p for p in photos if p.name == first["image"]))
+    x = lite0.preprocess(image)
+    result = explain.GradCAM(lite0.model)(x)
+    expected = metrics.deletion(lite0.model, x, result.cams, result.target).curve[0]
+    assert first["curve"] == pytest.approx(expected.tolist(), abs=1e-5)  # the curve behind the AUC, kept
+    assert Image.open(out / "evaluation.curves.png").size[0] > 0
 
 
 def test_a_configuration_better_everywhere_is_recommended_and_a_tie_is_not() -> None:

@@ -35,14 +35,15 @@ class EvalMetric:
         cost: About how many forwards it runs per image: the order they run in, cheapest first.
         better: Whether ``"higher"`` or ``"lower"`` values are better.
         needs_masks: Whether it needs the objects' masks.
-        score: Its value for one image.
+        score: Its value for one image, or for a curve metric (deletion, insertion) the curve, whose AUC is the
+            value.
     """
 
     name: str
     cost: int
     better: Literal["higher", "lower"]
     needs_masks: bool
-    score: Callable[[Scene], Tensor]
+    score: Callable[[Scene], Tensor | metrics.CurveResult]
 
 
 def _subset(scene: Scene) -> int:
@@ -58,8 +59,8 @@ CATALOG = (
                lambda s: metrics.pointing_game(s.maps, s.mask, s.x.shape[-2:]).float()),
     EvalMetric("average_drop", 1, "lower", False,
                lambda s: metrics.average_drop(s.model, s.x, s.maps, s.target).value),
-    EvalMetric("deletion", 50, "lower", False, lambda s: metrics.deletion(s.model, s.x, s.maps, s.target).auc),
-    EvalMetric("insertion", 50, "higher", False, lambda s: metrics.insertion(s.model, s.x, s.maps, s.target).auc),
+    EvalMetric("deletion", 50, "lower", False, lambda s: metrics.deletion(s.model, s.x, s.maps, s.target)),
+    EvalMetric("insertion", 50, "higher", False, lambda s: metrics.insertion(s.model, s.x, s.maps, s.target)),
     EvalMetric("faithfulness_correlation", 100, "higher", False,
                lambda s: metrics.faithfulness_correlation(s.model, s.x, s.maps, s.target, subset_size=_subset(s))),
     EvalMetric("avg_sensitivity", 200, "lower", False,

@@ -1,6 +1,7 @@
 """The evaluation's files: ``evaluation.md`` (the table of means with their intervals, the ranking, the
 recommendation and how the time was spent), ``evaluation.csv`` (the same numbers, one row per configuration and
-metric) and ``evaluation.png`` (each configuration's score with its interval, a panel per metric)."""
+metric), ``evaluation.png`` (each configuration's score with its interval, a panel per metric) and, where deletion
+or insertion ran, ``evaluation.curves.png`` (each configuration's mean curve over the images)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 from ..io.atomic import write_atomically
 from .run import Evaluation
 
-MARKDOWN, CSV, FIGURE = "evaluation.md", "evaluation.csv", "evaluation.png"
+MARKDOWN, CSV, FIGURE, CURVES = "evaluation.md", "evaluation.csv", "evaluation.png", "evaluation.curves.png"
 
 
 def write_report(found: Evaluation, out: Path) -> list[Path]:
@@ -20,6 +21,9 @@ def write_report(found: Evaluation, out: Path) -> list[Path]:
     write_atomically(paths[0], lambda temp: temp.write_text(markdown(found), encoding="utf-8"))
     write_atomically(paths[1], lambda temp: temp.write_text(table_csv(found), encoding="utf-8"))
     write_atomically(paths[2], lambda temp: _figure(found, temp))
+    if found.curves:
+        paths.append(out / CURVES)
+        write_atomically(paths[3], lambda temp: _curves(found, temp))
     return paths
 
 
@@ -82,6 +86,29 @@ def _figure(found: Evaluation, path: Path) -> None:
         axis.errorbar(range(len(means)), means, yerr=errors, fmt="o", capsize=3)
         axis.set_xticks(range(len(means)), found.configurations, rotation=30, ha="right", fontsize=7)
         axis.set_title(f"{metric.name} ({'higher' if metric.better == 'higher' else 'lower'} better)", fontsize=8)
+    fig.tight_layout()
+    with path.open("wb") as handle:
+        fig.savefig(handle, format="png", dpi=110)
+    plt.close(fig)
+
+
+def _curves(found: Evaluation, path: Path) -> None:
+    """Each curve metric's mean curve per configuration over the images, a panel per metric, as PNG to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, len(found.curves), figsize=(4 * len(found.curves), 3), squeeze=False)
+    for axis, (metric, by_configuration) in zip(axes[0], found.curves.items()):
+        for configuration, curves in by_configuration.items():
+            mean = np.mean(np.asarray(curves, dtype=float), axis=0)
+            axis.plot(np.linspace(0, 1, len(mean)), mean, label=f"{configuration} ({len(curves)})")
+        axis.set_xlabel("fraction of pixels changed", fontsize=8)
+        axis.set_ylabel("score", fontsize=8)
+        axis.set_title(f"{metric}: mean curve over the images", fontsize=8)
+        axis.legend(fontsize=7)
     fig.tight_layout()
     with path.open("wb") as handle:
         fig.savefig(handle, format="png", dpi=110)

@@ -24,6 +24,7 @@ from ..errors import ExplainError, first_line
 from ..export.ownership import FolderLock
 from ..io.images import load_image
 from ..methods import create_method
+from ..metrics import CurveResult
 from ..models import ModelSpec
 from .catalog import EvalMetric, Scene, chosen_metrics
 from .ranking import Ranking, Summary, rank, summarize
@@ -57,6 +58,8 @@ class Evaluation:
         ranking: The configurations by mean rank over the metrics, and the recommendation.
         seconds: Per stage (``explain`` and each metric), the wall time it took in this run.
         unfinished: The metrics the budget left unfinished.
+        curves: Per curve metric (deletion, insertion) and configuration, each image's curve: the score after each
+            step, from the plain image on.
     """
 
     configurations: list[str]
@@ -67,6 +70,7 @@ class Evaluation:
     ranking: Ranking | None = None
     seconds: dict[str, float] = field(default_factory=dict)
     unfinished: list[str] = field(default_factory=list)
+    curves: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
 
 
 def evaluate(
@@ -149,25 +153,30 @@ def _loaded(spec: ModelSpec, path: Path, masks: Path | None) -> tuple[str, tuple
     return path.name, (x, torch.from_numpy(np.asarray(resized) > 0)[None].to(spec.device))
 
 
-def _read_log(log: Path) -> dict[tuple[str, str, str], float]:
-    """The values an earlier run wrote, by (image, configuration, metric); a line cut by a kill is passed over."""
-    done: dict[tuple[str, str, str], float] = {}
+def _read_log(log: Path) -> dict[tuple[str, str, str], dict[str, Any]]:
+    """The records an earlier run wrote, by (image, configuration, metric); a line cut by a kill is passed over."""
+    done: dict[tuple[str, str, str], dict[str, Any]] = {}
     if not log.is_file():
         return done
     for line in log.read_text(encoding="utf-8").splitlines():
         try:
             record = json.loads(line)
-            done[(record["image"], record["configuration"], record["metric"])] = float(record["value"])
+            done[(record["image"], record["configuration"], record["metric"])] = {
+                **record,
+                "value": float(record["value"]),
+            }
         except (ValueError, KeyError, TypeError):
             continue
     return done
 
 
-def _fill(found: Evaluation, done: dict[tuple[str, str, str], float]) -> None:
-    """Put the values already computed in their places."""
-    for (image, configuration, metric), value in done.items():
+def _fill(found: Evaluation, done: dict[tuple[str, str, str], dict[str, Any]]) -> None:
+    """Put the values (and curves) already computed in their places."""
+    for (image, configuration, metric), record in done.items():
         if metric in found.values and configuration in found.configurations and image in found.images:
-            found.values[metric][found.configurations.index(configuration), found.images.index(image)] = value
+            found.values[metric][found.configurations.index(configuration), found.images.index(image)] = record["value"]
+            if "curve" in record:
+                found.curves.setdefault(metric, {}).setdefault(configuration, []).append(record["curve"])
 
 
 def _run(
@@ -201,14 +210,20 @@ def _run(
             scene = Scene(spec.model, x, cams, target, mask, methods[configuration.label])
             began = time.monotonic()
             torch.manual_seed(seed)
-            value = float(metric.score(scene).reshape(-1)[0])
+            record = {"image": name, "configuration": configuration.label, "metric": metric.name,
+                      **_value(metric.score(scene))}  # fmt: skip
             found.seconds[metric.name] = found.seconds.get(metric.name, 0.0) + time.monotonic() - began
-            row, column = found.configurations.index(configuration.label), found.images.index(name)
-            found.values[metric.name][row, column] = value
-            record = {"image": name, "configuration": configuration.label, "metric": metric.name, "value": value}
+            _fill(found, {(name, configuration.label, metric.name): record})
             written.write(json.dumps(record) + "\n")
             written.flush()
             bar.update()
+
+
+def _value(scored: Any) -> dict[str, Any]:
+    """A metric's value for one image, and its curve where it has one (a :class:`explain.metrics.CurveResult`)."""
+    if isinstance(scored, CurveResult):
+        return {"value": float(scored.auc.reshape(-1)[0]), "curve": [round(v, 6) for v in scored.curve[0].tolist()]}
+    return {"value": float(scored.reshape(-1)[0])}
 
 
 def _maps(
