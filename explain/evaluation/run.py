@@ -112,17 +112,13 @@ def evaluate(
     log = out / SCORES
     if log.is_file() and not resume:
         raise ExplainError(f"{out}: holds an earlier evaluation ({SCORES}); add --resume to go on with it")
-    lock = FolderLock(out)
-    lock.take()
-    try:
+    with FolderLock(out):
         done = _read_log(log)
         found = Evaluation(
             labels, names, metrics, {m.name: np.full((len(labels), len(names)), np.nan) for m in metrics}
         )
         _fill(found, done)
         _run(spec, scenes, configurations, found, log, done, budget, progress, seed)
-    finally:
-        lock.release()
     found.summaries = {m: {c: summarize(found.values[m][i], seed) for i, c in enumerate(labels)} for m in found.values}
     higher = {metric.name: metric.better == "higher" for metric in metrics}
     found.ranking = rank(found.values, labels, higher, seed)

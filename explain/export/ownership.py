@@ -126,6 +126,15 @@ class FolderLock:
         check_free(self.path.parent)
         raise FolderInUse(f"{self.path.parent}: its lock {self.path} could not be taken")
 
+    def __enter__(self) -> FolderLock:
+        """Hold the folder for the block (see :meth:`take`)."""
+        self.take()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Give the folder up however the block ends (see :meth:`release`)."""
+        self.release()
+
     def release(self) -> None:
         """Give the folder up: the process that ends the run removes its launch's lock."""
         owner = _owner(self.path) if self.path.exists() else None

@@ -99,13 +99,9 @@ def explain_words(
     manifest = out / MANIFEST
     if manifest.is_file() and not overwrite:
         raise ResumeError(f"{out}: holds the words of an earlier run ({MANIFEST}); add --overwrite to start afresh")
-    lock = FolderLock(out)
-    lock.take()
-    try:
+    with FolderLock(out):
         manifest.unlink(missing_ok=True)
         return [_recorded(spec, item, out, request, report) for item in inputs]
-    finally:
-        lock.release()
 
 
 def _recorded(

@@ -61,11 +61,16 @@ def pixel_flipping(
     scoring = scorer(model, x, target, score, "pixel_flipping", batch_size, model_kwargs)
     order = ranks(input_maps(maps.to(x.device), len(x), x.shape[2:], "pixel_flipping"))
     pixels = order.shape[1]
-    steps = math.ceil(pixels / features_in_step)
-    counts = (torch.arange(steps + 1, device=x.device) * features_in_step).clamp_max(pixels)
+    counts = stepped(pixels, features_in_step, x.device)
     curve = turned(scoring, order, counts.expand(len(x), -1), x, substrate(x, baseline, "pixel_flipping"), 0)
     fractions = counts.float() / pixels
     return CurveResult(torch.trapezoid(curve, fractions, dim=1), curve, fractions)
+
+
+def stepped(pixels: int, features_in_step: int, device: torch.device) -> Tensor:
+    """How many pixels are changed after each step of ``features_in_step``, from 0 to all, (steps + 1,)."""
+    steps = math.ceil(pixels / features_in_step)
+    return (torch.arange(steps + 1, device=device) * features_in_step).clamp_max(pixels)
 
 
 Order = Literal["morf", "lerf", "random"]
@@ -95,7 +100,7 @@ def region_ranks(maps: Tensor, patch: int, order: Order, generator: torch.Genera
     sizes = torch.bincount(region, minlength=rows * columns)
     sums = torch.zeros(n, rows * columns, device=maps.device).index_add_(1, region, maps.flatten(1).float())
     if order == "random":
-        ranked = torch.stack([torch.randperm(rows * columns, generator=generator).to(maps.device) for _ in range(n)])
+        ranked = torch.rand(n, rows * columns, generator=generator).argsort(dim=1).to(maps.device)
     elif order in ("morf", "lerf"):
         ranked = sums.argsort(dim=1, descending=order == "morf", stable=True)
     else:
@@ -384,9 +389,7 @@ def monotonicity(
     scoring = scorer(model, x, target, score, "monotonicity", batch_size, model_kwargs)
     magnitude = input_maps(maps.to(x.device), len(x), x.shape[2:], "monotonicity").abs()
     order = ranks(-magnitude)  # least first
-    pixels = order.shape[1]
-    steps = math.ceil(pixels / max(features_in_step, 1))
-    counts = (torch.arange(1, steps + 1, device=x.device) * features_in_step).clamp_max(pixels)
+    counts = stepped(order.shape[1], max(features_in_step, 1), x.device)[1:]
     start = substrate(x, baseline, "monotonicity")
-    curve = turned(scoring, order, counts.expand(len(x), -1), start, x, steps - 1)
+    curve = turned(scoring, order, counts.expand(len(x), -1), start, x, len(counts) - 1)
     return (curve.diff(dim=1) >= 0).all(dim=1)

@@ -135,8 +135,8 @@ def sensitivity_n(
     after = substrate(x, baseline, "sensitivity_n")
     found = []
     for n in sizes:
-        ranks = torch.rand(len(x), runs, pixels, generator=generator).to(x.device).argsort(dim=2).argsort(dim=2)
-        chosen = ranks < n  # (N, runs, pixels): n random pixels per run
+        ranks = torch.rand(len(x), runs, pixels, generator=generator).argsort(dim=2).argsort(dim=2).to(x.device)
+        chosen = ranks < n  # (N, runs, pixels): n random pixels per run, the same draws as faithfulness_correlation's
         scores = replaced_copies(scoring, runs, lambda i, k, chosen=chosen: chosen[i, k], after)
         sums = (phi[:, None] * chosen).sum(dim=2)
         found.append(pearson(sums, scoring.original[:, None] - scores))
