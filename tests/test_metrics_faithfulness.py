@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from explain import metrics
+from explain.errors import ExplainError
 
 quantus = pytest.importorskip("quantus")  # a test dependency: installed by the README's test command
 
@@ -133,3 +134,67 @@ def test_monotonicity_follows_the_paper_and_not_quantus_baseline_over_baseline()
         expected.append(bool((torch.stack(scores).diff() >= 0).all()))
     assert found.tolist() == expected and not all(expected)
     assert all(_quantus(quantus.Monotonicity, model, x, a, y, features_in_step=8))
+
+
+def test_monotonicity_correlation_equals_quantus_on_its_own_draws(monkeypatch) -> None:
+    """Quantus replaces a group by one uniform value per draw (numpy's global generator, group after group, draw
+    after draw): recorded, spread over each group's pixels, and passed to explain."""
+    model, (x, a, y) = tiny_model(1), batch(1, (8, 8))  # one channel: Quantus' features are the pixels
+    samples, step, drawn = 6, 4, []
+    uniform = np.random.uniform
+
+    def recorded(*args, **kwargs):
+        drawn.append(uniform(*args, **kwargs))
+        return drawn[-1]
+
+    monkeypatch.setattr(np.random, "uniform", recorded)
+    expected = _quantus(quantus.MonotonicityCorrelation, model, x, a, y, nr_samples=samples,
+                        features_in_step=step)  # fmt: skip
+    values = torch.from_numpy(np.array(drawn)).float().view(16, samples, N)  # (groups, samples, N)
+    maps = torch.from_numpy(a[:, 0])
+    group = maps.flatten(1).argsort(dim=1, stable=True).argsort(dim=1) // step  # each pixel's group, least first
+    noise = values.permute(2, 1, 0).gather(2, group[:, None].expand(-1, samples, -1))  # (N, samples, pixels)
+    noise = noise.view(N, samples, 1, 8, 8)
+    found = metrics.monotonicity_correlation(model, torch.from_numpy(x), maps, torch.from_numpy(y),
+                                             features_in_step=step, perturbations=noise)  # fmt: skip
+    np.testing.assert_allclose(found.numpy(), expected, rtol=1e-4, atol=1e-5)
+    own = metrics.monotonicity_correlation(model, torch.from_numpy(x), maps, torch.from_numpy(y),
+                                           features_in_step=step, samples=4)  # fmt: skip
+    assert own.shape == (N,) and bool(((own >= -1) & (own <= 1)).all())
+
+
+def test_irof_equals_quantus_on_slic_superpixels(monkeypatch) -> None:
+    """SLIC's superpixels of each image (as Quantus draws them), removed most relevant first; Quantus' number is
+    its own area convention, read from the same curve. A constant baseline: Quantus' 'mean' is the whole batch's
+    mean of the copies as they are being removed. One channel: Quantus' mask fits no other. Quantus calls numpy's
+    trapz, which numpy 2 renamed trapezoid."""
+    monkeypatch.setattr(np, "trapz", np.trapezoid, raising=False)
+    model, (x, a, y) = tiny_model(1), batch(1, (16, 16))
+    x = (x - x.min()) / (x.max() - x.min())  # SLIC takes images in [0, 1]
+    found = metrics.irof(model, torch.from_numpy(x), torch.from_numpy(a[:, 0]), torch.from_numpy(y), baseline=0.0)
+    expected = _quantus(quantus.IROF, model, x, a, y, perturb_baseline=0.0, return_aggregate=False)
+    counts = (found.fractions > 0).sum(1) - (found.fractions == 1).sum(1) + 1  # each image's superpixels
+    assert bool((counts > 3).all())  # SLIC cut each image into several superpixels
+    own = [counts[i] - np.trapezoid(found.curve[i, 1 : counts[i] + 1].numpy(), dx=1.0) for i in range(N)]
+    np.testing.assert_allclose(own, expected, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(found.curve[:, 0], torch.ones(N)) and bool((found.fractions[:, -1] == 1).all())
+
+
+def test_irof_on_given_segments_is_the_curve_written_out() -> None:
+    """Four quadrants, the map ranking them: removed one more at a time, the score over the plain one's."""
+    model, (x, a, y) = tiny_model(3), batch(3, (8, 8))
+    xt, target = torch.from_numpy(x), torch.from_numpy(y)
+    quadrant = torch.arange(64).view(8, 8)
+    segments = ((quadrant // 8 >= 4).long() * 2 + (quadrant % 8 >= 4).long()).expand(N, 8, 8)
+    maps = torch.tensor([4.0, 1.0, 3.0, 2.0])[segments]  # quadrant 0 first, then 2, 3, 1
+    found = metrics.irof(model, xt, maps, target, segments=segments * 10 + 7, baseline=0.0)  # any labels
+    with torch.no_grad():
+        plain = model(xt).softmax(-1)[torch.arange(N), target]
+        copy, curve = xt.clone(), [torch.ones(N)]
+        for quarter in (0, 2, 3, 1):
+            copy[:, :, segments[0] == quarter] = 0.0
+            curve.append(model(copy).softmax(-1)[torch.arange(N), target] / plain)
+    torch.testing.assert_close(found.curve, torch.stack(curve, 1))
+    torch.testing.assert_close(found.aoc, 1 - torch.trapezoid(torch.stack(curve, 1), dx=0.25, dim=1))
+    with pytest.raises(ExplainError, match="segments must be one label image per input"):
+        metrics.irof(model, xt, maps, target, segments=segments[:, :4])

@@ -27,12 +27,14 @@ from .faithfulness import (
     faithfulness_correlation,
     faithfulness_estimate,
     monotonicity,
+    monotonicity_correlation,
     pixel_flipping,
     region_perturbation,
     selectivity,
 )
 from .imputation import gaussian_blur, noisy_linear_imputation
 from .infidelity import infidelity, sensitivity_n
+from .irof import IrofResult, irof, superpixels
 from .localisation import (
     attribution_localisation,
     localisation_auc,
@@ -47,6 +49,7 @@ from .sanity import SanityResult, cascading_blocks, sanity_check
 
 __all__ = [
     "ConfidenceChange",
+    "IrofResult",
     "CurveResult",
     "RegionResult",
     "RoadResult",
@@ -66,11 +69,13 @@ __all__ = [
     "gaussian_blur",
     "increase_in_confidence",
     "infidelity",
+    "irof",
     "insertion",
     "local_lipschitz_estimate",
     "localisation_auc",
     "max_sensitivity",
     "monotonicity",
+    "monotonicity_correlation",
     "noisy_linear_imputation",
     "non_sensitivity",
     "pixel_flipping",
@@ -84,5 +89,6 @@ __all__ = [
     "sensitivity",
     "sensitivity_n",
     "sparseness",
+    "superpixels",
     "top_k_intersection",
 ]

@@ -23,6 +23,7 @@ from ..errors import ExplainError
 from ..targets import TargetLike
 from .perturbation import Baseline, CurveResult, ranks, substrate, turned
 from .scoring import MetricScore, Scorer, input_maps, scorer
+from .similarity import pearson, spearman
 
 
 def pixel_flipping(
@@ -223,27 +224,24 @@ def selectivity(
 
 
 def replaced_copies(
-    scoring: Scorer, per_image: int, changed: Callable[[Tensor, Tensor], Tensor], after: Tensor
+    scoring: Scorer,
+    per_image: int,
+    changed: Callable[[Tensor, Tensor], Tensor],
+    after: Tensor | Callable[[Tensor, Tensor], Tensor],
 ) -> Tensor:
     """The explained score of ``per_image`` copies of each image, (N, per_image): copy j of image i shows ``after``
-    where ``changed(images, columns)`` (the rows' image and copy numbers) is True, (rows, H * W), the image
-    elsewhere."""
+    (an image per image, or ``after(images, columns)``, an image per row) where ``changed(images, columns)`` (the
+    rows' image and copy numbers) is True, (rows, H * W), the image elsewhere."""
     x = scoring.x
     images = torch.arange(len(x), device=x.device).repeat_interleave(per_image)
     columns = torch.arange(per_image, device=x.device).repeat(len(x))
 
     def make(rows: Tensor) -> Tensor:
         mask = changed(images[rows], columns[rows]).view(len(rows), 1, *x.shape[2:])
-        return torch.where(mask, after[images[rows]], x[images[rows]])
+        shown = after(images[rows], columns[rows]) if callable(after) else after[images[rows]]
+        return torch.where(mask, shown, x[images[rows]])
 
     return scoring.copies(images, make).view(len(x), per_image)
-
-
-def pearson(a: Tensor, b: Tensor) -> Tensor:
-    """Pearson's correlation of each row of ``a`` with the same row of ``b``, (N,); NaN where a row is constant."""
-    a, b = a.double() - a.double().mean(dim=1, keepdim=True), b.double() - b.double().mean(dim=1, keepdim=True)
-    spread = (a.square().sum(dim=1) * b.square().sum(dim=1)).sqrt()
-    return torch.where(spread > 0, (a * b).sum(dim=1) / spread, torch.full_like(spread, float("nan"))).float()
 
 
 def faithfulness_estimate(
@@ -393,3 +391,65 @@ def monotonicity(
     start = substrate(x, baseline, "monotonicity")
     curve = turned(scoring, order, counts.expand(len(x), -1), start, x, len(counts) - 1)
     return (curve.diff(dim=1) >= 0).all(dim=1)
+
+
+def monotonicity_correlation(
+    model: nn.Module,
+    x: Tensor,
+    maps: Tensor,
+    target: TargetLike = None,
+    *,
+    features_in_step: int = 1,
+    samples: int = 100,
+    low: float = 0.0,
+    high: float = 1.0,
+    perturbations: Tensor | None = None,
+    seed: int | None = 0,
+    score: MetricScore = "probability",
+    batch_size: int = 64,
+    model_kwargs: Mapping[str, Any] | None = None,
+) -> Tensor:
+    """Monotonicity correlation (Nguyen and Martinez, "On quantitative aspects of model interpretability", 2020):
+    the pixels, least relevant first, taken ``features_in_step`` at a time; each group alone is replaced by
+    ``samples`` random values from the prior (uniform in [low, high]) and the score's variance around f(x),
+    E[(f(x) - f(x with the group replaced))²], recorded. Spearman's correlation between each group's sum of |map|
+    and that variance. Higher is better: a relevant group moves the score more.
+
+    Quantus 0.6.0 replaces a group by one uniform value per draw (not one per element) and divides each variance
+    by f(x)², which leaves the correlation unchanged; its draws are passed as ``perturbations`` to reproduce it.
+
+    Args:
+        model: The model, run as it is, without autograd; left as it was.
+        x: The images the maps explain, (N, C, H, W).
+        maps: One map per image, (N, h, w), any resolution; ranked by their absolute values.
+        target: What the maps explain (see :func:`explain.metrics.deletion`).
+        features_in_step: Pixels per group (every channel of a pixel goes with it).
+        samples: Draws per group.
+        low: The prior's least value, in the input's units.
+        high: The prior's greatest value.
+        perturbations: The values themselves, (N, samples, C, H, W): draw s shows them where the group is
+            replaced; drawn from ``seed`` when None.
+        seed: The draws' seed (None: PyTorch's global generator).
+        score: The explained class's ``"probability"`` (Quantus' softmax), ``"logit"``, or the target's own.
+        batch_size: Most perturbed copies per forward.
+        model_kwargs: Further keyword arguments of the model's forward.
+
+    Returns:
+        Each image's correlation, (N,).
+    """
+    scoring = scorer(model, x, target, score, "monotonicity_correlation", batch_size, model_kwargs)
+    magnitude = input_maps(maps.to(x.device), len(x), x.shape[2:], "monotonicity_correlation").abs().flatten(1)
+    step = max(features_in_step, 1)
+    group, groups = ranks(-magnitude) // step, math.ceil(magnitude.shape[1] / step)  # least relevant first
+    if perturbations is None:
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        perturbations = torch.rand((len(x), samples, *x.shape[1:]), generator=generator) * (high - low) + low
+    if perturbations.shape[0] != len(x) or perturbations.shape[2:] != x.shape[1:]:
+        raise ExplainError(f"perturbations must be (N, samples, *x.shape[1:]), got {tuple(perturbations.shape)}")
+    drawn, samples = perturbations.to(x.device, x.dtype), perturbations.shape[1]
+    scores = replaced_copies(
+        scoring, groups * samples, lambda i, k: group[i] == (k // samples)[:, None], lambda i, k: drawn[i, k % samples]
+    ).view(len(x), groups, samples)
+    variance = (scores - scoring.original[:, None, None]).square().mean(dim=2)
+    sums = torch.zeros(len(x), groups, device=x.device).scatter_add_(1, group, magnitude)
+    return spearman(sums, variance)

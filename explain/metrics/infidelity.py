@@ -16,9 +16,10 @@ from torch import Tensor, nn
 
 from ..errors import ExplainError
 from ..targets import TargetLike
-from .faithfulness import pearson, replaced_copies
+from .faithfulness import replaced_copies
 from .perturbation import Baseline, substrate
 from .scoring import MetricScore, input_maps, scorer
+from .similarity import pearson
 
 
 def per_element(attributions: Tensor, x: Tensor, metric: str) -> Tensor:

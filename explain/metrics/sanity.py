@@ -21,7 +21,7 @@ from ..core.engine import CAMResult
 from ..core.maps import normalize_maps
 from ..errors import ExplainError
 from ..targets import TargetLike
-from .imputation import gaussian_line, separable_filter
+from .similarity import spearman, ssim
 
 
 def cascading_blocks(model: nn.Module) -> list[str]:
@@ -50,48 +50,6 @@ def randomize(block: nn.Module, seed: int) -> None:
             for p in block.parameters():
                 if id(p) not in covered:
                     p.copy_(torch.randn_like(p) * p.std(unbiased=False) + p.mean())
-
-
-def average_ranks(values: Tensor) -> Tensor:
-    """The rank of each value in its row (0-based), ties given their mean rank, (N, M) float64."""
-    n, m = values.shape
-    ordered, order = values.sort(dim=1, stable=True)
-    starts = torch.ones_like(ordered, dtype=torch.bool)
-    starts[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
-    group = starts.flatten().cumsum(0) - 1  # ties share a group, numbered across rows
-    places = torch.arange(m, device=values.device, dtype=torch.float64).repeat(n)
-    sums = torch.zeros(int(group[-1]) + 1, device=values.device, dtype=torch.float64).index_add_(0, group, places)
-    sizes = torch.zeros_like(sums).index_add_(0, group, torch.ones_like(places))
-    return torch.empty_like(places).view(n, m).scatter_(1, order, (sums / sizes)[group].view(n, m))
-
-
-def spearman(a: Tensor, b: Tensor) -> Tensor:
-    """Spearman's rank correlation of each pair of maps (N, H, W), (N,); where a map is flat, 1 if the other is
-    flat too (nothing changed) and 0 if not."""
-    ra, rb = (average_ranks(t.flatten(1)) for t in (a, b))
-    ra, rb = ra - ra.mean(dim=1, keepdim=True), rb - rb.mean(dim=1, keepdim=True)
-    spread_a, spread_b = ra.norm(dim=1), rb.norm(dim=1)
-    flat = torch.where((spread_a == 0) & (spread_b == 0), 1.0, 0.0).to(ra.dtype)
-    spread = spread_a * spread_b
-    return torch.where(spread > 0, (ra * rb).sum(dim=1) / spread.clamp_min(1e-300), flat).float()
-
-
-def ssim(a: Tensor, b: Tensor, window: int = 11, sigma: float = 1.5) -> Tensor:
-    """The mean structural similarity of each pair of maps in [0, 1] (N, *spatial), (N,): Wang et al. 2004, a
-    Gaussian window (11, sigma 1.5) along each spatial axis, C1 = 0.01², C2 = 0.03², over the windows that fit
-    inside the map. An axis shorter than the window (a volume's few slices) gets the window cut to its length."""
-    a, b = a.double(), b.double()
-    lines = [gaussian_line(min(window, side - 1 + side % 2), sigma, a) for side in a.shape[1:]]
-
-    def local(t: Tensor) -> Tensor:
-        return separable_filter(t, lines, padding=0)
-
-    mean_a, mean_b = local(a), local(b)
-    var_a, var_b = local(a * a) - mean_a**2, local(b * b) - mean_b**2
-    cov = local(a * b) - mean_a * mean_b
-    c1, c2 = 0.01**2, 0.03**2
-    index = ((2 * mean_a * mean_b + c1) * (2 * cov + c2)) / ((mean_a**2 + mean_b**2 + c1) * (var_a + var_b + c2))
-    return index.flatten(1).mean(dim=1).float()
 
 
 def _absolute_maps(cams: Tensor, x: Tensor) -> Tensor:
