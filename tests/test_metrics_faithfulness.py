@@ -182,7 +182,7 @@ def test_irof_equals_quantus_on_slic_superpixels(monkeypatch) -> None:
 
 def test_irof_on_given_segments_is_the_curve_written_out() -> None:
     """Four quadrants, the map ranking them: removed one more at a time, the score over the plain one's."""
-    model, (x, a, y) = tiny_model(3), batch(3, (8, 8))
+    model, (x, _, y) = tiny_model(3), batch(3, (8, 8))
     xt, target = torch.from_numpy(x), torch.from_numpy(y)
     quadrant = torch.arange(64).view(8, 8)
     segments = ((quadrant // 8 >= 4).long() * 2 + (quadrant % 8 >= 4).long()).expand(N, 8, 8)

@@ -49,8 +49,8 @@ from .sanity import SanityResult, cascading_blocks, sanity_check
 
 __all__ = [
     "ConfidenceChange",
-    "IrofResult",
     "CurveResult",
+    "IrofResult",
     "RegionResult",
     "RoadResult",
     "SanityResult",
@@ -69,8 +69,8 @@ __all__ = [
     "gaussian_blur",
     "increase_in_confidence",
     "infidelity",
-    "irof",
     "insertion",
+    "irof",
     "local_lipschitz_estimate",
     "localisation_auc",
     "max_sensitivity",
