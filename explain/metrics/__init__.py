@@ -22,6 +22,7 @@ non-sensitivity),
 from .axiomatic import completeness, non_sensitivity
 from .complexity import complexity, effective_complexity, sparseness
 from .confidence import ConfidenceChange, average_drop, average_gain, increase_in_confidence
+from .consistency import consistency, sufficiency
 from .faithfulness import (
     RegionResult,
     faithfulness_correlation,
@@ -61,6 +62,7 @@ __all__ = [
     "cascading_blocks",
     "completeness",
     "complexity",
+    "consistency",
     "deletion",
     "effective_complexity",
     "energy_pointing_game",
@@ -89,6 +91,7 @@ __all__ = [
     "sensitivity",
     "sensitivity_n",
     "sparseness",
+    "sufficiency",
     "superpixels",
     "top_k_intersection",
 ]
