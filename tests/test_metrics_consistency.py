@@ -73,7 +73,7 @@ def test_consistency_equals_quantus(discretise: str) -> None:
 
 
 def test_top_k_consistency_reads_the_highest_positions_and_no_alike_map_is_nan() -> None:
-    x, maps, predicted = _batch()
+    x, maps, _ = _batch()
     lonely = maps.clone()
     lonely[0, 0, 0] = 100.0  # the first image's top cell moves: no other map shares its top 5
     found = metrics.consistency(linear_model(), x, lonely, k=5)

@@ -47,6 +47,14 @@ from .perturbation import CurveResult, RoadResult, deletion, insertion, road
 from .pointing import energy_pointing_game, pointing_game
 from .robustness import avg_sensitivity, local_lipschitz_estimate, max_sensitivity, sensitivity
 from .sanity import SanityResult, cascading_blocks, sanity_check
+from .stability import (
+    continuity,
+    relative_input_stability,
+    relative_output_stability,
+    relative_representation_stability,
+    relative_stability,
+    translations,
+)
 
 __all__ = [
     "ConfidenceChange",
@@ -63,6 +71,7 @@ __all__ = [
     "completeness",
     "complexity",
     "consistency",
+    "continuity",
     "deletion",
     "effective_complexity",
     "energy_pointing_game",
@@ -83,6 +92,10 @@ __all__ = [
     "pixel_flipping",
     "pointing_game",
     "region_perturbation",
+    "relative_input_stability",
+    "relative_output_stability",
+    "relative_representation_stability",
+    "relative_stability",
     "relevance_mass_accuracy",
     "relevance_rank_accuracy",
     "road",
@@ -94,4 +107,5 @@ __all__ = [
     "sufficiency",
     "superpixels",
     "top_k_intersection",
+    "translations",
 ]

@@ -33,7 +33,7 @@ def _maps(found: Any) -> tuple[Tensor, Tensor | None]:
     return cams.float(), classes
 
 
-def _perturbations(
+def perturbations_of(
     x: Tensor, samples: int, scale: float, given: Tensor | None, seed: int | None, uniform: bool
 ) -> Tensor:
     """Noise per element, (N, samples, ...): uniform in [-scale, scale] (Yeh et al.'s ball, Captum's default) or
@@ -85,30 +85,38 @@ def sensitivity(
     Returns:
         Each image's sensitivity, (N,).
     """
-    noise = _perturbations(x, samples, radius, perturbations, seed, uniform=True)
+    noise = perturbations_of(x, samples, radius, perturbations, seed, uniform=True)
     distances, plain = _moves(explainer, x, target, noise, batch_size)
     if relative:
         distances = distances / plain.reshape(len(x), -1).norm(dim=1, keepdim=True)
     return distances.amax(dim=1) if reduce == "max" else distances.mean(dim=1)
 
 
+def explained_copies(
+    explainer: Explainer, x: Tensor, target: TargetLike, copies: Tensor, batch_size: int | None
+) -> tuple[Tensor, Tensor]:
+    """The maps of ``copies`` (N, S, C, ...) of the images, (N, S, ...), each copy explaining the class the image's
+    map explains, a call of ``batch_size`` copies (None: as many as the images) at a time; and the images' maps."""
+    plain, classes = _maps(explainer(x, target))
+    count = copies.shape[1]
+    repeated = classes if classes is not None else target
+    if isinstance(repeated, Tensor) and repeated.dim() >= 1 and len(repeated) == len(x):
+        repeated = repeated.reshape(len(x), -1)[:, 0].repeat_interleave(count)
+    flat = copies.flatten(0, 1)
+    moved = []
+    for rows in torch.arange(len(flat)).split(batch_size or len(x)):
+        chunk_target = repeated[rows] if isinstance(repeated, Tensor) and repeated.dim() == 1 else repeated
+        moved.append(_maps(explainer(flat[rows.to(x.device)], chunk_target))[0])
+    return torch.cat(moved).view(len(x), count, *plain.shape[1:]), plain
+
+
 def _moves(
     explainer: Explainer, x: Tensor, target: TargetLike, noise: Tensor, batch_size: int | None
 ) -> tuple[Tensor, Tensor]:
     """How far each perturbed copy's map lies from the image's, ||Phi(x + delta) - Phi(x)|| (N, samples), and the
-    images' maps; every copy explains the class the image's map explains, a call of ``batch_size`` copies (None: as
-    many as the images) at a time."""
-    plain, classes = _maps(explainer(x, target))
-    count = noise.shape[1]
-    repeated = classes if classes is not None else target
-    if isinstance(repeated, Tensor) and repeated.dim() >= 1 and len(repeated) == len(x):
-        repeated = repeated.reshape(len(x), -1)[:, 0].repeat_interleave(count)
-    copies = (x[:, None] + noise).flatten(0, 1)
-    moved = []
-    for rows in torch.arange(len(copies)).split(batch_size or len(x)):
-        chunk_target = repeated[rows] if isinstance(repeated, Tensor) and repeated.dim() == 1 else repeated
-        moved.append(_maps(explainer(copies[rows.to(x.device)], chunk_target))[0])
-    return (torch.cat(moved).view(len(x), count, -1) - plain.reshape(len(x), 1, -1)).norm(dim=2), plain
+    images' maps (see :func:`explained_copies`)."""
+    moved, plain = explained_copies(explainer, x, target, x[:, None] + noise, batch_size)
+    return (moved.flatten(2) - plain.reshape(len(x), 1, -1)).norm(dim=2), plain
 
 
 def local_lipschitz_estimate(
@@ -139,7 +147,7 @@ def local_lipschitz_estimate(
     Returns:
         Each image's estimate, (N,).
     """
-    drawn = _perturbations(x, samples, noise, perturbations, seed, uniform=False)
+    drawn = perturbations_of(x, samples, noise, perturbations, seed, uniform=False)
     distances, _ = _moves(explainer, x, target, drawn, batch_size)
     return (distances / (drawn.flatten(2).norm(dim=2) + 1e-10)).amax(dim=1)
 
