@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from explain import metrics
+from explain.errors import ExplainError
 
 quantus = pytest.importorskip("quantus")
 
@@ -78,5 +79,5 @@ def test_top_k_consistency_reads_the_highest_positions_and_no_alike_map_is_nan()
     lonely[0, 0, 0] = 100.0  # the first image's top cell moves: no other map shares its top 5
     found = metrics.consistency(linear_model(), x, lonely, k=5)
     assert torch.isnan(found[0]) and not torch.isnan(found[1:]).any()
-    with pytest.raises(metrics.consistency.__globals__["ExplainError"], match="discretise must be"):
+    with pytest.raises(ExplainError, match="discretise must be"):
         metrics.consistency(linear_model(), x, maps, discretise="hash")

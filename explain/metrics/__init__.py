@@ -33,6 +33,7 @@ from .faithfulness import (
     region_perturbation,
     selectivity,
 )
+from .focus import Mosaics, focus, mosaics
 from .imputation import gaussian_blur, noisy_linear_imputation
 from .infidelity import infidelity, sensitivity_n
 from .irof import IrofResult, irof, superpixels
@@ -60,6 +61,7 @@ __all__ = [
     "ConfidenceChange",
     "CurveResult",
     "IrofResult",
+    "Mosaics",
     "RegionResult",
     "RoadResult",
     "SanityResult",
@@ -77,6 +79,7 @@ __all__ = [
     "energy_pointing_game",
     "faithfulness_correlation",
     "faithfulness_estimate",
+    "focus",
     "gaussian_blur",
     "increase_in_confidence",
     "infidelity",
@@ -87,6 +90,7 @@ __all__ = [
     "max_sensitivity",
     "monotonicity",
     "monotonicity_correlation",
+    "mosaics",
     "noisy_linear_imputation",
     "non_sensitivity",
     "pixel_flipping",
