@@ -46,6 +46,7 @@ from .localisation import (
 )
 from .perturbation import CurveResult, RoadResult, deletion, insertion, road
 from .pointing import energy_pointing_game, pointing_game
+from .randomisation import emprt, histogram_entropy, mprt, random_logit, resettable_modules, smprt
 from .robustness import avg_sensitivity, local_lipschitz_estimate, max_sensitivity, sensitivity
 from .sanity import SanityResult, cascading_blocks, sanity_check
 from .stability import (
@@ -76,11 +77,13 @@ __all__ = [
     "continuity",
     "deletion",
     "effective_complexity",
+    "emprt",
     "energy_pointing_game",
     "faithfulness_correlation",
     "faithfulness_estimate",
     "focus",
     "gaussian_blur",
+    "histogram_entropy",
     "increase_in_confidence",
     "infidelity",
     "insertion",
@@ -91,10 +94,12 @@ __all__ = [
     "monotonicity",
     "monotonicity_correlation",
     "mosaics",
+    "mprt",
     "noisy_linear_imputation",
     "non_sensitivity",
     "pixel_flipping",
     "pointing_game",
+    "random_logit",
     "region_perturbation",
     "relative_input_stability",
     "relative_output_stability",
@@ -102,11 +107,13 @@ __all__ = [
     "relative_stability",
     "relevance_mass_accuracy",
     "relevance_rank_accuracy",
+    "resettable_modules",
     "road",
     "sanity_check",
     "selectivity",
     "sensitivity",
     "sensitivity_n",
+    "smprt",
     "sparseness",
     "sufficiency",
     "superpixels",

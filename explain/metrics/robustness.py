@@ -21,7 +21,7 @@ from ..targets import TargetLike
 Explainer = Callable[[Tensor, Any], Any]
 
 
-def _maps(found: Any) -> tuple[Tensor, Tensor | None]:
+def maps_and_classes(found: Any) -> tuple[Tensor, Tensor | None]:
     """An explainer's maps, (N, ...) float, and the classes they explain where it says (a result's)."""
     if isinstance(found, Tensor):
         return found.float(), None
@@ -93,11 +93,17 @@ def sensitivity(
 
 
 def explained_copies(
-    explainer: Explainer, x: Tensor, target: TargetLike, copies: Tensor, batch_size: int | None
+    explainer: Explainer,
+    x: Tensor,
+    target: TargetLike,
+    copies: Tensor,
+    batch_size: int | None,
+    found: Any = None,
 ) -> tuple[Tensor, Tensor]:
     """The maps of ``copies`` (N, S, C, ...) of the images, (N, S, ...), each copy explaining the class the image's
-    map explains, a call of ``batch_size`` copies (None: as many as the images) at a time; and the images' maps."""
-    plain, classes = _maps(explainer(x, target))
+    map explains, a call of ``batch_size`` copies (None: as many as the images) at a time; and the images' maps
+    (``found``: the explainer's answer on the images where it is at hand)."""
+    plain, classes = maps_and_classes(explainer(x, target) if found is None else found)
     count = copies.shape[1]
     repeated = classes if classes is not None else target
     if isinstance(repeated, Tensor) and repeated.dim() >= 1 and len(repeated) == len(x):
@@ -106,7 +112,7 @@ def explained_copies(
     moved = []
     for rows in torch.arange(len(flat)).split(batch_size or len(x)):
         chunk_target = repeated[rows] if isinstance(repeated, Tensor) and repeated.dim() == 1 else repeated
-        moved.append(_maps(explainer(flat[rows.to(x.device)], chunk_target))[0])
+        moved.append(maps_and_classes(explainer(flat[rows.to(x.device)], chunk_target))[0])
     return torch.cat(moved).view(len(x), count, *plain.shape[1:]), plain
 
 

@@ -10,7 +10,7 @@ The user's model is never changed: the randomized model is a deep copy.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +111,97 @@ def _layer_names(model: nn.Module, layer: Any) -> Any:
     return [named(s) for s in layer] if isinstance(layer, (list, tuple)) else named(layer)
 
 
+MapsOf = Callable[[Any, Tensor, Any, Mapping[str, Any] | None], CAMResult]
+
+
+def _explained(method: Any, x: Tensor, target: Any, model_kwargs: Mapping[str, Any] | None) -> CAMResult:
+    """A method's result on the images, as it is called plainly."""
+    return method(x, target, model_kwargs=model_kwargs)
+
+
+@dataclass(frozen=True)
+class Randomization:
+    """How the copies of the model are randomized: which blocks, in which order, with which seeds.
+
+    Attributes:
+        blocks: The blocks (module names) in the order they are randomized.
+        seeds: Each block's seed.
+        cascading: Whether each copy keeps the blocks before it random (Adebayo's cascading test); if not, each
+            copy has its one block random (the independent test).
+    """
+
+    blocks: list[str]
+    seeds: list[int]
+    cascading: bool = True
+
+    def copies(self, model: nn.Module, last: int) -> Iterator[tuple[int, nn.Module]]:
+        """The randomized copies up to depth ``last``, with their depth (1 for the first block); the user's model
+        is never changed."""
+        randomized = copy.deepcopy(model)
+        for depth, name in enumerate(self.blocks[:last], start=1):
+            if not self.cascading and depth > 1:
+                randomized = copy.deepcopy(model)
+            try:
+                block = randomized.get_submodule(name)
+            except AttributeError:
+                raise ExplainError(f"the model has no block {name!r}; blocks in order: {self.blocks}") from None
+            randomize(block, self.seeds[depth - 1])
+            yield depth, randomized
+
+
+def randomized_maps(
+    model: nn.Module,
+    x: Tensor,
+    method: str,
+    target: TargetLike,
+    *,
+    layer: Any,
+    randomization: Randomization,
+    depths: Sequence[int] | None,
+    model_kwargs: Mapping[str, Any] | None,
+    options: Mapping[str, Any],
+    maps_of: MapsOf = _explained,
+) -> tuple[CAMResult, list[int], list[CAMResult]]:
+    """The method's result on the trained model, the depths compared (increasing) and its result on the
+    randomized copy at each, every copy explaining the trained model's target; ``maps_of(method, x, target,
+    model_kwargs)`` runs a method (a smoothed one for sMPRT).
+
+    Raises:
+        ExplainError: No block to randomize, or depths outside 1..len(blocks).
+    """
+    from ..methods import create_method
+
+    layer = _layer_names(model, layer)
+    order = randomization.blocks
+    if not order:
+        raise ExplainError("the model has no block with parameters to randomize")
+    wanted = sorted(set(depths)) if depths is not None else list(range(1, len(order) + 1))
+    if not wanted or wanted[0] < 1 or wanted[-1] > len(order):
+        raise ExplainError(f"depths must lie in 1..{len(order)} (the blocks in order: {order})")
+    trained = maps_of(create_method(method, model, layer, **options), x, target, model_kwargs)
+    results = [
+        maps_of(create_method(method, randomized, layer, **options), x, trained.target, model_kwargs)
+        for depth, randomized in randomization.copies(model, wanted[-1])
+        if depth in wanted
+    ]
+    return trained, wanted, results
+
+
+def compared(
+    x: Tensor, trained: CAMResult, blocks: list[str], depths: list[int], results: list[CAMResult]
+) -> SanityResult:
+    """The Spearman correlation and SSIM of each randomized result's absolute maps with the trained one's."""
+    reference = _absolute_maps(trained.cams, x)
+    maps = [_absolute_maps(result.cams, x) for result in results]
+    return SanityResult(
+        blocks,
+        depths,
+        torch.stack([spearman(reference, m) for m in maps]),
+        torch.stack([ssim(reference, m) for m in maps]),
+        trained,
+    )
+
+
 def sanity_check(
     model: nn.Module,
     x: Tensor,
@@ -146,28 +237,10 @@ def sanity_check(
     Returns:
         The Spearman correlation and SSIM per depth and image.
     """
-    from ..methods import create_method
-
-    layer = _layer_names(model, layer)
-    trained = create_method(method, model, layer, **options)(x, target, model_kwargs=model_kwargs)
-    reference = _absolute_maps(trained.cams, x)
     order = list(blocks) if blocks is not None else cascading_blocks(model)
-    if not order:
-        raise ExplainError("the model has no block with parameters to randomize")
-    wanted = sorted(set(depths)) if depths is not None else list(range(1, len(order) + 1))
-    if not wanted or wanted[0] < 1 or wanted[-1] > len(order):
-        raise ExplainError(f"depths must lie in 1..{len(order)} (the blocks from the output down: {order})")
-    randomized = copy.deepcopy(model)
-    correlations, similarities = [], []
-    for depth, name in enumerate(order[: wanted[-1]], start=1):
-        try:
-            block = randomized.get_submodule(name)
-        except AttributeError:
-            raise ExplainError(f"the model has no block {name!r}; blocks from the output down: {order}") from None
-        randomize(block, init_seed + depth - 1)
-        if depth in wanted:
-            result = create_method(method, randomized, layer, **options)(x, trained.target, model_kwargs=model_kwargs)
-            maps = _absolute_maps(result.cams, x)
-            correlations.append(spearman(reference, maps))
-            similarities.append(ssim(reference, maps))
-    return SanityResult(order, wanted, torch.stack(correlations), torch.stack(similarities), trained)
+    randomization = Randomization(order, [init_seed + d for d in range(len(order))])
+    trained, wanted, results = randomized_maps(
+        model, x, method, target, layer=layer, randomization=randomization, depths=depths,
+        model_kwargs=model_kwargs, options=options,
+    )  # fmt: skip
+    return compared(x, trained, order, wanted, results)
