@@ -36,6 +36,7 @@ from .faithfulness import (
 from .focus import Mosaics, focus, mosaics
 from .imputation import gaussian_blur, noisy_linear_imputation
 from .infidelity import infidelity, sensitivity_n
+from .invariance import input_invariance, shifted_model
 from .irof import IrofResult, irof, superpixels
 from .localisation import (
     attribution_localisation,
@@ -86,6 +87,7 @@ __all__ = [
     "histogram_entropy",
     "increase_in_confidence",
     "infidelity",
+    "input_invariance",
     "insertion",
     "irof",
     "local_lipschitz_estimate",
@@ -113,6 +115,7 @@ __all__ = [
     "selectivity",
     "sensitivity",
     "sensitivity_n",
+    "shifted_model",
     "smprt",
     "sparseness",
     "sufficiency",
