@@ -65,3 +65,24 @@ def test_sensitivity_n_is_the_correlation_over_random_subsets_written_out() -> N
             sums = (maps[i].flatten() * 3 * chosen[i]).sum(dim=1)  # the map shared by 3 channels
             r = torch.corrcoef(torch.stack([sums, change]))[0, 1]
             torch.testing.assert_close(found[i, column], r, rtol=1e-4, atol=1e-5)
+
+
+def test_infidelity_on_quantus_patches_equals_quantus() -> None:
+    """Quantus' definition: 4 x 4 patches set to each image's least value one more at a time."""
+    import numpy as np
+
+    quantus = pytest.importorskip("quantus")
+    model = tiny_model(3)
+    torch.manual_seed(3)
+    x, a = torch.randn(3, 3, 8, 12), torch.rand(3, 8, 12)
+    y = torch.tensor([1, 0, 4])
+    removals = metrics.patch_removals(x, 4)
+    assert removals.shape == (3, 6, 3, 8, 12)
+    last = x - removals[:, -1]
+    torch.testing.assert_close(last, x.amin(dim=(1, 2, 3), keepdim=True).expand_as(x))  # all patches gone
+    found = metrics.infidelity(model, x, a, y, perturbations=removals)
+    expected = quantus.Infidelity(disable_warnings=True, n_perturb_samples=2)(
+        model=model, x_batch=x.numpy(), y_batch=y.numpy(), a_batch=a[:, None].numpy(), channel_first=True,
+        device="cpu",
+    )  # fmt: skip
+    np.testing.assert_allclose(found.numpy(), np.asarray(expected), rtol=1e-4, atol=1e-6)

@@ -35,7 +35,7 @@ from .faithfulness import (
 )
 from .focus import Mosaics, focus, mosaics
 from .imputation import gaussian_blur, noisy_linear_imputation
-from .infidelity import infidelity, sensitivity_n
+from .infidelity import infidelity, patch_removals, sensitivity_n
 from .invariance import input_invariance, shifted_model
 from .irof import IrofResult, irof, superpixels
 from .localisation import (
@@ -99,6 +99,7 @@ __all__ = [
     "mprt",
     "noisy_linear_imputation",
     "non_sensitivity",
+    "patch_removals",
     "pixel_flipping",
     "pointing_game",
     "random_logit",

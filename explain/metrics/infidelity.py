@@ -51,7 +51,10 @@ def infidelity(
 
     The perturbations are Gaussian noise of standard deviation ``noise`` (as in Captum's example), or given. With
     ``normalize``, the attribution is first scaled by the beta that minimizes the gap,
-    beta = E[I . phi (f(x) - f(x - I))] / E[(I . phi)^2], as Captum's ``normalize=True``.
+    beta = E[I . phi (f(x) - f(x - I))] / E[(I . phi)^2], as Captum's ``normalize=True``. Quantus 0.6.0 defines
+    the perturbations otherwise: square patches set to the image's least value one more at a time, in raster
+    order (its ``n_perturb_samples`` repeat the same deterministic run); pass
+    ``perturbations=patch_removals(x, 4)`` for its value.
 
     Args:
         model: The model, run as it is, without autograd; left as it was.
@@ -87,6 +90,21 @@ def infidelity(
         beta = (dot * change).mean(dim=1, keepdim=True) / dot.square().mean(dim=1, keepdim=True)
         dot = dot * beta
     return (dot - change).square().mean(dim=1)
+
+
+def patch_removals(x: Tensor, patch_size: int = 4, baseline: Baseline = "black") -> Tensor:
+    """Quantus' infidelity perturbations, I_k = x - x_k for k = 1..P, x_k the image with its first k square
+    patches of ``patch_size`` (raster order, cut at the edges) replaced by the baseline, (N, P, C, H, W). They hold
+    P copies of the images: meant for small images."""
+    after = substrate(x, baseline, "infidelity")
+    height, width = x.shape[-2:]
+    columns = -(-width // patch_size)
+    rows = torch.arange(height, device=x.device) // patch_size
+    patch = rows[:, None] * columns + torch.arange(width, device=x.device)[None] // patch_size  # (H, W)
+    count = int(patch.max()) + 1
+    removed = patch[None] < torch.arange(1, count + 1, device=x.device)[:, None, None]  # (P, H, W)
+    copies = torch.where(removed[None, :, None], after[:, None], x[:, None])
+    return x[:, None] - copies
 
 
 def sensitivity_n(
