@@ -140,3 +140,28 @@ def test_bad_inputs_are_one_line_each(lite0, tmp_path, capsys) -> None:
     assert lines[2] == ("explain: error: pointing_game scores a map against the object: give the objects' masks "
                         "(--masks DIR)")  # fmt: skip
     assert "holds an earlier evaluation" in lines[3] and "--resume" in lines[3] and len(lines) == 4
+
+
+def test_the_newer_metrics_run_in_evaluate_as_they_run_alone(lite0, tmp_path) -> None:
+    """One photo, Grad-CAM: each value equals the metric's own call, seeded as evaluate seeds it."""
+    photo = bundled_photos()[0]
+    names = ["random_logit", "relative_input_stability", "continuity", "irof", "monotonicity_correlation"]
+    assert main(["evaluate", str(photo), "--methods", "gradcam", "--metrics", ",".join(names),
+                 "-o", str(tmp_path / "out"), "--quiet"]) == 0  # fmt: skip
+    scores = _scores(tmp_path / "out")
+    x = lite0.preprocess(explain.load_image(photo))
+    gradcam = explain.GradCAM(lite0.model)
+    result = gradcam(x)
+    step = -(-x.shape[-1] * x.shape[-2] // 16)
+    calls = {
+        "random_logit": lambda: metrics.random_logit(gradcam, x, result.target, seed=None),
+        "relative_input_stability": lambda: metrics.relative_input_stability(gradcam, x, result.target, samples=20,
+                                                                             seed=None),
+        "continuity": lambda: metrics.continuity(gradcam, x, result.target),
+        "irof": lambda: metrics.irof(lite0.model, x, result.cams, result.target).aoc,
+        "monotonicity_correlation": lambda: metrics.monotonicity_correlation(
+            lite0.model, x, result.cams, result.target, samples=10, seed=None, features_in_step=step),
+    }  # fmt: skip
+    for name in names:
+        torch.manual_seed(0)
+        assert scores[(photo.name, "gradcam", name)] == pytest.approx(float(calls[name]()), rel=1e-4, abs=1e-6), name

@@ -51,6 +51,11 @@ def _subset(scene: Scene) -> int:
     return max(1, round(224 / 224**2 * scene.x.shape[-1] * scene.x.shape[-2]))
 
 
+def _sixteenth(scene: Scene) -> int:
+    """Monotonicity correlation's group: a sixteenth of the image's pixels, so that it runs 16 groups."""
+    return max(1, -(-scene.x.shape[-1] * scene.x.shape[-2] // 16))
+
+
 CATALOG = (
     EvalMetric("sparseness", 0, "higher", False, lambda s: metrics.sparseness(s.maps)),
     EvalMetric("relevance_mass_accuracy", 0, "higher", True,
@@ -59,10 +64,20 @@ CATALOG = (
                lambda s: metrics.pointing_game(s.maps, s.mask, s.x.shape[-2:]).float()),
     EvalMetric("average_drop", 1, "lower", False,
                lambda s: metrics.average_drop(s.model, s.x, s.maps, s.target).value),
+    EvalMetric("random_logit", 1, "lower", False, lambda s: metrics.random_logit(s.method, s.x, s.target, seed=None)),
+    EvalMetric("relative_input_stability", 20, "lower", False,
+               lambda s: metrics.relative_input_stability(s.method, s.x, s.target, samples=20, seed=None)),
+    EvalMetric("relative_output_stability", 20, "lower", False,
+               lambda s: metrics.relative_output_stability(s.method, s.x, s.target, samples=20, seed=None)),
+    EvalMetric("continuity", 28, "lower", False, lambda s: metrics.continuity(s.method, s.x, s.target)),
     EvalMetric("deletion", 50, "lower", False, lambda s: metrics.deletion(s.model, s.x, s.maps, s.target)),
     EvalMetric("insertion", 50, "higher", False, lambda s: metrics.insertion(s.model, s.x, s.maps, s.target)),
+    EvalMetric("irof", 100, "higher", False, lambda s: metrics.irof(s.model, s.x, s.maps, s.target).aoc),
     EvalMetric("faithfulness_correlation", 100, "higher", False,
                lambda s: metrics.faithfulness_correlation(s.model, s.x, s.maps, s.target, subset_size=_subset(s))),
+    EvalMetric("monotonicity_correlation", 160, "higher", False,
+               lambda s: metrics.monotonicity_correlation(s.model, s.x, s.maps, s.target, samples=10, seed=None,
+                                                          features_in_step=_sixteenth(s))),
     EvalMetric("avg_sensitivity", 200, "lower", False,
                lambda s: metrics.avg_sensitivity(s.method, s.x, s.target)),
 )  # fmt: skip
