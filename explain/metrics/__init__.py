@@ -12,8 +12,10 @@ mass and rank accuracy, top-k intersection, attribution localisation, AUC), ``co
 complexity, effective complexity), ``faithfulness.py`` (pixel flipping, region perturbation, selectivity,
 monotonicity, faithfulness estimate and correlation), ``infidelity.py`` (infidelity, sensitivity-n),
 ``robustness.py`` (max- and avg-sensitivity, the local Lipschitz estimate), ``axiomatic.py`` (completeness,
-non-sensitivity),
-``sanity.py`` (cascading randomization), ``report.py`` (the command line's per-image values and summary files).
+non-sensitivity), ``irof.py`` (IROF), ``consistency.py`` (sufficiency, consistency), ``stability.py`` (relative
+input, output and representation stability, continuity), ``focus.py`` (Focus, mosaics), ``randomisation.py``
+(MPRT, sMPRT, eMPRT, random logit), ``invariance.py`` (input invariance), ``similarity.py`` (Pearson, Spearman,
+SSIM), ``sanity.py`` (cascading randomization).
 
 >>> result = explain.GradCAM(model)(x)
 >>> explain.metrics.deletion(model, x, result.cams, result.target).auc   # (N,), lower is better
