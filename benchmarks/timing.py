@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
+import os
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +49,38 @@ def interleaved_medians(runs: dict[str, Callable[[], object]], rounds: int) -> d
             run()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(seconds) for name, seconds in times.items()}
+
+
+def _resident_bytes() -> int:
+    """The process's resident memory now (Linux's /proc/self/statm)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_mib(run: Callable[[], object]) -> float:
+    """The most memory one call of ``run`` adds to the process, MiB: its resident memory sampled every
+    millisecond during the call, over its resident memory just before (freed heap handed back to the system
+    first, so that an earlier call's leftovers are not counted as free). Counts numpy's and torch's memory alike."""
+    libc = ctypes.util.find_library("c")
+    if libc:
+        ctypes.CDLL(libc).malloc_trim(0)
+    before = peak = _resident_bytes()
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, _resident_bytes())
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=sample, daemon=True)
+    watcher.start()
+    try:
+        run()
+    finally:
+        done.set()
+        watcher.join()
+    return max(peak, _resident_bytes()) / 2**20 - before / 2**20
 
 
 def ratio_table(medians: dict[str, float], baseline: str = "inference forward") -> list[str]:

@@ -138,7 +138,7 @@ def test_bad_inputs_are_one_line_each(lite0, tmp_path, capsys) -> None:
     assert lines[0].startswith(f"explain: error: {masks / photo.stem}.png: a 10x10 mask for a ")
     assert lines[1].startswith("explain: error: unknown metric 'nope'")
     assert lines[2] == ("explain: error: pointing_game scores a map against the object: give the objects' masks "
-                        "(--masks DIR)")  # fmt: skip
+                        "(--masks DIR) or boxes (--boxes FILE)")  # fmt: skip
     assert "holds an earlier evaluation" in lines[3] and "--resume" in lines[3] and len(lines) == 4
 
 
@@ -165,3 +165,32 @@ def test_the_newer_metrics_run_in_evaluate_as_they_run_alone(lite0, tmp_path) ->
     for name in names:
         torch.manual_seed(0)
         assert scores[(photo.name, "gradcam", name)] == pytest.approx(float(calls[name]()), rel=1e-4, abs=1e-6), name
+
+
+def test_boxes_are_the_objects_as_their_filled_masks_are(lite0, tmp_path, capsys) -> None:
+    """A box per photo scores as the mask that fills it; a box outside its image, or a photo without one, is one
+    line."""
+    photos = bundled_photos()[:2]
+    boxes, masks = {}, tmp_path / "masks"
+    masks.mkdir()
+    for photo in photos:
+        width, height = Image.open(photo).size
+        boxes[photo.name] = [width // 5, height // 6, width // 2, height - 1]
+        mask = np.zeros((height, width), dtype=np.uint8)
+        mask[height // 6 : height - 1, width // 5 : width // 2] = 255
+        Image.fromarray(mask).save(masks / f"{photo.stem}.png")
+    (tmp_path / "boxes.json").write_text(json.dumps(boxes))
+    chosen = ["--methods", "gradcam", "--metrics", "relevance_mass_accuracy,pointing_game", "--quiet"]
+    assert main(["evaluate", *map(str, photos), "--boxes", str(tmp_path / "boxes.json"), "-o", str(tmp_path / "b"),
+                 *chosen]) == 0  # fmt: skip
+    assert main(["evaluate", *map(str, photos), "--masks", str(masks), "-o", str(tmp_path / "m"), *chosen]) == 0
+    assert _scores(tmp_path / "b") == _scores(tmp_path / "m")
+    capsys.readouterr()
+    (tmp_path / "bad.json").write_text(json.dumps({photos[0].name: [0, 0, 10_000, 10], photos[1].name: [0, 0, 5, 5]}))
+    (tmp_path / "one.json").write_text(json.dumps({photos[0].name: [0, 0, 5, 5]}))
+    for name in ("bad.json", "one.json"):
+        assert main(["evaluate", *map(str, photos), "--boxes", str(tmp_path / name), "-o", str(tmp_path / name),
+                     *chosen]) == 2  # fmt: skip
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and "[0, 0, 10000, 10] is not [x1, y1, x2, y2] inside the" in lines[0]
+    assert lines[1] == f"explain: error: {photos[1]}: no box for {photos[1].name!r} in --boxes"

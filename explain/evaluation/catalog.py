@@ -101,5 +101,8 @@ def chosen_metrics(names: list[str] | None, masks: bool) -> list[EvalMetric]:
         names = [name for name in DEFAULT_METRICS if masks or not by_name[name].needs_masks]
     missing = [name for name in names if by_name[name].needs_masks and not masks]
     if missing:
-        raise ExplainError(f"{missing[0]} scores a map against the object: give the objects' masks (--masks DIR)")
+        raise ExplainError(
+            f"{missing[0]} scores a map against the object: give the objects' masks (--masks DIR) or boxes "
+            "(--boxes FILE)"
+        )
     return sorted((by_name[name] for name in names), key=lambda metric: metric.cost)

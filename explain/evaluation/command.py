@@ -1,5 +1,5 @@
 """``explain evaluate IMAGES... [--model NAME] [--methods ...] [--layers ...] [--metrics ...] [--masks DIR]
-[--budget 10m] [-o OUT] [--resume]``: the command line of :func:`explain.evaluation.evaluate`."""
+[--boxes FILE] [--budget 10m] [-o OUT] [--resume]``: the command line of :func:`explain.evaluation.evaluate`."""
 
 from __future__ import annotations
 
@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser, bundled: str) -> None:
         f"(default: {', '.join(DEFAULT_METRICS)}; those of the object only with --masks)",
     )  # fmt: skip
     parser.add_argument("--masks", type=Path, help="a folder of the objects' masks, a PNG per image named as it")
+    parser.add_argument(
+        "--boxes", type=Path, help='instead of masks, a JSON file of the objects\' boxes: {"cat.jpg": [x1, y1, x2, y2]}'
+    )
     parser.add_argument("--budget", help="the time the run may take (90s, 10m, 1h); cheap metrics run first")
     parser.add_argument("-o", "--out", type=Path, default=Path("evaluation"), help="the output folder")
     parser.add_argument("--resume", action="store_true", help="go on with an earlier evaluation of the folder")
@@ -62,9 +65,13 @@ def check(args: argparse.Namespace) -> None:
     from .catalog import chosen_metrics
 
     budget_seconds(args.budget)
-    chosen_metrics(_names(args.metrics), args.masks is not None)
+    if args.masks is not None and args.boxes is not None:
+        raise ExplainError("give the objects as --masks or as --boxes, not both")
+    chosen_metrics(_names(args.metrics), args.masks is not None or args.boxes is not None)
     if args.masks is not None and not args.masks.is_dir():
         raise ExplainError(f"--masks {args.masks}: not a folder")
+    if args.boxes is not None and not args.boxes.is_file():
+        raise ExplainError(f"--boxes {args.boxes}: not a file")
 
 
 def run(args: argparse.Namespace, spec: object, images: Sequence[Path]) -> str:
@@ -77,7 +84,8 @@ def run(args: argparse.Namespace, spec: object, images: Sequence[Path]) -> str:
     grid = [Configuration(method, layer) for method in methods for layer in layers]
     found = evaluate(
         spec, images, args.out, configurations=grid, metric_names=_names(args.metrics), masks=args.masks,
-        budget=budget_seconds(args.budget), resume=args.resume, progress=not args.quiet, seed=args.seed,
+        boxes=args.boxes, budget=budget_seconds(args.budget), resume=args.resume, progress=not args.quiet,
+        seed=args.seed,
     )  # fmt: skip
     write_report(found, args.out)
     ranking = found.ranking

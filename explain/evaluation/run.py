@@ -81,6 +81,7 @@ def evaluate(
     configurations: Sequence[Configuration] = (Configuration("gradcam"), Configuration("gradcampp")),
     metric_names: list[str] | None = None,
     masks: Path | None = None,
+    boxes: Path | None = None,
     budget: float | None = None,
     resume: bool = False,
     progress: bool = False,
@@ -96,17 +97,19 @@ def evaluate(
         metric_names: The metrics (see :data:`explain.evaluation.catalog.CATALOG`); None: the defaults.
         masks: A folder of the objects' masks, one PNG per image named as its image (``cat.png`` for
             ``cat.jpg``), at the image's size; nonzero pixels are the object.
+        boxes: Instead of masks, a JSON file of the objects' boxes (see :func:`read_boxes`).
         budget: Seconds the run may take; the metrics it does not reach are listed, not run.
         resume: Keep the values an earlier run of the folder computed, and compute the rest.
         progress: Show a progress bar.
         seed: The seed of the metrics' random draws and of the bootstrap.
 
     Raises:
-        ExplainError: An unknown metric, masks missing or of the wrong size, an image that cannot be read, or a
-            folder that holds an earlier evaluation without ``resume``.
+        ExplainError: An unknown metric, masks missing or of the wrong size, boxes missing or outside their image,
+            an image that cannot be read, or a folder that holds an earlier evaluation without ``resume``.
     """
-    metrics = chosen_metrics(metric_names, masks is not None)
-    scenes = [_loaded(spec, Path(path), masks) for path in images]
+    metrics = chosen_metrics(metric_names, masks is not None or boxes is not None)
+    given = read_boxes(boxes) if boxes is not None else None
+    scenes = [_loaded(spec, Path(path), masks, given) for path in images]
     names = [name for name, _ in scenes]
     labels = [configuration.label for configuration in configurations]
     log = out / SCORES
@@ -125,16 +128,26 @@ def evaluate(
     return found
 
 
-def _loaded(spec: ModelSpec, path: Path, masks: Path | None) -> tuple[str, tuple[torch.Tensor, torch.Tensor | None]]:
+def _loaded(
+    spec: ModelSpec, path: Path, masks: Path | None, boxes: dict[str, Any] | None
+) -> tuple[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """An image's name, its input (1, C, H, W) on the model's device and its object's mask (1, H, W) or None.
 
     Raises:
-        ExplainError: The image cannot be read, or its mask is missing or not of the image's size.
+        ExplainError: The image cannot be read, or its mask is missing or not of the image's size, or its boxes
+            are missing or outside it.
     """
     image = load_image(path)
     x = spec.preprocess(image).to(spec.device)
-    if masks is None:
+    if masks is None and boxes is None:
         return path.name, (x, None)
+    mask = _mask_of(path, image, masks) if masks is not None else _boxes_mask(path, image, boxes or {})
+    resized = mask.convert("L").resize((x.shape[-1], x.shape[-2]), Image.Resampling.NEAREST)
+    return path.name, (x, torch.from_numpy(np.asarray(resized) > 0)[None].to(spec.device))
+
+
+def _mask_of(path: Path, image: Image.Image, masks: Path) -> Image.Image:
+    """The image's mask from the masks' folder, checked to be of its size."""
     mask_path = masks / f"{path.stem}.png"
     if not mask_path.is_file():
         raise ExplainError(f"{path}: no mask {mask_path} (a PNG named as the image, in --masks)")
@@ -145,8 +158,41 @@ def _loaded(spec: ModelSpec, path: Path, masks: Path | None) -> tuple[str, tuple
         raise ExplainError(f"{mask_path}: not a readable mask ({first_line(err)})") from None
     if mask.size != image.size:
         raise ExplainError(f"{mask_path}: a {mask.width}x{mask.height} mask for a {image.width}x{image.height} image")
-    resized = mask.convert("L").resize((x.shape[-1], x.shape[-2]), Image.Resampling.NEAREST)
-    return path.name, (x, torch.from_numpy(np.asarray(resized) > 0)[None].to(spec.device))
+    return mask
+
+
+def read_boxes(file: Path) -> dict[str, Any]:
+    """The objects' boxes of a JSON file: each image's file name to its box ``[x1, y1, x2, y2]`` or a list of
+    boxes, in the image's pixels.
+
+    Raises:
+        ExplainError: The file cannot be read, or is not such an object.
+    """
+    try:
+        found = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ExplainError(f"{file}: not a readable JSON file of boxes ({first_line(err)})") from None
+    if not isinstance(found, dict):
+        raise ExplainError(f"{file}: boxes must be an object of image names to [x1, y1, x2, y2] boxes")
+    return found
+
+
+def _boxes_mask(path: Path, image: Image.Image, boxes: dict[str, Any]) -> Image.Image:
+    """A mask at the image's size, its boxes filled."""
+    given = boxes.get(path.name)
+    if given is None:
+        raise ExplainError(f"{path}: no box for {path.name!r} in --boxes")
+    rows = [given] if given and not isinstance(given[0], list) else given
+    mask = np.zeros((image.height, image.width), dtype=np.uint8)
+    for box in rows:
+        valid = isinstance(box, list) and len(box) == 4 and all(isinstance(v, (int, float)) for v in box)
+        if not valid or not (0 <= box[0] < box[2] <= image.width and 0 <= box[1] < box[3] <= image.height):
+            raise ExplainError(
+                f"{path}: box {box!r} is not [x1, y1, x2, y2] inside the {image.width}x{image.height} image"
+            )
+        x1, y1, x2, y2 = (round(v) for v in box)
+        mask[y1:y2, x1:x2] = 255
+    return Image.fromarray(mask)
 
 
 def _read_log(log: Path) -> dict[tuple[str, str, str], dict[str, Any]]:
