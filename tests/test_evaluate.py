@@ -194,3 +194,35 @@ def test_boxes_are_the_objects_as_their_filled_masks_are(lite0, tmp_path, capsys
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2 and "[0, 0, 10000, 10] is not [x1, y1, x2, y2] inside the" in lines[0]
     assert lines[1] == f"explain: error: {photos[1]}: no box for {photos[1].name!r} in --boxes"
+
+
+def test_a_detector_and_a_segmenter_are_evaluated_on_their_own_targets(tmp_path, capsys) -> None:
+    """A detector's map explains its most confident detection, a segmenter's the class winning the most pixels;
+    the model-based metrics score that target's own score (each value equal to the metric's own call), and a
+    metric of a classifier's classes is refused with one line."""
+    from conftest import random_detector, random_segmenter
+
+    from explain.evaluation.run import object_target
+
+    photo = bundled_photos()[0]
+    detector, segmenter = tmp_path / "frcnn.pt", tmp_path / "lraspp.pt"
+    torch.save(random_detector((320, 400), num_classes=91).state_dict(), detector)
+    torch.save(random_segmenter(4).state_dict(), segmenter)
+    for model, weights in (("fasterrcnn_mobilenet_v3_large_fpn", detector), ("lraspp_mobilenet_v3_large", segmenter)):
+        out = tmp_path / model
+        assert main(["evaluate", str(photo), "--model", model, "--weights", str(weights), "--methods", "gradcam",
+                     "--metrics", "sparseness,average_drop", "-o", str(out), "--quiet"]) == 0  # fmt: skip
+        spec = explain.load_model(model, str(weights))
+        x = spec.preprocess(explain.load_image(photo))
+        target = object_target(spec, photo.name, x)
+        assert type(target).__name__ == ("DetectionTarget" if "rcnn" in model else "SegmentationTarget")
+        result = explain.GradCAM(spec.model)(x, target)
+        expected = metrics.average_drop(spec.model, x, result.cams.reshape(1, *x.shape[-2:]), target, score="target")
+        scores = _scores(out)
+        assert scores[(photo.name, "gradcam", "average_drop")] == pytest.approx(float(expected.value), rel=1e-4)
+        assert scores[(photo.name, "gradcam", "sparseness")] == pytest.approx(float(metrics.sparseness(result.cams)))
+    capsys.readouterr()
+    assert main(["evaluate", str(photo), "--model", "fasterrcnn_mobilenet_v3_large_fpn", "--weights", str(detector),
+                 "--metrics", "random_logit", "-o", str(tmp_path / "no")]) == 2  # fmt: skip
+    assert capsys.readouterr().err.strip() == ("explain: error: random_logit reads a classifier's classes; the model "
+                                               "is a detection model: leave it out")  # fmt: skip

@@ -22,10 +22,14 @@ from PIL import Image
 
 from ..errors import ExplainError, first_line
 from ..export.ownership import FolderLock
+from ..export.run import BACKGROUND
 from ..io.images import load_image
 from ..methods import create_method
 from ..metrics import CurveResult
+from ..metrics.scoring import plain_forwards
 from ..models import ModelSpec
+from ..targets import DetectionTarget, SegmentationTarget
+from ..targets.base import bound_on, read_output
 from .catalog import EvalMetric, Scene, chosen_metrics
 from .ranking import Ranking, Summary, rank, summarize
 
@@ -90,7 +94,9 @@ def evaluate(
     """Score every configuration on every image with every metric, and rank the configurations.
 
     Args:
-        spec: The model, as :func:`explain.load_model` returns it (a classifier).
+        spec: The model, as :func:`explain.load_model` returns it: a classifier (each image's top class is
+            explained), a detector (its most confident detection) or a segmenter (the class that wins the most
+            pixels); the model-based metrics then score the target's own score.
         images: The images.
         out: The output folder: ``scores.jsonl``, then the report (see :mod:`explain.evaluation.report`).
         configurations: The methods and layers to compare.
@@ -107,7 +113,7 @@ def evaluate(
         ExplainError: An unknown metric, masks missing or of the wrong size, boxes missing or outside their image,
             an image that cannot be read, or a folder that holds an earlier evaluation without ``resume``.
     """
-    metrics = chosen_metrics(metric_names, masks is not None or boxes is not None)
+    metrics = chosen_metrics(metric_names, masks is not None or boxes is not None, spec.task)
     given = read_boxes(boxes) if boxes is not None else None
     scenes = [_loaded(spec, Path(path), masks, given) for path in images]
     names = [name for name, _ in scenes]
@@ -240,7 +246,9 @@ def _run(
             if (s[0], c.label, m.name) not in done]  # fmt: skip
     started = time.monotonic()
     methods = {c.label: create_method(c.method, spec.model, c.layer) for c in configurations}
-    maps = _maps(methods, configurations, scenes, {(s[0], c.label) for _, c, s in todo})
+    wanted = {(s[0], c.label) for _, c, s in todo}
+    targets = {name: object_target(spec, name, x) for name, (x, _) in scenes if any(n == name for n, _ in wanted)}
+    maps = _maps(methods, configurations, scenes, wanted, targets)
     found.seconds["explain"] = time.monotonic() - started
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("a", encoding="utf-8") as written, tqdm(total=len(todo), disable=not progress, unit="value") as bar:
@@ -268,18 +276,51 @@ def _value(scored: Any) -> dict[str, Any]:
     return {"value": float(scored.reshape(-1)[0])}
 
 
+def object_target(spec: ModelSpec, name: str, x: torch.Tensor) -> Any:
+    """What a map of the image explains: None for a classifier (its top class); a detector's most confident
+    detection (its box and label); a segmenter's class that wins the most pixels, the background left out.
+
+    Raises:
+        ExplainError: The detector finds nothing in the image, or the segmenter nothing but background.
+    """
+    if spec.task == "classification":
+        return None
+    with plain_forwards(spec.model):
+        output = spec.model(x)
+    if spec.task == "detection":
+        found = bound_on(DetectionTarget(score_threshold=0.0), output, spec.labels)
+        scores = torch.where(found.valid, found.probabilities, -torch.inf) if found.valid is not None else None
+        if (
+            found.boxes is None
+            or found.boxes.shape[1] == 0
+            or (scores is not None and not bool(scores.isfinite().any()))
+        ):
+            raise ExplainError(f"{name}: the detector finds nothing in it to explain")
+        top = int((scores if scores is not None else found.probabilities)[0].argmax())
+        return DetectionTarget(boxes=found.boxes[0, top : top + 1], labels=found.classes[0, top : top + 1])
+    winners = read_output(output).argmax(dim=1).flatten()
+    counts = torch.bincount(winners, minlength=len(spec.labels))
+    if spec.labels[0] == BACKGROUND:
+        counts[0] = 0
+    if not bool(counts.any()):
+        raise ExplainError(f"{name}: the segmenter finds nothing but background in it to explain")
+    return SegmentationTarget(int(counts.argmax()))
+
+
 def _maps(
     methods: dict[str, Any],
     configurations: Sequence[Configuration],
     scenes: list[tuple[str, tuple[torch.Tensor, torch.Tensor | None]]],
     needed: set[tuple[str, str]],
-) -> dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]]:
-    """Each needed image's map and explained class per configuration: (1, H, W) and (1,)."""
+    targets: dict[str, Any],
+) -> dict[tuple[str, str], tuple[torch.Tensor, Any]]:
+    """Each needed image's map per configuration, (1, H, W), and what it explains: the class (1,) for a classifier,
+    else the image's target object (see :func:`object_target`)."""
     found = {}
     for configuration in configurations:
         for name, (x, _) in scenes:
             if (name, configuration.label) in needed:
-                result = methods[configuration.label](x)
-                classes = result.class_indices.reshape(-1)[:1]
-                found[(name, configuration.label)] = (result.cams.reshape(1, *x.shape[-2:]), classes)
+                result = methods[configuration.label](x, targets[name])
+                explained = result.class_indices.reshape(-1)[:1] if targets[name] is None else targets[name]
+                found[(name, configuration.label)] = (result.cams.reshape(1, *x.shape[-2:]), explained)
     return found
