@@ -226,3 +226,23 @@ def test_a_detector_and_a_segmenter_are_evaluated_on_their_own_targets(tmp_path,
                  "--metrics", "random_logit", "-o", str(tmp_path / "no")]) == 2  # fmt: skip
     assert capsys.readouterr().err.strip() == ("explain: error: random_logit reads a classifier's classes; the model "
                                                "is a detection model: leave it out")  # fmt: skip
+
+
+def test_a_vision_transformer_is_evaluated_as_a_cnn_is(tmp_path) -> None:
+    """A timm ViT (random weights, offline from a state dict): its maps laid out from its tokens, each value the
+    metric's own."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    weights = tmp_path / "vit.pt"
+    torch.save(timm.create_model("vit_tiny_patch16_224", pretrained=False).state_dict(), weights)
+    photo = bundled_photos()[0]
+    assert main(["evaluate", str(photo), "--model", "timm/vit_tiny_patch16_224", "--weights", str(weights),
+                 "--methods", "gradcam", "--metrics", "sparseness,average_drop", "-o", str(tmp_path / "out"),
+                 "--quiet"]) == 0  # fmt: skip
+    spec = explain.load_model("timm/vit_tiny_patch16_224", str(weights))
+    x = spec.preprocess(explain.load_image(photo))
+    result = explain.GradCAM(spec.model)(x)
+    scores = _scores(tmp_path / "out")
+    expected = metrics.average_drop(spec.model, x, result.cams, result.target).value
+    assert scores[(photo.name, "gradcam", "average_drop")] == pytest.approx(float(expected), rel=1e-4)
+    assert scores[(photo.name, "gradcam", "sparseness")] == pytest.approx(float(metrics.sparseness(result.cams)))
