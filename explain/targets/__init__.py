@@ -2,7 +2,8 @@
 
 ``base.py`` holds the protocol (:class:`Target` binds on a call's plain pass into a :class:`BoundTarget`, which
 scores any later pass); ``classification.py`` a classifier's classes, regression values and embedding
-similarities; ``segmentation.py`` a segmenter's regions; ``detection.py`` a detector's boxes and an instance
+similarities; ``regression.py`` a dense regression over a region (depth); ``segmentation.py`` a segmenter's
+regions; ``detection.py`` a detector's boxes and an instance
 segmenter's instances; ``language.py`` the tokens of a language model's answer; ``shorthand.py`` what an int, a
 name, a sequence or a callable stands for.
 """
@@ -30,6 +31,7 @@ from .classification import (
 )
 from .detection import DetectionTarget, InstanceTarget, box_iou
 from .language import TokenTarget
+from .regression import RegionTarget, nearer_sign
 from .segmentation import SegmentationTarget
 from .shorthand import as_target
 
@@ -43,6 +45,7 @@ __all__ = [
     "DetectionTarget",
     "InstanceTarget",
     "OutputPicker",
+    "RegionTarget",
     "RegressionTarget",
     "SegmentationTarget",
     "SimilarityTarget",
@@ -54,6 +57,7 @@ __all__ = [
     "bound_on",
     "box_iou",
     "class_index",
+    "nearer_sign",
     "per_image",
     "ragged",
     "read_output",

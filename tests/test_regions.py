@@ -1,0 +1,143 @@
+"""Dense regressions over a region (RegionTarget): the region placed on the output's grid by proportion (a
+gradient planted through an upsampling output lands on the box's own pixels), each reduction against its value
+written out, the errors that name the way out, and HuggingFace depth models (DPT, GLPN, Depth Anything, tiny random
+configs) explained at a layer of theirs against Grad-CAM written out with hooks and autograd."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import explain
+from explain.errors import TargetError
+from explain.targets import RegionTarget, nearer_sign
+
+transformers = pytest.importorskip("transformers")
+
+
+def _doubling() -> nn.Module:
+    """Channel 0 of the input, upsampled twice: the output's cell (i, j) is the input's pixel (i // 2, j // 2)."""
+    conv = nn.Conv2d(3, 1, 1, bias=False)
+    with torch.no_grad():
+        conv.weight.copy_(torch.tensor([1.0, 0.0, 0.0]).view(1, 3, 1, 1))
+    return nn.Sequential(conv, nn.Upsample(scale_factor=2, mode="nearest")).eval()
+
+
+def test_a_box_in_input_pixels_lands_on_its_own_pixels_through_an_upsampling_output() -> None:
+    x = torch.randn(2, 3, 10, 12)
+    target = RegionTarget(box=torch.tensor([[2, 3, 7, 8], [0, 0, 4, 2]]), size=(10, 12))
+    raw = explain.create_method("saliency", _doubling())(x, target).raw  # the input's gradient, (N, C, H, W)
+    for i, (x1, y1, x2, y2) in enumerate([(2, 3, 7, 8), (0, 0, 4, 2)]):
+        expected = torch.zeros(10, 12)
+        expected[y1:y2, x1:x2] = 4.0 / (4 * (x2 - x1) * (y2 - y1))  # the mean over 4 output cells a pixel
+        torch.testing.assert_close(raw[i, 0], expected)
+        assert raw[i, 1:].abs().sum() == 0
+
+
+def test_each_reduction_and_a_partly_covered_cell() -> None:
+    model = _doubling()
+    x = torch.randn(1, 3, 6, 6)
+    with torch.no_grad():
+        dense = model(x)[0, 0]
+    for reduction, expected in (("mean", dense[2:6, 4:8].mean()), ("sum", dense[2:6, 4:8].sum()),
+                                ("max", dense[2:6, 4:8].max()), ("min", dense[2:6, 4:8].min())):  # fmt: skip
+        bound = RegionTarget(box=(2, 1, 4, 3), size=(6, 6), reduction=reduction, sign=-1).bind(model(x), None)
+        torch.testing.assert_close(bound.score(model(x), torch.tensor([0]))[0, 0], -expected)
+        torch.testing.assert_close(bound.probabilities[0, 0], expected)  # the value itself, unsigned
+    half = RegionTarget(box=(0.0, 0.0, 1.5, 1.0), size=(12, 12)).bind(model(x), None)  # a cell and a half
+    torch.testing.assert_close(half.regions[0, 0, 0, :3], torch.tensor([1.0, 0.5, 0.0]))
+    point = RegionTarget(point=(3.2, 2.9), radius=1.0, size=(6, 6)).bind(model(x), None)
+    rows, columns = torch.meshgrid(torch.arange(12) + 0.5, torch.arange(12) + 0.5, indexing="ij")
+    disc = (columns - 6.4) ** 2 + (rows - 5.8) ** 2 <= 2.0**2  # (3.2, 2.9) and 1 pixel, on the doubled grid
+    disc[5, 6] = True  # the cell holding the point
+    torch.testing.assert_close(point.regions[0, 0], disc.float())
+    masked = RegionTarget(mask=torch.eye(3, dtype=torch.bool)).bind(model(x), None)
+    assert masked.regions[0, 0].sum() == 3 * 16  # each diagonal cell of the 3 x 3 mask covers 4 x 4 output cells
+
+
+def test_regions_that_cannot_be_explained_name_the_way_out() -> None:
+    model, x = _doubling(), torch.randn(1, 3, 6, 6)
+    with pytest.raises(TargetError, match="outside the 6x6 image"):
+        RegionTarget(box=(2, 2, 9, 4), size=(6, 6)).bind(model(x), None)
+    with pytest.raises(TargetError, match="one region"):
+        RegionTarget(box=(0, 0, 1, 1), point=(0, 0))
+    with pytest.raises(TargetError, match="give channel="):
+        RegionTarget(box=(0, 0, 1, 1)).bind(torch.zeros(1, 3, 4, 4), None)
+    with pytest.raises(TargetError, match="covers no cell"):
+        RegionTarget(mask=torch.zeros(6, 6)).bind(model(x), None)
+
+
+def _dpt() -> nn.Module:
+    config = transformers.DPTConfig(
+        hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=37, image_size=64, patch_size=8,
+        neck_hidden_sizes=[8, 16, 32, 32], fusion_hidden_size=16, backbone_out_indices=[0, 1, 2, 3], head_in_index=-1,
+    )  # fmt: skip
+    return transformers.DPTForDepthEstimation(config)
+
+
+def _glpn() -> nn.Module:
+    config = transformers.GLPNConfig(
+        num_encoder_blocks=4, depths=[1, 1, 1, 1], sr_ratios=[8, 4, 2, 1], hidden_sizes=[8, 16, 24, 32],
+        num_attention_heads=[1, 1, 1, 1], decoder_hidden_size=16, patch_sizes=[7, 3, 3, 3], strides=[4, 2, 2, 2],
+        mlp_ratios=[2, 2, 2, 2],
+    )  # fmt: skip
+    return transformers.GLPNForDepthEstimation(config)
+
+
+def _depth_anything(kind: str = "relative") -> nn.Module:
+    backbone = transformers.Dinov2Config(
+        hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=37, image_size=56,
+        patch_size=14, out_features=["stage1", "stage2", "stage3", "stage4"], reshape_hidden_states=False,
+    )  # fmt: skip
+    config = transformers.DepthAnythingConfig(
+        backbone_config=backbone, neck_hidden_sizes=[8, 16, 32, 32], fusion_hidden_size=16, reassemble_hidden_size=32,
+        patch_size=14, head_hidden_size=8, depth_estimation_type=kind,
+    )  # fmt: skip
+    return transformers.DepthAnythingForDepthEstimation(config)
+
+
+def _gradcam_written_out(model: nn.Module, layer: str, x: torch.Tensor, score) -> torch.Tensor:
+    kept = {}
+    handle = model.get_submodule(layer).register_forward_hook(lambda m, a, out: kept.update(out=out))
+    try:
+        value = score(model(pixel_values=x).predicted_depth)
+    finally:
+        handle.remove()
+    gradient = torch.autograd.grad(value.sum(), kept["out"])[0]
+    return torch.relu((gradient.mean(dim=(2, 3), keepdim=True) * kept["out"]).sum(dim=1)).detach()
+
+
+@pytest.mark.parametrize(
+    ("build", "size", "layer"),
+    [(_dpt, 64, "neck.fusion_stage.layers.2"), (_glpn, 64, "decoder.stages.2"),
+     (_depth_anything, 56, "neck.fusion_stage.layers.2")],
+)  # fmt: skip
+def test_depth_models_are_explained_at_their_layers_as_grad_cam_written_out(build, size: int, layer: str) -> None:
+    torch.manual_seed(0)
+    model = build().eval()
+    x = torch.randn(2, 3, size, size)
+    box = (size // 8, size // 4, size // 2, size - 4)
+    sign = 1 if build is _dpt else nearer_sign(model)
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    result = explain.GradCAM(model, layer)(x, RegionTarget(box=box, size=(size, size), sign=sign))
+
+    def score(depth: torch.Tensor) -> torch.Tensor:
+        scale = depth.shape[-1] / size
+        x1, y1, x2, y2 = (round(v * scale) for v in box)
+        return sign * depth[:, y1:y2, x1:x2].mean(dim=(1, 2))
+
+    expected = _gradcam_written_out(model, layer, x, score)
+    for found, wanted in zip(result.raw, expected):
+        r = torch.corrcoef(torch.stack([found.flatten(), wanted.flatten()]))[0, 1]
+        assert r > 0.999
+    assert not model.training and {n: p.requires_grad for n, p in model.named_parameters()} == flags
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_nearer_sign_is_read_from_the_config() -> None:
+    assert nearer_sign(_glpn()) == -1
+    assert nearer_sign(_depth_anything("relative")) == 1
+    assert nearer_sign(_depth_anything("metric")) == -1
+    with pytest.raises(TargetError, match="give sign=1 where larger values are nearer"):
+        nearer_sign(_dpt())
