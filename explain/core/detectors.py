@@ -128,8 +128,9 @@ def sparse_box_heads(model: nn.Module) -> Iterator[None]:
     detaches the proposals). An image whose detections cannot all be traced gets the whole
     head run again with autograd, as torchvision would have run it. For the same reason the
     model's ``rpn``, whose outputs torchvision detaches in eval mode, runs on detached features.
-    A detector wrapped in another module is differentiated as it is, whole. Mask R-CNN's masks of the kept
-    detections are computed again with autograd from the features, their rows alone.
+    A detector wrapped in another module is differentiated as it is, whole. Mask R-CNN's masks and Keypoint
+    R-CNN's keypoints of the kept detections are computed again with autograd from the features, their rows
+    alone.
     """
     proposer, head = getattr(model, "rpn", None), getattr(model, "roi_heads", None)  # torchvision's GeneralizedRCNN
     with Hooks() as hooks:
@@ -203,17 +204,23 @@ def _kept_rows_joined(seen: dict[str, Any], head: nn.Module, args: tuple[Any, ..
 
 
 def _masks_recomputed(head: nn.Module, features: dict[str, Tensor], result: list[dict[str, Tensor]], shapes: Any):
-    """Mask R-CNN's masks of the kept detections, computed again with autograd from the features: the mask
-    branch ran on detached features with the rest of the head. Its rows are the kept detections alone, so this
-    costs little. Other heads' results are returned as they are."""
-    if not (hasattr(head, "has_mask") and head.has_mask()) or not all("masks" in d for d in result):
-        return result
-    from torchvision.models.detection.roi_heads import maskrcnn_inference
-
+    """Mask R-CNN's masks and Keypoint R-CNN's keypoints of the kept detections, computed again with autograd from
+    the features: their branches ran on detached features with the rest of the head. Their rows are the kept
+    detections alone, so this costs little. Other heads' results are returned as they are."""
     boxes = [d["boxes"].detach() for d in result]
-    logits = head.mask_predictor(head.mask_head(head.mask_roi_pool(features, boxes, shapes)))
-    masks = maskrcnn_inference(logits, [d["labels"] for d in result])
-    return [{**d, "masks": m} for d, m in zip(result, masks)]
+    if hasattr(head, "has_mask") and head.has_mask() and all("masks" in d for d in result):
+        from torchvision.models.detection.roi_heads import maskrcnn_inference
+
+        logits = head.mask_predictor(head.mask_head(head.mask_roi_pool(features, boxes, shapes)))
+        masks = maskrcnn_inference(logits, [d["labels"] for d in result])
+        result = [{**d, "masks": m} for d, m in zip(result, masks)]
+    if hasattr(head, "has_keypoint") and head.has_keypoint() and all("keypoints" in d for d in result):
+        from torchvision.models.detection.roi_heads import keypointrcnn_inference
+
+        pooled = head.keypoint_roi_pool(features, boxes, shapes)
+        points, scores = keypointrcnn_inference(head.keypoint_predictor(head.keypoint_head(pooled)), boxes)
+        result = [{**d, "keypoints": p, "keypoints_scores": k} for d, p, k in zip(result, points, scores)]
+    return result
 
 
 def _trace(detections: dict[str, Tensor], boxes: Tensor, scores: Tensor) -> Tensor | None:

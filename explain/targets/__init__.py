@@ -3,9 +3,9 @@
 ``base.py`` holds the protocol (:class:`Target` binds on a call's plain pass into a :class:`BoundTarget`, which
 scores any later pass); ``classification.py`` a classifier's classes, regression values and embedding
 similarities; ``regression.py`` a dense regression over a region (depth); ``segmentation.py`` a segmenter's
-regions; ``detection.py`` a detector's boxes and an instance
-segmenter's instances; ``language.py`` the tokens of a language model's answer; ``shorthand.py`` what an int, a
-name, a sequence or a callable stands for.
+regions; ``detection.py`` a detector's boxes and an instance segmenter's instances; ``keypoints.py`` a pose
+model's keypoints; ``language.py`` the tokens of a language model's answer; ``shorthand.py`` what an int, a name,
+a sequence or a callable stands for.
 """
 
 from .base import (
@@ -30,12 +30,14 @@ from .classification import (
     TopK,
 )
 from .detection import DetectionTarget, InstanceTarget, box_iou
+from .keypoints import COCO_KEYPOINTS, KeypointTarget
 from .language import TokenTarget
 from .regression import RegionTarget, nearer_sign
 from .segmentation import SegmentationTarget
 from .shorthand import as_target
 
 __all__ = [
+    "COCO_KEYPOINTS",
     "BoundTarget",
     "CallableTarget",
     "ClassScore",
@@ -44,6 +46,7 @@ __all__ = [
     "ContrastTarget",
     "DetectionTarget",
     "InstanceTarget",
+    "KeypointTarget",
     "OutputPicker",
     "RegionTarget",
     "RegressionTarget",
