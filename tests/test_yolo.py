@@ -317,3 +317,36 @@ def test_a_threshold_below_the_models_own_conf_is_honoured() -> None:
     assert model.score_thresh == 0.25
     torch.testing.assert_close(result.target.boxes[0], expected["boxes"])
     torch.testing.assert_close(result.target.probabilities[0], expected["scores"])
+
+
+def test_a_pose_models_keypoint_is_its_raw_rows_confidence_and_its_map_the_reference() -> None:
+    """YOLO11 pose (random weights that detect): each kept detection's keypoints are its raw row's, mapped back
+    through the letterbox; a keypoint's map is Grad-CAM of that row's keypoint confidence, written out here."""
+    from explain.targets import KeypointTarget
+
+    pose = detecting("yolo11n-pose.yaml")
+    x = image()
+    kept = {}
+    handle = pose.get_submodule(LEVEL).register_forward_hook(lambda m, i, o: kept.update(a=o) or o.clone())
+    (found,) = pose(x)
+    handle.remove()
+    assert len(found["boxes"]) > 0 and found["keypoints"].shape == (len(found["boxes"]), 17, 3)
+    boxed = pose.transform(x)
+    raw = pose.model(boxed.tensors)[0][0]  # (4 + classes + 17 x 3, anchors)
+    centre = (found["boxes"][0, :2] + found["boxes"][0, 2:]) / 2 * boxed.scale + torch.tensor(boxed.offset[::-1])
+    row = int((raw[:2].T - centre).abs().sum(dim=1).argmin())
+    points = raw[4 + pose.classes :, row].reshape(17, 3)
+    top, left = boxed.offset
+    torch.testing.assert_close(found["keypoints"][0, :, :2], (points[:, :2] - torch.tensor([left, top])) / boxed.scale)
+    torch.testing.assert_close(found["keypoints_scores"][0], points[:, 2])
+
+    (g,) = torch.autograd.grad(found["keypoints_scores"][0, 7], kept["a"])  # left_elbow
+    cam = (g.mean(dim=(2, 3), keepdim=True) * kept["a"]).sum(dim=1).clamp(min=0).detach()
+    (height, width) = boxed.image_sizes[0]
+    expected = F.interpolate(cam[:, None], size=boxed.tensors.shape[-2:], mode="bilinear", align_corners=False)
+    expected = expected[:, 0, top : top + height, left : left + width]
+    target = KeypointTarget("left_elbow", boxes=found["boxes"][:1].detach(), labels=[int(found["labels"][0])])
+    result = explain.GradCAM(pose, LEVEL)(x, target, normalize=False)
+    assert result.raw.shape == (1, 1, height, width) and expected.abs().max() > 0
+    assert (result.raw[:, 0] - expected).abs().max() <= 1e-4 * expected.abs().max()
+    assert hook_count(pose) == 0

@@ -66,9 +66,11 @@ class Letterbox(nn.Module):
 
 
 class YoloDetector(nn.Module):
-    """An Ultralytics detection or segmentation model whose output is torchvision's: one dict per image of
-    ``"boxes"`` (x1, y1, x2, y2 in input pixels), ``"labels"`` and ``"scores"``, and for a segmentation model
-    ``"masks"`` (detections, 1, H, W), as Mask R-CNN's, for :class:`explain.targets.InstanceTarget`.
+    """An Ultralytics detection, segmentation or pose model whose output is torchvision's: one dict per image of
+    ``"boxes"`` (x1, y1, x2, y2 in input pixels), ``"labels"`` and ``"scores"``; for a segmentation model
+    ``"masks"`` (detections, 1, H, W), as Mask R-CNN's, for :class:`explain.targets.InstanceTarget`; for a pose
+    model ``"keypoints"`` and ``"keypoints_scores"``, as Keypoint R-CNN's, for
+    :class:`explain.targets.KeypointTarget`.
 
     The input, [0, 1] RGB images of any size, is letterboxed as Ultralytics predicts (see :class:`Letterbox`).
     The model's raw predictions, one row per anchor with its box and its class scores, go through torchvision's
@@ -102,6 +104,8 @@ class YoloDetector(nn.Module):
         self.local_heads = [branch for name in ("cv2", "cv3", "cv4") for branch in getattr(head, name, ())]
         names = getattr(model, "names", None) or {}
         self.labels = [str(names.get(i, i)) for i in range(self.classes)]
+        shape = getattr(head, "kpt_shape", None)  # a pose head's (keypoints, 2 or 3 values each)
+        self.keypoint_shape = (int(shape[0]), int(shape[1])) if shape is not None else None
 
     def forward(self, x: Tensor) -> list[dict[str, Tensor]]:
         from torchvision.ops import batched_nms
@@ -131,6 +135,8 @@ class YoloDetector(nn.Module):
             if prototypes is not None:
                 coefficients = rows[i, 4 + self.classes :, chosen].T
                 found["masks"] = self._masks(prototypes[i], coefficients, on_canvas[i, chosen].detach(), boxed, x)
+            if self.keypoint_shape is not None:
+                found.update(self._keypoints(rows[i, 4 + self.classes :, chosen].T, boxed))
             detections.append(found)
         return detections
 
@@ -149,6 +155,18 @@ class YoloDetector(nn.Module):
         (height, width) = boxed.image_sizes[0]
         masks = (logits.sigmoid() * inside)[:, top : top + height, left : left + width]
         return F.interpolate(masks[:, None], size=x.shape[-2:], mode="bilinear")
+
+    def _keypoints(self, values: Tensor, boxed: Letterboxed) -> dict[str, Tensor]:
+        """A pose model's keypoints of the kept detections from their rows' keypoint values (K, keypoints x dims):
+        ``"keypoints"`` (K, keypoints, 3), x and y in input pixels and the confidence, and ``"keypoints_scores"``
+        (K, keypoints), the confidence (the sigmoid of the keypoint's visibility logit) with its gradient; a
+        model of two values a keypoint has no confidence: 1."""
+        count, dims = self.keypoint_shape or (0, 3)
+        points = values.reshape(len(values), count, dims)
+        top, left = boxed.offset
+        where = (points[..., :2] - points.new_tensor([left, top])) / boxed.scale
+        confidence = points[..., 2] if dims == 3 else torch.ones_like(points[..., 0])
+        return {"keypoints": torch.cat([where, confidence[..., None]], dim=-1), "keypoints_scores": confidence}
 
     def _usable_cache(self) -> None:
         """The Detect head caches its anchors and strides at the first forward of an input shape. Made under
@@ -222,7 +240,13 @@ def load_yolo(path: str | Path) -> YoloDetector:
     """
     try:
         with _process_kept():
-            from ultralytics.nn.tasks import DetectionModel, SegmentationModel, guess_model_task, load_checkpoint
+            from ultralytics.nn.tasks import (
+                DetectionModel,
+                PoseModel,
+                SegmentationModel,
+                guess_model_task,
+                load_checkpoint,
+            )
     except ImportError:
         raise ModelLoadError(
             f'{path}: a YOLO model needs Ultralytics (AGPL-3.0): pip install "explain[yolo]"'
@@ -232,12 +256,12 @@ def load_yolo(path: str | Path) -> YoloDetector:
         raise ModelLoadError(f"{path}: no such checkpoint file")
     try:
         if path.suffix in (".yaml", ".yml"):
-            task = SegmentationModel if guess_model_task(str(path)) == "segment" else DetectionModel  # its head
-            model = task(str(path), verbose=False)
+            tasks = {"segment": SegmentationModel, "pose": PoseModel}
+            model = tasks.get(guess_model_task(str(path)), DetectionModel)(str(path), verbose=False)  # its head
         else:
             model = load_checkpoint(str(path), device="cpu")[0]
     except Exception as err:  # Ultralytics' loaders raise many kinds; the user gets one line
         raise ModelLoadError(f"{path}: cannot load a YOLO model: {first_line(err)}") from None
-    if type(model).__name__ not in ("DetectionModel", "SegmentationModel"):
-        raise ModelLoadError(f"{path}: a {type(model).__name__}, not a YOLO detection or segmentation model")
+    if type(model).__name__ not in ("DetectionModel", "SegmentationModel", "PoseModel"):
+        raise ModelLoadError(f"{path}: a {type(model).__name__}, not a YOLO detection, segmentation or pose model")
     return YoloDetector(model.float()).eval()
