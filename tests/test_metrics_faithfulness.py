@@ -198,3 +198,31 @@ def test_irof_on_given_segments_is_the_curve_written_out() -> None:
     torch.testing.assert_close(found.aoc, 1 - torch.trapezoid(torch.stack(curve, 1), dx=0.25, dim=1))
     with pytest.raises(ExplainError, match="segments must be one label image per input"):
         metrics.irof(model, xt, maps, target, segments=segments[:, :4])
+
+
+def test_irof_of_images_with_fewer_superpixels_repeats_their_last_value_without_a_forward() -> None:
+    """Image 1 has two superpixels, the others four: its curve ends after two removals and holds its last value;
+    each copy is scored once (counted), the repeats taking the step before's score."""
+    model, (x, _, y) = tiny_model(3), batch(3, (8, 8))
+    xt, target = torch.from_numpy(x), torch.from_numpy(y)
+    quadrant = torch.arange(64).view(8, 8)
+    quarters = (quadrant // 8 >= 4).long() * 2 + (quadrant % 8 >= 4).long()
+    segments = torch.stack([quarters, (quadrant % 8 >= 4).long(), quarters])
+    maps = torch.rand(3, 8, 8)
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda m, args: forwards.append(len(args[0])))
+    found = metrics.irof(model, xt, maps, target, segments=segments, baseline=0.0)
+    handle.remove()
+    assert sum(forwards) == 3 + 4 + 2 + 4  # the plain images, then each image's own removals
+    with torch.no_grad():
+        for i in range(3):
+            labels = segments[i].unique()
+            means = torch.stack([maps[i][segments[i] == s].mean() for s in labels])
+            copy, curve = xt[i : i + 1].clone(), [1.0]
+            plain = model(xt[i : i + 1]).softmax(-1)[0, target[i]]
+            for s in labels[means.argsort(descending=True)]:
+                copy[:, :, segments[i] == s] = 0.0
+                curve.append(float(model(copy).softmax(-1)[0, target[i]] / plain))
+            curve += [curve[-1]] * (5 - len(curve))
+            torch.testing.assert_close(found.curve[i], torch.tensor(curve))
+    assert found.fractions[1].tolist() == [0.0, 0.5, 1.0, 1.0, 1.0]

@@ -102,19 +102,27 @@ def _curve(
 def turned(scoring: Scorer, order: Tensor, counts: Tensor, before: Tensor, after: Tensor, own: int | None) -> Tensor:
     """The explained score of each image at each step, (N, S): at step s, the positions of each image whose place
     in ``order`` (N, positions) is below ``counts[n, s]`` (N, S) show ``after``, the others ``before``. Step
-    ``own`` (whose copy is the image itself) takes the plain score without a forward; None: every step runs."""
+    ``own`` (whose copy is the image itself) takes the plain score without a forward; None: every step runs. A
+    step whose count repeats the step before it (an image with fewer regions than the others) is that step's
+    copy again: it takes that step's score, without a forward."""
     x = scoring.x
-    columns = torch.tensor([k for k in range(counts.shape[1]) if k != own], device=x.device)
-    images = torch.arange(len(x), device=x.device).repeat_interleave(len(columns))
-    step = columns.repeat(len(x))
+    runs = torch.ones_like(counts, dtype=torch.bool)
+    runs[:, 1:] = counts[:, 1:] != counts[:, :-1]
+    if own is not None:
+        runs[:, own] = False
+    images, step = runs.nonzero(as_tuple=True)
 
     def make(rows: Tensor) -> Tensor:
         changed = (order[images[rows]] < counts[images[rows], step[rows], None]).view(len(rows), 1, *x.shape[2:])
         return torch.where(changed, after[images[rows]], before[images[rows]])
 
-    curve = scoring.original[:, None].repeat(1, counts.shape[1])
-    curve[:, columns] = scoring.copies(images, make).view(len(x), len(columns))
-    return curve
+    curve = torch.full(counts.shape, torch.nan, device=x.device)
+    if own is not None:
+        curve[:, own] = scoring.original
+    curve[images, step] = scoring.copies(images, make)
+    filled = torch.where(runs | (torch.arange(counts.shape[1], device=x.device) == (own if own is not None else -1)),
+                         torch.arange(counts.shape[1], device=x.device), 0).cummax(dim=1).values  # fmt: skip
+    return curve.gather(1, filled)
 
 
 def deletion(
