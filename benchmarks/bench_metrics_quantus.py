@@ -52,8 +52,8 @@ def cases(model, x, target, maps, gradcam) -> dict[str, tuple[Callable[[], objec
 
     def q(metric, call: dict | None = None, **options) -> Callable[[], object]:
         return lambda: metric(disable_warnings=True, **options)(
-            model=model, x_batch=xs, y_batch=ys, a_batch=a.copy(), channel_first=True, device="cpu",
-            batch_size=IMAGES, **(call or {}),
+            model=model, x_batch=xs, y_batch=ys, channel_first=True, device="cpu", batch_size=IMAGES,
+            **{"a_batch": a.copy(), **(call or {})},
         )  # fmt: skip
 
     def explained(model, inputs, targets, **kwargs):  # Quantus' explain_func: Grad-CAM's maps of any model
