@@ -147,6 +147,12 @@ def _how_to_explain(add: Callable[..., Any]) -> None:
     )
     add("--topk", type=int, help="write one overlay for each of the K top classes")
     add(
+        "--keypoint",
+        metavar="NAME|INDEX",
+        help="a pose model's keypoint (Keypoint R-CNN, YOLO pose): its name (left_wrist, ...), index, or 'all'; one "
+        "overlay per detection and keypoint, scored by the model's own keypoint confidence",
+    )
+    add(
         "--sanity-check",
         action="store_true",
         help="instead of overlays, run the model-parameter randomization test (Adebayo et al. 2018) of each --method "
@@ -243,6 +249,7 @@ def export_options(args: argparse.Namespace) -> ExportOptions:
         target=target,
         topk=args.topk,
         score_threshold=args.score_threshold,
+        keypoint=args.keypoint,
         batch_size=args.batch_size,
         render=RenderOptions(args.fmt, args.alpha, args.colormap, args.figure, args.save_raw),
         keep_aspect=args.keep_aspect or None,

@@ -22,6 +22,10 @@ KEYPOINTS = 17
 
 @pytest.fixture(scope="module")
 def pose_model() -> nn.Module:
+    return built_pose_model()
+
+
+def built_pose_model() -> nn.Module:
     """Keypoint R-CNN on MobileNetV3-FPN with a small keypoint head pooling FPN level 0 alone (the one layer its
     keypoint scores read), random weights, BatchNorm calibrated and the heads damped so that it detects several
     people with unsaturated scores."""
@@ -117,3 +121,40 @@ def test_keypoints_the_model_lacks_and_a_model_without_keypoints_are_refused(pos
     with pytest.raises(TargetError, match="explain its boxes with DetectionTarget"):
         explain.GradCAM(boxes_only, LAYER)(x, KeypointTarget(score_threshold=0.3))
     assert DetectionTarget  # the boxes' own target, named by the error
+
+
+def test_the_command_line_writes_one_overlay_per_detection_and_keypoint(tmp_path, capsys) -> None:
+    """A pose model of the user's code (FILE.py:NAME): --keypoint left_wrist writes one overlay per detection,
+    named for the keypoint; its manifest records the keypoint, its score and the detection's box; --keypoint on
+    a classifier is one line."""
+    from conftest import CAT, manifest
+
+    from explain.cli import main
+
+    code = tmp_path / "pose.py"
+    code.write_text(
+        "import explain\nfrom test_keypoints import built_pose_model\n\n"
+        "def spec():\n"
+        "    preprocessing = explain.models.Preprocessing(None, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0))\n"
+        "    return explain.ModelSpec(built_pose_model(), 'pose', ['__background__', 'person'], preprocessing,"
+        " 'detection')\n"
+    )
+    out = tmp_path / "out"
+    assert main([str(CAT), "--model", f"{code}:spec", "--keypoint", "left_wrist", "--score-threshold", "0.05",
+                 "--format", "png", "-o", str(out)]) == 0  # fmt: skip
+    (record,) = manifest(out)
+    targets = record["targets"]
+    assert len(targets) >= 1 and {t["class_name"] for t in targets} == {"left_wrist"}
+    assert all(t["class_index"] == 9 and len(t["box"]) == 4 for t in targets)
+    assert [t["output"].rsplit("/", 1)[-1] for t in targets] == [
+        f"chelsea.gradcam.kp{k + 1}.left-wrist.png" for k in range(len(targets))
+    ]
+    assert all((out / t["output"]).is_file() for t in targets)
+    spec = explain.load_model(f"{code}:spec")
+    with torch.no_grad():
+        (found,) = spec.model(spec.preprocess(explain.load_image(CAT)))
+    kept = found["scores"] >= 0.05
+    assert [t["score"] for t in targets] == pytest.approx(found["keypoints_scores"][kept, 9].tolist(), abs=1e-4)
+    capsys.readouterr()
+    assert main([str(CAT), "--model", "efficientnet_lite0", "--keypoint", "nose", "-o", str(tmp_path / "no")]) == 2
+    assert "--keypoint explains a pose model's keypoints" in capsys.readouterr().err

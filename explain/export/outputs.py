@@ -124,6 +124,8 @@ class OutputWriter:
         """What tells an image's outputs apart: the method, and which target (top class, detection, segment)."""
         if self.task == "detection":
             return f".{method}.box{k + 1}"
+        if self.task == "pose":  # one entry per detection and keypoint
+            return f".{method}.kp{k + 1}.{slug(class_name)}"
         if self.task == "segmentation":
             return f".{method}.{slug(class_name)}"
         return f".{method}" + (f".top{k + 1}" if self.topk else "")

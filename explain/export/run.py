@@ -32,7 +32,7 @@ from ..io.atomic import remove_temporary_files
 from ..io.video import windowed_maps
 from ..methods import Method, create_method
 from ..models import ModelSpec
-from ..targets import ClassTarget, DetectionTarget, SegmentationTarget, Target, TopK, class_index
+from ..targets import ClassTarget, DetectionTarget, KeypointTarget, SegmentationTarget, Target, TopK, class_index
 from ..targets.base import read_output
 from .distributed import Process, process_group, this_process
 from .gallery import remove_gallery
@@ -59,14 +59,22 @@ BACKGROUND = "__background__"  # the name of class 0 of torchvision's segmenters
 
 
 def task_target(
-    spec: ModelSpec, target: int | str | None = None, score_threshold: float = 0.5, topk: int | None = None
+    spec: ModelSpec,
+    target: int | str | None = None,
+    score_threshold: float = 0.5,
+    topk: int | None = None,
+    keypoint: str | None = None,
 ) -> Target:
     """What a model's maps explain by default, from its task.
 
     - classification: ``target`` for every image, else each image's top class (or its ``topk`` top classes);
     - segmentation: ``target`` over the pixels it wins, else every class that wins a pixel, background left out;
-    - detection: every detection scoring at least ``score_threshold`` (only those of class ``target``, if given).
+    - detection: every detection scoring at least ``score_threshold`` (only those of class ``target``, if given);
+      with ``keypoint`` (a pose model's keypoint name or index, or ``"all"``), that keypoint of each.
     """
+    if keypoint is not None:
+        chosen = None if keypoint == "all" else int(keypoint) if keypoint.isdigit() else keypoint
+        return KeypointTarget(chosen, labels=target, score_threshold=score_threshold)
     if spec.task == "segmentation":
         background = 0 if spec.labels[0] == BACKGROUND else None
         return SegmentationTarget(target, background=background)
@@ -98,6 +106,7 @@ def run_settings(spec: ModelSpec, options: ExportOptions) -> dict[str, Any]:
         "target": options.target,
         "topk": options.topk,
         "score_threshold": options.score_threshold,
+        "keypoint": options.keypoint,
         "alpha": render.alpha,
         "colormap": render.colormap,
         "fmt": render.fmt,
@@ -162,7 +171,7 @@ class _Explainer:
             )
             for name in selection.names
         }
-        self.target = task_target(spec, options.target, options.score_threshold, options.topk)
+        self.target = task_target(spec, options.target, options.score_threshold, options.topk, options.keypoint)
 
     def results(self, x: torch.Tensor) -> dict[str, CAMResult]:
         """Each method's result for a group; the grid leaves out a method that does not fit the model (CAM)."""
@@ -206,7 +215,7 @@ class _Explainer:
                     k=k,
                     cams={name: c[i, k] for name, c in cams.items()},
                     class_index=int(classes[i, k]),
-                    class_name=self.spec.labels[int(classes[i, k])],
+                    class_name=(bound.names or self.spec.labels)[int(classes[i, k])],
                     score=float(scores[i, k]),
                     box=None if boxes is None else (boxes[i, k] * scale).tolist(),
                     region=None if regions is None else regions[i, k],
@@ -332,7 +341,13 @@ def export_heatmaps(
     device = process.device(torch.device(device))
     explainer = _Explainer(spec, options, device)
     writer = OutputWriter(
-        out_dir, spec.name, spec.task, options.methods.written, options.topk, options.render, spec.preprocessing
+        out_dir,
+        spec.name,
+        "pose" if options.keypoint else spec.task,
+        options.methods.written,
+        options.topk,
+        options.render,
+        spec.preprocessing,
     )
     head = header(run_settings(spec, options))
     check_free(out_dir)  # another run's folder is refused before anything is read or written

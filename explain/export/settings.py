@@ -118,6 +118,8 @@ class ExportOptions:
             :func:`explain.export.run.task_target`).
         topk: A classifier's K top classes instead of one.
         score_threshold: The least score of an explained detection.
+        keypoint: A pose model's keypoint (a name such as ``left_wrist``, an index, or ``"all"``) explained for
+            each detection instead of its box.
         batch_size: Images per forward pass, and the perturbed copies per forward of the methods that make them.
         render: How maps are drawn and written.
         keep_aspect: Resize the short side to the input size (True), the whole image (False), or as the model
@@ -140,6 +142,7 @@ class ExportOptions:
     target: int | str | None = None
     topk: int | None = None
     score_threshold: float = 0.5
+    keypoint: str | None = None
     batch_size: int = 16
     render: RenderOptions = field(default_factory=RenderOptions)
     keep_aspect: bool | None = None
@@ -167,6 +170,8 @@ class ExportOptions:
             )
         if self.metrics and (self.methods.grid or self.topk is not None):
             raise ExplainError("--metrics measures one map per image; drop --method all and --topk")
+        if self.keypoint is not None and (self.topk is not None or self.metrics):
+            raise ExplainError("--keypoint explains a pose model's keypoints; drop --topk and --metrics")
         if self.topk is not None and self.target is not None:
             raise ExplainError("--topk and --target exclude each other")
         if self.topk is not None and self.topk < 1:
@@ -192,6 +197,8 @@ class ExportOptions:
             raise ExplainError(f"--topk explains a classifier's top classes; {name} is a {task} model")
         if self.metrics and task != "classification":
             raise ExplainError(f"--metrics explains a classifier's class; {name} is a {task} model")
+        if self.keypoint is not None and task != "detection":
+            raise ExplainError(f"--keypoint explains a pose model's keypoints; {name} is a {task} model")
         if self.topk is not None and self.topk > classes:
             raise ExplainError(f"--topk {self.topk} exceeds the model's {classes} classes")
         kind = spec.preprocessing.kind

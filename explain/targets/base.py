@@ -141,6 +141,7 @@ class BoundTarget:
         read: For a classifier's classes, what reads the (rows, classes) scores in an output; None for any
             other target. Its ``classes`` then index the rows of the classifier's last linear layer, which CAM
             weighs channels with, and the classes can be scored anew (:meth:`rescored`).
+        names: What ``classes`` index where it is not the model's labels (a pose model's keypoints), or None.
     """
 
     score: Callable[[Any, Tensor], Tensor]
@@ -151,6 +152,7 @@ class BoundTarget:
     boxes: Tensor | None = None
     regions: Tensor | None = None
     read: Callable[[Any], Tensor] | None = None
+    names: Sequence[str] | None = None
 
     @property
     def classifier_rows(self) -> bool:

@@ -118,8 +118,10 @@ class KeypointTarget(DetectionTarget):
             return torch.stack(scores) * valid[images]
 
         plain = score(output, torch.arange(len(found), device=bound.boxes.device)).detach()
+        names = self.names if self.names is not None else COCO_KEYPOINTS if count == len(COCO_KEYPOINTS) else None
         return replace(
             bound,
+            names=tuple(names) if names is not None else tuple(f"keypoint {i}" for i in range(count)),
             score=score,
             classes=chosen.repeat(bound.classes.shape[1]).expand(len(found), -1),
             probabilities=plain,
