@@ -20,7 +20,7 @@ from .errors import ExplainError
 from .export.inputs import Input, collect_inputs, listed_inputs
 from .export.manifest import check_fresh
 from .export.ownership import check_free
-from .export.settings import ExportOptions, RenderOptions
+from .export.settings import ExportOptions, Prompt, RenderOptions
 from .models.names import BUNDLED_MODEL, DEFAULT_MODEL, VIDEO_MODELS, is_user_model
 
 if TYPE_CHECKING:
@@ -51,9 +51,48 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _what_to_read(parser.add_argument)
     _how_to_explain(parser.add_argument)
+    _where_to_look(parser.add_argument)
     _what_to_say(parser.add_argument)
     _what_to_write(parser.add_argument)
     return parser
+
+
+def _where_to_look(add: Callable[..., Any]) -> None:
+    """What a dense or structured output's map explains: a depth estimator's region, a promptable segmenter's
+    prompt, a pose model's keypoint."""
+    add(
+        "--region",
+        metavar="X1,Y1,X2,Y2",
+        help="a depth estimator's region (--model FOLDER: DPT, GLPN, Depth Anything) in each photo's pixels: its "
+        "mean depth is explained (default: the whole photo)",
+    )
+    add(
+        "--region-mask",
+        type=Path,
+        metavar="FILE",
+        help="the region as a mask image (nonzero inside), resized to each photo",
+    )
+    add(
+        "--direction",
+        default="larger",
+        choices=("larger", "smaller", "nearer", "farther"),
+        help="what the region's depth is explained for: larger or smaller values, or nearer or farther (read from "
+        "the model's config); default larger",
+    )
+    add(
+        "--point",
+        action="append",
+        metavar="X,Y",
+        help="a point on the object for a promptable segmenter (--model FOLDER: SAM), in the photo's pixels; repeat "
+        "for several: the mask it draws is explained",
+    )
+    add("--box", metavar="X1,Y1,X2,Y2", help="a box around the object for a promptable segmenter (SAM)")
+    add(
+        "--keypoint",
+        metavar="NAME|INDEX",
+        help="a pose model's keypoint (Keypoint R-CNN, YOLO pose): its name (left_wrist, ...), index, or 'all'; one "
+        "overlay per detection and keypoint, scored by the model's own keypoint confidence",
+    )
 
 
 def _what_to_say(add: Callable[..., Any]) -> None:
@@ -147,12 +186,6 @@ def _how_to_explain(add: Callable[..., Any]) -> None:
     )
     add("--topk", type=int, help="write one overlay for each of the K top classes")
     add(
-        "--keypoint",
-        metavar="NAME|INDEX",
-        help="a pose model's keypoint (Keypoint R-CNN, YOLO pose): its name (left_wrist, ...), index, or 'all'; one "
-        "overlay per detection and keypoint, scored by the model's own keypoint confidence",
-    )
-    add(
         "--sanity-check",
         action="store_true",
         help="instead of overlays, run the model-parameter randomization test (Adebayo et al. 2018) of each --method "
@@ -218,6 +251,24 @@ def _what_to_write(add: Callable[..., Any]) -> None:
     add("--quiet", action="store_true", help="print nothing but errors")
 
 
+def _numbers(text: str | None, count: int, option: str) -> Any:
+    """``count`` numbers joined by commas (a point, a box), or None where the option is not given.
+
+    Raises:
+        UsageError: Not ``count`` numbers.
+    """
+    if text is None:
+        return None
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != count:
+        form = "x,y" if count == 2 else "x1,y1,x2,y2"
+        raise UsageError(f"{option} {text!r}: give {form}, numbers in the photo's pixels")
+    return values
+
+
 def _check_options(args: argparse.Namespace) -> None:
     """The command's own rules, beyond those of the export's settings."""
     if args.sanity_check and (args.topk is not None or args.metrics or args.figure or args.save_raw):
@@ -250,6 +301,13 @@ def export_options(args: argparse.Namespace) -> ExportOptions:
         topk=args.topk,
         score_threshold=args.score_threshold,
         keypoint=args.keypoint,
+        prompt=Prompt(
+            _numbers(args.region, 4, "--region"),
+            args.region_mask,
+            args.direction,
+            tuple(_numbers(point, 2, "--point") for point in args.point or ()),
+            _numbers(args.box, 4, "--box"),
+        ),
         batch_size=args.batch_size,
         render=RenderOptions(args.fmt, args.alpha, args.colormap, args.figure, args.save_raw),
         keep_aspect=args.keep_aspect or None,

@@ -141,3 +141,64 @@ def test_the_nearer_sign_is_read_from_the_config() -> None:
     assert nearer_sign(_depth_anything("metric")) == -1
     with pytest.raises(TargetError, match="give sign=1 where larger values are nearer"):
         nearer_sign(_dpt())
+
+
+def test_the_command_line_explains_a_depth_models_region_and_a_sams_prompt(tmp_path, capsys) -> None:
+    """Folders written by save_pretrained: a GLPN with its image processor (--region in the photo's pixels: the
+    manifest's score is the mean depth over it, the depth at the photo's size) and a SAM (--point: the mask it
+    draws, scored by its predicted IoU in the manifest); prompts a model takes none of are one line each."""
+    from conftest import CAT, manifest
+    from test_sam import _sam
+
+    from explain.cli import main
+    from explain.models.sam import SamPrompted
+
+    depth_folder, sam_folder, dpt_folder = tmp_path / "glpn", tmp_path / "sam", tmp_path / "dpt"
+    torch.manual_seed(0)
+    _glpn().save_pretrained(depth_folder)
+    transformers.GLPNImageProcessor(size_divisor=32).save_pretrained(depth_folder)
+    _dpt().save_pretrained(dpt_folder)
+    transformers.DPTImageProcessor(size={"height": 64, "width": 64}).save_pretrained(dpt_folder)
+    _sam().save_pretrained(sam_folder)
+
+    out = tmp_path / "depth"
+    assert main([str(CAT), "--model", str(depth_folder), "--region", "100,50,300,200", "--direction", "nearer",
+                 "-o", str(out)]) == 0  # fmt: skip
+    (record,) = manifest(out)
+    (target,) = record["targets"]
+    spec = explain.load_model(str(depth_folder))
+    with torch.no_grad():
+        depth = spec.model(spec.preprocess(explain.load_image(CAT)))
+    assert depth.shape == (1, 300, 451) and target["class_name"] == "depth"
+    assert target["score"] == pytest.approx(float(depth[0, 50:200, 100:300].mean()), rel=1e-4)
+    assert (out / target["output"]).is_file() and target["output"].endswith("chelsea.gradcam.depth.jpg")
+
+    out = tmp_path / "mask"
+    assert main([str(CAT), "--model", str(sam_folder), "--point", "200,150", "-o", str(out)]) == 0
+    (record,) = manifest(out)
+    (target,) = record["targets"]
+    prompted = SamPrompted(explain.load_model(str(sam_folder)).model, points=[(200.0, 150.0)])
+    with torch.no_grad():
+        ious = prompted(explain.load_model(str(sam_folder)).preprocess(explain.load_image(CAT))).iou_scores[0, 0]
+    assert target["class_index"] == int(ious.argmax()) and target["score"] == pytest.approx(float(ious.max()), abs=1e-6)
+
+    capsys.readouterr()
+    refused = (
+        ["--model", str(sam_folder)],
+        ["--model", str(depth_folder), "--point", "3,4"],
+        ["--model", "efficientnet_lite0", "--region", "1,2,3,4"],
+        ["--model", str(dpt_folder), "--direction", "nearer"],
+        ["--model", str(sam_folder), "--box", "1,2"],
+    )
+    for arguments in refused:
+        assert main([str(CAT), *arguments, "-o", str(tmp_path / "no")]) in (1, 2)
+    lines = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in lines if "error" in line]
+    assert any("give --point x,y or --box x1,y1,x2,y2" in line for line in errors)
+    assert any(
+        "--point and --box prompt a promptable segmenter (SAM); glpn is a depth model" in line for line in errors
+    )
+    assert any("--region explains a depth estimator's region; efficientnet_lite0 is a classification model" in line
+               for line in errors)  # fmt: skip
+    assert any("give sign=1 where larger values are nearer" in line for line in errors)
+    assert any("--box '1,2': give x1,y1,x2,y2" in line for line in errors)

@@ -126,6 +126,8 @@ class OutputWriter:
             return f".{method}.box{k + 1}"
         if self.task == "pose":  # one entry per detection and keypoint
             return f".{method}.kp{k + 1}.{slug(class_name)}"
+        if self.task in ("depth", "prompted"):  # one region or mask per image
+            return f".{method}.{class_name}"
         if self.task == "segmentation":
             return f".{method}.{slug(class_name)}"
         return f".{method}" + (f".top{k + 1}" if self.topk else "")

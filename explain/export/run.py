@@ -16,11 +16,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
@@ -29,10 +30,22 @@ from ..core.engine import CAMResult
 from ..core.maps import normalize_maps
 from ..errors import LayerError, NothingToExplain, TargetError, first_line
 from ..io.atomic import remove_temporary_files
+from ..io.images import load_image
 from ..io.video import windowed_maps
 from ..methods import Method, create_method
 from ..models import ModelSpec
-from ..targets import ClassTarget, DetectionTarget, KeypointTarget, SegmentationTarget, Target, TopK, class_index
+from ..targets import (
+    ClassTarget,
+    DetectionTarget,
+    KeypointTarget,
+    PromptMaskTarget,
+    RegionTarget,
+    SegmentationTarget,
+    Target,
+    TopK,
+    class_index,
+    nearer_sign,
+)
 from ..targets.base import read_output
 from .distributed import Process, process_group, this_process
 from .gallery import remove_gallery
@@ -53,7 +66,7 @@ from .manifest import (
 )
 from .outputs import Explained, Explanation, Failure, NothingFound, Outcome, OutputWriter, output_bases
 from .ownership import FolderLock, check_free
-from .settings import ExportOptions
+from .settings import ExportOptions, Prompt
 
 BACKGROUND = "__background__"  # the name of class 0 of torchvision's segmenters and detectors
 
@@ -64,14 +77,19 @@ def task_target(
     score_threshold: float = 0.5,
     topk: int | None = None,
     keypoint: str | None = None,
+    prompt: Prompt | None = None,
 ) -> Target:
     """What a model's maps explain by default, from its task.
 
     - classification: ``target`` for every image, else each image's top class (or its ``topk`` top classes);
     - segmentation: ``target`` over the pixels it wins, else every class that wins a pixel, background left out;
     - detection: every detection scoring at least ``score_threshold`` (only those of class ``target``, if given);
-      with ``keypoint`` (a pose model's keypoint name or index, or ``"all"``), that keypoint of each.
+      with ``keypoint`` (a pose model's keypoint name or index, or ``"all"``), that keypoint of each;
+    - depth: the mean depth over the ``prompt``'s region (the whole photo by default), in its direction;
+    - prompted: the mask a promptable segmenter draws for its prompt (see :func:`prompted_model`).
     """
+    if spec.task in ("depth", "prompted"):
+        return _dense_target(spec, prompt or Prompt())
     if keypoint is not None:
         chosen = None if keypoint == "all" else int(keypoint) if keypoint.isdigit() else keypoint
         return KeypointTarget(chosen, labels=target, score_threshold=score_threshold)
@@ -81,6 +99,42 @@ def task_target(
     if spec.task == "detection":
         return DetectionTarget(labels=target, score_threshold=score_threshold)
     return TopK(topk) if topk else ClassTarget(target)
+
+
+def _dense_target(spec: ModelSpec, prompt: Prompt) -> Target:
+    """A depth estimator's region target, or a promptable segmenter's mask target."""
+    if spec.task == "prompted":
+        return PromptMaskTarget()
+    if prompt.direction in ("nearer", "farther"):
+        nearer = nearer_sign(spec.model)
+        sign = nearer if prompt.direction == "nearer" else -nearer
+    else:
+        sign = 1 if prompt.direction == "larger" else -1
+    if prompt.region_mask is not None:
+        image = load_image(prompt.region_mask).convert("L")
+        return RegionTarget(mask=torch.from_numpy(np.asarray(image) > 0), sign=sign)
+    if prompt.region is not None:
+        return RegionTarget(box=prompt.region, sign=sign)
+    return RegionTarget(mask=torch.ones(1, 1), sign=sign)
+
+
+def prompted_model(spec: ModelSpec, prompt: Prompt) -> ModelSpec:
+    """A promptable segmenter's spec with its prompt fixed (:class:`explain.models.sam.SamPrompted`); any other
+    spec as it is."""
+    if spec.task != "prompted":
+        return spec
+    from ..models.sam import SamPrompted
+
+    points = [tuple(point) for point in prompt.points] or None
+    return replace(spec, model=SamPrompted(spec.model, points=points, box=prompt.box))
+
+
+def _writer(out_dir: Path, spec: ModelSpec, options: ExportOptions) -> OutputWriter:
+    """The run's writer: a pose model's keypoints are written one per detection and keypoint."""
+    task = "pose" if options.keypoint else spec.task
+    return OutputWriter(
+        out_dir, spec.name, task, options.methods.written, options.topk, options.render, spec.preprocessing
+    )
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -107,6 +161,13 @@ def run_settings(spec: ModelSpec, options: ExportOptions) -> dict[str, Any]:
         "topk": options.topk,
         "score_threshold": options.score_threshold,
         "keypoint": options.keypoint,
+        "prompt": {
+            "region": options.prompt.region,
+            "region_mask": str(options.prompt.region_mask or "") or None,
+            "direction": options.prompt.direction,
+            "points": [list(p) for p in options.prompt.points],
+            "box": options.prompt.box,
+        },
         "alpha": render.alpha,
         "colormap": render.colormap,
         "fmt": render.fmt,
@@ -161,6 +222,7 @@ class _Explainer:
     """The model step: explains a group of same-shape images with every asked method."""
 
     def __init__(self, spec: ModelSpec, options: ExportOptions, device: torch.device) -> None:
+        spec = prompted_model(spec, options.prompt)
         self.spec = spec
         self.options = options
         self.device = device
@@ -171,7 +233,9 @@ class _Explainer:
             )
             for name in selection.names
         }
-        self.target = task_target(spec, options.target, options.score_threshold, options.topk, options.keypoint)
+        self.target = task_target(
+            spec, options.target, options.score_threshold, options.topk, options.keypoint, options.prompt
+        )
 
     def results(self, x: torch.Tensor) -> dict[str, CAMResult]:
         """Each method's result for a group; the grid leaves out a method that does not fit the model (CAM)."""
@@ -340,15 +404,7 @@ def export_heatmaps(
     options.check_task(spec)
     device = process.device(torch.device(device))
     explainer = _Explainer(spec, options, device)
-    writer = OutputWriter(
-        out_dir,
-        spec.name,
-        "pose" if options.keypoint else spec.task,
-        options.methods.written,
-        options.topk,
-        options.render,
-        spec.preprocessing,
-    )
+    writer = _writer(out_dir, spec, options)
     head = header(run_settings(spec, options))
     check_free(out_dir)  # another run's folder is refused before anything is read or written
     lock = FolderLock(out_dir, last=process.rank == 0)

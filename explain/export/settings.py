@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..catalog import ALL_METHODS, FAST_METHOD_NAMES, check_method, check_metrics
@@ -104,6 +105,44 @@ class RenderOptions:
 
 
 @dataclass(frozen=True)
+class Prompt:
+    """Where a dense model's target lies: a depth estimator's region, a promptable segmenter's prompt; every
+    coordinate in the photo's own pixels.
+
+    Attributes:
+        region: A depth estimator's region ``(x1, y1, x2, y2)``; None (and no ``region_mask``): the whole photo.
+        region_mask: A mask image of the region (nonzero inside), resized to each photo.
+        direction: What the region's mean depth is explained for: ``"larger"`` or ``"smaller"`` values, or
+            ``"nearer"`` or ``"farther"`` (read from the model's config: see :func:`explain.targets.nearer_sign`).
+        points: A promptable segmenter's points ``(x, y)`` on the object.
+        box: A promptable segmenter's box ``(x1, y1, x2, y2)``.
+    """
+
+    region: tuple[float, float, float, float] | None = None
+    region_mask: Path | None = None
+    direction: str = "larger"
+    points: tuple[tuple[float, float], ...] = ()
+    box: tuple[float, float, float, float] | None = None
+
+    def check(self, name: str, task: str) -> None:
+        """Refuse a prompt the model's task takes none of, or a promptable segmenter without one.
+
+        Raises:
+            ExplainError: Naming the option and the model.
+        """
+        if task != "depth" and (self.region is not None or self.region_mask is not None or self.direction != "larger"):
+            raise ExplainError(f"--region explains a depth estimator's region; {name} is a {task} model")
+        if task != "prompted" and (self.points or self.box is not None):
+            raise ExplainError(f"--point and --box prompt a promptable segmenter (SAM); {name} is a {task} model")
+        if task == "prompted" and not self.points and self.box is None:
+            raise ExplainError(f"{name} draws the mask of a prompt: give --point x,y or --box x1,y1,x2,y2")
+        if self.region is not None and self.region_mask is not None:
+            raise ExplainError("give the region as --region or as --region-mask, not both")
+        if self.direction not in ("larger", "smaller", "nearer", "farther"):
+            raise ExplainError(f"--direction must be larger, smaller, nearer or farther, got {self.direction!r}")
+
+
+@dataclass(frozen=True)
 class ExportOptions:
     """What to explain and what to write for each image, checked when made.
 
@@ -120,6 +159,7 @@ class ExportOptions:
         score_threshold: The least score of an explained detection.
         keypoint: A pose model's keypoint (a name such as ``left_wrist``, an index, or ``"all"``) explained for
             each detection instead of its box.
+        prompt: A depth estimator's region or a promptable segmenter's prompt.
         batch_size: Images per forward pass, and the perturbed copies per forward of the methods that make them.
         render: How maps are drawn and written.
         keep_aspect: Resize the short side to the input size (True), the whole image (False), or as the model
@@ -143,6 +183,7 @@ class ExportOptions:
     topk: int | None = None
     score_threshold: float = 0.5
     keypoint: str | None = None
+    prompt: Prompt = field(default_factory=Prompt)
     batch_size: int = 16
     render: RenderOptions = field(default_factory=RenderOptions)
     keep_aspect: bool | None = None
@@ -199,6 +240,7 @@ class ExportOptions:
             raise ExplainError(f"--metrics explains a classifier's class; {name} is a {task} model")
         if self.keypoint is not None and task != "detection":
             raise ExplainError(f"--keypoint explains a pose model's keypoints; {name} is a {task} model")
+        self.prompt.check(name, task)
         if self.topk is not None and self.topk > classes:
             raise ExplainError(f"--topk {self.topk} exceeds the model's {classes} classes")
         kind = spec.preprocessing.kind

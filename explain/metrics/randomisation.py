@@ -125,12 +125,7 @@ def smprt(
     Returns:
         The comparisons of the smoothed maps per depth.
     """
-    if perturbations is None:
-        generator = None if noise_seed is None else torch.Generator().manual_seed(noise_seed)
-        perturbations = torch.randn((len(x), samples - 1, *x.shape[1:]), generator=generator)
-        spread = (x.flatten(1).amax(dim=1) - x.flatten(1).amin(dim=1)).view(-1, 1, *[1] * (x.dim() - 1))
-        perturbations = perturbations.to(x.device, x.dtype) * noise * spread
-    copies = x[:, None] + perturbations.to(x.device, x.dtype)
+    copies = x[:, None] + _smoothing_noise(x, samples, noise, perturbations, noise_seed)
 
     def smoothed(run: Any, images: Tensor, goal: Any, kwargs: Mapping[str, Any] | None) -> CAMResult:
         found = run(images, goal, model_kwargs=kwargs)
@@ -146,6 +141,17 @@ def smprt(
         model_kwargs=model_kwargs, options=options, maps_of=smoothed,
     )  # fmt: skip
     return compared(x, trained, randomization.blocks, wanted, results)
+
+
+def _smoothing_noise(x: Tensor, samples: int, noise: float, given: Tensor | None, seed: int | None) -> Tensor:
+    """sMPRT's noise, (N, samples - 1, ...): Gaussian of standard deviation ``noise`` times each image's range
+    (max - min), drawn from ``seed``, or the noise given."""
+    if given is None:
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        drawn = torch.randn((len(x), samples - 1, *x.shape[1:]), generator=generator).to(x.device, x.dtype)
+        spread = (x.flatten(1).amax(dim=1) - x.flatten(1).amin(dim=1)).view(-1, 1, *[1] * (x.dim() - 1))
+        return drawn * noise * spread
+    return given.to(x.device, x.dtype)
 
 
 def histogram_entropy(maps: Tensor, bins: int = 100) -> Tensor:

@@ -113,17 +113,24 @@ def relative_stability(
     maps = plain.reshape(len(x), 1, -1)
     numerator = _relative(maps - moved.flatten(2), maps, eps)
     module = resolve_layer(model, layer, x)[1] if layer is not None else None
-    step = batch_size or len(x)
-    scores, view = _reads(model, x, module, step)
-    copy_scores, copy_view = _reads(model, copies.flatten(0, 1), module, step)
-    copy_scores, copy_view = copy_scores.view(len(x), noise.shape[1], -1), copy_view.view(len(x), noise.shape[1], -1)
+    denominator, same = _view_moves(model, x, copies, relative_to, module, batch_size or len(x), eps)
+    return _kept_max(numerator / denominator.clamp_min(eps), same)
+
+
+def _view_moves(
+    model: nn.Module, x: Tensor, copies: Tensor, relative_to: View, layer: nn.Module | None, step: int, eps: float
+) -> tuple[Tensor, Tensor]:
+    """How far each copy (N, S, ...) moves the view of the image (the input or the layer's output relatively,
+    the logits absolutely), (N, S), and whether the model classifies the copy as the image, (N, S)."""
+    scores, view = _reads(model, x, layer, step)
+    copy_scores, copy_view = _reads(model, copies.flatten(0, 1), layer, step)
+    copy_scores, copy_view = copy_scores.view(*copies.shape[:2], -1), copy_view.view(*copies.shape[:2], -1)
     if relative_to == "output":
-        denominator = (scores[:, None] - copy_scores).norm(dim=2)
+        moves = (scores[:, None] - copy_scores).norm(dim=2)
     else:
         before, after = (x.flatten(1), copies.flatten(2)) if relative_to == "input" else (view, copy_view)
-        denominator = _relative(before[:, None] - after, before[:, None], eps)
-    same = copy_scores.argmax(dim=2) == scores.argmax(dim=1, keepdim=True)
-    return _kept_max(numerator / denominator.clamp_min(eps), same)
+        moves = _relative(before[:, None] - after, before[:, None], eps)
+    return moves, copy_scores.argmax(dim=2) == scores.argmax(dim=1, keepdim=True)
 
 
 def relative_input_stability(explainer: Explainer, x: Tensor, target: TargetLike = None, **options: Any) -> Tensor:

@@ -18,6 +18,7 @@ from PIL import Image
 from ..errors import ModelLoadError, first_line
 from .cache import HUB_HOST, check_online, timm_cached, torch_cached
 from .checkpoints import fit_checkpoint, lite0_state_to_timm, load_strictly, read_state_dict
+from .dense import dense_kind
 from .names import BUNDLED_MODEL as BUNDLED
 from .names import DEFAULT_MODEL, USER_MODEL, is_user_model
 from .spec import ClipPreprocessing, ModelSpec, Preprocessing, Task
@@ -68,7 +69,9 @@ def load_model(
             as ``"timm/NAME"`` (``"timm/vit_small_patch16_224.augreg_in21k_ft_in1k"``: the
             architecture and, after a dot, the pretrained tag; needs the ``timm`` package), or an Ultralytics
             YOLO detector as its checkpoint file (``yolo11n.pt``) or model yaml (``yolo11n.yaml``: random
-            weights; needs ``pip install "explain[yolo]"``), or a model of the user's own code as
+            weights; needs ``pip install "explain[yolo]"``), or a Hugging Face depth estimator's (DPT, GLPN, Depth
+            Anything, ZoeDepth) or promptable segmenter's (SAM) ``save_pretrained`` folder (see
+            :mod:`explain.models.dense`), or a model of the user's own code as
             ``"FILE.py:NAME"`` (see :func:`load_user_model`: a 3-D or 1-D network, say).
             Pretrained weights are downloaded once into torch's or timm's cache.
         weights: A state_dict file (``.pt``/``.pth``/``.safetensors``) for the
@@ -86,6 +89,10 @@ def load_model(
     if name.startswith(TIMM_PREFIX):
         spec = _load_timm(name, weights)
         return _finished(spec, labels, device)
+    if dense_kind(name) is not None:  # a Hugging Face depth estimator's or promptable segmenter's folder
+        from .dense import load_dense_model
+
+        return load_dense_model(name, device)
     if is_user_model(name):
         return _finished(_load_user(name, weights), labels, device)
     if Path(name).suffix in YOLO_SUFFIXES:

@@ -18,7 +18,7 @@ from ..io.images import input_size, load_image, rgb_array, to_tensor
 from ..io.video import read_frames
 
 ImageLike = Image.Image | np.ndarray | str | Path
-Task = Literal["classification", "segmentation", "detection"]
+Task = Literal["classification", "segmentation", "detection", "depth", "prompted"]
 
 
 @dataclass(frozen=True)
@@ -264,7 +264,8 @@ class ModelSpec:
         preprocessing: How an image becomes the model's input, or for a video classifier how a clip's frames do.
         task: What the model does, which decides the default target: ``"classification"``
             ((N, classes) scores), ``"segmentation"`` (a dict whose ``"out"`` is (N, classes,
-            H, W)) or ``"detection"`` (a list of dicts of boxes, labels and scores).
+            H, W)), ``"detection"`` (a list of dicts of boxes, labels and scores), ``"depth"`` (a depth map (N, H,
+            W) at the input's size) or ``"prompted"`` (a promptable segmenter: SAM, given its prompt).
     """
 
     model: nn.Module
