@@ -2,7 +2,8 @@
 name (``loaders.py``); users' checkpoints (``checkpoints.py``); the bundled EfficientNet-Lite0
 (``efficientnet_lite0.py``); object-query detectors and segmenters answering as torchvision's
 (``query_models.py``); vision-language models reading fixed text (``vision_language.py``); Ultralytics YOLO
-answering as torchvision's detectors (``yolo.py``); the names the command line takes (``names.py``, read without
+answering as torchvision's detectors (``yolo.py``); Hugging Face depth estimators and promptable segmenters by
+folder (``dense.py``, ``sam.py``); the names the command line takes (``names.py``, read without
 torch); pretrained weights from the local cache first (``cache.py``). Each public name below is imported from its
 module on first use.
 """
@@ -15,6 +16,10 @@ from ..lazy_names import lazy_names
 _EXPORTS = {
     "lite0_state_to_timm": "checkpoints",
     "read_state_dict": "checkpoints",
+    "DepthEstimator": "dense",
+    "ProcessorResize": "dense",
+    "dense_kind": "dense",
+    "load_dense_model": "dense",
     "TIMM_PREFIX": "loaders",
     "available_models": "loaders",
     "imagenet_labels": "loaders",
@@ -23,6 +28,8 @@ _EXPORTS = {
     "QueryDetector": "query_models",
     "QuerySegmenter": "query_models",
     "TextQueryDetector": "query_models",
+    "SamPrompted": "sam",
+    "SamResize": "sam",
     "IMAGENET_PREPROCESSING": "spec",
     "ClipPreprocessing": "spec",
     "ImageLike": "spec",
