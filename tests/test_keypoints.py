@@ -85,6 +85,7 @@ def test_each_keypoint_is_grad_cam_of_its_own_score_and_all_of_them_come_in_one_
                                                normalize=False)  # fmt: skip
     assert every.raw.shape[:2] == (2, KEYPOINTS) and every.class_indices[0].tolist() == list(range(KEYPOINTS))
     torch.testing.assert_close(every.probabilities, torch.stack([f["keypoints_scores"][0] for f in plain]))
+    torch.testing.assert_close(every.target.points, torch.stack([f["keypoints"][0, :, :2] for f in plain]))
     for keypoint in (0, 9, 16):
         expected = _reference(pose_model, x, boxes, keypoint)
         got = every.raw[:, keypoint]
@@ -155,6 +156,15 @@ def test_the_command_line_writes_one_overlay_per_detection_and_keypoint(tmp_path
         (found,) = spec.model(spec.preprocess(explain.load_image(CAT)))
     kept = found["scores"] >= 0.05
     assert [t["score"] for t in targets] == pytest.approx(found["keypoints_scores"][kept, 9].tolist(), abs=1e-4)
+    where = found["keypoints"][kept, 9, :2]
+    torch.testing.assert_close(torch.tensor([t["point"] for t in targets]), where, atol=0.06, rtol=0)  # to 0.1 px
+    from PIL import Image
+
+    from explain.io.render import BOX_COLOUR
+
+    for target in targets:  # the keypoint's dot on its overlay
+        x, y = (min(max(round(v), 0), side - 1) for v, side in zip(target["point"], (451, 300)))
+        assert Image.open(out / target["output"]).convert("RGB").getpixel((x, y)) == BOX_COLOUR
     capsys.readouterr()
     assert main([str(CAT), "--model", "efficientnet_lite0", "--keypoint", "nose", "-o", str(tmp_path / "no")]) == 2
     assert "--keypoint explains a pose model's keypoints" in capsys.readouterr().err

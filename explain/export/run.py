@@ -269,6 +269,7 @@ class _Explainer:
         classes, scores = per_target(first.class_indices), per_target(first.probabilities)
         valid = torch.ones(classes.shape, dtype=torch.bool) if bound.valid is None else bound.valid.cpu()
         boxes = None if bound.boxes is None else bound.boxes.cpu()
+        points = None if bound.points is None else bound.points.cpu()
         regions = None if bound.regions is None else bound.regions.cpu()
         measured = {name: self.measured(x, result) for name, result in results.items()}
         explained = []
@@ -282,6 +283,7 @@ class _Explainer:
                     class_name=(bound.names or self.spec.labels)[int(classes[i, k])],
                     score=float(scores[i, k]),
                     box=None if boxes is None else (boxes[i, k] * scale).tolist(),
+                    point=None if points is None else (points[i, k] * scale[:2]).tolist(),
                     region=None if regions is None else regions[i, k],
                     **self.image_metrics(measured, i),
                 )

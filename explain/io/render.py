@@ -7,7 +7,7 @@ import functools
 import html
 import io
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import matplotlib
@@ -198,9 +198,11 @@ def annotate(
     label: str,
     box: tuple[float, float, float, float] | None = None,
     region: Tensor | np.ndarray | None = None,
+    point: Sequence[float] | None = None,
 ) -> Image.Image:
     """Draw what a map explains on its picture: a detection's box (image pixels), or a segment's outline
-    (a mask of any resolution, resized to the picture), and a label at its top left corner."""
+    (a mask of any resolution, resized to the picture), a keypoint's position (a ringed dot), and a label at its
+    top left corner."""
     annotated, corner = picture.copy(), (0.0, 0.0)
     width, height = annotated.size
     thickness = max(2, round(min(width, height) / 200))
@@ -216,6 +218,10 @@ def annotate(
     if box is not None:
         draw.rectangle(box, outline=BOX_COLOUR, width=thickness)
         corner = (box[0], box[1])
+    if point is not None:
+        radius = 2 * thickness
+        x, y = point
+        draw.ellipse((x - radius, y - radius, x + radius, y + radius), fill=BOX_COLOUR, outline=(0, 0, 0), width=1)
     font = ImageFont.load_default(size=max(10, round(min(width, height) / 30)))
     _, _, right, bottom = draw.textbbox((0, 0), label, font=font)
     x = min(max(0.0, corner[0]), max(0.0, width - right))

@@ -125,7 +125,7 @@ def load_dense_model(name: str, device: str | torch.device = "cpu") -> ModelSpec
     kind = dense_kind(name)
     try:
         if kind == "prompted":
-            model = transformers.SamModel.from_pretrained(name, local_files_only=True).eval()
+            model = transformers.AutoModel.from_pretrained(name, local_files_only=True).eval()  # SAM, SAM-HQ
             return ModelSpec(model.to(device), Path(name).name, ["mask"], UNIT, "prompted")
         model = transformers.AutoModelForDepthEstimation.from_pretrained(name, local_files_only=True).eval()
         processor = transformers.AutoImageProcessor.from_pretrained(name, local_files_only=True)

@@ -142,6 +142,8 @@ class BoundTarget:
             other target. Its ``classes`` then index the rows of the classifier's last linear layer, which CAM
             weighs channels with, and the classes can be scored anew (:meth:`rescored`).
         names: What ``classes`` index where it is not the model's labels (a pose model's keypoints), or None.
+        points: The explained points (x, y) in input pixels, (N, K, 2) (a pose model's keypoints on the plain
+            pass), or None.
     """
 
     score: Callable[[Any, Tensor], Tensor]
@@ -153,6 +155,7 @@ class BoundTarget:
     regions: Tensor | None = None
     read: Callable[[Any], Tensor] | None = None
     names: Sequence[str] | None = None
+    points: Tensor | None = None
 
     @property
     def classifier_rows(self) -> bool:

@@ -118,6 +118,9 @@ class KeypointTarget(DetectionTarget):
             return torch.stack(scores) * valid[images]
 
         plain = score(output, torch.arange(len(found), device=bound.boxes.device)).detach()
+        points = torch.stack([
+            self.located(d, bound.boxes[i], bound.classes[i], chosen) for i, d in enumerate(found)
+        ])  # fmt: skip
         names = self.names if self.names is not None else COCO_KEYPOINTS if count == len(COCO_KEYPOINTS) else None
         return replace(
             bound,
@@ -127,4 +130,13 @@ class KeypointTarget(DetectionTarget):
             probabilities=plain,
             valid=valid,
             boxes=bound.boxes.repeat_interleave(per, dim=1),
+            points=points,
         )
+
+    def located(self, detections: Any, boxes: Tensor, labels: Tensor, chosen: Tensor) -> Tensor:
+        """Where one image's chosen keypoints of each reference detection lie on the plain pass, (D * P, 2) in input
+        pixels: detection after detection, as the K axis."""
+        if "keypoints" not in detections or not len(detections["keypoints"]):
+            return boxes.new_zeros(len(boxes) * len(chosen), 2)
+        index, _ = self.match(detections, boxes, labels)
+        return detections["keypoints"][index][:, chosen, :2].detach().reshape(-1, 2).to(boxes.dtype)
