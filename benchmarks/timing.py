@@ -21,6 +21,7 @@ def rounds_and_out(doc: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", help="also write the table to this markdown file")
+    parser.add_argument("--only", help="run only the rows whose names hold one of these, comma-separated")
     return parser.parse_args()
 
 

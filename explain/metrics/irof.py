@@ -2,7 +2,7 @@
 methods", 2020): superpixels removed one at a time, most relevant first, the score followed down.
 
 Superpixels are the user's (a label image per input) or scikit-image's SLIC with its defaults, as Quantus makes
-them (``pip install scikit-image``).
+them (``pip install "explain[superpixels]"``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def superpixels(x: Tensor) -> Tensor:
         from skimage.segmentation import slic
     except ImportError:
         raise ExplainError(
-            "irof draws SLIC superpixels with scikit-image: pip install scikit-image, or pass segments="
+            'irof draws SLIC superpixels with scikit-image: pip install "explain[superpixels]", or pass segments='
         ) from None
     images = x.detach().double().movedim(1, -1).cpu().numpy()
     return torch.stack([torch.from_numpy(slic(image, start_label=0)).long() for image in images]).to(x.device)
