@@ -350,3 +350,64 @@ def test_a_pose_models_keypoint_is_its_raw_rows_confidence_and_its_map_the_refer
     assert result.raw.shape == (1, 1, height, width) and expected.abs().max() > 0
     assert (result.raw[:, 0] - expected).abs().max() <= 1e-4 * expected.abs().max()
     assert hook_count(pose) == 0
+
+
+def test_an_oriented_box_is_its_raw_row_matched_by_rotated_iou_and_its_map_the_reference() -> None:
+    """YOLO11 OBB (random weights that detect): each kept detection's oriented box is its raw row's, mapped back
+    through the letterbox (its angle kept), suppressed by rotated IoU; its map is Grad-CAM of its score, written
+    out here; the upright box is the rotated one's hull."""
+    from explain.targets import OrientedDetectionTarget, rotated_iou
+    from explain.targets.oriented import rotated_corners
+
+    obb = detecting("yolo11n-obb.yaml")
+    x = image()
+    kept = {}
+    handle = obb.get_submodule(LEVEL).register_forward_hook(lambda m, i, o: kept.update(a=o) or o.clone())
+    (found,) = obb(x)
+    handle.remove()
+    assert len(found["rboxes"]) > 1
+    overlaps = rotated_iou(found["rboxes"].detach(), found["rboxes"].detach()).fill_diagonal_(0)
+    same = found["labels"][:, None] == found["labels"][None]
+    assert bool((overlaps[same] < obb.iou).all())  # no two kept boxes of a class overlap past the threshold
+    boxed = obb.transform(x)
+    raw = obb.model(boxed.tensors)[0][0]  # (4 + classes + 1, anchors)
+    top, left = boxed.offset
+    centre = found["rboxes"][0, :2] * boxed.scale + torch.tensor([left, top])
+    row = int((raw[:2].T - centre).abs().sum(dim=1).argmin())
+    torch.testing.assert_close(found["rboxes"][0, 2:4], raw[2:4, row] / boxed.scale)
+    torch.testing.assert_close(found["rboxes"][0, 4], raw[-1, row])
+    corners = rotated_corners(found["rboxes"][:1].detach())[0]
+    torch.testing.assert_close(found["boxes"][0].detach(), torch.cat([corners.amin(0), corners.amax(0)]))
+
+    (g,) = torch.autograd.grad(found["scores"][0], kept["a"])
+    cam = (g.mean(dim=(2, 3), keepdim=True) * kept["a"]).sum(dim=1).clamp(min=0).detach()
+    (height, width) = boxed.image_sizes[0]
+    expected = F.interpolate(cam[:, None], size=boxed.tensors.shape[-2:], mode="bilinear", align_corners=False)
+    expected = expected[:, 0, top : top + height, left : left + width]
+    target = OrientedDetectionTarget(found["rboxes"][:1].detach(), [int(found["labels"][0])])
+    result = explain.GradCAM(obb, LEVEL)(x, target, normalize=False)
+    assert result.raw.shape == (1, 1, height, width) and expected.abs().max() > 0
+    assert (result.raw[:, 0] - expected).abs().max() <= 1e-4 * expected.abs().max()
+    assert hook_count(obb) == 0
+
+
+def test_rotated_iou_is_exact() -> None:
+    """Upright boxes: the upright IoU; a square and itself turned 45 degrees: the regular octagon they share,
+    8 (sqrt 2 - 1) of its area 4, over the union; boxes apart: 0."""
+    import math
+
+    from explain.targets import box_iou, rotated_iou
+
+    a = torch.tensor([[10.0, 10, 8, 6, 0], [0, 0, 4, 4, 0]])
+    b = torch.tensor([[12.0, 11, 8, 6, 0], [1, 1, 2, 2, 0], [40, 40, 2, 2, 0.3]])
+
+    def upright(r: torch.Tensor) -> torch.Tensor:
+        return torch.stack(
+            [r[:, 0] - r[:, 2] / 2, r[:, 1] - r[:, 3] / 2, r[:, 0] + r[:, 2] / 2, r[:, 1] + r[:, 3] / 2], 1
+        )
+
+    torch.testing.assert_close(rotated_iou(a, b), box_iou(upright(a), upright(b)))
+    square, turned = torch.tensor([[0.0, 0, 2, 2, 0]]), torch.tensor([[0.0, 0, 2, 2, math.pi / 4]])
+    octagon = 8 * (math.sqrt(2) - 1)
+    assert rotated_iou(square, turned).item() == pytest.approx(octagon / (8 - octagon), rel=1e-5)
+    assert rotated_iou(turned, turned).item() == pytest.approx(1.0, rel=1e-6)

@@ -70,7 +70,9 @@ class YoloDetector(nn.Module):
     ``"boxes"`` (x1, y1, x2, y2 in input pixels), ``"labels"`` and ``"scores"``; for a segmentation model
     ``"masks"`` (detections, 1, H, W), as Mask R-CNN's, for :class:`explain.targets.InstanceTarget`; for a pose
     model ``"keypoints"`` and ``"keypoints_scores"``, as Keypoint R-CNN's, for
-    :class:`explain.targets.KeypointTarget`.
+    :class:`explain.targets.KeypointTarget`; for an oriented (OBB) model ``"rboxes"`` (cx, cy, w, h, angle in input
+    pixels), suppressed by their rotated IoU, with ``"boxes"`` the upright boxes around them, for
+    :class:`explain.targets.OrientedDetectionTarget`.
 
     The input, [0, 1] RGB images of any size, is letterboxed as Ultralytics predicts (see :class:`Letterbox`).
     The model's raw predictions, one row per anchor with its box and its class scores, go through torchvision's
@@ -106,6 +108,7 @@ class YoloDetector(nn.Module):
         self.labels = [str(names.get(i, i)) for i in range(self.classes)]
         shape = getattr(head, "kpt_shape", None)  # a pose head's (keypoints, 2 or 3 values each)
         self.keypoint_shape = (int(shape[0]), int(shape[1])) if shape is not None else None
+        self.oriented = type(head).__name__ == "OBB"  # its rows end with each box's angle
 
     def forward(self, x: Tensor) -> list[dict[str, Tensor]]:
         from torchvision.ops import batched_nms
@@ -124,8 +127,12 @@ class YoloDetector(nn.Module):
         detections = []
         for i, (image_corners, image_scores, image_labels) in enumerate(zip(corners, scores, labels)):
             candidates = (image_scores >= self.score_thresh).nonzero()[:, 0]
-            kept = batched_nms(image_corners[candidates].detach(), image_scores[candidates], image_labels[candidates],
-                               self.iou)  # fmt: skip
+            if self.oriented:
+                rotated = self._rotated(rows[i, :, candidates].T, boxed)
+                kept = _rotated_nms(rotated.detach(), image_scores[candidates], image_labels[candidates], self.iou)
+            else:
+                kept = batched_nms(image_corners[candidates].detach(), image_scores[candidates],
+                                   image_labels[candidates], self.iou)  # fmt: skip
             chosen = candidates[kept[: self.max_det]]
             found = {
                 "boxes": image_corners[chosen],
@@ -137,6 +144,8 @@ class YoloDetector(nn.Module):
                 found["masks"] = self._masks(prototypes[i], coefficients, on_canvas[i, chosen].detach(), boxed, x)
             if self.keypoint_shape is not None:
                 found.update(self._keypoints(rows[i, 4 + self.classes :, chosen].T, boxed))
+            if self.oriented:
+                found.update(self._oriented(self._rotated(rows[i, :, chosen].T, boxed)))
             detections.append(found)
         return detections
 
@@ -168,6 +177,21 @@ class YoloDetector(nn.Module):
         confidence = points[..., 2] if dims == 3 else torch.ones_like(points[..., 0])
         return {"keypoints": torch.cat([where, confidence[..., None]], dim=-1), "keypoints_scores": confidence}
 
+    def _rotated(self, rows: Tensor, boxed: Letterboxed) -> Tensor:
+        """An OBB model's oriented boxes from their rows (K, 4 + classes + 1): (cx, cy, w, h, angle) in input
+        pixels, mapped back through the letterbox (its scale is the same along both axes, so the angle stays)."""
+        top, left = boxed.offset
+        centre = (rows[:, :2] - rows.new_tensor([left, top])) / boxed.scale
+        return torch.cat([centre, rows[:, 2:4] / boxed.scale, rows[:, -1:]], dim=1)
+
+    @staticmethod
+    def _oriented(rotated: Tensor) -> dict[str, Tensor]:
+        """An OBB model's detections' ``"rboxes"`` and, as ``"boxes"``, the upright boxes around them."""
+        from ..targets.oriented import rotated_corners
+
+        corners = rotated_corners(rotated)
+        return {"rboxes": rotated, "boxes": torch.cat([corners.amin(dim=1), corners.amax(dim=1)], dim=1)}
+
     def _usable_cache(self) -> None:
         """The Detect head caches its anchors and strides at the first forward of an input shape. Made under
         ``torch.inference_mode()`` (a user's plain prediction), they are inference tensors, which a pass with
@@ -179,6 +203,33 @@ class YoloDetector(nn.Module):
             cached = getattr(head, name, None)
             if isinstance(cached, Tensor) and cached.is_inference():
                 setattr(head, name, cached.clone())
+
+
+def _rotated_nms(boxes: Tensor, scores: Tensor, labels: Tensor, iou: float) -> Tensor:
+    """Greedy non-maximum suppression of oriented boxes (K, 5) by their exact rotated IoU, class by class: the
+    indices kept, best score first. Each kept box is compared with the boxes left whose upright hulls it overlaps,
+    one row at a time (never K x K polygons). (Ultralytics suppresses by a probabilistic IoU of the boxes'
+    Gaussians: the kept sets can differ where two boxes' overlaps lie near ``iou``.)"""
+    from ..targets.oriented import rotated_corners, rotated_iou
+
+    order = scores.argsort(descending=True)
+    boxes, labels = boxes[order], labels[order]
+    corners = rotated_corners(boxes)
+    hulls = torch.cat([corners.amin(dim=1), corners.amax(dim=1)], dim=1)
+    alive = torch.ones(len(order), dtype=torch.bool, device=boxes.device)
+    kept = []
+    for k in range(len(order)):
+        if not alive[k]:
+            continue
+        kept.append(k)
+        rest = (alive & (labels == labels[k])).nonzero()[:, 0]
+        rest = rest[rest > k]
+        near = rest[
+            (torch.minimum(hulls[rest, 2:], hulls[k, 2:]) > torch.maximum(hulls[rest, :2], hulls[k, :2])).all(1)
+        ]
+        if len(near):
+            alive[near[rotated_iou(boxes[k : k + 1], boxes[near])[0] >= iou]] = False
+    return order[torch.tensor(kept, dtype=torch.long, device=boxes.device)]
 
 
 def _class_logits(predictions: object, rows: Tensor, classes: int) -> Tensor | None:
@@ -242,6 +293,7 @@ def load_yolo(path: str | Path) -> YoloDetector:
         with _process_kept():
             from ultralytics.nn.tasks import (
                 DetectionModel,
+                OBBModel,
                 PoseModel,
                 SegmentationModel,
                 guess_model_task,
@@ -256,12 +308,12 @@ def load_yolo(path: str | Path) -> YoloDetector:
         raise ModelLoadError(f"{path}: no such checkpoint file")
     try:
         if path.suffix in (".yaml", ".yml"):
-            tasks = {"segment": SegmentationModel, "pose": PoseModel}
+            tasks = {"segment": SegmentationModel, "pose": PoseModel, "obb": OBBModel}
             model = tasks.get(guess_model_task(str(path)), DetectionModel)(str(path), verbose=False)  # its head
         else:
             model = load_checkpoint(str(path), device="cpu")[0]
     except Exception as err:  # Ultralytics' loaders raise many kinds; the user gets one line
         raise ModelLoadError(f"{path}: cannot load a YOLO model: {first_line(err)}") from None
-    if type(model).__name__ not in ("DetectionModel", "SegmentationModel", "PoseModel"):
-        raise ModelLoadError(f"{path}: a {type(model).__name__}, not a YOLO detection, segmentation or pose model")
+    if type(model).__name__ not in ("DetectionModel", "SegmentationModel", "PoseModel", "OBBModel"):
+        raise ModelLoadError(f"{path}: a {type(model).__name__}, not a YOLO detection, segmentation, pose or OBB model")
     return YoloDetector(model.float()).eval()

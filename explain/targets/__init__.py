@@ -4,8 +4,9 @@
 scores any later pass); ``classification.py`` a classifier's classes, regression values and embedding
 similarities; ``regression.py`` a dense regression over a region (depth); ``segmentation.py`` a segmenter's
 regions; ``detection.py`` a detector's boxes and an instance segmenter's instances; ``keypoints.py`` a pose
-model's keypoints; ``prompts.py`` the mask a promptable segmenter (SAM) draws; ``language.py`` the tokens of a
-language model's answer; ``shorthand.py`` what an int, a name, a sequence or a callable stands for.
+model's keypoints; ``oriented.py`` an oriented detector's rotated boxes; ``prompts.py`` the mask a promptable
+segmenter (SAM) draws; ``language.py`` the tokens of a language model's answer; ``shorthand.py`` what an int, a
+name, a sequence or a callable stands for.
 """
 
 from .base import (
@@ -32,6 +33,7 @@ from .classification import (
 from .detection import DetectionTarget, InstanceTarget, box_iou
 from .keypoints import COCO_KEYPOINTS, KeypointTarget
 from .language import TokenTarget
+from .oriented import OrientedDetectionTarget, rotated_iou
 from .prompts import PromptMaskTarget
 from .regression import RegionTarget, nearer_sign
 from .segmentation import SegmentationTarget
@@ -48,6 +50,7 @@ __all__ = [
     "DetectionTarget",
     "InstanceTarget",
     "KeypointTarget",
+    "OrientedDetectionTarget",
     "OutputPicker",
     "PromptMaskTarget",
     "RegionTarget",
@@ -66,4 +69,5 @@ __all__ = [
     "per_image",
     "ragged",
     "read_output",
+    "rotated_iou",
 ]

@@ -45,6 +45,7 @@ class DetectionTarget(Target):
     """
 
     geometric = True
+    box_values = 4  # the values of a box: x1, y1, x2, y2
 
     def __init__(
         self,
@@ -99,7 +100,7 @@ class DetectionTarget(Target):
         boxes = [self.boxes] * n if shared else per_image(self.boxes, n, "box sets")
         labels = [self.labels] * n if shared else per_image(self.labels, n, "label sets")
         return [
-            (torch.as_tensor(b, dtype=torch.float32, device=device).reshape(-1, 4), label_ids(list(lab)))
+            (torch.as_tensor(b, dtype=torch.float32, device=device).reshape(-1, self.box_values), label_ids(list(lab)))
             for b, lab in zip(boxes, labels)
         ]
 
