@@ -93,7 +93,7 @@ def cases(model, x, target, maps, gradcam) -> dict[str, tuple[Callable[[], objec
                                       -IMAGES * 5),
         "continuity (28 steps)": (lambda: metrics.continuity(gradcam, x, t),
                                   q(quantus.Continuity, by_explanation), -IMAGES * 28),
-        "random logit": (lambda: metrics.random_logit(gradcam, x, t, similarity="ssim_flat"),
+        "random logit": (lambda: metrics.random_logit(gradcam, x, t, maps=maps, classes=1000, similarity="ssim_flat"),
                          q(quantus.RandomLogit, {"explain_func": explained}, num_classes=1000), -IMAGES),
         f"MPRT ({layers} layers)": (lambda: metrics.mprt(model, x, "gradcam", t, layer="layer4"),
                                     q(quantus.MPRT, by_explanation), -IMAGES * layers),

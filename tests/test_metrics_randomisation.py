@@ -114,6 +114,8 @@ def test_random_logit_equals_quantus_on_its_own_draw(monkeypatch) -> None:
     others = others + (others >= y).long()  # Quantus' index among the classes without the explained one
     found = metrics.random_logit(gradcam, x, y, others=others, similarity="ssim_flat")
     np.testing.assert_allclose(found.numpy(), np.asarray(expected), rtol=1e-4, atol=1e-6)
+    given = metrics.random_logit(gradcam, x, y, maps=gradcam(x, y).cams, others=others, similarity="ssim_flat")
+    torch.testing.assert_close(given, found)  # the explained maps at hand: the explainer runs once
     from skimage.metrics import structural_similarity
 
     plain, other = gradcam(x, y).cams.numpy(), gradcam(x, others).cams.numpy()

@@ -228,6 +228,7 @@ def random_logit(
     x: Tensor,
     target: TargetLike = None,
     *,
+    maps: Tensor | None = None,
     others: Tensor | None = None,
     classes: int | None = None,
     similarity: Similarity = "ssim",
@@ -242,6 +243,8 @@ def random_logit(
             :mod:`explain.metrics.robustness`).
         x: The images, (N, C, H, W).
         target: The explained classes: None for the top class, a class, or one per image.
+        maps: The maps of the explained classes where they are at hand (``target`` then a tensor of the classes,
+            ``classes`` or ``others`` given): the explainer runs once, for the other classes.
         others: The other classes themselves, (N,); drawn uniformly from ``seed`` when None.
         classes: How many classes the model has (default: the explainer's result's logits).
         similarity: ``"ssim"`` (on the maps, scikit-image's uniform 7-wide window and the pair's data range),
@@ -251,7 +254,7 @@ def random_logit(
     Returns:
         Each image's similarity, (N,).
     """
-    found = explainer(x, target)
+    found = explainer(x, target) if maps is None else maps
     maps, explained = maps_and_classes(found)
     if explained is None:
         if not isinstance(target, Tensor):
