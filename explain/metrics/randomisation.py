@@ -129,7 +129,7 @@ def smprt(
 
     def smoothed(run: Any, images: Tensor, goal: Any, kwargs: Mapping[str, Any] | None) -> CAMResult:
         found = run(images, goal, model_kwargs=kwargs)
-        moved, plain = explained_copies(
+        moved, plain, _, _ = explained_copies(
             lambda inputs, classes: run(inputs, classes, model_kwargs=kwargs), images, goal, copies, batch_size, found
         )
         mean = (moved.sum(dim=1) + plain) / (moved.shape[1] + 1)

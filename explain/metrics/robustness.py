@@ -10,7 +10,7 @@ The explainer is an explain method (``explain.GradCAM(model)``, any :class:`expl
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -92,6 +92,29 @@ def sensitivity(
     return distances.amax(dim=1) if reduce == "max" else distances.mean(dim=1)
 
 
+class Copies(NamedTuple):
+    """The explainer's answers on the images and on their copies.
+
+    Attributes:
+        maps: The copies' maps, (N, S, ...).
+        plain: The images' maps, (N, ...).
+        logits: The model's scores of the images, (N, classes), where the explainer's results carry them (an
+            explain method's do), else None.
+        copy_logits: The same of the copies, (N, S, classes), or None.
+    """
+
+    maps: Tensor
+    plain: Tensor
+    logits: Tensor | None
+    copy_logits: Tensor | None
+
+
+def _logits(found: Any) -> Tensor | None:
+    """The model's scores an explainer's result carries (``.logits``), or None."""
+    logits = getattr(found, "logits", None)
+    return logits.detach().float().flatten(1) if isinstance(logits, Tensor) else None
+
+
 def explained_copies(
     explainer: Explainer,
     x: Tensor,
@@ -99,21 +122,30 @@ def explained_copies(
     copies: Tensor,
     batch_size: int | None,
     found: Any = None,
-) -> tuple[Tensor, Tensor]:
+) -> Copies:
     """The maps of ``copies`` (N, S, C, ...) of the images, (N, S, ...), each copy explaining the class the image's
-    map explains, a call of ``batch_size`` copies (None: as many as the images) at a time; and the images' maps
-    (``found``: the explainer's answer on the images where it is at hand)."""
-    plain, classes = maps_and_classes(explainer(x, target) if found is None else found)
+    map explains, a call of ``batch_size`` copies (None: as many as the images) at a time; the images' maps
+    (``found``: the explainer's answer on the images where it is at hand); and the model's scores of both where
+    the explainer's results carry them (its forwards' own: no forward more)."""
+    found = explainer(x, target) if found is None else found
+    plain, classes = maps_and_classes(found)
     count = copies.shape[1]
     repeated = classes if classes is not None else target
     if isinstance(repeated, Tensor) and repeated.dim() >= 1 and len(repeated) == len(x):
         repeated = repeated.reshape(len(x), -1)[:, 0].repeat_interleave(count)
     flat = copies.flatten(0, 1)
-    moved = []
+    moved, scores = [], []
     for rows in torch.arange(len(flat)).split(batch_size or len(x)):
         chunk_target = repeated[rows] if isinstance(repeated, Tensor) and repeated.dim() == 1 else repeated
-        moved.append(maps_and_classes(explainer(flat[rows.to(x.device)], chunk_target))[0])
-    return torch.cat(moved).view(len(x), count, *plain.shape[1:]), plain
+        answer = explainer(flat[rows.to(x.device)], chunk_target)
+        moved.append(maps_and_classes(answer)[0])
+        scores.append(_logits(answer))
+    logits = _logits(found)
+    copy_logits = (
+        None if logits is None or any(s is None for s in scores) else torch.cat(scores).view(len(x), count, -1)
+    )
+    maps = torch.cat(moved).view(len(x), count, *plain.shape[1:])
+    return Copies(maps, plain, logits if copy_logits is not None else None, copy_logits)
 
 
 def _moves(
@@ -121,7 +153,7 @@ def _moves(
 ) -> tuple[Tensor, Tensor]:
     """How far each perturbed copy's map lies from the image's, ||Phi(x + delta) - Phi(x)|| (N, samples), and the
     images' maps (see :func:`explained_copies`)."""
-    moved, plain = explained_copies(explainer, x, target, x[:, None] + noise, batch_size)
+    moved, plain, _, _ = explained_copies(explainer, x, target, x[:, None] + noise, batch_size)
     return (moved.flatten(2) - plain.reshape(len(x), 1, -1)).norm(dim=2), plain
 
 

@@ -21,7 +21,7 @@ from ..core.layers import resolve_layer
 from ..errors import ExplainError
 from ..targets import TargetLike
 from ..targets.base import read_output
-from .robustness import Explainer, explained_copies, perturbations_of
+from .robustness import Copies, Explainer, explained_copies, perturbations_of
 from .scoring import plain_forwards
 
 View = Literal["input", "output", "representation"]
@@ -109,22 +109,33 @@ def relative_stability(
         raise ExplainError(f"{metric}: relative_to must be 'input', 'output' or 'representation' (with layer=)")
     noise = perturbations_of(x, samples, radius, perturbations, seed, uniform=True)
     copies = x[:, None] + noise
-    moved, plain = explained_copies(explainer, x, target, copies, batch_size)
-    maps = plain.reshape(len(x), 1, -1)
-    numerator = _relative(maps - moved.flatten(2), maps, eps)
+    explained = explained_copies(explainer, x, target, copies, batch_size)
+    maps = explained.plain.reshape(len(x), 1, -1)
+    numerator = _relative(maps - explained.maps.flatten(2), maps, eps)
     module = resolve_layer(model, layer, x)[1] if layer is not None else None
-    denominator, same = _view_moves(model, x, copies, relative_to, module, batch_size or len(x), eps)
+    denominator, same = _view_moves(model, x, copies, explained, relative_to, module, batch_size or len(x), eps)
     return _kept_max(numerator / denominator.clamp_min(eps), same)
 
 
 def _view_moves(
-    model: nn.Module, x: Tensor, copies: Tensor, relative_to: View, layer: nn.Module | None, step: int, eps: float
+    model: nn.Module,
+    x: Tensor,
+    copies: Tensor,
+    explained: Copies,
+    relative_to: View,
+    layer: nn.Module | None,
+    step: int,
+    eps: float,
 ) -> tuple[Tensor, Tensor]:
     """How far each copy (N, S, ...) moves the view of the image (the input or the layer's output relatively,
-    the logits absolutely), (N, S), and whether the model classifies the copy as the image, (N, S)."""
-    scores, view = _reads(model, x, layer, step)
-    copy_scores, copy_view = _reads(model, copies.flatten(0, 1), layer, step)
-    copy_scores, copy_view = copy_scores.view(*copies.shape[:2], -1), copy_view.view(*copies.shape[:2], -1)
+    the logits absolutely), (N, S), and whether the model classifies the copy as the image, (N, S). The logits are
+    the explanations' own where they carry them; the model runs again only for what they lack."""
+    scores, copy_scores = explained.logits, explained.copy_logits
+    view = copy_view = None
+    if scores is None or copy_scores is None or relative_to == "representation":
+        scores, view = _reads(model, x, layer, step)
+        copy_scores, copy_view = _reads(model, copies.flatten(0, 1), layer, step)
+        copy_scores, copy_view = copy_scores.view(*copies.shape[:2], -1), copy_view.view(*copies.shape[:2], -1)
     if relative_to == "output":
         moves = (scores[:, None] - copy_scores).norm(dim=2)
     else:
@@ -201,11 +212,9 @@ def continuity(
     width = x.shape[-1]
     dx = (2 * width + 1) // steps
     copies = translations(x, [-width + dx * (k + 1) for k in range(steps)])
-    moved, plain = explained_copies(explainer, x, target, copies, batch_size)
-
-    change = (_scaled(plain.flatten(1))[:, None] - _scaled(moved.flatten(2))).abs().sum(dim=2)
+    explained = explained_copies(explainer, x, target, copies, batch_size)
+    flat = explained.plain.flatten(1)
+    change = (_scaled(flat)[:, None] - _scaled(explained.maps.flatten(2))).abs().sum(dim=2)
     distance = (x.flatten(1)[:, None] - copies.flatten(2)).norm(dim=2) + 1e-9
-    scores, _ = _reads(model, x, None, batch_size or len(x))
-    copy_scores, _ = _reads(model, copies.flatten(0, 1), None, batch_size or len(x))
-    same = copy_scores.view(len(x), steps, -1).argmax(dim=2) == scores.argmax(dim=1, keepdim=True)
+    _, same = _view_moves(model, x, copies, explained, "output", None, batch_size or len(x), 0.0)
     return _kept_max(change / distance, same)
