@@ -45,8 +45,8 @@ def plain_forwards(model: torch.nn.Module, copies: int) -> Callable[[], None]:
 
 
 def cases(model, x, target, maps, gradcam) -> dict[str, tuple[Callable[[], object], Callable[[], object], int]]:
-    """Per metric: explain's call, Quantus', and its limit: the forwards it needs (> 0) or the explanations of
-    the images it needs, in calls of 8 (< 0, their count of images)."""
+    """Per metric: explain's call, Quantus', and its limit: the forwards it needs (> 0) or the explanations it
+    needs (< 0: minus their count of images, explained in calls of 8)."""
     xs, ys, a = x.numpy(), np.asarray(target), maps[:, None].numpy()
     t = torch.tensor(target)
 
@@ -84,23 +84,23 @@ def cases(model, x, target, maps, gradcam) -> dict[str, tuple[Callable[[], objec
         "consistency (rank)": (lambda: metrics.consistency(model, x, maps, discretise="rank"),
                                q(quantus.Consistency, discretise_func=quantus.discretise_func.rank), IMAGES),
         "max-sensitivity": (lambda: metrics.max_sensitivity(gradcam, x, t, samples=5, radius=0.02),
-                            q(quantus.MaxSensitivity, by_explanation, nr_samples=5), -IMAGES * 5),
+                            q(quantus.MaxSensitivity, by_explanation, nr_samples=5), -IMAGES * 6),
         "relative input stability": (lambda: metrics.relative_input_stability(gradcam, x, t, samples=5),
                                      q(quantus.RelativeInputStability, {"explain_func": explained}, nr_samples=5),
-                                     -IMAGES * 5),
+                                     -IMAGES * 6),
         "relative output stability": (lambda: metrics.relative_output_stability(gradcam, x, t, samples=5),
                                       q(quantus.RelativeOutputStability, {"explain_func": explained}, nr_samples=5),
-                                      -IMAGES * 5),
+                                      -IMAGES * 6),
         "continuity (28 steps)": (lambda: metrics.continuity(gradcam, x, t),
-                                  q(quantus.Continuity, by_explanation), -IMAGES * 28),
+                                  q(quantus.Continuity, by_explanation), -IMAGES * 29),
         "random logit": (lambda: metrics.random_logit(gradcam, x, t, maps=maps, classes=1000, similarity="ssim_flat"),
                          q(quantus.RandomLogit, {"explain_func": explained}, num_classes=1000), -IMAGES),
         f"MPRT ({layers} layers)": (lambda: metrics.mprt(model, x, "gradcam", t, layer="layer4"),
-                                    q(quantus.MPRT, by_explanation), -IMAGES * layers),
+                                    q(quantus.MPRT, by_explanation), -IMAGES * (layers + 1)),
         "eMPRT": (lambda: metrics.emprt(model, x, "gradcam", t, layer="layer4"),
-                  q(quantus.EfficientMPRT, by_explanation), -IMAGES),
+                  q(quantus.EfficientMPRT, by_explanation), -IMAGES * 2),
         "input invariance": (lambda: metrics.input_invariance(model, x, "gradcam", t, layer="layer4"),
-                             q(quantus.InputInvariance, {"explain_func": explained}), -IMAGES),
+                             q(quantus.InputInvariance, {"explain_func": explained}), -IMAGES * 2),
         "focus": (lambda: metrics.focus(maps, quadrants),
                   q(quantus.Focus, {"custom_batch": quadrants.int().numpy()}), 0),
         "sparseness": (lambda: metrics.sparseness(maps), q(quantus.Sparseness), 0),
@@ -120,8 +120,8 @@ def _limit(model, x, target, gradcam, copies: int) -> Callable[[], object] | Non
     """The limit's run: ``copies`` plain forwards (> 0), or -``copies`` images' explanations in calls of 8 (< 0)."""
     if copies > 0:
         return plain_forwards(model, copies)
-    if copies < 0:  # the explanations it needs: the plain images' and the -copies others'
-        noisy = x.repeat(1 + -copies // IMAGES, 1, 1, 1)
+    if copies < 0:  # the explanations it needs, the plain images' among them
+        noisy = x.repeat(-copies // IMAGES, 1, 1, 1)
         return lambda: [gradcam(c, torch.tensor(target)) for c in noisy.split(IMAGES)]
     return None
 
