@@ -179,11 +179,13 @@ def randomized_maps(
     if not wanted or wanted[0] < 1 or wanted[-1] > len(order):
         raise ExplainError(f"depths must lie in 1..{len(order)} (the blocks in order: {order})")
     trained = maps_of(create_method(method, model, layer, **options), x, target, model_kwargs)
-    results = [
-        maps_of(create_method(method, randomized, layer, **options), x, trained.target, model_kwargs)
-        for depth, randomized in randomization.copies(model, wanted[-1])
-        if depth in wanted
-    ]
+    results, explainer, explained_model = [], None, None
+    for depth, randomized in randomization.copies(model, wanted[-1]):
+        if depth not in wanted:
+            continue
+        if randomized is not explained_model:  # a cascading test randomizes one copy further: one method serves it
+            explainer, explained_model = create_method(method, randomized, layer, **options), randomized
+        results.append(maps_of(explainer, x, trained.target, model_kwargs))
     return trained, wanted, results
 
 
