@@ -73,7 +73,7 @@ def _conv_pad(layer: nn.Module, x: Tensor) -> list[int]:
 
 def shifted_model(model: nn.Module, x: Tensor, shift: float, model_kwargs: Mapping[str, Any] | None) -> nn.Module:
     """A copy of the model whose output for x + shift equals the model's for x (Kindermans et al.'s)."""
-    name = first_layer(model, x, model_kwargs)
+    name = first_layer(model, x if model_kwargs else x[:1], model_kwargs)  # one image finds it
     copied = copy.deepcopy(model)
     layer: Any = copied.get_submodule(name)
     with torch.no_grad():
