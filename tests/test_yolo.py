@@ -411,3 +411,43 @@ def test_rotated_iou_is_exact() -> None:
     octagon = 8 * (math.sqrt(2) - 1)
     assert rotated_iou(square, turned).item() == pytest.approx(octagon / (8 - octagon), rel=1e-5)
     assert rotated_iou(turned, turned).item() == pytest.approx(1.0, rel=1e-6)
+
+
+def test_the_command_line_draws_an_oriented_box_as_itself(tmp_path) -> None:
+    """An OBB model of the user's code (at most 2 detections): each overlay's target is matched by rotated IoU,
+    its manifest record holds the box's corners (and the upright box around them), and the overlay draws the
+    rotated outline."""
+    from conftest import CAT, manifest
+    from PIL import Image
+
+    from explain.cli import main
+    from explain.io.render import BOX_COLOUR
+
+    code = tmp_path / "obb.py"
+    code.write_text(
+        "import explain\nfrom test_yolo import detecting\n\n"
+        "def spec():\n"
+        "    model = detecting('yolo11n-obb.yaml')\n"
+        "    model.max_det = 2\n"
+        "    unit = explain.models.Preprocessing(None, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0))\n"
+        "    return explain.ModelSpec(model, 'obb', model.labels, unit, 'detection')\n"
+    )
+    out = tmp_path / "out"
+    assert main([str(CAT), "--model", f"{code}:spec", "--score-threshold", "0.3", "--format", "png",
+                 "-o", str(out)]) == 0  # fmt: skip
+    (record,) = manifest(out)
+    assert len(record["targets"]) == 2
+    spec = explain.load_model(f"{code}:spec")
+    with torch.no_grad():
+        (found,) = spec.model(spec.preprocess(explain.load_image(CAT)))
+    from explain.targets.oriented import rotated_corners
+
+    for target, corners in zip(record["targets"], rotated_corners(found["rboxes"])):
+        torch.testing.assert_close(torch.tensor(target["polygon"]), corners, atol=0.06, rtol=0)
+        torch.testing.assert_close(torch.tensor(target["box"]), torch.cat([corners.amin(0), corners.amax(0)]),
+                                   atol=0.06, rtol=0)  # fmt: skip
+        picture = Image.open(out / target["output"]).convert("RGB")
+        (x1, y1), (x2, y2) = corners[0].tolist(), corners[1].tolist()
+        middle = (round((x1 + x2) / 2), round((y1 + y2) / 2))  # the middle of the outline's first edge
+        if 0 <= middle[0] < 451 and 0 <= middle[1] < 300:
+            assert picture.getpixel(middle) == BOX_COLOUR

@@ -42,6 +42,7 @@ class Explained:
     box: list[float] | None  # x1, y1, x2, y2 in the original image's pixels
     region: torch.Tensor | None  # the region's weights at the model output's resolution
     point: list[float] | None = None  # a keypoint's x, y in the original image's pixels
+    polygon: list[list[float]] | None = None  # an oriented box's four corners in the original image's pixels
     metrics: dict[str, dict[str, float]] | None = None  # by method, each asked metric's value
     curves: dict[str, dict[str, list[float]]] | None = None  # by method, the deletion and insertion curves
 
@@ -200,6 +201,7 @@ class OutputWriter:
                         "score": round(e.score, 6),
                         "box": None if e.box is None else [round(v, 1) for v in e.box],
                         "point": None if e.point is None else [round(v, 1) for v in e.point],
+                        "polygon": None if e.polygon is None else [[round(v, 1) for v in c] for c in e.polygon],
                         "region": None if e.region is None else self.region_record(e.region, image.shape[:2]),
                         "output": self.relative(output),
                         "figure": self.relative(figures[j]) if figures else None,
@@ -261,7 +263,8 @@ class OutputWriter:
         """A picture with what a detection's or a segment's map explains drawn on it: its box or outline, and label."""
         if e.box is None and e.region is None and e.point is None:
             return picture
-        return annotate(picture, f"{e.class_name} {e.score:.3g}", e.box, e.region, e.point)
+        box = None if e.polygon is not None else e.box  # an oriented box is drawn as itself
+        return annotate(picture, f"{e.class_name} {e.score:.3g}", box, e.region, e.point, e.polygon)
 
     @staticmethod
     def region_record(region: torch.Tensor, shape: tuple[int, int]) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from ..targets import (
     ClassTarget,
     DetectionTarget,
     KeypointTarget,
+    OrientedDetectionTarget,
     PromptMaskTarget,
     RegionTarget,
     SegmentationTarget,
@@ -47,6 +48,7 @@ from ..targets import (
     nearer_sign,
 )
 from ..targets.base import read_output
+from ..targets.oriented import rotated_corners
 from .distributed import Process, process_group, this_process
 from .gallery import remove_gallery
 from .inputs import Input, collect_inputs, mark_output_folder
@@ -96,8 +98,9 @@ def task_target(
     if spec.task == "segmentation":
         background = 0 if spec.labels[0] == BACKGROUND else None
         return SegmentationTarget(target, background=background)
-    if spec.task == "detection":
-        return DetectionTarget(labels=target, score_threshold=score_threshold)
+    if spec.task == "detection":  # an oriented detector's boxes are matched by rotated IoU
+        kind = OrientedDetectionTarget if getattr(spec.model, "oriented", False) else DetectionTarget
+        return kind(labels=target, score_threshold=score_threshold)
     return TopK(topk) if topk else ClassTarget(target)
 
 
@@ -127,6 +130,15 @@ def prompted_model(spec: ModelSpec, prompt: Prompt) -> ModelSpec:
 
     points = [tuple(point) for point in prompt.points] or None
     return replace(spec, model=SamPrompted(spec.model, points=points, box=prompt.box))
+
+
+def _upright(boxes: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Boxes as (x1, y1, x2, y2), (N, K, 4), and, for oriented boxes (cx, cy, w, h, angle), their corners
+    (N, K, 4, 2) with the upright boxes around them; upright boxes as they are, without corners."""
+    if boxes is None or boxes.shape[-1] != 5:
+        return boxes, None
+    corners = rotated_corners(boxes.flatten(0, 1)).view(*boxes.shape[:2], 4, 2)
+    return torch.cat([corners.amin(dim=2), corners.amax(dim=2)], dim=-1), corners
 
 
 def _writer(out_dir: Path, spec: ModelSpec, options: ExportOptions) -> OutputWriter:
@@ -268,7 +280,7 @@ class _Explainer:
         raws = {name: per_target(result.raw) for name, result in results.items()}
         classes, scores = per_target(first.class_indices), per_target(first.probabilities)
         valid = torch.ones(classes.shape, dtype=torch.bool) if bound.valid is None else bound.valid.cpu()
-        boxes = None if bound.boxes is None else bound.boxes.cpu()
+        boxes, polygons = _upright(None if bound.boxes is None else bound.boxes.cpu())
         points = None if bound.points is None else bound.points.cpu()
         regions = None if bound.regions is None else bound.regions.cpu()
         measured = {name: self.measured(x, result) for name, result in results.items()}
@@ -284,6 +296,7 @@ class _Explainer:
                     score=float(scores[i, k]),
                     box=None if boxes is None else (boxes[i, k] * scale).tolist(),
                     point=None if points is None else (points[i, k] * scale[:2]).tolist(),
+                    polygon=None if polygons is None else (polygons[i, k] * scale[:2]).tolist(),
                     region=None if regions is None else regions[i, k],
                     **self.image_metrics(measured, i),
                 )

@@ -199,10 +199,11 @@ def annotate(
     box: tuple[float, float, float, float] | None = None,
     region: Tensor | np.ndarray | None = None,
     point: Sequence[float] | None = None,
+    polygon: Sequence[Sequence[float]] | None = None,
 ) -> Image.Image:
     """Draw what a map explains on its picture: a detection's box (image pixels), or a segment's outline
-    (a mask of any resolution, resized to the picture), a keypoint's position (a ringed dot), and a label at its
-    top left corner."""
+    (a mask of any resolution, resized to the picture), a keypoint's position (a ringed dot), an oriented box's
+    corners (its outline), and a label at its top left corner."""
     annotated, corner = picture.copy(), (0.0, 0.0)
     width, height = annotated.size
     thickness = max(2, round(min(width, height) / 200))
@@ -218,6 +219,10 @@ def annotate(
     if box is not None:
         draw.rectangle(box, outline=BOX_COLOUR, width=thickness)
         corner = (box[0], box[1])
+    if polygon is not None:
+        corners = [tuple(corner) for corner in polygon]
+        draw.line([*corners, corners[0]], fill=BOX_COLOUR, width=thickness)
+        corner = (min(c[0] for c in corners), min(c[1] for c in corners))
     if point is not None:
         radius = 2 * thickness
         x, y = point

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -207,29 +208,34 @@ class YoloDetector(nn.Module):
 
 def _rotated_nms(boxes: Tensor, scores: Tensor, labels: Tensor, iou: float) -> Tensor:
     """Greedy non-maximum suppression of oriented boxes (K, 5) by their exact rotated IoU, class by class: the
-    indices kept, best score first. Each kept box is compared with the boxes left whose upright hulls it overlaps,
-    one row at a time (never K x K polygons). (Ultralytics suppresses by a probabilistic IoU of the boxes'
-    Gaussians: the kept sets can differ where two boxes' overlaps lie near ``iou``.)"""
-    from ..targets.oriented import rotated_corners, rotated_iou
+    indices kept, best score first. The exact IoU is computed only for the pairs of a class whose upright hulls
+    overlap enough for it to reach ``iou``, all of them in one batch; the greedy pass then reads a (K, K) table
+    of which box suppresses which.
+    (Ultralytics suppresses by a probabilistic IoU of the boxes' Gaussians: the kept sets can differ where two
+    boxes' overlaps lie near ``iou``.)"""
+    from ..targets.oriented import rotated_corners, rotated_pair_iou
 
     order = scores.argsort(descending=True)
     boxes, labels = boxes[order], labels[order]
     corners = rotated_corners(boxes)
     hulls = torch.cat([corners.amin(dim=1), corners.amax(dim=1)], dim=1)
-    alive = torch.ones(len(order), dtype=torch.bool, device=boxes.device)
-    kept = []
+    low, high = (
+        torch.maximum(hulls[:, None, :2], hulls[None, :, :2]),
+        torch.minimum(hulls[:, None, 2:], hulls[None, :, 2:]),
+    )
+    reach = (high - low).clamp_min(0).prod(dim=-1)  # the hulls' overlap: at least the boxes' own overlap
+    areas = boxes[:, 2] * boxes[:, 3]
+    # IoU >= iou needs an overlap of at least iou (A + B) / (1 + iou): pairs whose hulls overlap less are apart
+    candidates = (reach >= iou * (areas[:, None] + areas[None]) / (1 + iou)) & (labels[:, None] == labels[None])
+    first, second = torch.triu(candidates, diagonal=1).nonzero(as_tuple=True)
+    suppresses = torch.zeros(len(order), len(order), dtype=torch.bool)
+    suppresses[first, second] = (rotated_pair_iou(boxes[first], boxes[second]) >= iou).cpu()
+    table = suppresses.numpy()
+    alive = np.ones(len(order), dtype=bool)
     for k in range(len(order)):
-        if not alive[k]:
-            continue
-        kept.append(k)
-        rest = (alive & (labels == labels[k])).nonzero()[:, 0]
-        rest = rest[rest > k]
-        near = rest[
-            (torch.minimum(hulls[rest, 2:], hulls[k, 2:]) > torch.maximum(hulls[rest, :2], hulls[k, :2])).all(1)
-        ]
-        if len(near):
-            alive[near[rotated_iou(boxes[k : k + 1], boxes[near])[0] >= iou]] = False
-    return order[torch.tensor(kept, dtype=torch.long, device=boxes.device)]
+        if alive[k]:
+            alive[k + 1 :] &= ~table[k, k + 1 :]
+    return order[torch.from_numpy(alive).to(order.device)]
 
 
 def _class_logits(predictions: object, rows: Tensor, classes: int) -> Tensor | None:

@@ -69,6 +69,15 @@ def _overlap_areas(a: Tensor, b: Tensor) -> Tensor:
     return torch.where(valid.sum(dim=1) >= 3, twice.abs() / 2, torch.zeros_like(twice))
 
 
+def rotated_pair_iou(a: Tensor, b: Tensor) -> Tensor:
+    """The exact intersection over union of oriented boxes pair by pair: a (P, 5) and b (P, 5) give (P,)."""
+    if len(a) == 0:
+        return a.new_zeros(0)
+    overlap = _overlap_areas(rotated_corners(a.double()), rotated_corners(b.double()))
+    union = ((a[:, 2] * a[:, 3]).double() + (b[:, 2] * b[:, 3]).double() - overlap).clamp_min(1e-12)
+    return (overlap / union).to(a.dtype)
+
+
 def rotated_iou(a: Tensor, b: Tensor) -> Tensor:
     """The exact intersection over union of oriented boxes: a (A, 5) and b (B, 5) give (A, B)."""
     if len(a) == 0 or len(b) == 0:
