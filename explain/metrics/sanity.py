@@ -21,7 +21,7 @@ from ..core.engine import CAMResult
 from ..core.maps import normalize_maps
 from ..errors import ExplainError
 from ..targets import TargetLike
-from .similarity import spearman, ssim
+from .similarity import spearman_to, ssim_to
 
 
 def cascading_blocks(model: nn.Module) -> list[str]:
@@ -194,13 +194,10 @@ def compared(
 ) -> SanityResult:
     """The Spearman correlation and SSIM of each randomized result's absolute maps with the trained one's."""
     reference = _absolute_maps(trained.cams, x)
+    ranked, structured = spearman_to(reference), ssim_to(reference)  # the trained maps' part, computed once
     maps = [_absolute_maps(result.cams, x) for result in results]
     return SanityResult(
-        blocks,
-        depths,
-        torch.stack([spearman(reference, m) for m in maps]),
-        torch.stack([ssim(reference, m) for m in maps]),
-        trained,
+        blocks, depths, torch.stack([ranked(m) for m in maps]), torch.stack([structured(m) for m in maps]), trained
     )
 
 

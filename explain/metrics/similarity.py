@@ -4,6 +4,7 @@ structural similarity (SSIM), each batched on the maps' device."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -31,26 +32,39 @@ def average_ranks(values: Tensor) -> Tensor:
     return torch.empty_like(places).view(n, m).scatter_(1, order, (sums / sizes)[group].view(n, m))
 
 
+def _centred_ranks(t: Tensor) -> tuple[Tensor, Tensor]:
+    """Each map's average ranks less their mean, (N, M) float64, and their norm, (N,)."""
+    ranks = average_ranks(t.flatten(1))
+    ranks = ranks - ranks.mean(dim=1, keepdim=True)
+    return ranks, ranks.norm(dim=1)
+
+
+def spearman_to(reference: Tensor) -> Callable[[Tensor], Tensor]:
+    """Spearman's rank correlation with the maps ``reference`` (N, ...), as a function of other maps (N, ...): the
+    reference ranked once, for comparisons with many (see :func:`spearman`)."""
+    ra, spread_a = _centred_ranks(reference)
+
+    def correlation(b: Tensor) -> Tensor:
+        rb, spread_b = _centred_ranks(b)
+        flat = torch.where((spread_a == 0) & (spread_b == 0), 1.0, 0.0).to(ra.dtype)
+        spread = spread_a * spread_b
+        return torch.where(spread > 0, (ra * rb).sum(dim=1) / spread.clamp_min(1e-300), flat).float()
+
+    return correlation
+
+
 def spearman(a: Tensor, b: Tensor) -> Tensor:
     """Spearman's rank correlation of each pair of maps (N, H, W), (N,); where a map is flat, 1 if the other is
     flat too (nothing changed) and 0 if not."""
-    ra, rb = (average_ranks(t.flatten(1)) for t in (a, b))
-    ra, rb = ra - ra.mean(dim=1, keepdim=True), rb - rb.mean(dim=1, keepdim=True)
-    spread_a, spread_b = ra.norm(dim=1), rb.norm(dim=1)
-    flat = torch.where((spread_a == 0) & (spread_b == 0), 1.0, 0.0).to(ra.dtype)
-    spread = spread_a * spread_b
-    return torch.where(spread > 0, (ra * rb).sum(dim=1) / spread.clamp_min(1e-300), flat).float()
+    return spearman_to(a)(b)
 
 
-def ssim(a: Tensor, b: Tensor, window: int = 11, sigma: float | None = 1.5, data_range: float | Tensor = 1.0) -> Tensor:
-    """The mean structural similarity of each pair of maps (N, *spatial), (N,): Wang et al. 2004, C1 = (0.01 R)²,
-    C2 = (0.03 R)² for the data range R (a number, or one per pair), over the windows that fit inside the map.
-
-    The window: a Gaussian of ``sigma`` (11 wide, sigma 1.5, as the paper), or, with ``sigma`` None, a uniform one
-    with the sample covariance (scikit-image's ``structural_similarity`` default, 7 wide). An axis shorter than
-    the window (a volume's few slices) gets the window cut to its length.
-    """
-    a, b = a.double(), b.double()
+def ssim_to(
+    reference: Tensor, window: int = 11, sigma: float | None = 1.5, data_range: float | Tensor = 1.0
+) -> Callable[[Tensor], Tensor]:
+    """The mean structural similarity with the maps ``reference`` (N, *spatial), as a function of other maps:
+    the reference's local means and variances computed once (see :func:`ssim`)."""
+    a = reference.double()
     sizes = [min(window, side - 1 + side % 2) for side in a.shape[1:]]
     if sigma is None:
         lines = [torch.full((size,), 1.0 / size, dtype=a.dtype, device=a.device) for size in sizes]
@@ -62,10 +76,27 @@ def ssim(a: Tensor, b: Tensor, window: int = 11, sigma: float | None = 1.5, data
     def local(t: Tensor) -> Tensor:
         return separable_filter(t, lines, padding=0)
 
-    mean_a, mean_b = local(a), local(b)
-    var_a, var_b = correction * (local(a * a) - mean_a**2), correction * (local(b * b) - mean_b**2)
-    cov = correction * (local(a * b) - mean_a * mean_b)
+    mean_a = local(a)
+    var_a = correction * (local(a * a) - mean_a**2)
     spread = torch.as_tensor(data_range, dtype=a.dtype, device=a.device).reshape(-1, *[1] * (a.dim() - 1))
     c1, c2 = (0.01 * spread) ** 2, (0.03 * spread) ** 2
-    index = ((2 * mean_a * mean_b + c1) * (2 * cov + c2)) / ((mean_a**2 + mean_b**2 + c1) * (var_a + var_b + c2))
-    return index.flatten(1).mean(dim=1).float()
+
+    def similarity(other: Tensor) -> Tensor:
+        b = other.double()
+        mean_b = local(b)
+        var_b, cov = correction * (local(b * b) - mean_b**2), correction * (local(a * b) - mean_a * mean_b)
+        index = ((2 * mean_a * mean_b + c1) * (2 * cov + c2)) / ((mean_a**2 + mean_b**2 + c1) * (var_a + var_b + c2))
+        return index.flatten(1).mean(dim=1).float()
+
+    return similarity
+
+
+def ssim(a: Tensor, b: Tensor, window: int = 11, sigma: float | None = 1.5, data_range: float | Tensor = 1.0) -> Tensor:
+    """The mean structural similarity of each pair of maps (N, *spatial), (N,): Wang et al. 2004, C1 = (0.01 R)²,
+    C2 = (0.03 R)² for the data range R (a number, or one per pair), over the windows that fit inside the map.
+
+    The window: a Gaussian of ``sigma`` (11 wide, sigma 1.5, as the paper), or, with ``sigma`` None, a uniform one
+    with the sample covariance (scikit-image's ``structural_similarity`` default, 7 wide). An axis shorter than
+    the window (a volume's few slices) gets the window cut to its length.
+    """
+    return ssim_to(a, window, sigma, data_range)(b)
