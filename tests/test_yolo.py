@@ -447,7 +447,8 @@ def test_the_command_line_draws_an_oriented_box_as_itself(tmp_path) -> None:
         torch.testing.assert_close(torch.tensor(target["box"]), torch.cat([corners.amin(0), corners.amax(0)]),
                                    atol=0.06, rtol=0)  # fmt: skip
         picture = Image.open(out / target["output"]).convert("RGB")
-        (x1, y1), (x2, y2) = corners[0].tolist(), corners[1].tolist()
-        middle = (round((x1 + x2) / 2), round((y1 + y2) / 2))  # the middle of the outline's first edge
-        if 0 <= middle[0] < 451 and 0 <= middle[1] < 300:
-            assert picture.getpixel(middle) == BOX_COLOUR
+        middles = [((a + b) / 2).round().long().tolist() for a, b in zip(corners, corners.roll(-1, 0))]
+        inside = [(x, y) for x, y in middles if 1 <= x < 450 and 1 <= y < 299]  # the outline's edges' middles
+        drawn = [any(picture.getpixel((x + dx, y + dy)) == BOX_COLOUR for dx in (-1, 0, 1) for dy in (-1, 0, 1))
+                 for x, y in inside]  # fmt: skip
+        assert inside and all(drawn)  # each edge drawn through its middle, within a pixel of rasterization

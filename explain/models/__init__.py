@@ -31,6 +31,7 @@ _EXPORTS = {
     "SamPrompted": "sam",
     "SamResize": "sam",
     "IMAGENET_PREPROCESSING": "spec",
+    "UNIT_PREPROCESSING": "spec",
     "ClipPreprocessing": "spec",
     "ImageLike": "spec",
     "InputPreprocessing": "spec",

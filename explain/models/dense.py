@@ -19,12 +19,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ModelLoadError, first_line
-from .spec import ModelSpec, Preprocessing
+from .spec import UNIT_PREPROCESSING, ModelSpec
 from .yolo import Letterboxed
 
 DEPTH_TYPES = ("dpt", "glpn", "depth_anything", "zoedepth")
 SAM_TYPES = ("sam", "sam_hq")
-UNIT = Preprocessing(None, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0))  # the photo itself, in [0, 1]
 MODES = {0: "nearest", 2: "bilinear", 3: "bicubic"}  # PIL's resampling filters as torch's modes
 
 
@@ -126,9 +125,11 @@ def load_dense_model(name: str, device: str | torch.device = "cpu") -> ModelSpec
     try:
         if kind == "prompted":
             model = transformers.AutoModel.from_pretrained(name, local_files_only=True).eval()  # SAM, SAM-HQ
-            return ModelSpec(model.to(device), Path(name).name, ["mask"], UNIT, "prompted")
+            return ModelSpec(model.to(device), Path(name).name, ["mask"], UNIT_PREPROCESSING, "prompted")
         model = transformers.AutoModelForDepthEstimation.from_pretrained(name, local_files_only=True).eval()
         processor = transformers.AutoImageProcessor.from_pretrained(name, local_files_only=True)
     except (OSError, ValueError, KeyError) as err:
         raise ModelLoadError(f"{name}: cannot load its model and image processor: {first_line(err)}") from None
-    return ModelSpec(DepthEstimator(model, processor).to(device), Path(name).name, ["depth"], UNIT, "depth")
+    return ModelSpec(
+        DepthEstimator(model, processor).to(device), Path(name).name, ["depth"], UNIT_PREPROCESSING, "depth"
+    )

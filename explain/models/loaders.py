@@ -21,7 +21,7 @@ from .checkpoints import fit_checkpoint, lite0_state_to_timm, load_strictly, rea
 from .dense import dense_kind
 from .names import BUNDLED_MODEL as BUNDLED
 from .names import DEFAULT_MODEL, USER_MODEL, is_user_model
-from .spec import ClipPreprocessing, ModelSpec, Preprocessing, Task
+from .spec import UNIT_PREPROCESSING, ClipPreprocessing, ModelSpec, Preprocessing, Task
 
 
 def imagenet_labels() -> list[str]:
@@ -161,9 +161,7 @@ def _load_yolo(name: str, weights: str | Path | None) -> ModelSpec:
         raise ModelLoadError(f"{name}: a YOLO checkpoint holds its weights; give it as --model, without --weights")
     detector = load_yolo(name)
     # The detector letterboxes [0, 1] images of any size itself, as Ultralytics predicts.
-    return ModelSpec(
-        detector, Path(name).stem, detector.labels, Preprocessing(None, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)), "detection"
-    )
+    return ModelSpec(detector, Path(name).stem, detector.labels, UNIT_PREPROCESSING, "detection")
 
 
 def _finished(spec: ModelSpec, labels: str | Path | None, device: str | torch.device) -> ModelSpec:
@@ -227,7 +225,7 @@ def _load_torchvision(name: str, task: Task | Literal["video"], weights: str | P
         )
         return ModelSpec(model, name, labels, preprocessing, "classification")
     if task == "detection":  # the detector normalizes and resizes itself: it takes [0, 1] images of any size
-        return ModelSpec(model, name, labels, Preprocessing(None, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)), task)
+        return ModelSpec(model, name, labels, UNIT_PREPROCESSING, task)
     bicubic = preprocess.interpolation.value == "bicubic"
     return ModelSpec(
         model=model,

@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ExplainError
+from .spec import IMAGENET_PREPROCESSING
 from .yolo import Letterboxed
 
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # SAM's image processor's
+IMAGENET_MEAN, IMAGENET_STD = IMAGENET_PREPROCESSING.mean, IMAGENET_PREPROCESSING.std  # SAM's processor's
 
 
 class SamResize(nn.Module):

@@ -70,6 +70,8 @@ class Preprocessing:
 
 # ImageNet's usual preprocessing: 224 x 224, torchvision's mean and std (the default for a user's bare classifier)
 IMAGENET_PREPROCESSING = Preprocessing(224, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+# The photo itself at its own size in [0, 1]: for a model that resizes and normalizes its inputs itself (a detector)
+UNIT_PREPROCESSING = Preprocessing(None, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
 
 
 @dataclass(frozen=True)
