@@ -26,6 +26,7 @@ _EXPORTS = {
     "ModelLoadError": "errors",
     "TargetError": "errors",
     "NothingToExplain": "errors",
+    "ImageRefused": "errors",
     "ExportOptions": "export.settings",
     "MethodSelection": "export.settings",
     "RenderOptions": "export.settings",

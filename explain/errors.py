@@ -15,11 +15,11 @@ class TargetError(ExplainError):
     """The requested target class or score cannot be resolved."""
 
 
-class NothingToExplain(TargetError):
-    """An image holds nothing the target asks for: no detection above the threshold, no pixel of the class.
+class ImageRefused(TargetError):
+    """The target cannot be placed on an image: a region outside it. An export fails that image alone.
 
     Args:
-        reason: What is missing, in a few words (the export's note for the image).
+        reason: What is wrong, in a few words (the export's error for the image).
         image: The image of the batch it concerns, or None for every image.
         hint: What to do about it, appended to the message.
     """
@@ -28,6 +28,11 @@ class NothingToExplain(TargetError):
         self.reason = reason
         where = "" if image is None else f"image {image}: "
         super().__init__(where + reason + (f"; {hint}" if hint else ""))
+
+
+class NothingToExplain(ImageRefused):
+    """An image holds nothing the target asks for: no detection above the threshold, no pixel of the class. An
+    export notes it for that image, without a failure."""
 
 
 class ModelLoadError(ExplainError):

@@ -11,6 +11,7 @@ from torch import nn
 
 import explain
 from explain.errors import TargetError
+from explain.models.sam import SamPrompted
 from explain.targets import RegionTarget, nearer_sign
 
 transformers = pytest.importorskip("transformers")
@@ -202,3 +203,58 @@ def test_the_command_line_explains_a_depth_models_region_and_a_sams_prompt(tmp_p
                for line in errors)  # fmt: skip
     assert any("give sign=1 where larger values are nearer" in line for line in errors)
     assert any("--box '1,2': give x1,y1,x2,y2" in line for line in errors)
+
+
+def test_a_users_map_model_explains_a_region_drawn_on_each_photo_through_its_resize(tmp_path, capsys) -> None:
+    """A map-valued model of the user's code (FILE.py:NAME, task "depth") whose preprocessing squeezes each photo
+    to 64 x 64 and whose output is 32 x 32: --region in the photo's pixels is the mean of the output cells it
+    covers once both are scaled, here cells [4, 20) x [8, 16) of the cat's 451 x 300; a region outside the photo
+    fails it, naming it; a promptable model whose preprocessing resizes is refused; SAM-HQ by folder."""
+    from conftest import CAT, manifest
+    from test_sam import _sam
+
+    from explain.cli import main
+
+    code = tmp_path / "mine.py"
+    code.write_text(
+        "import torch\nimport explain\n\n"
+        "def spec():\n"
+        "    torch.manual_seed(0)\n"
+        "    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, stride=2, padding=1), torch.nn.ReLU(),"
+        " torch.nn.Conv2d(4, 1, 3, padding=1)).eval()\n"
+        "    preprocessing = explain.models.Preprocessing(64, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))\n"
+        "    return explain.ModelSpec(model, 'mine', ['depth'], preprocessing, 'depth')\n\n"
+        "def squeezed_sam():\n"
+        "    from test_sam import _sam\n"
+        "    preprocessing = explain.models.Preprocessing(64, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0))\n"
+        "    return explain.ModelSpec(_sam(), 'squeezed', ['mask'], preprocessing, 'prompted')\n"
+    )
+    box = (451 * 8 / 32, 300 * 4 / 32, 451 * 16 / 32, 300 * 20 / 32)
+    out = tmp_path / "out"
+    assert main([str(CAT), "--model", f"{code}:spec", "--region", ",".join(map(str, box)), "--direction", "smaller",
+                 "--layer", "0", "-o", str(out)]) == 0  # fmt: skip
+    (record,) = manifest(out)
+    (target,) = record["targets"]
+    spec = explain.load_model(f"{code}:spec")
+    with torch.no_grad():
+        depth = spec.model(spec.preprocess(explain.load_image(CAT)))
+    assert depth.shape == (1, 1, 32, 32)
+    assert target["score"] == pytest.approx(float(depth[0, 0, 4:20, 8:16].mean()), rel=1e-5)
+    assert (out / target["output"]).is_file()
+    assert main([str(CAT), "--model", f"{code}:spec", "--region", "0,0,500,10", "-o", str(tmp_path / "no")]) == 1
+    assert f"{CAT}: the region lies outside the 300x451 image it is drawn on" in capsys.readouterr().err
+    assert main([str(CAT), "--model", f"{code}:squeezed_sam", "--point", "3,4", "-o", str(tmp_path / "no2")]) == 2
+    assert "its preprocessing must keep the photo's size: give Preprocessing(None" in capsys.readouterr().err
+
+    folder = tmp_path / "sam-hq"
+    _sam("SamHQ").save_pretrained(folder)
+    out = tmp_path / "hq"
+    assert main([str(CAT), "--model", str(folder), "--box", "100,50,300,250", "-o", str(out)]) == 0
+    (record,) = manifest(out)
+    (target,) = record["targets"]
+    loaded = explain.load_model(str(folder))
+    assert type(loaded.model).__name__ == "SamHQModel"
+    prompted = SamPrompted(loaded.model, box=(100.0, 50.0, 300.0, 250.0))
+    with torch.no_grad():
+        ious = prompted(loaded.preprocess(explain.load_image(CAT))).iou_scores[0, 0]
+    assert target["class_index"] == int(ious.argmax()) and target["score"] == pytest.approx(float(ious.max()), abs=1e-6)

@@ -1,4 +1,4 @@
-"""Promptable segmentation (SAM from a tiny random config): the prompt scaled onto SAM's resized image, the
+"""Promptable segmentation (SAM and SAM-HQ from tiny random configs): the prompt scaled onto SAM's resized image, the
 image encoder's map against Grad-CAM of the mask's logits written out with hooks and autograd, brought back
 through SAM's resize and padding (a one-hot cell lands on its own pixels), by IoU too, and the errors."""
 
@@ -18,18 +18,23 @@ transformers = pytest.importorskip("transformers")
 LAYER = "model.vision_encoder.neck"
 
 
-def _sam() -> torch.nn.Module:
+def _sam(kind: str = "Sam") -> torch.nn.Module:
+    """A tiny random SAM (``kind="Sam"``) or SAM-HQ (``"SamHQ"``, whose mask decoder also reads an early layer)."""
     torch.manual_seed(0)
-    vision = transformers.SamVisionConfig(
+    config = getattr(transformers, f"{kind}Config")
+    vision = getattr(transformers, f"{kind}VisionConfig")(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_dim=37, image_size=64, patch_size=8,
         output_channels=16, window_size=4, global_attn_indexes=[1], num_pos_feats=8,
     )  # fmt: skip
-    prompt = transformers.SamPromptEncoderConfig(hidden_size=16, image_size=64, patch_size=8, mask_input_channels=4)
-    decoder = transformers.SamMaskDecoderConfig(
-        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, mlp_dim=32, iou_head_hidden_dim=16
+    prompt = getattr(transformers, f"{kind}PromptEncoderConfig")(
+        hidden_size=16, image_size=64, patch_size=8, mask_input_channels=4
     )
-    config = transformers.SamConfig(vision_config=vision, prompt_encoder_config=prompt, mask_decoder_config=decoder)
-    return transformers.SamModel(config).eval()
+    decoder = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, mlp_dim=32, iou_head_hidden_dim=16)
+    decoder = getattr(transformers, f"{kind}MaskDecoderConfig")(
+        **decoder, **({"vit_dim": 32} if kind == "SamHQ" else {})
+    )
+    config = config(vision_config=vision, prompt_encoder_config=prompt, mask_decoder_config=decoder)
+    return getattr(transformers, f"{kind}Model")(config).eval()
 
 
 def _image() -> torch.Tensor:
@@ -50,9 +55,9 @@ def test_the_prompt_is_scaled_onto_the_resized_image() -> None:
     torch.testing.assert_close(seen["input_boxes"][0, 0], torch.tensor([6.0, 3.0, 45.0, 33.0]) * scale.repeat(2))
 
 
-@pytest.mark.parametrize("by", ["mask", "iou"])
-def test_the_image_encoders_map_is_grad_cam_of_the_masks_score(by: str) -> None:
-    prompted = SamPrompted(_sam(), points=[(30.0, 20.0)])
+@pytest.mark.parametrize(("kind", "by"), [("Sam", "mask"), ("Sam", "iou"), ("SamHQ", "mask")])
+def test_the_image_encoders_map_is_grad_cam_of_the_masks_score(kind: str, by: str) -> None:
+    prompted = SamPrompted(_sam(kind), points=[(30.0, 20.0)])
     x = _image()
     kept = {}
     handle = prompted.get_submodule(LAYER).register_forward_hook(lambda m, i, o: kept.update(a=o))

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from ..core.engine import CAMResult
 from ..core.maps import normalize_maps
-from ..errors import LayerError, NothingToExplain, TargetError, first_line
+from ..errors import ExplainError, ImageRefused, LayerError, NothingToExplain, TargetError, first_line
 from ..io.atomic import remove_temporary_files
 from ..io.images import load_image
 from ..io.video import windowed_maps
@@ -123,9 +123,18 @@ def _dense_target(spec: ModelSpec, prompt: Prompt) -> Target:
 
 def prompted_model(spec: ModelSpec, prompt: Prompt) -> ModelSpec:
     """A promptable segmenter's spec with its prompt fixed (:class:`explain.models.sam.SamPrompted`); any other
-    spec as it is."""
+    spec as it is.
+
+    Raises:
+        ExplainError: The spec's preprocessing resizes the photo, so a prompt in its pixels would miss.
+    """
     if spec.task != "prompted":
         return spec
+    if getattr(spec.preprocessing, "input_size", None) is not None:  # the prompt is in the photo's pixels
+        raise ExplainError(
+            f"{spec.name} takes a prompt in the photo's pixels, so its preprocessing must keep the photo's size: "
+            "give Preprocessing(None, ...) (SamPrompted resizes and pads the photo itself)"
+        )
     from ..models.sam import SamPrompted
 
     points = [tuple(point) for point in prompt.points] or None
@@ -249,13 +258,20 @@ class _Explainer:
             spec, options.target, options.score_threshold, options.topk, options.keypoint, options.prompt
         )
 
-    def results(self, x: torch.Tensor) -> dict[str, CAMResult]:
+    def target_for(self, sizes: Sequence[tuple[int, int]]) -> Target:
+        """The run's target for a group of photos of ``sizes`` (width, height): a region drawn in the photos'
+        pixels is placed on each photo's own frame, which the model's input and output cover whole."""
+        if not isinstance(self.target, RegionTarget):
+            return self.target
+        return self.target.drawn_on([(height, width) for width, height in sizes])
+
+    def results(self, x: torch.Tensor, target: Target) -> dict[str, CAMResult]:
         """Each method's result for a group; the grid leaves out a method that does not fit the model (CAM)."""
         results = {}
         for name, method in list(self.methods.items()):
             try:
-                results[name] = method(x, self.target)
-            except NothingToExplain:
+                results[name] = method(x, target)
+            except ImageRefused:  # the image's, not the method's
                 raise
             except (LayerError, TargetError):
                 if not self.options.methods.grid:
@@ -269,7 +285,7 @@ class _Explainer:
         x = x.to(self.device, non_blocking=True)
         if getattr(self.spec.preprocessing, "stride", None) is not None:
             return self.explain_windows(x)
-        results = self.results(x)
+        results = self.results(x, self.target_for(sizes))
         first = next(iter(results.values()))
         bound = first.target
 
@@ -368,13 +384,16 @@ class _Explainer:
 
     def explain_robustly(self, x: torch.Tensor, sizes: Sequence[tuple[int, int]]) -> list[Outcome]:
         """Explain a group; if it fails, its images one by one, so one bad image costs only itself: an image that
-        fails gets a :class:`Failure`, one with nothing to explain (no detection, no pixel of the class) a
-        :class:`NothingFound`."""
+        fails (the model refuses it, the target cannot be placed on it) gets a :class:`Failure`, one with nothing
+        to explain (no detection, no pixel of the class) a :class:`NothingFound`."""
         try:
             return self.explain(x, sizes)
         except NothingToExplain as err:
             if len(sizes) == 1:
                 return [NothingFound(f"nothing to explain: {err.reason}")]
+        except ImageRefused as err:
+            if len(sizes) == 1:
+                return [Failure(err.reason)]
         except (LayerError, TargetError):
             raise
         except (RuntimeError, AssertionError) as err:  # the model's own refusal of an input (timm asserts sizes)

@@ -13,6 +13,7 @@ attributions' ``raw``) gives it in one pass.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import NothingToExplain, TargetError
+from ..errors import ImageRefused, NothingToExplain, TargetError
 from .base import BoundTarget, OutputPicker, Target
 
 Reduction = Literal["mean", "sum", "max", "min"]
@@ -38,8 +39,8 @@ class RegionTarget(Target):
             centres lie within it; for all images, or one row per image (N, 2).
         radius: The point's neighbourhood, in pixels of ``size``.
         size: ``(H, W)``: the image whose pixels ``box`` and ``point`` are in: the model's input (``x.shape[-2:]``),
-            or the photo it was resized from without a crop; the output is taken to cover it whole. None: the
-            output's own grid.
+            or the photo it was resized from without a crop; the output is taken to cover it whole. One per image
+            (N, 2) where the photos differ in size. None: the output's own grid.
         reduction: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` of the values over the region.
         sign: +1 explains what raises the reduced value, -1 what lowers it.
         channel: The channel of an (N, C, H, W) output (None: an (N, H, W) output, or one of one channel).
@@ -100,29 +101,47 @@ class RegionTarget(Target):
             if mask.dim() != 3 or mask.shape[0] != n:
                 raise TargetError(f"a region mask must be (H, W) or (N, H, W) for {n} images, got {tuple(mask.shape)}")
             return F.interpolate(mask[:, None], size=(height, width), mode="nearest-exact")[:, 0]
-        frame = tuple(self.size) if self.size is not None else (height, width)
-        scale = torch.tensor([width / frame[1], height / frame[0]], device=like.device, dtype=torch.float64)
+        frames = self.frames(n, grid, like.device)  # (N, 2): each image's (H, W)
+        scale = torch.stack([width / frames[:, 1], height / frames[:, 0]], dim=1)  # (N, 2): x and y
         rows = torch.arange(height, device=like.device, dtype=torch.float64)[None, :, None]  # cell i spans [i, i + 1]
         columns = torch.arange(width, device=like.device, dtype=torch.float64)[None, None]
         if self.box is not None:
             boxes = torch.as_tensor(self.box, dtype=torch.float64, device=like.device).reshape(-1, 4).expand(n, 4)
-            inside = [_inside_box(box, frame) for box in boxes]
+            inside = [_inside_box(box, frame) for box, frame in zip(boxes, frames.tolist())]
             low, high = (boxes[:, :2] * scale)[..., None, None], (boxes[:, 2:] * scale)[..., None, None]
             across = (torch.minimum(columns + 1, high[:, 0]) - torch.maximum(columns, low[:, 0])).clamp(0, 1)
             down = (torch.minimum(rows + 1, high[:, 1]) - torch.maximum(rows, low[:, 1])).clamp(0, 1)
             region = across * down  # each cell's share covered by the box
         else:
             points = torch.as_tensor(self.point, dtype=torch.float64, device=like.device).reshape(-1, 2).expand(n, 2)
-            inside = [bool(0 <= p[0] < frame[1] and 0 <= p[1] < frame[0]) for p in points]
+            inside = [bool(0 <= p[0] < f[1] and 0 <= p[1] < f[0]) for p, f in zip(points, frames.tolist())]
             at = (points * scale)[..., None, None]
             cell = (columns == at[:, 0].floor()) & (rows == at[:, 1].floor())
-            reach = self.radius * float(scale.mean())
+            reach = (self.radius * scale.mean(dim=1))[:, None, None]
             disc = (columns + 0.5 - at[:, 0]) ** 2 + (rows + 0.5 - at[:, 1]) ** 2 <= reach**2
             region = (cell | disc).double()
         if not all(inside):
             i = inside.index(False)
-            raise TargetError(f"image {i}: the region lies outside the {frame[0]}x{frame[1]} image it is drawn on")
+            frame = "x".join(str(int(v)) for v in frames[i].tolist())
+            raise ImageRefused(f"the region lies outside the {frame} image it is drawn on", i)
         return region.to(like.dtype)
+
+    def drawn_on(self, sizes: Sequence[Sequence[int]]) -> RegionTarget:
+        """The same region drawn on images of ``sizes``, one (H, W) per image: a copy whose ``size`` they are."""
+        drawn = copy.copy(self)
+        drawn.size = [tuple(size) for size in sizes]
+        return drawn
+
+    def frames(self, n: int, grid: Sequence[int], device: torch.device) -> Tensor:
+        """Each image's frame, the (H, W) its box or point is drawn in, as (N, 2) float64.
+
+        Raises:
+            TargetError: ``size`` is neither one (H, W) nor one per image.
+        """
+        sizes = torch.as_tensor(self.size if self.size is not None else grid, dtype=torch.float64, device=device)
+        if sizes.shape not in ((2,), (n, 2)):
+            raise TargetError(f"size must be (H, W) or one (H, W) per image for {n} images, got {tuple(sizes.shape)}")
+        return sizes.expand(n, 2)
 
     def bind(self, output: Any, labels: Sequence[str] | None) -> BoundTarget:
         """Fix the region on the plain pass's grid; the bound target's ``probabilities`` hold the region's value
