@@ -1,11 +1,14 @@
-"""Structured outputs: one keypoint's map, one depth region's and one SAM prompt's, against the model's own
-inference forward and against their limit; and all 17 keypoints of a detection in one call against 17 calls.
+"""Structured outputs: one keypoint's map, one oriented box's, one depth region's and one SAM prompt's, against
+the model's own inference forward and against their limit; and all 17 keypoints of a detection in one call
+against 17 calls.
 
 Models (random weights, as no weights are downloaded here; their sizes are the small checkpoints' own):
 
 - **keypoint**: Ultralytics' yolo11n-pose from its yaml (the ``yolo`` extra; its finest level's class biases
   raised so that it detects), one 480x640 image, ``KeypointTarget("left_wrist")`` of the top detection, at the
   automatic layers (the three neck levels the head reads, fused);
+- **oriented box**: yolo11n-obb from its yaml, likewise, one 640x640 image, ``OrientedDetectionTarget`` of the top
+  rotated box (matched by rotated IoU in every pass), at the automatic layers;
 - **region**: a DPT of ViT-S size (6 layers of 384, 16-pixel patches) on a 384x384 image, the mean depth over a
   box (``RegionTarget``), at its last fusion stage;
 - **SAM prompt**: a SAM of ViT-Tiny size (1024 input, 16-pixel patches, 4 layers of 192) with a point prompt on
@@ -32,7 +35,14 @@ from timing import emit, interleaved_medians, rounds_and_out
 import explain
 from explain.models.sam import SamPrompted
 from explain.models.yolo import load_yolo
-from explain.targets import KeypointTarget, PromptMaskTarget, RegionTarget, box_iou
+from explain.targets import (
+    KeypointTarget,
+    OrientedDetectionTarget,
+    PromptMaskTarget,
+    RegionTarget,
+    box_iou,
+    rotated_iou,
+)
 
 os.environ.setdefault("YOLO_CONFIG_DIR", "/tmp/explain-bench-ultralytics")
 
@@ -68,6 +78,24 @@ def pose_case() -> tuple[str, torch.nn.Module, torch.Tensor, Any, Sequence[str],
         return output[0]["keypoints_scores"][match, 9]
 
     return "keypoint (yolo11n-pose)", model, x, target, model.feature_levels, score
+
+
+def oriented_case() -> tuple[str, torch.nn.Module, torch.Tensor, Any, Sequence[str], Callable[[Any], torch.Tensor]]:
+    torch.manual_seed(0)
+    model = load_yolo("yolo11n-obb.yaml")
+    with torch.no_grad():
+        model.model.model[-1].cv3[0][-1].bias += 11.0
+    x = torch.rand(1, 3, 640, 640)
+    with torch.inference_mode():
+        (found,) = model(x)
+    rbox, label = found["rboxes"][:1].clone(), [int(found["labels"][0])]
+    target = OrientedDetectionTarget(rbox, label)
+
+    def score(output: Any) -> torch.Tensor:
+        match = rotated_iou(rbox, output[0]["rboxes"].detach())[0].argmax()
+        return output[0]["scores"][match]
+
+    return "oriented box (yolo11n-obb)", model, x, target, model.feature_levels, score
 
 
 def depth_case() -> tuple[str, torch.nn.Module, torch.Tensor, Any, Sequence[str], Callable[[Any], torch.Tensor]]:
@@ -159,7 +187,7 @@ def main() -> None:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     layers_used = []
-    for case in (pose_case(), depth_case(), sam_case()):
+    for case in (pose_case(), oriented_case(), depth_case(), sam_case()):
         name, found, layers = one_case(args.rounds, case)
         forward, ours, bound = found["forward"], found["explain"], found["limit"]
         lines.append(

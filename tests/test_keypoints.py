@@ -4,6 +4,7 @@ of a detection in one call equal to one call each, the K axis, the names, and th
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torchvision
@@ -16,6 +17,7 @@ from torchvision.ops import MultiScaleRoIAlign
 import explain
 from explain.errors import TargetError
 from explain.targets import KeypointTarget, box_iou
+from explain.targets.keypoints import COCO_KEYPOINTS, COCO_SKELETON
 
 KEYPOINTS = 17
 
@@ -164,6 +166,22 @@ def test_the_command_line_writes_one_overlay_per_detection_and_keypoint(tmp_path
     for target in targets:  # the keypoint's dot on its overlay
         x, y = (min(max(round(v), 0), side - 1) for v, side in zip(target["point"], (451, 300)))
         assert Image.open(out / target["output"]).convert("RGB").getpixel((x, y)) == BOX_COLOUR
+    pixels = np.asarray(Image.open(out / targets[0]["output"]).convert("RGB"))
+    white = (pixels == BOX_COLOUR).all(axis=2)
+    pose = found["keypoints"][kept][0, :, :2]  # Keypoint R-CNN's keypoints are all visible: every limb is drawn
+    for a, b in COCO_SKELETON:  # each limb of the first detection's skeleton passes through its midpoint
+        x, y = ((pose[a] + pose[b]) / 2).round().long().tolist()
+        if 1 <= x < 450 and 1 <= y < 299:
+            assert white[y - 1 : y + 2, x - 1 : x + 2].any(), (a, b)
+    out = tmp_path / "strip"  # every keypoint of the top detection: one strip of 17 maps, 6 to a row
+    threshold = str(float(found["scores"].max()) - 1e-4)
+    assert main([str(CAT), "--model", f"{code}:spec", "--keypoint", "all", "--score-threshold", threshold,
+                 "--figure", "--format", "png", "-o", str(out)]) == 0  # fmt: skip
+    (record,) = manifest(out)
+    assert [t["class_name"] for t in record["targets"]] == list(COCO_KEYPOINTS)
+    assert {t["figure"] for t in record["targets"]} == {"chelsea.gradcam.det1.keypoints.figure.png"}
+    assert sorted(p.name for p in out.glob("*.figure.png")) == ["chelsea.gradcam.det1.keypoints.figure.png"]
+    assert Image.open(out / "chelsea.gradcam.det1.keypoints.figure.png").width == 6 * 400  # 6 panels of 4 inches
     capsys.readouterr()
     assert main([str(CAT), "--model", "efficientnet_lite0", "--keypoint", "nose", "-o", str(tmp_path / "no")]) == 2
     assert "--keypoint explains a pose model's keypoints" in capsys.readouterr().err

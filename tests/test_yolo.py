@@ -452,3 +452,27 @@ def test_the_command_line_draws_an_oriented_box_as_itself(tmp_path) -> None:
         drawn = [any(picture.getpixel((x + dx, y + dy)) == BOX_COLOUR for dx in (-1, 0, 1) for dy in (-1, 0, 1))
                  for x, y in inside]  # fmt: skip
         assert inside and all(drawn)  # each edge drawn through its middle, within a pixel of rasterization
+
+
+def test_the_rotated_nms_keeps_what_plain_greedy_suppression_keeps() -> None:
+    """Over several blocks of boxes (600 > NMS_BLOCK), three classes, crowded: the kept indices are those of the
+    textbook greedy pass over the whole table of exact rotated IoUs."""
+    import numpy as np
+
+    from explain.models.yolo import NMS_BLOCK, _rotated_nms
+    from explain.targets import rotated_iou
+
+    generator = torch.Generator().manual_seed(0)
+    n = 600
+    assert n > 2 * NMS_BLOCK
+    centres, sides = torch.rand(n, 2, generator=generator) * 100, torch.rand(n, 2, generator=generator) * 20 + 5
+    boxes = torch.cat([centres, sides, torch.rand(n, 1, generator=generator) * 3.1], dim=1)
+    scores, labels = torch.rand(n, generator=generator), torch.randint(0, 3, (n,), generator=generator)
+    order = scores.argsort(descending=True)
+    table = (rotated_iou(boxes[order], boxes[order]) >= 0.45) & (labels[order, None] == labels[None, order])
+    alive = np.ones(n, dtype=bool)
+    for k in range(n):
+        if alive[k]:
+            alive[k + 1 :] &= ~table[k, k + 1 :].numpy()
+    kept = _rotated_nms(boxes, scores, labels, 0.45)
+    assert 50 < len(kept) < n - 50 and kept.tolist() == order[torch.from_numpy(alive)].tolist()

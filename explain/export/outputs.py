@@ -15,11 +15,12 @@ from PIL import Image
 from ..catalog import ALL_METHODS
 from ..errors import InputLoadError, first_line
 from ..io.images import save_array, save_image
-from ..io.render import annotate, figure, grid, picture
+from ..io.render import Skeleton, annotate, figure, grid, picture, strip
 from ..io.signals import plot_signal
 from ..io.video import count_frames, nearest_sampled, overlay_frames, write_gif, write_overlay_video
 from ..io.volumes import montage, read_volume, write_heatmap
 from ..models.spec import InputPreprocessing
+from ..targets.keypoints import COCO_KEYPOINTS, COCO_SKELETON
 from .inputs import Input
 from .manifest import record
 from .settings import RenderOptions
@@ -42,6 +43,7 @@ class Explained:
     box: list[float] | None  # x1, y1, x2, y2 in the original image's pixels
     region: torch.Tensor | None  # the region's weights at the model output's resolution
     point: list[float] | None = None  # a keypoint's x, y in the original image's pixels
+    pose: list[list[float]] | None = None  # its detection's keypoints: x, y (the image's pixels), visibility
     polygon: list[list[float]] | None = None  # an oriented box's four corners in the original image's pixels
     metrics: dict[str, dict[str, float]] | None = None  # by method, each asked metric's value
     curves: dict[str, dict[str, list[float]]] | None = None  # by method, the deletion and insertion curves
@@ -178,6 +180,8 @@ class OutputWriter:
         outputs, figures, pictures, raw_path = self.paths(base, tags, method)
         targets, style = [], self.render
         try:
+            if figures and self.task == "pose" and method != ALL_METHODS:  # a strip of keypoint maps per detection
+                figures = self.write_strips(image, base, explained, method, layer)
             for j, (e, output) in enumerate(zip(explained, outputs)):
                 mark = partial(self.annotated, e)
                 if self.kind == "video":
@@ -191,7 +195,7 @@ class OutputWriter:
                     save_image(grid(image, e.cams, title, style.alpha, style.colormap, mark=mark), output)
                 else:
                     save_image(mark(picture(image, e.cams[method], style.alpha, style.colormap)), output)
-                if figures:
+                if figures and self.task != "pose":
                     title = f"{e.class_name} ({e.score:.1%}), {method} at {layer}"
                     save_image(figure(image, e.cams[method], title, style.alpha, style.colormap, mark), figures[j])
                 targets.append(
@@ -220,6 +224,28 @@ class OutputWriter:
             return record(item.name, self.model, method, error=f"{item.name}: cannot render outputs: {first_line(err)}")
         raw_name = self.relative(raw_path) if raw_path else None
         return record(item.name, self.model, method, targets=targets, layer=layer, raw=raw_name)
+
+    def write_strips(
+        self, image: np.ndarray, base: Path, explained: list[Explained], method: str, layer: str
+    ) -> list[Path]:
+        """A pose model's figures: for each detection, one strip of its explained keypoints' maps, each drawn
+        over the skeleton with its keypoint ringed (``NAME.METHOD.detD.keypoints.figure.FMT``). Returns each
+        target's figure, its detection's strip."""
+        runs: list[list[Explained]] = []
+        for e in explained:  # the K axis runs detection after detection: a detection's keypoints share its box
+            if runs and runs[-1][0].box == e.box:
+                runs[-1].append(e)
+            else:
+                runs.append([e])
+        figures, style = [], self.render
+        for number, run in enumerate(runs, start=1):
+            path = base.with_name(f"{base.name}.{method}.det{number}.keypoints.figure.{style.fmt}")
+            cams = {e.class_name: e.cams[method] for e in run}
+            marks = {e.class_name: partial(self.annotated, e) for e in run}
+            title = f"detection {number}: {len(run)} keypoint{'s' * (len(run) > 1)}, {method} at {layer}"
+            save_image(strip(image, cams, marks, title, style.alpha, style.colormap), path)
+            figures += [path] * len(run)
+        return figures
 
     @property
     def kind(self) -> str:
@@ -264,7 +290,9 @@ class OutputWriter:
         if e.box is None and e.region is None and e.point is None:
             return picture
         box = None if e.polygon is not None else e.box  # an oriented box is drawn as itself
-        return annotate(picture, f"{e.class_name} {e.score:.3g}", box, e.region, e.point, e.polygon)
+        limbs = COCO_SKELETON if e.pose is not None and len(e.pose) == len(COCO_KEYPOINTS) else ()
+        skeleton = None if e.pose is None else Skeleton(e.pose, limbs)
+        return annotate(picture, f"{e.class_name} {e.score:.3g}", box, e.region, e.point, e.polygon, skeleton)
 
     @staticmethod
     def region_record(region: torch.Tensor, shape: tuple[int, int]) -> dict[str, Any]:

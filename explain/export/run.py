@@ -298,6 +298,7 @@ class _Explainer:
         valid = torch.ones(classes.shape, dtype=torch.bool) if bound.valid is None else bound.valid.cpu()
         boxes, polygons = _upright(None if bound.boxes is None else bound.boxes.cpu())
         points = None if bound.points is None else bound.points.cpu()
+        poses = None if bound.poses is None else bound.poses.cpu()
         regions = None if bound.regions is None else bound.regions.cpu()
         measured = {name: self.measured(x, result) for name, result in results.items()}
         explained = []
@@ -312,6 +313,7 @@ class _Explainer:
                     score=float(scores[i, k]),
                     box=None if boxes is None else (boxes[i, k] * scale).tolist(),
                     point=None if points is None else (points[i, k] * scale[:2]).tolist(),
+                    pose=None if poses is None else (poses[i, k] * torch.cat([scale[:2], torch.ones(1)])).tolist(),
                     polygon=None if polygons is None else (polygons[i, k] * scale[:2]).tolist(),
                     region=None if regions is None else regions[i, k],
                     **self.image_metrics(measured, i),

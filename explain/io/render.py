@@ -8,6 +8,7 @@ import html
 import io
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import matplotlib
@@ -193,6 +194,30 @@ def outline(mask: Tensor | np.ndarray, height: int, width: int, thickness: int =
     return (edge[0, 0] > 0).numpy() & (region[0, 0] > 0).numpy()
 
 
+@dataclass(frozen=True)
+class Skeleton:
+    """A detection's pose to draw: its keypoints (x, y in the picture's pixels, and visibility) and the limbs
+    joining them, as pairs of keypoint indices. A keypoint whose visibility is under ``visible`` is left out, and
+    so are its limbs."""
+
+    keypoints: Sequence[Sequence[float]]
+    limbs: Sequence[tuple[int, int]] = ()
+    visible: float = 0.5
+
+    def draw(self, draw: ImageDraw.ImageDraw, thickness: int) -> None:
+        """The limbs as lines and the keypoints as small dots, in the box colour."""
+        shown = [k[2] >= self.visible for k in self.keypoints]
+        for a, b in self.limbs:
+            if shown[a] and shown[b]:
+                draw.line(
+                    [tuple(self.keypoints[a][:2]), tuple(self.keypoints[b][:2])], fill=BOX_COLOUR, width=thickness
+                )
+        radius = thickness
+        for (x, y, _), seen in zip(self.keypoints, shown):
+            if seen:
+                draw.ellipse((x - radius, y - radius, x + radius, y + radius), fill=BOX_COLOUR)
+
+
 def annotate(
     picture: Image.Image,
     label: str,
@@ -200,10 +225,11 @@ def annotate(
     region: Tensor | np.ndarray | None = None,
     point: Sequence[float] | None = None,
     polygon: Sequence[Sequence[float]] | None = None,
+    skeleton: Skeleton | None = None,
 ) -> Image.Image:
     """Draw what a map explains on its picture: a detection's box (image pixels), or a segment's outline
-    (a mask of any resolution, resized to the picture), a keypoint's position (a ringed dot), an oriented box's
-    corners (its outline), and a label at its top left corner."""
+    (a mask of any resolution, resized to the picture), a keypoint's position (a ringed dot) over its
+    detection's skeleton, an oriented box's corners (its outline), and a label at its top left corner."""
     annotated, corner = picture.copy(), (0.0, 0.0)
     width, height = annotated.size
     thickness = max(2, round(min(width, height) / 200))
@@ -223,6 +249,8 @@ def annotate(
         corners = [tuple(corner) for corner in polygon]
         draw.line([*corners, corners[0]], fill=BOX_COLOUR, width=thickness)
         corner = (min(c[0] for c in corners), min(c[1] for c in corners))
+    if skeleton is not None:
+        skeleton.draw(draw, max(1, thickness // 2))
     if point is not None:
         radius = 2 * thickness
         x, y = point
@@ -317,6 +345,22 @@ def grid(
     pixels = rgb_array(image)
     pictures = {name: picture(pixels, cam, alpha, colormap) for name, cam in cams.items()}
     panels = {"image": mark(Image.fromarray(pixels)), **{name: mark(p) for name, p in pictures.items()}}
+    return rendered(panel_figure(panels, title, columns=min(columns, len(panels))))
+
+
+def strip(
+    image: Image.Image | np.ndarray,
+    cams: Mapping[str, Tensor | np.ndarray],
+    marks: Mapping[str, Marker],
+    title: str,
+    alpha: float = 0.5,
+    colormap: str = "jet",
+    columns: int = 6,
+) -> Image.Image:
+    """A strip of maps on one image, in rows of at most ``columns``: each map on the picture under its name, with
+    what it explains drawn by its own ``marks`` entry (a pose's keypoints, each ringed in turn)."""
+    pixels = rgb_array(image)
+    panels = {name: marks[name](picture(pixels, cam, alpha, colormap)) for name, cam in cams.items()}
     return rendered(panel_figure(panels, title, columns=min(columns, len(panels))))
 
 

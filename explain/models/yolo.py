@@ -206,11 +206,14 @@ class YoloDetector(nn.Module):
                 setattr(head, name, cached.clone())
 
 
+NMS_BLOCK = 256  # boxes whose overlaps the rotated NMS computes together, once the earlier ones are settled
+
+
 def _rotated_nms(boxes: Tensor, scores: Tensor, labels: Tensor, iou: float) -> Tensor:
     """Greedy non-maximum suppression of oriented boxes (K, 5) by their exact rotated IoU, class by class: the
     indices kept, best score first. The exact IoU is computed only for the pairs of a class whose upright hulls
-    overlap enough for it to reach ``iou``, all of them in one batch; the greedy pass then reads a (K, K) table
-    of which box suppresses which.
+    overlap enough for it to reach ``iou``, block by block of ``NMS_BLOCK`` boxes in score order, and only for the
+    boxes of a block that no earlier box suppressed; the greedy pass then reads which box suppresses which.
     (Ultralytics suppresses by a probabilistic IoU of the boxes' Gaussians: the kept sets can differ where two
     boxes' overlaps lie near ``iou``.)"""
     from ..targets.oriented import rotated_corners, rotated_pair_iou
@@ -227,14 +230,18 @@ def _rotated_nms(boxes: Tensor, scores: Tensor, labels: Tensor, iou: float) -> T
     areas = boxes[:, 2] * boxes[:, 3]
     # IoU >= iou needs an overlap of at least iou (A + B) / (1 + iou): pairs whose hulls overlap less are apart
     candidates = (reach >= iou * (areas[:, None] + areas[None]) / (1 + iou)) & (labels[:, None] == labels[None])
-    first, second = torch.triu(candidates, diagonal=1).nonzero(as_tuple=True)
-    suppresses = torch.zeros(len(order), len(order), dtype=torch.bool)
-    suppresses[first, second] = (rotated_pair_iou(boxes[first], boxes[second]) >= iou).cpu()
-    table = suppresses.numpy()
+    candidates = torch.triu(candidates, diagonal=1).cpu().numpy()
     alive = np.ones(len(order), dtype=bool)
-    for k in range(len(order)):
-        if alive[k]:
-            alive[k + 1 :] &= ~table[k, k + 1 :]
+    for start in range(0, len(order), NMS_BLOCK):  # the rows of boxes already suppressed are never computed
+        rows = np.arange(start, min(start + NMS_BLOCK, len(order)))
+        first, second = np.nonzero(candidates[rows] & alive[rows, None])
+        first += start
+        hits = (rotated_pair_iou(boxes[first], boxes[second]) >= iou).cpu().numpy() if len(first) else first
+        table = np.zeros((len(rows), len(order)), dtype=bool)
+        table[first[hits] - start, second[hits]] = True
+        for k in rows:  # greedy: a box still alive suppresses the later boxes it overlaps
+            if alive[k]:
+                alive[k + 1 :] &= ~table[k - start, k + 1 :]
     return order[torch.from_numpy(alive).to(order.device)]
 
 

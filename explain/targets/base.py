@@ -144,6 +144,8 @@ class BoundTarget:
         names: What ``classes`` index where it is not the model's labels (a pose model's keypoints), or None.
         points: The explained points (x, y) in input pixels, (N, K, 2) (a pose model's keypoints on the plain
             pass), or None.
+        poses: For each explained point, its detection's whole pose on the plain pass: (N, K, J, 3), each of its J
+            keypoints' x, y (input pixels) and visibility (the model's confidence, or 1), or None.
     """
 
     score: Callable[[Any, Tensor], Tensor]
@@ -156,6 +158,7 @@ class BoundTarget:
     read: Callable[[Any], Tensor] | None = None
     names: Sequence[str] | None = None
     points: Tensor | None = None
+    poses: Tensor | None = None
 
     @property
     def classifier_rows(self) -> bool:

@@ -26,6 +26,12 @@ COCO_KEYPOINTS = (
 )  # fmt: skip
 """The 17 keypoints of COCO's people, in the order of torchvision's and Ultralytics' pose models."""
 
+COCO_SKELETON = (
+    (0, 1), (0, 2), (1, 3), (2, 4), (1, 2), (3, 5), (4, 6), (5, 6), (5, 7), (7, 9), (6, 8), (8, 10), (5, 11),
+    (6, 12), (11, 12), (11, 13), (13, 15), (12, 14), (14, 16),
+)  # fmt: skip
+"""The limbs joining COCO's keypoints, as pairs of their indices: the face, arms, torso and legs."""
+
 
 class KeypointTarget(DetectionTarget):
     """Keypoints of a pose model's detections, each scored by the model's own confidence in it: torchvision's
@@ -118,9 +124,10 @@ class KeypointTarget(DetectionTarget):
             return torch.stack(scores) * valid[images]
 
         plain = score(output, torch.arange(len(found), device=bound.boxes.device)).detach()
-        points = torch.stack([
-            self.located(d, bound.boxes[i], bound.classes[i], chosen) for i, d in enumerate(found)
-        ])  # fmt: skip
+        poses = torch.stack([self.posed(d, bound.boxes[i], bound.classes[i], count) for i, d in enumerate(found)])
+        poses = poses.repeat_interleave(per, dim=1)  # (N, K, keypoints, 3): each entry's detection's pose
+        entries = torch.arange(poses.shape[1], device=poses.device)
+        points = poses[:, entries, chosen.repeat(bound.boxes.shape[1])][..., :2]  # (N, K, 2): each entry's keypoint
         names = self.names if self.names is not None else COCO_KEYPOINTS if count == len(COCO_KEYPOINTS) else None
         return replace(
             bound,
@@ -131,12 +138,14 @@ class KeypointTarget(DetectionTarget):
             valid=valid,
             boxes=bound.boxes.repeat_interleave(per, dim=1),
             points=points,
+            poses=poses,
         )
 
-    def located(self, detections: Any, boxes: Tensor, labels: Tensor, chosen: Tensor) -> Tensor:
-        """Where one image's chosen keypoints of each reference detection lie on the plain pass, (D * P, 2) in input
-        pixels: detection after detection, as the K axis."""
+    def posed(self, detections: Any, boxes: Tensor, labels: Tensor, count: int) -> Tensor:
+        """One image's reference detections' whole poses on the plain pass, (D, count, 3): each keypoint's x, y in
+        input pixels and its visibility (zeros for a detection without a match)."""
         if "keypoints" not in detections or not len(detections["keypoints"]):
-            return boxes.new_zeros(len(boxes) * len(chosen), 2)
-        index, _ = self.match(detections, boxes, labels)
-        return detections["keypoints"][index][:, chosen, :2].detach().reshape(-1, 2).to(boxes.dtype)
+            return boxes.new_zeros(len(boxes), count, 3)
+        index, matched = self.match(detections, boxes, labels)
+        found = detections["keypoints"][index].detach().to(boxes.dtype)
+        return torch.where(matched[:, None, None], found, 0.0)
