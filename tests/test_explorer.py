@@ -430,11 +430,11 @@ def test_a_scan_is_browsed_slice_by_slice_without_the_model(tmp_path) -> None:
     app = App(spec, explain.load_model)
     assert list(app.explorer.photos) == []  # no bundled photos for a model of scans
     app.explorer.add(tmp_path / "scan.npy")
-    page, caption, slider = app.draw("scan.npy", "gradcam", ["1"], None, "mean", False, False, 0.4, "jet", None)
+    page, caption, slider = app.draw("scan.npy", "gradcam", ["1"], None, "mean", False, False, [], 0.4, "jet", None)
     assert page.count("data:image/jpeg;base64,") == 2 and "opacity:0.4" in page  # the slice and its map
     assert caption.endswith("slice 6 of 10 (the peak)") and slider.value == 6 and slider.maximum == 9
     drawn = len(calls)
-    _, caption, _ = app.draw("scan.npy", "gradcam", ["1"], None, "mean", False, False, 0.4, "jet", 3)
+    _, caption, _ = app.draw("scan.npy", "gradcam", ["1"], None, "mean", False, False, [], 0.4, "jet", 3)
     assert caption.endswith("slice 3 of 10") and len(calls) == drawn
 
 

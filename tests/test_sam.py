@@ -74,6 +74,7 @@ def test_the_image_encoders_map_is_grad_cam_of_the_masks_score(kind: str, by: st
     flags = {name: p.requires_grad for name, p in prompted.named_parameters()}
     result = explain.GradCAM(prompted)(x, PromptMaskTarget(by=by), normalize=False)
     assert result.layer == LAYER and result.class_indices.tolist() == [best]
+    assert result.target.names[best] == "mask"  # whichever mask: the export names its file for it
     assert result.raw.shape == (1, 43, 64) and expected.abs().max() > 0
     assert (result.raw - expected).abs().max() <= 1e-4 * expected.abs().max()
     assert result.cams.shape == (1, 40, 60)

@@ -113,8 +113,8 @@ CONTROLS = (
 )
 """Every control, in the order the front ends lay them out."""
 
-VIEW = ("method", "layers", "target", "fuse", "aug_smooth", "eigen_smooth")
+VIEW = ("method", "layers", "target", "fuse", "aug_smooth", "eigen_smooth", "prompt")
 """The controls that make a view (see :class:`explain.explorer.session.View`), in its fields' order; ``target`` is
-the entry clicked or typed."""
+the entry clicked or typed, ``prompt`` the point or box clicked on the photo."""
 
 ALPHA_STEP = 0.05  # the alpha slider's step, from 0 to 1

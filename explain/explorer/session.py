@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..catalog import METHOD_CATALOG, check_method
 from ..core.engine import CAMResult
@@ -28,16 +28,18 @@ from ..core.layers import LayerInfo, layer_choices
 from ..errors import ExplainError
 from ..export.manifest import record
 from ..export.reports import image_metrics
-from ..export.run import task_target
+from ..export.run import prompted_model, task_target
+from ..export.settings import Prompt
 from ..io.atomic import write_atomically
 from ..io.images import load_image, rgb_array
-from ..io.render import annotate, blend, gradient_image, heat_layer
+from ..io.render import Skeleton, annotate, blend, gradient_image, heat_layer
 from ..io.signals import plot_signal
 from ..io.volumes import grey, intensity_window
 from ..methods import create_method
 from ..metrics import sanity_check
 from ..models import ModelSpec
-from ..targets import ClassTarget
+from ..targets import ClassTarget, KeypointTarget, RegionTarget, Target
+from ..targets.keypoints import COCO_KEYPOINTS, COCO_SKELETON
 
 PHOTOS = Path(__file__).resolve().parent.parent / "data" / "photos"
 TOP_CLASSES = 5  # a classifier's classes listed per photo
@@ -96,6 +98,8 @@ class View:
         fuse: How several layers' maps become one (``explain.catalog.FUSIONS``).
         aug_smooth: Average over flipped and scaled copies of the input.
         eigen_smooth: The first principal component of the weighted activations.
+        prompt: Where a promptable segmenter (SAM) is prompted, a point ``(x, y)`` or a box ``(x1, y1, x2, y2)``,
+            or a depth estimator's region ``(x1, y1, x2, y2)`` (none: the whole photo), in the photo's pixels.
     """
 
     method: str = "gradcam"
@@ -104,6 +108,7 @@ class View:
     fuse: str = "mean"
     aug_smooth: bool = False
     eigen_smooth: bool = False
+    prompt: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,8 @@ class Entry:
         probability: The model's probability of it (a detection's score).
         box: A detection's box in the photo's pixels, or None.
         region: A segmenter's region, a mask at the model's output resolution, or None.
+        point: A pose model's keypoint in the photo's pixels, or None.
+        pose: Its detection's keypoints (x, y in the photo's pixels, visibility), drawn as its skeleton, or None.
     """
 
     index: int
@@ -126,12 +133,24 @@ class Entry:
     probability: float
     box: tuple[float, float, float, float] | None = None
     region: Tensor | None = field(default=None, compare=False, repr=False)
+    point: tuple[float, float] | None = None
+    pose: tuple[tuple[float, float, float], ...] | None = field(default=None, compare=False, repr=False)
 
     @property
     def label(self) -> str:
         """How a list shows it: ``tabby, tabby cat 62.3%``, a detection's place first."""
         place = "" if self.box is None and self.region is None else f"#{self.index} "
         return f"{place}{self.class_name} {self.probability:.1%}"
+
+    def marked(self, picture: Image.Image, labelled: bool = True) -> Image.Image:
+        """A picture with what the entry explains drawn on it: its box or outline, its keypoint over its skeleton,
+        and its label (or none)."""
+        limbs = COCO_SKELETON if self.pose is not None and len(self.pose) == len(COCO_KEYPOINTS) else ()
+        skeleton = None if self.pose is None else Skeleton(self.pose, limbs)
+        if not labelled:  # a photo to click: boxes and outlines, and a pose's skeleton alone
+            box = None if skeleton is not None else self.box
+            return annotate(picture, "", box, self.region, skeleton=skeleton)
+        return annotate(picture, self.label, self.box, self.region, self.point, skeleton=skeleton)
 
 
 @dataclass(frozen=True)
@@ -192,13 +211,11 @@ class Shown:
         if canvas.dim() == 3:  # a guided map of a photo: its own colours
             return np.asarray(gradient_image(canvas, height, width)), None
         heat = heat_layer(canvas, height, width, colormap)
-        if self.entry.box is None and self.entry.region is None:
+        if self.entry.box is None and self.entry.region is None and self.entry.point is None:
             return base, heat
-        marked = (
-            annotate(Image.fromarray(layer), self.entry.label, self.entry.box, self.entry.region)
-            for layer in (base, heat)
+        return np.asarray(self.entry.marked(Image.fromarray(base))), np.asarray(
+            self.entry.marked(Image.fromarray(heat))
         )
-        return tuple(np.asarray(layer) for layer in marked)  # type: ignore[return-value]
 
     def picture(self, alpha: float = 0.5, colormap: str = "jet", index: int | None = None) -> Image.Image:
         """The map on the photo at the photo's resolution (see :meth:`layers`): the heat layer blended onto the
@@ -216,6 +233,7 @@ class Shown:
             "class_name": self.entry.class_name,
             "score": round(self.entry.probability, 6),
             "box": None if self.entry.box is None else [round(v, 1) for v in self.entry.box],
+            "point": None if self.entry.point is None else [round(v, 1) for v in self.entry.point],
         }
         view = {**asdict(self.view), "layers": list(self.view.layers), "alpha": alpha, "colormap": colormap}
         if self.photo.depth is not None:
@@ -283,6 +301,7 @@ class Explorer:
         self._top: dict[str, list[Entry]] = {}
         self._layers: dict[tuple[int, ...], tuple[list[LayerInfo], list[str]]] = {}
         self._digests: dict[str, str] = {}
+        self._pose_model: bool | None = None
         self._lock = threading.RLock()
 
     @property
@@ -333,7 +352,11 @@ class Explorer:
             x = self.photos[photo].x
             shape = tuple(x.shape)
             if shape not in self._layers:
-                self._layers[shape] = layer_choices(self.spec.model, x, self.spec.labels)
+                model = self.spec.model
+                if self.task == "prompted":  # its layers are those of any prompt: one at the photo's centre
+                    width, height = self.photos[photo].image.size
+                    model = self._subject(self.photos[photo], View(prompt=(width / 2, height / 2)))[0]
+                self._layers[shape] = layer_choices(model, x, self.spec.labels)
             return self._layers[shape]
 
     def layer_menu(self, photo: str) -> list[tuple[str, str]]:
@@ -351,8 +374,11 @@ class Explorer:
 
     def entries(self, photo: str, view: View | None = None) -> list[Entry]:
         """What the photo's maps can explain: a classifier's top classes with their probabilities, or a detector's
-        detections, or a segmenter's regions (those of the first view's call, ``view`` where none was made)."""
+        detections (a pose model's keypoints of each), or a segmenter's regions (those of the first view's call,
+        ``view`` where none was made); with a prompt in ``view``, what that prompt's call explains."""
         with self._lock:
+            if view is not None and view.prompt:  # the entries of that prompt (a SAM mask, a depth region)
+                return self._explained(photo, view).entries
             if photo not in self._top:
                 self.show(photo, replace_target(view or View(), None))
             return self._top[photo]
@@ -373,6 +399,41 @@ class Explorer:
             resolved = self._resolved(photo, view) if self.task == "classification" else replace_target(view, place)
             shown, cam = self.photos[photo], maps.cams[place]
             return Shown(shown, resolved, maps.entries[place], cam, maps.layer, self._canvas(shown, cam))
+
+    def entry_at(self, photo: str, x: float, y: float) -> int:
+        """The entry a click at ``(x, y)`` (the photo's pixels) picks: a pose model's keypoint nearest it, else the
+        smallest detection box or the segment holding it.
+
+        Raises:
+            ExplainError: A classifier's photo (its classes have no place), or nothing there to pick.
+        """
+        if self.task == "classification":
+            raise ExplainError("a classifier's classes have no place on the photo: click one in the list")
+        entries, image = self.entries(photo), self.photos[photo].image
+        points = [(e.index, (e.point[0] - x) ** 2 + (e.point[1] - y) ** 2) for e in entries if e.point is not None]
+        if points:
+            return min(points, key=lambda found: found[1])[0]
+        holding = [(e.index, _area(e, image.size)) for e in entries if _holds(e, x, y, image.size)]
+        if not holding:
+            raise ExplainError(
+                f"{photo}: nothing to explain at ({x:.0f}, {y:.0f}); click inside a detection or segment"
+            )
+        return min(holding, key=lambda found: found[1])[0]
+
+    def clickable(self, photo: str, view: View | None = None) -> Image.Image:
+        """The photo as a user clicks it to pick what to explain: every entry's box, outline or skeleton drawn
+        without labels, and the view's prompt (a point or a box)."""
+        picture = self.photos[photo].image
+        if not isinstance(picture, Image.Image):
+            raise ExplainError(f"{photo} is a {self.photos[photo].kind}: pick its entries from the list")
+        for entry in [] if self.task in ("classification", "prompted", "depth") else self.entries(photo):
+            picture = entry.marked(picture, labelled=False)
+        prompt = view.prompt if view is not None else ()
+        if len(prompt) == 2:
+            picture = annotate(picture, "", point=prompt)
+        elif len(prompt) == 4:
+            picture = annotate(picture, "", box=prompt)  # type: ignore[arg-type]
+        return picture
 
     def faithfulness(self, shown: Shown, batch_size: int = 32) -> Faithfulness:
         """The faithfulness metrics of a shown map of a classifier's class, on demand: deletion and insertion
@@ -470,20 +531,55 @@ class Explorer:
 
     def _computed(self, photo: Photo, view: View) -> _Maps:
         """One explanation call for a view of a photo."""
-        method = create_method(
-            view.method, self.spec.model, list(view.layers) or None, labels=self.spec.labels, **self._options(view)
-        )
-        if self.task == "classification":
+        classifier = self.task == "classification"
+        model, target = (self.spec.model, None) if classifier else self._subject(photo, view)
+        options = self._options(view)
+        method = create_method(view.method, model, list(view.layers) or None, labels=self.spec.labels, **options)
+        if classifier:
             result = method(photo.x, None if view.target is None else ClassTarget(view.target))
             if photo.name not in self._top:
                 self._top[photo.name] = self._top_classes(result)
             entry = self._class_entry(result)
             return _Maps(result.cams.detach().cpu(), [entry], result.layer, result)
-        result = method(photo.x, task_target(self.spec, score_threshold=self.score_threshold))
+        result = method(photo.x, target)
         entries = self._listed(photo, result)
-        self._top.setdefault(photo.name, entries)
+        if not view.prompt:  # a prompt's entries are its own: the photo's list is that of no prompt
+            self._top.setdefault(photo.name, entries)
         keep = [k for _, k in result.shown()]
-        return _Maps(result.cams[0, keep].detach().cpu(), entries, result.layer, result)
+        return _Maps(_with_k(result, result.cams)[0, keep].detach().cpu(), entries, result.layer, result)
+
+    def _subject(self, photo: Photo, view: View) -> tuple[nn.Module, Target]:
+        """What a view of a photo explains, for a model other than a classifier: the model (a promptable segmenter
+        given the view's prompt) and the target (every keypoint of a pose model's detections, a depth model's
+        region drawn on the photo, the task's target of any other).
+
+        Raises:
+            ExplainError: A promptable segmenter without a prompt, or a prompt of the wrong length.
+        """
+        spec, prompt = self.spec, view.prompt
+        if self.task == "prompted":
+            if len(prompt) not in (2, 4):
+                raise ExplainError(f"{spec.name} draws the mask of a prompt: click a point of the photo, or draw a box")
+            asked = Prompt(points=(prompt,)) if len(prompt) == 2 else Prompt(box=prompt)  # type: ignore[arg-type]
+            return prompted_model(spec, asked).model, task_target(spec, prompt=asked)
+        if self.task == "depth":
+            if len(prompt) not in (0, 4):
+                raise ExplainError(f"a depth model's region is a box (x1, y1, x2, y2), got {len(prompt)} values")
+            region = task_target(spec, prompt=Prompt(region=prompt or None))  # type: ignore[arg-type]
+            width, height = photo.image.size
+            return spec.model, region.drawn_on([(height, width)]) if isinstance(region, RegionTarget) else region
+        if self.task == "detection" and self._poses(photo):
+            return spec.model, KeypointTarget(score_threshold=self.score_threshold)
+        return spec.model, task_target(spec, score_threshold=self.score_threshold)
+
+    def _poses(self, photo: Photo) -> bool:
+        """Whether the detector is a pose model (its detections have keypoint scores), found once per explorer."""
+        if self._pose_model is None:
+            with torch.inference_mode():
+                found = self.spec.model(photo.x)
+            first = found[0] if isinstance(found, (list, tuple)) and found else None
+            self._pose_model = isinstance(first, dict) and "keypoints_scores" in first
+        return self._pose_model
 
     def _top_classes(self, result: CAMResult) -> list[Entry]:
         probabilities = result.logits.float().softmax(dim=1)[0]
@@ -502,15 +598,45 @@ class Explorer:
         bound = result.target
         width, height = photo.image.size
         scale = torch.tensor([width / photo.x.shape[-1], height / photo.x.shape[-2]] * 2)
-        entries = []
+        names, entries = bound.names or self.spec.labels, []
+        classes, probabilities = _with_k(result, result.class_indices), _with_k(result, result.probabilities)
         for place, (_, j) in enumerate(result.shown()):
-            index = int(result.class_indices[0, j])
+            index = int(classes[0, j])
             box = None if bound.boxes is None else tuple((bound.boxes[0, j].cpu() * scale).tolist())
             region = None if bound.regions is None else bound.regions[0, j].cpu()
-            entries.append(Entry(place, index, self.spec.labels[index], float(result.probabilities[0, j]), box, region))
+            point = None if bound.points is None else tuple((bound.points[0, j].cpu() * scale[:2]).tolist())
+            pose = None if bound.poses is None else bound.poses[0, j].cpu() * torch.cat([scale[:2], torch.ones(1)])
+            pose = None if pose is None else tuple(tuple(keypoint) for keypoint in pose.tolist())
+            probability = float(probabilities[0, j])
+            entries.append(Entry(place, index, names[index], probability, box, region, point, pose))
         if not entries:
             raise ExplainError(f"{photo.name}: the model finds nothing to explain (no detection or region)")
         return entries
+
+
+def _with_k(result: CAMResult, values: Tensor) -> Tensor:
+    """A result's per-target values (maps, classes, probabilities) with their K axis, (N, K, ...), where a target
+    of one map per image left it out."""
+    return values if result.target.keeps_k else values[:, None]
+
+
+def _holds(entry: Entry, x: float, y: float, size: tuple[int, int]) -> bool:
+    """Whether a detection's box or a segment's region holds the point ``(x, y)`` of a photo of ``size`` (W, H)."""
+    if entry.box is not None:
+        x1, y1, x2, y2 = entry.box
+        return x1 <= x <= x2 and y1 <= y <= y2
+    if entry.region is None:
+        return False
+    rows, columns = entry.region.shape[-2:]
+    row, column = min(int(y * rows / size[1]), rows - 1), min(int(x * columns / size[0]), columns - 1)
+    return bool(entry.region[row, column] > 0)
+
+
+def _area(entry: Entry, size: tuple[int, int]) -> float:
+    """A detection's box area, or a segment's share of the photo times its area (pixels of a photo of ``size``)."""
+    if entry.box is not None:
+        return (entry.box[2] - entry.box[0]) * (entry.box[3] - entry.box[1])
+    return float((entry.region > 0).float().mean()) * size[0] * size[1]  # type: ignore[union-attr]
 
 
 def unique_name(name: str, taken: Container[str]) -> str:

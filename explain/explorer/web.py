@@ -32,6 +32,12 @@ from .session import Explorer, Shown, View, bundled_photos
 LOCAL = "127.0.0.1"
 MAX_FILE_SIZE = "100mb"  # an upload larger than this is refused before it is read
 SHOWN_FORMAT = "JPEG"  # how the page gets an overlay's layers: a tenth of PNG's encoding time; downloads are PNG
+CLICK_LABELS = {
+    "detection": "Click a detection (or a pose's keypoint) to explain it",
+    "segmentation": "Click a segment to explain it",
+    "prompted": "Click the photo to prompt the model: a point, or two corners of a box",
+    "depth": "Click two corners of the region whose depth to explain",
+}
 
 
 def gradio() -> Any:
@@ -163,13 +169,14 @@ class App:
         photos = list(self.explorer.photos)
         return gr.Dropdown(choices=photos, value=added[-1] if added else None), "\n".join(problems)
 
-    def opened(self, photo: str) -> tuple[Any, Any, Any, int | None, None]:
+    def opened(self, photo: str) -> tuple[Any, ...]:
         """A photo's entries to click, its layers to pick from, the entries again for the compared overlay, the
-        target (its first entry), and the frame or slice drawn (None: the map's peak)."""
+        target (its first entry), the frame or slice drawn (None: the map's peak), the prompt and the pending
+        corner (none), and the photo to click (hidden for a classifier, whose classes have no place)."""
         gr = gradio()
         layers = self.explorer.layer_menu(photo) if photo else []
-        try:
-            menu = self.explorer.entry_menu(photo) if photo else []
+        try:  # a promptable segmenter's entry is its prompt's mask: none until a click
+            menu = self.explorer.entry_menu(photo) if photo and self.explorer.task != "prompted" else []
         except ExplainError as err:  # no automatic layer, say: the layers are listed to pick one
             gr.Warning(str(err))
             menu = []
@@ -180,13 +187,64 @@ class App:
             gr.Dropdown(choices=menu, value=first),
             first,
             None,
+            [],
+            None,
+            self.clickable(photo, []),
         )
 
+    def listed(self, photo: str, target: int | None, prompt: list[float] | None) -> Any:
+        """The entries to click after a click on the photo: the same photo's (the clicked one chosen), or those of
+        the new prompt."""
+        if self.explorer.task == "prompted" and not prompt:  # a box's first corner: no mask yet
+            return gradio().skip()
+        view = View(prompt=tuple(prompt or ())) if prompt else None
+        menu = [(entry.label, entry.index) for entry in self.explorer.entries(photo, view)]
+        return gradio().Radio(choices=menu, value=target if target is not None else menu[0][1])
+
+    def clickable(self, photo: str, prompt: list[float] | None) -> Any:
+        """The photo to click (see :meth:`Explorer.clickable`), with the prompt drawn; hidden where nothing on it
+        can be picked (a classifier, a clip, a scan, a signal)."""
+        gr = gradio()
+        if not photo or self.explorer.task == "classification" or self.explorer.photos[photo].kind != "image":
+            return gr.Image(value=None, visible=False)
+        view = View(prompt=tuple(prompt or ()))
+        return gr.Image(
+            value=self.explorer.clickable(photo, view), visible=True, label=CLICK_LABELS[self.explorer.task]
+        )
+
+    def clicked(
+        self, photo: str, mode: str, corner: list[float] | None, target: int | None, prompt: list[float] | None,
+        event: Any,
+    ) -> tuple[Any, ...]:  # fmt: skip
+        """A click at the photo's pixel ``event.index``: a promptable segmenter's point, or a corner of its box
+        (``mode`` ``"box"``) or of a depth model's region (the first corner waits in ``corner`` for the second);
+        else the entry there (a keypoint, a detection, a segment). Returns the target, the prompt, the pending
+        corner and the photo to click, with what was clicked drawn on it."""
+        x, y = (float(v) for v in event.index)
+        task, prompt = self.explorer.task, list(prompt or [])
+        if task == "depth" or (task == "prompted" and mode == "box"):
+            if corner is None:  # the box's first corner, drawn as a point until the second
+                return target, prompt, [x, y], self.clickable(photo, [x, y])
+            prompt, corner = [min(corner[0], x), min(corner[1], y), max(corner[0], x), max(corner[1], y)], None
+        elif task == "prompted":
+            prompt = [x, y]
+        else:
+            target = self.explorer.entry_at(photo, x, y)
+        return target, prompt, None, self.clickable(photo, prompt)
+
     def view(
-        self, method: str, layers: list[str] | None, target: int | None, fuse: str, aug: bool, eigen: bool
+        self,
+        method: str,
+        layers: list[str] | None,
+        target: int | None,
+        fuse: str,
+        aug: bool,
+        eigen: bool,
+        prompt: list[float] | None = None,
     ) -> View:
-        """The view the controls describe."""
-        return View(method or "gradcam", tuple(layers or ()), target, fuse or "mean", bool(aug), bool(eigen))
+        """The view the controls describe (``prompt``: the point or box clicked on the photo, or none)."""
+        options = (fuse or "mean", bool(aug), bool(eigen), tuple(float(v) for v in prompt or ()))
+        return View(method or "gradcam", tuple(layers or ()), target, *options)
 
     def draw(
         self,
@@ -197,6 +255,7 @@ class App:
         fuse: str,
         aug: bool,
         eigen: bool,
+        prompt: list[float] | None,
         alpha: float,
         colormap: str,
         index: int | None,
@@ -205,9 +264,9 @@ class App:
         clip's frames or a scan's slices (hidden for a photo), set to the one drawn (``index``; None: the map's
         peak). The model runs only for a view not seen before."""
         gr = gradio()
-        if not photo:
-            return "", "", gr.Slider(visible=False)
-        shown = self.explorer.show(photo, self.view(method, layers, target, fuse, aug, eigen))
+        if not photo or (self.explorer.task == "prompted" and not prompt):  # nothing to explain until a click
+            return "", CLICK_LABELS["prompted"] if photo else "", gr.Slider(visible=False)
+        shown = self.explorer.show(photo, self.view(method, layers, target, fuse, aug, eigen, prompt))
         drawn = shown.peak if index is None else int(index)
         depth = shown.photo.depth
         slider = gr.Slider(
@@ -304,6 +363,11 @@ def build(app: App) -> Any:
             with gr.Column(scale=1):
                 files = gr.File(file_count="multiple", label="Images: drop, paste or click to upload", height=120)
                 c = components(explorer, ("view", "style"))
+                c["click"] = gr.Radio(
+                    ["point", "box"], value="point", label="A click gives", elem_id="click",
+                    visible=explorer.task == "prompted",
+                )  # fmt: skip
+                c["picker"] = gr.Image(elem_id="picker", type="pil", interactive=False, visible=False)
             with gr.Column(scale=2):
                 shown = [gr.HTML(elem_id="overlay"), gr.Markdown(elem_id="caption"), c["index"]]
             with gr.Column(scale=2):
@@ -317,6 +381,7 @@ def build(app: App) -> Any:
         saved = gr.File(label="Files", file_count="multiple", interactive=False)
         problems = gr.Markdown(elem_id="problems")
         c["target"], c["drawn"] = gr.State(), gr.State()  # the entry explained; the frame or slice drawn
+        c["prompt"], c["corner"] = gr.State([]), gr.State()  # the point or box clicked; a box's first corner
         view = [c[name] for name in VIEW]
         files.upload(user_errors(app.add), files, [c["photo"], problems])
         measure.click(user_errors(app.metrics), [c["photo"], *view], [curves, scores])
@@ -350,12 +415,20 @@ def wire(app: App, page: Any, c: dict[str, Any], shown: list[Any], shown_b: list
         event.then(draw, drawn, shown, show_progress="hidden")
         event.then(draw_b, drawn_b, shown_b, show_progress="hidden")
 
-    chosen = [c["entries"], c["layers"], c["target_b"], c["target"], c["drawn"]]
+    chosen = [c["entries"], c["layers"], c["target_b"], c["target"], c["drawn"], c["prompt"], c["corner"], c["picker"]]
     reopen(c["photo"].change(opened, c["photo"], chosen))
-    for name, slot, kept in (("entries", 3, "target"), ("typed", 3, "target"), ("index", 9, "drawn")):
+    slots = {name: slot for slot, name in enumerate(("photo", *VIEW, "alpha", "colormap", "index"))}
+    for name, kept in (("entries", "target"), ("typed", "target"), ("index", "drawn")):
+        slot = slots["target" if kept == "target" else "index"]
         inputs = [*drawn[:slot], c[name], *drawn[slot + 1 :]]
         c[name].input(picked(slot), inputs, [*shown, c[kept]], **live)
-    c["index"].input(draw_b, [*drawn_b[:9], c["index"]], shown_b, **live)
+    c["index"].input(draw_b, [*drawn_b[: slots["index"]], c["index"]], shown_b, **live)
+    clicked = user_errors(app.clicked)
+    clicked.__annotations__ = {"event": gradio().SelectData}  # Gradio hands the click's pixel to this argument
+    where = [c["photo"], c["click"], c["corner"], c["target"], c["prompt"]]
+    click = c["picker"].select(clicked, where, [c["target"], c["prompt"], c["corner"], c["picker"]])
+    click.then(user_errors(app.listed), [c["photo"], c["target"], c["prompt"]], [c["entries"]])
+    reopen(click)
     for control in CONTROLS:
         if control.name not in OWN_WIRING and "a" in control.redraws:
             c[control.name].change(draw, drawn, shown, **live)

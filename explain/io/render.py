@@ -255,6 +255,8 @@ def annotate(
         radius = 2 * thickness
         x, y = point
         draw.ellipse((x - radius, y - radius, x + radius, y + radius), fill=BOX_COLOUR, outline=(0, 0, 0), width=1)
+    if not label:
+        return annotated
     font = ImageFont.load_default(size=max(10, round(min(width, height) / 30)))
     _, _, right, bottom = draw.textbbox((0, 0), label, font=font)
     x = min(max(0.0, corner[0]), max(0.0, width - right))

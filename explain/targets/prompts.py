@@ -67,4 +67,5 @@ class PromptMaskTarget(Target):
             classes=chosen[:, None],
             probabilities=ious.gather(1, chosen[:, None]).float(),
             regions=regions[:, None],
+            names=("mask",) * masks.shape[1],  # the model's masks are its classes: each one a mask
         )
