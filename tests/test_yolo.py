@@ -319,15 +319,17 @@ def test_a_threshold_below_the_models_own_conf_is_honoured() -> None:
     torch.testing.assert_close(result.target.probabilities[0], expected["scores"])
 
 
-def test_a_pose_models_keypoint_is_its_raw_rows_confidence_and_its_map_the_reference() -> None:
-    """YOLO11 pose (random weights that detect): each kept detection's keypoints are its raw row's, mapped back
-    through the letterbox; a keypoint's map is Grad-CAM of that row's keypoint confidence, written out here."""
+@pytest.mark.parametrize(("yaml", "level"), [("yolo11n-pose.yaml", LEVEL), ("yolov8n-pose.yaml", "model.model.15")])
+def test_a_pose_models_keypoint_is_its_raw_rows_confidence_and_its_map_the_reference(yaml: str, level: str) -> None:
+    """YOLO11 and YOLOv8 pose (random weights that detect): each kept detection's keypoints are its raw row's,
+    mapped back through the letterbox; a keypoint's map is Grad-CAM of that row's keypoint confidence, written out
+    here at the neck's finest level."""
     from explain.targets import KeypointTarget
 
-    pose = detecting("yolo11n-pose.yaml")
+    pose = detecting(yaml)
     x = image()
     kept = {}
-    handle = pose.get_submodule(LEVEL).register_forward_hook(lambda m, i, o: kept.update(a=o) or o.clone())
+    handle = pose.get_submodule(level).register_forward_hook(lambda m, i, o: kept.update(a=o) or o.clone())
     (found,) = pose(x)
     handle.remove()
     assert len(found["boxes"]) > 0 and found["keypoints"].shape == (len(found["boxes"]), 17, 3)
@@ -346,23 +348,24 @@ def test_a_pose_models_keypoint_is_its_raw_rows_confidence_and_its_map_the_refer
     expected = F.interpolate(cam[:, None], size=boxed.tensors.shape[-2:], mode="bilinear", align_corners=False)
     expected = expected[:, 0, top : top + height, left : left + width]
     target = KeypointTarget("left_elbow", boxes=found["boxes"][:1].detach(), labels=[int(found["labels"][0])])
-    result = explain.GradCAM(pose, LEVEL)(x, target, normalize=False)
+    result = explain.GradCAM(pose, level)(x, target, normalize=False)
     assert result.raw.shape == (1, 1, height, width) and expected.abs().max() > 0
     assert (result.raw[:, 0] - expected).abs().max() <= 1e-4 * expected.abs().max()
     assert hook_count(pose) == 0
 
 
-def test_an_oriented_box_is_its_raw_row_matched_by_rotated_iou_and_its_map_the_reference() -> None:
-    """YOLO11 OBB (random weights that detect): each kept detection's oriented box is its raw row's, mapped back
-    through the letterbox (its angle kept), suppressed by rotated IoU; its map is Grad-CAM of its score, written
-    out here; the upright box is the rotated one's hull."""
+@pytest.mark.parametrize(("yaml", "level"), [("yolo11n-obb.yaml", LEVEL), ("yolov8n-obb.yaml", "model.model.15")])
+def test_an_oriented_box_is_its_raw_row_matched_by_rotated_iou_and_its_map_the_reference(yaml: str, level: str) -> None:
+    """YOLO11 and YOLOv8 OBB (random weights that detect): each kept detection's oriented box is its raw row's,
+    mapped back through the letterbox (its angle kept), suppressed by rotated IoU; its map is Grad-CAM of its
+    score, written out here; the upright box is the rotated one's hull."""
     from explain.targets import OrientedDetectionTarget, rotated_iou
     from explain.targets.oriented import rotated_corners
 
-    obb = detecting("yolo11n-obb.yaml")
+    obb = detecting(yaml)
     x = image()
     kept = {}
-    handle = obb.get_submodule(LEVEL).register_forward_hook(lambda m, i, o: kept.update(a=o) or o.clone())
+    handle = obb.get_submodule(level).register_forward_hook(lambda m, i, o: kept.update(a=o) or o.clone())
     (found,) = obb(x)
     handle.remove()
     assert len(found["rboxes"]) > 1
@@ -385,7 +388,7 @@ def test_an_oriented_box_is_its_raw_row_matched_by_rotated_iou_and_its_map_the_r
     expected = F.interpolate(cam[:, None], size=boxed.tensors.shape[-2:], mode="bilinear", align_corners=False)
     expected = expected[:, 0, top : top + height, left : left + width]
     target = OrientedDetectionTarget(found["rboxes"][:1].detach(), [int(found["labels"][0])])
-    result = explain.GradCAM(obb, LEVEL)(x, target, normalize=False)
+    result = explain.GradCAM(obb, level)(x, target, normalize=False)
     assert result.raw.shape == (1, 1, height, width) and expected.abs().max() > 0
     assert (result.raw[:, 0] - expected).abs().max() <= 1e-4 * expected.abs().max()
     assert hook_count(obb) == 0
