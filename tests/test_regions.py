@@ -174,6 +174,21 @@ def test_the_command_line_explains_a_depth_models_region_and_a_sams_prompt(tmp_p
     assert target["score"] == pytest.approx(float(depth[0, 50:200, 100:300].mean()), rel=1e-4)
     assert (out / target["output"]).is_file() and target["output"].endswith("chelsea.gradcam.depth.jpg")
 
+    anything = tmp_path / "depth-anything"  # relative inverse depth: nearer is larger, read from its config
+    _depth_anything().save_pretrained(anything)
+    processor = transformers.DPTImageProcessor(size={"height": 56, "width": 56}, keep_aspect_ratio=True,
+                                               ensure_multiple_of=14)  # fmt: skip
+    processor.save_pretrained(anything)
+    out = tmp_path / "anything"
+    assert main([str(CAT), "--model", str(anything), "--region", "40,30,200,120", "--direction", "nearer",
+                 "-o", str(out)]) == 0  # fmt: skip
+    (target,) = manifest(out)[0]["targets"]
+    spec = explain.load_model(str(anything))
+    with torch.no_grad():
+        depth = spec.model(spec.preprocess(explain.load_image(CAT)))
+    assert depth.shape == (1, 300, 451)
+    assert target["score"] == pytest.approx(float(depth[0, 30:120, 40:200].mean()), rel=1e-4)
+
     out = tmp_path / "mask"
     assert main([str(CAT), "--model", str(sam_folder), "--point", "200,150", "-o", str(out)]) == 0
     (record,) = manifest(out)
