@@ -147,8 +147,8 @@ def test_the_nearer_sign_is_read_from_the_config() -> None:
 def test_the_command_line_explains_a_depth_models_region_and_a_sams_prompt(tmp_path, capsys) -> None:
     """Folders written by save_pretrained: a GLPN and a Depth Anything with their image processors (--region in the
     photo's pixels: the manifest's score is the mean depth over it, the depth at the photo's size) and a SAM
-    (--point: the mask it
-    draws, scored by its predicted IoU in the manifest); prompts a model takes none of are one line each."""
+    (--point: the mask it draws, scored by its predicted IoU in the manifest); prompts a model takes none of are
+    one line each."""
     from conftest import CAT, manifest
     from test_sam import _sam
 
