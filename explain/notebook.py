@@ -1,9 +1,10 @@
 """The explorer in Jupyter, with ipywidgets: ``explain.notebook.explore(model, image)``.
 
 The same controls as the web app (``explain app``) over the same :class:`explain.explorer.Explorer`: the photo,
-its top classes to click or a class to type, the method, the layers, fusion, smoothing, alpha and colormap, a
-second overlay to compare, the faithfulness metrics and the files of a view. A change of alpha or colormap
-draws the kept map again; only a new view runs the model.
+its top classes to click or a class to type (a detector's detections, a pose model's keypoints, a segmenter's
+regions), a promptable segmenter's or a depth model's prompt to type, the method, the layers, fusion, smoothing,
+alpha and colormap, a second overlay to compare, the faithfulness metrics and the files of a view. A change of
+alpha or colormap draws the kept map again; only a new view runs the model.
 """
 
 from __future__ import annotations
@@ -53,6 +54,24 @@ def widget(control: Control, explorer: Explorer) -> Any:
     return w.IntSlider(min=0, value=value, **common)
 
 
+PROMPTED = ("prompted", "depth")  # the tasks a typed prompt is for: SAM's point or box, a depth model's region
+
+
+def prompt_of(text: str) -> tuple[float, ...]:
+    """A typed prompt: ``x,y`` (a point), ``x1,y1,x2,y2`` (a box), or nothing.
+
+    Raises:
+        ExplainError: Anything else, named.
+    """
+    try:
+        values = tuple(float(part) for part in text.split(",")) if text.strip() else ()
+    except ValueError:
+        values = (0.0,)
+    if len(values) not in (0, 2, 4):
+        raise ExplainError(f"prompt {text!r}: give x,y (a point) or x1,y1,x2,y2 (a box), in the photo's pixels")
+    return values
+
+
 def png(shown: Shown, alpha: float, colormap: str, index: int | None = None) -> bytes:
     """A shown map's overlay as PNG bytes, what an image widget shows (a clip's frame or a scan's slice
     ``index``, None: the peak's)."""
@@ -81,6 +100,12 @@ class NotebookExplorer:
         self.overlay, self.overlay_b = w.Image(format="png"), w.Image(format="png")
         self.caption, self.caption_b = w.Label(), w.Label()
         self.problem = w.HTML()
+        prompted = explorer.task in PROMPTED
+        self.prompt = w.Text(
+            description="prompt", placeholder="x,y or x1,y1,x2,y2 (the photo's pixels)", continuous_update=False,
+            layout=w.Layout(display=None if prompted else "none"),
+        )  # fmt: skip
+        self.prompt_value: tuple[float, ...] = ()  # the prompt typed: SAM's point or box, a depth model's region
         self.shown: Shown | None = None  # what the overlay shows
         self.index: int | None = None  # the frame or slice drawn; None: the map's peak
         self._opening = False
@@ -93,7 +118,7 @@ class NotebookExplorer:
             return w.VBox([self.controls[c.name] for c in CONTROLS if c.group in names])
 
         self.widget = w.VBox([
-            w.HBox([group("view"), group("style", "compare")]),
+            w.HBox([w.VBox([group("view"), self.prompt]), group("style", "compare")]),
             w.HBox([w.VBox([self.overlay, self.caption]), w.VBox([self.overlay_b, self.caption_b])]),
             w.HBox([measure, save]),
             self.problem,
@@ -109,6 +134,7 @@ class NotebookExplorer:
         c["photo"].observe(lambda _: self.opened(), names="value")
         c["typed"].observe(self._typed, names="value")
         c["index"].observe(self._moved, names="value")
+        self.prompt.observe(self._prompted, names="value")
         for control in CONTROLS:
             if control.name in ("photo", "typed", "index"):
                 continue
@@ -123,9 +149,18 @@ class NotebookExplorer:
     def view(self, method: str, target: int | None) -> View:
         """The view the controls describe, with a method and target of its own."""
         c = self.controls
-        return View(
-            method, tuple(c["layers"].value), target, c["fuse"].value, c["aug_smooth"].value, c["eigen_smooth"].value
-        )
+        options = (c["fuse"].value, c["aug_smooth"].value, c["eigen_smooth"].value, self.prompt_value)
+        return View(method, tuple(c["layers"].value), target, *options)
+
+    def _prompted(self, change: dict[str, Any]) -> None:
+        """A prompt typed: SAM's point or box, or a depth model's region, explained; a malformed one named."""
+        try:
+            self.prompt_value = prompt_of(change["new"])
+        except ExplainError as err:
+            self.problem.value = f"<b>{err}</b>"
+            return
+        self.draw()
+        self.draw_b()
 
     def opened(self) -> None:
         """A photo chosen: its entries and layers listed, the first entry explained."""
@@ -133,7 +168,10 @@ class NotebookExplorer:
         self._opening, self.index = True, None  # the menus' own changes draw nothing; the peak is drawn
         try:
             c["layers"].options = self.explorer.layer_menu(photo)
-            menu = self.explorer.entry_menu(photo)
+            view = View(prompt=self.prompt_value) if self.prompt_value else None
+            if self.explorer.task == "prompted" and view is None:
+                raise ExplainError(f"{self.explorer.spec.name} draws the mask of a prompt: type it, x,y or x1,y1,x2,y2")
+            menu = [(entry.label, entry.index) for entry in self.explorer.entries(photo, view)]
             for name in ("entries", "target_b"):
                 c[name].options = menu
                 c[name].value = menu[0][1]

@@ -97,7 +97,7 @@ def test_a_promptable_segmenter_is_prompted_by_a_point_or_a_box() -> None:
         assert [e.index for e in explorer.entries(photo.name, View(prompt=prompt))] == [0]
     pixels = np.asarray(explorer.clickable(photo.name, View(prompt=(60.0, 40.0))))
     assert (pixels[40, 60] == BOX_COLOUR).all()
-    with pytest.raises(explain.ExplainError, match="click a point of the photo, or draw a box"):
+    with pytest.raises(explain.ExplainError, match=r"give the view a point \(x, y\) or a box"):
         explorer.show(photo.name, View())
 
 
@@ -242,3 +242,27 @@ def test_the_page_prompts_a_sam_folder_by_clicks_in_a_browser(tmp_path) -> None:
             browser.quit()
         server.terminate()
         server.wait(30)
+
+
+def test_the_notebook_explorer_takes_a_typed_prompt() -> None:
+    """The notebook explorer of a SAM: no map until a prompt is typed; a point, then a box, each drawn as the
+    explorer draws that prompt's view; a malformed prompt is named, the overlay kept."""
+    pytest.importorskip("ipywidgets")
+    from test_sam import _sam
+
+    from explain.notebook import explore
+
+    spec = explain.ModelSpec(_sam(), "sam", ["mask"], UNIT_PREPROCESSING, "prompted")
+    seen = explore(spec, _cat(), folder="unused")
+    assert "type it, x,y or x1,y1,x2,y2" in seen.problem.value and seen.overlay.value == b""
+    seen.prompt.value = "60,40"
+    assert seen.caption.value.startswith("#0 mask") and seen.problem.value == ""
+    expected = seen.explorer.show(seen.controls["photo"].value, View(prompt=(60.0, 40.0)))
+    assert seen.shown.view.prompt == (60.0, 40.0) and torch.equal(seen.shown.cam, expected.cam)
+    point = seen.overlay.value
+    seen.prompt.value = "20, 10, 90, 70"
+    assert seen.shown.view.prompt == (20.0, 10.0, 90.0, 70.0) and seen.overlay.value != point
+    shown = seen.overlay.value
+    seen.prompt.value = "1,2,3"
+    assert "prompt '1,2,3': give x,y (a point) or x1,y1,x2,y2 (a box)" in seen.problem.value
+    assert seen.overlay.value == shown

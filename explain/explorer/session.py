@@ -559,7 +559,10 @@ class Explorer:
         spec, prompt = self.spec, view.prompt
         if self.task == "prompted":
             if len(prompt) not in (2, 4):
-                raise ExplainError(f"{spec.name} draws the mask of a prompt: click a point of the photo, or draw a box")
+                raise ExplainError(
+                    f"{spec.name} draws the mask of a prompt: give the view a point (x, y) or a box (x1, y1, x2, y2) "
+                    "of the photo, View(prompt=...)"
+                )
             asked = Prompt(points=(prompt,)) if len(prompt) == 2 else Prompt(box=prompt)  # type: ignore[arg-type]
             return prompted_model(spec, asked).model, task_target(spec, prompt=asked)
         if self.task == "depth":
