@@ -155,8 +155,14 @@ class OutputWriter:
         for method in self.methods:
             tags = [self.tag(k, "class", method) for k in range(self.topk or 1)]
             overlays, figures, pictures, raw = self.paths(base, tags, method)
+            if figures and self.task == "pose":
+                figures = [self.strip_path(base, method, 1)]
             files += [*overlays, *figures, *pictures, *([raw] if raw else [])]
         return files
+
+    def strip_path(self, base: Path, method: str, detection: int) -> Path:
+        """Where a pose model's strip of a detection's keypoint maps is written (detections counted from 1)."""
+        return base.with_name(f"{base.name}.{method}.det{detection}.keypoints.figure.{self.render.fmt}")
 
     def write(self, item: Input, image: np.ndarray, base: Path, explanation: Explanation) -> list[dict[str, Any]]:
         """Render and write one image's outputs, a map per target for each method (or their grid); returns its
@@ -239,7 +245,7 @@ class OutputWriter:
                 runs.append([e])
         figures, style = [], self.render
         for number, run in enumerate(runs, start=1):
-            path = base.with_name(f"{base.name}.{method}.det{number}.keypoints.figure.{style.fmt}")
+            path = self.strip_path(base, method, number)
             cams = {e.class_name: e.cams[method] for e in run}
             marks = {e.class_name: partial(self.annotated, e) for e in run}
             title = f"detection {number}: {len(run)} keypoint{'s' * (len(run) > 1)}, {method} at {layer}"
