@@ -109,11 +109,17 @@ def test_activation_methods_match_reference(name: str, layer: str, side: int) ->
     assert_close_maps(got, (expected * a).sum(1).clamp(min=0))
 
 
-@pytest.mark.parametrize("kernel", ["sigmoid", "rbf"])
-def test_kpca_cam_is_pytorch_grad_cam_s_kernel_pca(kernel: str) -> None:
+@pytest.mark.parametrize(("kernel", "solver"), [("sigmoid", "full"), ("rbf", "full"), ("sigmoid", "top pair")])
+def test_kpca_cam_is_pytorch_grad_cam_s_kernel_pca(kernel: str, solver: str, monkeypatch) -> None:
     """KPCA-CAM against pytorch-grad-cam's projection (scikit-learn's KernelPCA) of the same activations, each
-    image's sign fixed by explain's rule (the principal component's sign is arbitrary), then the ReLU."""
+    image's sign fixed by explain's rule (the principal component's sign is arbitrary), then the ReLU; by the
+    whole eigendecomposition, and by the top pair alone (what maps of more than FULL_EIGH_LIMIT positions get)."""
     from pytorch_grad_cam.utils.svd_on_activations import get_2d_projection_kernel
+
+    from explain.core import maps
+
+    if solver == "top pair":
+        monkeypatch.setattr(maps, "FULL_EIGH_LIMIT", 8)  # layer3's 6 x 6 = 36 positions
 
     model = seeded("resnet18", num_classes=10)
     x = inputs(96)
