@@ -266,3 +266,45 @@ def test_the_notebook_explorer_takes_a_typed_prompt() -> None:
     seen.prompt.value = "1,2,3"
     assert "prompt '1,2,3': give x,y (a point) or x1,y1,x2,y2 (a box)" in seen.problem.value
     assert seen.overlay.value == shown
+
+
+REFUSING = {  # the methods a dense or prompted target does not fit, and what their refusal says
+    "finercam": "contrasts a classifier's classes",
+    "sess": "for a classifier's class",
+    "dff": "picks the concept of a classifier's class",
+    "cam": "weighs channels by a class's row of the classifier",
+}
+ROLLOUTS = ("attention_rollout", "gradient_rollout", "chefer", "legrad")  # attention models only
+
+
+def _map_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, padding=1),
+        torch.nn.ReLU(), torch.nn.Conv2d(8, 1, 3, padding=1),
+    ).eval()  # fmt: skip
+
+
+@pytest.mark.parametrize("method", [name for name in explain.METHODS if name not in ROLLOUTS])
+def test_every_method_explains_a_region_and_a_prompt_or_refuses_in_one_line(method: str) -> None:
+    """A region of a map model's output (N = 2) and a SAM's prompted mask: each method gives a finite map per
+    image at the input's size, or refuses with the reason; the model keeps no hook, flag or gradient."""
+    from test_sam import _sam
+    from test_side_effects import assert_unchanged, snapshot
+
+    cases = (
+        (_map_model(), torch.rand(2, 3, 32, 40), RegionTarget(box=(4, 4, 20, 16)), "2"),
+        (SamPrompted(_sam(), points=[(30.0, 20.0)]), torch.rand(1, 3, 40, 60), PromptMaskTarget(), None),
+    )
+    for model, x, target, layer in cases:
+        before = snapshot(model)
+        if method in REFUSING:
+            with pytest.raises(explain.ExplainError, match=REFUSING[method]):
+                explain.METHODS[method](model, layer)(x, target)
+        elif method == "shapleycam" and layer is None:  # SAM's attention has no second derivative in PyTorch
+            with pytest.raises(explain.LayerError, match=r"the Hessian at layer .* cannot be computed"):
+                explain.METHODS[method](model, layer)(x, target)
+        else:
+            cams = explain.METHODS[method](model, layer)(x, target).cams
+            assert cams.shape[0] == len(x) and cams.shape[-2:] == x.shape[-2:] and torch.isfinite(cams).all()
+        assert_unchanged(model, before)
