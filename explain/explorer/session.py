@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from ..catalog import METHOD_CATALOG, check_method
 from ..core.engine import CAMResult
 from ..core.layers import LayerInfo, layer_choices
+from ..core.model_state import untouched
 from ..errors import ExplainError
 from ..export.manifest import record
 from ..export.reports import image_metrics
@@ -578,7 +579,7 @@ class Explorer:
     def _poses(self, photo: Photo) -> bool:
         """Whether the detector is a pose model (its detections have keypoint scores), found once per explorer."""
         if self._pose_model is None:
-            with torch.inference_mode():
+            with untouched(self.spec.model), torch.inference_mode():  # its buffers and flags as they were
                 found = self.spec.model(photo.x)
             first = found[0] if isinstance(found, (list, tuple)) and found else None
             self._pose_model = isinstance(first, dict) and "keypoints_scores" in first
