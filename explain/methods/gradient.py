@@ -324,5 +324,5 @@ class FinerCAM(GradCAM):
         if isinstance(goal, (ContrastTarget, BoundTarget)):
             return goal
         if not isinstance(goal, ClassTarget):
-            raise TargetError(f"Finer-CAM contrasts a classifier's classes; a {type(goal).__name__} is none")
+            raise TargetError(f"Finer-CAM contrasts a classifier's classes; {type(goal).__name__} gives none")
         return ContrastTarget(goal, **self.contrast)
