@@ -109,6 +109,27 @@ def test_activation_methods_match_reference(name: str, layer: str, side: int) ->
     assert_close_maps(got, (expected * a).sum(1).clamp(min=0))
 
 
+@pytest.mark.parametrize("method", ["eigencam", "kpcacam"])
+def test_a_class_agnostic_map_is_computed_once_for_every_target(method: str, monkeypatch) -> None:
+    """Eigen-CAM and KPCA-CAM with three targets: one projection per pass, the same map for each target, the
+    reference's."""
+    from explain.core import maps
+    from explain.methods import activation
+
+    calls = []
+    for name in ("principal_projection", "kernel_projection"):
+        real = getattr(maps, name)
+        monkeypatch.setattr(activation, name, lambda a, *args, real=real, **kw: calls.append(1) or real(a, *args, **kw))
+    model = seeded("resnet18", num_classes=10)
+    x = inputs(64)
+    result = explain.METHODS[method](model, "layer3")(x, explain.targets.TopK(3), resize=False, normalize=False)
+    assert len(calls) == 1 and result.cams.shape[:2] == (len(x), 3)
+    assert torch.equal(result.cams[:, 0], result.cams[:, 2])
+    a, _ = capture(model, x, "layer3", TARGETS)
+    projection = first_component(a) if method == "eigencam" else maps.kernel_projection(a.double())
+    assert_close_maps(result.cams[:, 1], projection.clamp(min=0))
+
+
 @pytest.mark.parametrize(("kernel", "solver"), [("sigmoid", "full"), ("rbf", "full"), ("sigmoid", "top pair")])
 def test_kpca_cam_is_pytorch_grad_cam_s_kernel_pca(kernel: str, solver: str, monkeypatch) -> None:
     """KPCA-CAM against pytorch-grad-cam's projection (scikit-learn's KernelPCA) of the same activations, each

@@ -65,6 +65,10 @@ class EigenCAM(CAM):
     name = "eigencam"
     needs = Needs(gradients=False)
 
+    def compute(self, capture: Capture) -> Tensor:
+        """The layer's map, the same for every target: computed once per pass."""
+        return capture.once(f"{self.name}:{capture.name}", lambda: CAM.compute(self, capture))
+
     def weighted_activations(self, capture: Capture) -> Tensor:
         return capture.activations
 
