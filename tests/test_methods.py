@@ -511,6 +511,33 @@ def test_shapley_cam_is_pytorch_grad_cam_s_and_its_hessian_term_counts() -> None
         explain.cam(seeded("mobilenet_v3_small", num_classes=10), x, "shapleycam", "features.9", TARGETS)
 
 
+def test_shapley_cam_reaches_through_a_transformers_fused_attention() -> None:
+    """A timm ViT (fused scaled dot-product attention, whose gradient PyTorch cannot differentiate again) at an
+    early block: ShapleyCAM's Hessian term runs through the later blocks' attention by the math kernel, equal to a
+    double backward written here over the patch tokens (the class token left out)."""
+    import timm
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10, img_size=64).eval()
+    x, layer = inputs(64), "blocks.8"
+    kept = {}
+    handle = vit.get_submodule(layer).register_forward_hook(lambda m, i, o: kept.setdefault("a", o))
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            logits = vit(x)
+            a = kept["a"]
+            (g,) = torch.autograd.grad(logits[range(2), TARGETS].sum(), a, create_graph=True)
+            (hvp,) = torch.autograd.grad(g, a, grad_outputs=a.detach())
+    finally:
+        handle.remove()
+    patches, g, hvp = a.detach()[:, 1:].double(), g.detach()[:, 1:].double(), hvp[:, 1:].double()  # (N, 16, C)
+    weights = (g - 0.5 * hvp).mean(dim=1)
+    reference = (patches * weights[:, None]).sum(dim=2).clamp(min=0).view(2, 4, 4)
+    assert (hvp.abs().max() > 1e-3 * g.abs().max()) and reference.max() > 0
+    assert_close_maps(explain.cam(vit, x, "shapleycam", layer, TARGETS, resize=False, normalize=False), reference)
+
+
 def test_finer_cam_is_pytorch_grad_cam_s_with_the_look_alikes_or_given_classes() -> None:
     """Finer-CAM against pytorch-grad-cam's (the top class against its three nearest logits), and with the
     comparison classes given against Grad-CAM of the contrast written as a callable target."""

@@ -7,6 +7,7 @@ image, three for a volume or a clip (``capture.spatial``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 import torch
@@ -165,6 +166,13 @@ class ShapleyCAM(CAM):
 
     name = "shapleycam"
     needs = Needs(curvature=True)
+
+    def backward_rule(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> AbstractContextManager[Any]:
+        """Attention by PyTorch's math kernel, whose gradient can be differentiated again (the fused kernels'
+        cannot), so that the Hessian reaches through a transformer's attention."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.MATH])
 
     def weights(self, capture: Capture) -> Tensor:
         return (capture.gradients - 0.5 * capture.curvature).mean(dim=capture.spatial)
