@@ -18,7 +18,7 @@ from torch import nn
 
 from .errors import ExplainError
 from .explorer.controls import ALPHA_STEP, CONTROLS, Control
-from .explorer.session import Explorer, Shown, View
+from .explorer.session import PROMPTED, Explorer, Shown, View, prompt_of
 from .models import IMAGENET_PREPROCESSING, ImageLike, ModelSpec, Preprocessing
 
 
@@ -52,24 +52,6 @@ def widget(control: Control, explorer: Explorer) -> Any:
     if control.kind == "slider":
         return w.FloatSlider(value=value, min=0.0, max=1.0, step=ALPHA_STEP, **common)
     return w.IntSlider(min=0, value=value, **common)
-
-
-PROMPTED = ("prompted", "depth")  # the tasks a typed prompt is for: SAM's point or box, a depth model's region
-
-
-def prompt_of(text: str) -> tuple[float, ...]:
-    """A typed prompt: ``x,y`` (a point), ``x1,y1,x2,y2`` (a box), or nothing.
-
-    Raises:
-        ExplainError: Anything else, named.
-    """
-    try:
-        values = tuple(float(part) for part in text.split(",")) if text.strip() else ()
-    except ValueError:
-        values = (0.0,)
-    if len(values) not in (0, 2, 4):
-        raise ExplainError(f"prompt {text!r}: give x,y (a point) or x1,y1,x2,y2 (a box), in the photo's pixels")
-    return values
 
 
 def png(shown: Shown, alpha: float, colormap: str, index: int | None = None) -> bytes:

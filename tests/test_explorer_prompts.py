@@ -305,3 +305,25 @@ def test_every_method_explains_a_region_and_a_prompt_or_refuses_in_one_line(meth
             cams = explain.METHODS[method](model, layer)(x, target).cams
             assert cams.shape[0] == len(x) and cams.shape[-2:] == x.shape[-2:] and torch.isfinite(cams).all()
         assert_unchanged(model, before)
+
+
+def test_the_apps_endpoint_takes_a_prompt_as_its_target(tmp_path) -> None:
+    """``/explain`` of a SAM: the target field is the prompt, a point or a box; the overlay is the explorer's
+    picture of that view; a malformed prompt is named; a SAM without one asks for it."""
+    pytest.importorskip("gradio")
+    from test_sam import _sam
+
+    from explain.explorer.web import App
+
+    app = App(explain.ModelSpec(_sam(), "sam", ["mask"], UNIT_PREPROCESSING, "prompted"), explain.load_model)
+    path = tmp_path / "cat.png"
+    _cat().save(path)
+    for text, prompt in (("60,40", (60.0, 40.0)), ("20,10,90,70", (20.0, 10.0, 90.0, 70.0))):
+        picture, top, layer = app.explain(str(path), "", "gradcam", text)
+        shown = app.explorer.show("cat.png", View(prompt=prompt))
+        assert layer == "model.vision_encoder.neck" and list(top) == [shown.entry.label]
+        assert np.array_equal(np.asarray(picture), np.asarray(shown.picture()))
+    with pytest.raises(explain.ExplainError, match="give x,y"):
+        app.explain(str(path), "", "gradcam", "1,2,3")
+    with pytest.raises(explain.ExplainError, match="draws the mask of a prompt"):
+        app.explain(str(path), "", "gradcam", "")

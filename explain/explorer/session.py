@@ -44,6 +44,7 @@ from ..targets.keypoints import COCO_KEYPOINTS, COCO_SKELETON
 
 PHOTOS = Path(__file__).resolve().parent.parent / "data" / "photos"
 TOP_CLASSES = 5  # a classifier's classes listed per photo
+PROMPTED = ("prompted", "depth")  # the tasks a view's prompt is for: SAM's point or box, a depth model's region
 
 
 BUNDLED_PHOTOS = ("chelsea.jpg", "coffee.jpg", "astronaut.jpg")  # the cat first: its class is known
@@ -641,6 +642,21 @@ def _area(entry: Entry, size: tuple[int, int]) -> float:
     if entry.box is not None:
         return (entry.box[2] - entry.box[0]) * (entry.box[3] - entry.box[1])
     return float((entry.region > 0).float().mean()) * size[0] * size[1]  # type: ignore[union-attr]
+
+
+def prompt_of(text: str) -> tuple[float, ...]:
+    """A typed prompt: ``x,y`` (a point), ``x1,y1,x2,y2`` (a box), or nothing.
+
+    Raises:
+        ExplainError: Anything else, named.
+    """
+    try:
+        values = tuple(float(part) for part in text.split(",")) if text.strip() else ()
+    except ValueError:
+        values = (0.0,)
+    if len(values) not in (0, 2, 4):
+        raise ExplainError(f"prompt {text!r}: give x,y (a point) or x1,y1,x2,y2 (a box), in the photo's pixels")
+    return values
 
 
 def unique_name(name: str, taken: Container[str]) -> str:

@@ -27,7 +27,7 @@ from ..io.render import data_uri
 from ..models import ModelSpec, load_model
 from ..targets import class_index
 from .controls import ALPHA_STEP, CONTROLS, VIEW, Control
-from .session import Explorer, Shown, View, bundled_photos
+from .session import PROMPTED, Explorer, Shown, View, bundled_photos, prompt_of
 
 LOCAL = "127.0.0.1"
 MAX_FILE_SIZE = "100mb"  # an upload larger than this is refused before it is read
@@ -183,7 +183,7 @@ class App:
         first = menu[0][1] if menu else None
         return (
             gr.Radio(choices=menu, value=first),
-            gr.Dropdown(choices=layers, value=[]),
+            gr.Dropdown(choices=layers, value=[], multiselect=True),
             gr.Dropdown(choices=menu, value=first),
             first,
             None,
@@ -317,16 +317,21 @@ class App:
     def explain(self, image: str, model: str, method: str, target: str) -> tuple[Image.Image, dict[str, float], str]:
         """The endpoint ``/explain``: one image's overlay, its top classes (or entries) with their probabilities,
         and the layer used. For a model of clips, scans or signals, ``image`` is such a file, drawn at the map's
-        peak frame or slice."""
+        peak frame or slice. For a promptable segmenter or a depth model, ``target`` is the prompt or the region:
+        ``x,y`` or ``x1,y1,x2,y2`` in the image's pixels."""
         explorer = self.explorer_for((model or "").strip())
         if not image:
             raise ExplainError("no image given")
         photo = explorer.add(image, Path(image).name)
-        view = View(method=(method or "").strip() or "gradcam", target=self.target(target or ""))
+        name = (method or "").strip() or "gradcam"
+        if explorer.task in PROMPTED:  # the target is where the model is prompted: x,y or x1,y1,x2,y2
+            view = View(method=name, prompt=prompt_of(target or ""))
+        else:
+            view = View(method=name, target=self.target(target or ""))
         shown = explorer.show(photo.name, view)
         top = {
             entry.label if entry.box is not None or entry.region is not None else entry.class_name: entry.probability
-            for entry in explorer.entries(photo.name)
+            for entry in explorer.entries(photo.name, view if view.prompt else None)
         }
         return shown.picture(), top, shown.layer
 
