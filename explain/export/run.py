@@ -48,7 +48,7 @@ from ..targets import (
     nearer_sign,
 )
 from ..targets.base import read_output
-from ..targets.oriented import rotated_corners
+from ..targets.oriented import rotated_corners, upright_boxes
 from .distributed import Process, process_group, this_process
 from .gallery import remove_gallery
 from .inputs import Input, collect_inputs, mark_output_folder
@@ -146,8 +146,7 @@ def _upright(boxes: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Ten
     (N, K, 4, 2) with the upright boxes around them; upright boxes as they are, without corners."""
     if boxes is None or boxes.shape[-1] != 5:
         return boxes, None
-    corners = rotated_corners(boxes.flatten(0, 1)).view(*boxes.shape[:2], 4, 2)
-    return torch.cat([corners.amin(dim=2), corners.amax(dim=2)], dim=-1), corners
+    return upright_boxes(boxes), rotated_corners(boxes.flatten(0, 1)).view(*boxes.shape[:2], 4, 2)
 
 
 def _writer(out_dir: Path, spec: ModelSpec, options: ExportOptions) -> OutputWriter:

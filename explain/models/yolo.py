@@ -188,10 +188,9 @@ class YoloDetector(nn.Module):
     @staticmethod
     def _oriented(rotated: Tensor) -> dict[str, Tensor]:
         """An OBB model's detections' ``"rboxes"`` and, as ``"boxes"``, the upright boxes around them."""
-        from ..targets.oriented import rotated_corners
+        from ..targets.oriented import upright_boxes
 
-        corners = rotated_corners(rotated)
-        return {"rboxes": rotated, "boxes": torch.cat([corners.amin(dim=1), corners.amax(dim=1)], dim=1)}
+        return {"rboxes": rotated, "boxes": upright_boxes(rotated)}
 
     def _usable_cache(self) -> None:
         """The Detect head caches its anchors and strides at the first forward of an input shape. Made under
@@ -216,12 +215,11 @@ def _rotated_nms(boxes: Tensor, scores: Tensor, labels: Tensor, iou: float) -> T
     boxes of a block that no earlier box suppressed; the greedy pass then reads which box suppresses which.
     (Ultralytics suppresses by a probabilistic IoU of the boxes' Gaussians: the kept sets can differ where two
     boxes' overlaps lie near ``iou``.)"""
-    from ..targets.oriented import rotated_corners, rotated_pair_iou
+    from ..targets.oriented import rotated_pair_iou, upright_boxes
 
     order = scores.argsort(descending=True)
     boxes, labels = boxes[order], labels[order]
-    corners = rotated_corners(boxes)
-    hulls = torch.cat([corners.amin(dim=1), corners.amax(dim=1)], dim=1)
+    hulls = upright_boxes(boxes)
     low, high = (
         torch.maximum(hulls[:, None, :2], hulls[None, :, :2]),
         torch.minimum(hulls[:, None, 2:], hulls[None, :, 2:]),

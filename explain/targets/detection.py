@@ -109,10 +109,15 @@ class DetectionTarget(Target):
         if len(detections["boxes"]) == 0 or len(boxes) == 0:
             nothing = torch.zeros(len(boxes), dtype=torch.long, device=boxes.device)
             return nothing, nothing.bool()
-        overlap = box_iou(boxes.to(detections["boxes"]), detections["boxes"].detach())
+        overlap = self.overlaps(boxes.to(detections["boxes"]), detections["boxes"].detach())
         overlap = torch.where(labels[:, None] == detections["labels"][None], overlap, -1.0)
         best, index = overlap.max(dim=1)
         return index, best >= self.iou
+
+    @staticmethod
+    def overlaps(boxes: Tensor, detected: Tensor) -> Tensor:
+        """The IoU of each reference box with each detected box, (M, D)."""
+        return box_iou(boxes, detected)
 
     def matched(self, detections: Mapping[str, Tensor], boxes: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         """The score of each reference box's match among one image's detections (0 without one), and which matched."""

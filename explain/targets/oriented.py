@@ -80,15 +80,15 @@ def rotated_pair_iou(a: Tensor, b: Tensor) -> Tensor:
 
 def rotated_iou(a: Tensor, b: Tensor) -> Tensor:
     """The exact intersection over union of oriented boxes: a (A, 5) and b (B, 5) give (A, B)."""
-    if len(a) == 0 or len(b) == 0:
-        return a.new_zeros(len(a), len(b))
-    corners_a, corners_b = rotated_corners(a.double()), rotated_corners(b.double())
-    pairs_a = corners_a[:, None].expand(-1, len(b), -1, -1).reshape(-1, 4, 2)
-    pairs_b = corners_b[None].expand(len(a), -1, -1, -1).reshape(-1, 4, 2)
-    overlap = _overlap_areas(pairs_a, pairs_b).view(len(a), len(b))
-    area_a, area_b = (a[:, 2] * a[:, 3]).double(), (b[:, 2] * b[:, 3]).double()
-    union = (area_a[:, None] + area_b[None] - overlap).clamp_min(1e-12)
-    return (overlap / union).to(a.dtype)
+    pairs_a = a[:, None].expand(-1, len(b), -1).reshape(-1, 5)
+    pairs_b = b[None].expand(len(a), -1, -1).reshape(-1, 5)
+    return rotated_pair_iou(pairs_a, pairs_b).view(len(a), len(b))
+
+
+def upright_boxes(boxes: Tensor) -> Tensor:
+    """The upright boxes (x1, y1, x2, y2) around oriented boxes (..., 5), (..., 4)."""
+    corners = rotated_corners(boxes.reshape(-1, 5))
+    return torch.cat([corners.amin(dim=1), corners.amax(dim=1)], dim=1).view(*boxes.shape[:-1], 4)
 
 
 class OrientedDetectionTarget(DetectionTarget):
@@ -124,11 +124,7 @@ class OrientedDetectionTarget(DetectionTarget):
             )
         return [{**d, "boxes": d["rboxes"]} for d in found]  # the boxes matched are the oriented ones
 
-    def match(self, detections: Mapping[str, Tensor], boxes: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-        if len(detections["boxes"]) == 0 or len(boxes) == 0:
-            nothing = torch.zeros(len(boxes), dtype=torch.long, device=boxes.device)
-            return nothing, nothing.bool()
-        overlap = rotated_iou(boxes.to(detections["boxes"]), detections["boxes"].detach())
-        overlap = torch.where(labels[:, None] == detections["labels"][None], overlap, -1.0)
-        best, index = overlap.max(dim=1)
-        return index, best >= self.iou
+    @staticmethod
+    def overlaps(boxes: Tensor, detected: Tensor) -> Tensor:
+        """The rotated IoU of each reference box with each detected box, (M, D)."""
+        return rotated_iou(boxes, detected)
