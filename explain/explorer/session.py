@@ -40,7 +40,7 @@ from ..methods import create_method
 from ..metrics import sanity_check
 from ..models import ModelSpec
 from ..targets import ClassTarget, KeypointTarget, RegionTarget, Target
-from ..targets.keypoints import COCO_KEYPOINTS, COCO_SKELETON
+from ..targets.keypoints import limbs_of
 
 PHOTOS = Path(__file__).resolve().parent.parent / "data" / "photos"
 TOP_CLASSES = 5  # a classifier's classes listed per photo
@@ -147,8 +147,7 @@ class Entry:
     def marked(self, picture: Image.Image, labelled: bool = True) -> Image.Image:
         """A picture with what the entry explains drawn on it: its box or outline, its keypoint over its skeleton,
         and its label (or none)."""
-        limbs = COCO_SKELETON if self.pose is not None and len(self.pose) == len(COCO_KEYPOINTS) else ()
-        skeleton = None if self.pose is None else Skeleton(self.pose, limbs)
+        skeleton = None if self.pose is None else Skeleton(self.pose, limbs_of(len(self.pose)))
         if not labelled:  # a photo to click: boxes and outlines, and a pose's skeleton alone
             box = None if skeleton is not None else self.box
             return annotate(picture, "", box, self.region, skeleton=skeleton)
@@ -604,16 +603,20 @@ class Explorer:
         width, height = photo.image.size
         scale = torch.tensor([width / photo.x.shape[-1], height / photo.x.shape[-2]] * 2)
         names, entries = bound.names or self.spec.labels, []
-        classes, probabilities = _with_k(result, result.class_indices), _with_k(result, result.probabilities)
+        classes = _with_k(result, result.class_indices)[0].cpu()
+        probabilities = _with_k(result, result.probabilities)[0].cpu()
+        boxes, regions, points, poses = (
+            None if values is None else values[0].detach().cpu()  # the photo's, on the CPU once
+            for values in (bound.boxes, bound.regions, bound.points, bound.poses)
+        )
         for place, (_, j) in enumerate(result.shown()):
-            index = int(classes[0, j])
-            box = None if bound.boxes is None else tuple((bound.boxes[0, j].cpu() * scale).tolist())
-            region = None if bound.regions is None else bound.regions[0, j].cpu()
-            point = None if bound.points is None else tuple((bound.points[0, j].cpu() * scale[:2]).tolist())
-            pose = None if bound.poses is None else bound.poses[0, j].cpu() * torch.cat([scale[:2], torch.ones(1)])
-            pose = None if pose is None else tuple(tuple(keypoint) for keypoint in pose.tolist())
-            probability = float(probabilities[0, j])
-            entries.append(Entry(place, index, names[index], probability, box, region, point, pose))
+            index = int(classes[j])
+            box = None if boxes is None else tuple((boxes[j] * scale).tolist())
+            region = None if regions is None else regions[j]
+            point = None if points is None else tuple((points[j] * scale[:2]).tolist())
+            pose = None if poses is None else (poses[j] * torch.cat([scale[:2], torch.ones(1)])).tolist()
+            pose = None if pose is None else tuple(tuple(keypoint) for keypoint in pose)
+            entries.append(Entry(place, index, names[index], float(probabilities[j]), box, region, point, pose))
         if not entries:
             raise ExplainError(f"{photo.name}: the model finds nothing to explain (no detection or region)")
         return entries

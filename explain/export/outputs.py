@@ -20,7 +20,7 @@ from ..io.signals import plot_signal
 from ..io.video import count_frames, nearest_sampled, overlay_frames, write_gif, write_overlay_video
 from ..io.volumes import montage, read_volume, write_heatmap
 from ..models.spec import InputPreprocessing
-from ..targets.keypoints import COCO_KEYPOINTS, COCO_SKELETON
+from ..targets.keypoints import limbs_of
 from .inputs import Input
 from .manifest import record
 from .settings import RenderOptions
@@ -296,8 +296,7 @@ class OutputWriter:
         if e.box is None and e.region is None and e.point is None:
             return picture
         box = None if e.polygon is not None else e.box  # an oriented box is drawn as itself
-        limbs = COCO_SKELETON if e.pose is not None and len(e.pose) == len(COCO_KEYPOINTS) else ()
-        skeleton = None if e.pose is None else Skeleton(e.pose, limbs)
+        skeleton = None if e.pose is None else Skeleton(e.pose, limbs_of(len(e.pose)))
         return annotate(picture, f"{e.class_name} {e.score:.3g}", box, e.region, e.point, e.polygon, skeleton)
 
     @staticmethod

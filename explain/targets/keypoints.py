@@ -33,6 +33,11 @@ COCO_SKELETON = (
 """The limbs joining COCO's keypoints, as pairs of their indices: the face, arms, torso and legs."""
 
 
+def limbs_of(count: int) -> tuple[tuple[int, int], ...]:
+    """The limbs a pose of ``count`` keypoints is drawn with: COCO's for COCO's 17, else none (the points alone)."""
+    return COCO_SKELETON if count == len(COCO_KEYPOINTS) else ()
+
+
 class KeypointTarget(DetectionTarget):
     """Keypoints of a pose model's detections, each scored by the model's own confidence in it: torchvision's
     ``keypoints_scores`` (the keypoint heatmap's logit at its peak), YOLO pose's keypoint confidence.
