@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 import transformers
+from bench_yolo import detecting
 from timing import emit, interleaved_medians, rounds_and_out
 
 import explain
 from explain.models.sam import SamPrompted
-from explain.models.yolo import load_yolo
 from explain.targets import (
     KeypointTarget,
     OrientedDetectionTarget,
@@ -63,13 +63,7 @@ def limit(model: torch.nn.Module, x: torch.Tensor, layers: Sequence[str], score:
 
 
 def pose_case() -> tuple[str, torch.nn.Module, torch.Tensor, Any, Sequence[str], Callable[[Any], torch.Tensor]]:
-    torch.manual_seed(0)
-    model = load_yolo("yolo11n-pose.yaml")
-    with torch.no_grad():
-        model.model.model[-1].cv3[0][-1].bias += 11.0
-    x = torch.rand(1, 3, 480, 640)
-    with torch.inference_mode():
-        (found,) = model(x)
+    model, x, found = detecting("yolo11n-pose.yaml", (480, 640))
     box, label = found["boxes"][:1].clone(), [int(found["labels"][0])]
     target = KeypointTarget("left_wrist", boxes=box, labels=label)
 
@@ -81,13 +75,7 @@ def pose_case() -> tuple[str, torch.nn.Module, torch.Tensor, Any, Sequence[str],
 
 
 def oriented_case() -> tuple[str, torch.nn.Module, torch.Tensor, Any, Sequence[str], Callable[[Any], torch.Tensor]]:
-    torch.manual_seed(0)
-    model = load_yolo("yolo11n-obb.yaml")
-    with torch.no_grad():
-        model.model.model[-1].cv3[0][-1].bias += 11.0
-    x = torch.rand(1, 3, 640, 640)
-    with torch.inference_mode():
-        (found,) = model(x)
+    model, x, found = detecting("yolo11n-obb.yaml", (640, 640))
     rbox, label = found["rboxes"][:1].clone(), [int(found["labels"][0])]
     target = OrientedDetectionTarget(rbox, label)
 

@@ -20,15 +20,22 @@ from explain.models.yolo import load_yolo
 from explain.targets import DetectionTarget
 
 
-def main() -> None:
-    args = rounds_and_out(__doc__)
+def detecting(yaml: str, size: tuple[int, int]) -> tuple[torch.nn.Module, torch.Tensor, dict[str, torch.Tensor]]:
+    """An Ultralytics model from its yaml, random weights, its finest level's class biases raised so that it
+    detects; a random image of ``size``; and its detections there."""
     torch.manual_seed(0)
-    model = load_yolo("yolo11n.yaml")
+    model = load_yolo(yaml)
     with torch.no_grad():
         model.model.model[-1].cv3[0][-1].bias += 11.0
-    x = torch.rand(1, 3, 480, 640)
+    x = torch.rand(1, 3, *size)
     with torch.inference_mode():
         (found,) = model(x)
+    return model, x, found
+
+
+def main() -> None:
+    args = rounds_and_out(__doc__)
+    model, x, found = detecting("yolo11n.yaml", (480, 640))
     target = DetectionTarget(found["boxes"][:1].clone(), [int(found["labels"][0])])
 
     explainer = explain.GradCAM(model)  # its one-time trace runs in the warm-up round
