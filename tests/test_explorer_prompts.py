@@ -252,13 +252,16 @@ def test_the_notebook_explorer_takes_a_typed_prompt() -> None:
 
     from explain.notebook import explore
 
-    spec = explain.ModelSpec(_sam(), "sam", ["mask"], UNIT_PREPROCESSING, "prompted")
+    sam = _sam()
+    spec = explain.ModelSpec(sam, "sam", ["mask"], UNIT_PREPROCESSING, "prompted")
     seen = explore(spec, _cat(), folder="unused")
     assert "type it, x,y or x1,y1,x2,y2" in seen.problem.value and seen.overlay.value == b""
     seen.prompt.value = "60,40"
     assert seen.caption.value.startswith("#0 mask") and seen.problem.value == ""
-    expected = seen.explorer.show(seen.controls["photo"].value, View(prompt=(60.0, 40.0)))
-    assert seen.shown.view.prompt == (60.0, 40.0) and torch.equal(seen.shown.cam, expected.cam)
+    x = seen.explorer.photos[seen.controls["photo"].value].x
+    expected = explain.GradCAM(SamPrompted(sam, points=[(60.0, 40.0)]))(x, PromptMaskTarget()).cams[0]
+    assert seen.shown.view.prompt == (60.0, 40.0)
+    torch.testing.assert_close(seen.shown.cam, expected, atol=1e-5, rtol=0)
     point = seen.overlay.value
     seen.prompt.value = "20, 10, 90, 70"
     assert seen.shown.view.prompt == (20.0, 10.0, 90.0, 70.0) and seen.overlay.value != point
@@ -315,14 +318,19 @@ def test_the_apps_endpoint_takes_a_prompt_as_its_target(tmp_path) -> None:
 
     from explain.explorer.web import App
 
-    app = App(explain.ModelSpec(_sam(), "sam", ["mask"], UNIT_PREPROCESSING, "prompted"), explain.load_model)
+    sam = _sam()
+    app = App(explain.ModelSpec(sam, "sam", ["mask"], UNIT_PREPROCESSING, "prompted"), explain.load_model)
     path = tmp_path / "cat.png"
     _cat().save(path)
-    for text, prompt in (("60,40", (60.0, 40.0)), ("20,10,90,70", (20.0, 10.0, 90.0, 70.0))):
+    prompts = (("60,40", {"points": [(60.0, 40.0)]}), ("20,10,90,70", {"box": (20.0, 10.0, 90.0, 70.0)}))
+    for text, keyword in prompts:
         picture, top, layer = app.explain(str(path), "", "gradcam", text)
-        shown = app.explorer.show("cat.png", View(prompt=prompt))
+        prompt = tuple(float(v) for v in text.split(","))
+        shown = app.explorer.show("cat.png", View(prompt=prompt))  # what the endpoint drew, kept
+        expected = explain.GradCAM(SamPrompted(sam, **keyword))(shown.photo.x, PromptMaskTarget())
+        torch.testing.assert_close(shown.cam, expected.cams[0], atol=1e-5, rtol=0)
         assert layer == "model.vision_encoder.neck" and list(top) == [shown.entry.label]
-        assert np.array_equal(np.asarray(picture), np.asarray(shown.picture()))
+        assert picture.size == (160, 120) and np.array_equal(np.asarray(picture), np.asarray(shown.picture()))
     with pytest.raises(explain.ExplainError, match="give x,y"):
         app.explain(str(path), "", "gradcam", "1,2,3")
     with pytest.raises(explain.ExplainError, match="draws the mask of a prompt"):
