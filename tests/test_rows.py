@@ -133,9 +133,11 @@ class Attending(nn.Module):
     timm's ``Attention`` with the given options, or with ``torch=True`` an ``nn.MultiheadAttention`` called as
     torchvision's ViT calls it."""
 
-    def __init__(self, torch: bool = False, **options) -> None:
+    def __init__(self, torch: bool = False, normed: bool = False, **options) -> None:
         super().__init__()
         from timm.models.vision_transformer import Attention
+
+        self.norm = nn.LayerNorm(16) if normed else nn.Identity()  # a block's norm before its attention
 
         if torch:
             self.attn = nn.MultiheadAttention(16, 4, batch_first=True, **options)
@@ -144,6 +146,7 @@ class Attending(nn.Module):
         self.out = nn.Linear(16, 3)
 
     def attend(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        x = self.norm(x)
         if isinstance(self.attn, nn.MultiheadAttention):
             return self.attn(x, x, x, **{"need_weights": False, **kwargs})[0]
         return self.attn(x, **kwargs)
@@ -179,9 +182,19 @@ def joined_to_input(output: torch.Tensor, x: torch.Tensor) -> bool:
         {"qkv_bias": True, "scale_norm": True, "norm_layer": nn.LayerNorm},
         {"torch": True},
         {"torch": True, "bias": False},
+        {"normed": True},
+        {"torch": True, "normed": True},
     ],
-    # a gate or a norm after the heads makes the value bias matter
-    ids=["timm", "timm-bias-gated", "timm-bias-normed", "torch", "torch-no-bias"],
+    # a gate or a norm after the heads makes the value bias matter; a norm before the attention joins its input
+    ids=[
+        "timm",
+        "timm-bias-gated",
+        "timm-bias-normed",
+        "torch",
+        "torch-no-bias",
+        "timm-after-norm",
+        "torch-after-norm",
+    ],
 )
 def test_attention_gradients_equal_plain_autograd(read, options) -> None:
     torch.manual_seed(0)
@@ -217,3 +230,17 @@ def test_attention_is_joined_only_where_its_recomputation_holds() -> None:
         with reached_rows(model, skip=skip):
             out = model.attend(x, **kwargs)
         assert joined_to_input(out, x) == joined
+
+
+@pytest.mark.parametrize("method", ["saliency", "input_x_gradient", "fullgrad"])
+def test_input_gradient_methods_on_a_timm_vit_equal_plain_autograd(method, monkeypatch) -> None:
+    """At 224 pixels (197 tokens) a timm ViT's attentions take the graph their forward recorded, reaching past the
+    block's norm to the block's input: the input's gradient is autograd's (these methods crashed there)."""
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", num_classes=10, depth=2).eval()
+    x = torch.randn(2, 3, 224, 224)
+    raw = explain.METHODS[method](model)(x).raw
+    monkeypatch.setattr(explain.core.families, "reached_rows", lambda model, skip, sequences: torch.enable_grad())
+    expected = explain.METHODS[method](model)(x).raw
+    assert torch.isfinite(raw).all() and expected.abs().max() > 0
+    torch.testing.assert_close(raw, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))

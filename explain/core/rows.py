@@ -242,23 +242,37 @@ def _plain_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 def _attention_joined(
-    parts: AttentionParts, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    chains: Chains,
+    parts: AttentionParts,
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    output: Any,
 ) -> Any:
-    """Forward hook: a self-attention's output joined by :class:`RowsRecomputed` to its input."""
+    """Forward hook: a self-attention's output joined by :class:`RowsRecomputed` to its input.
+
+    Where the input is itself a joined chain's output (a block's norm before the attention), the attention's own
+    position-wise layers (its query, key and value projection) extended that chain, so the graph the forward
+    recorded reaches the chain's source, not the input: the output is joined to both, the recomputed rows giving
+    the input's gradient and the recorded graph the source's, the one gradient that graph holds.
+    """
     x = _plain_call(module, args, kwargs)
     out = output[0] if isinstance(module, nn.MultiheadAttention) else output
     if not _joinable(module, x, out):
         return None
     n, tokens, width = x.shape
+    source = chains.get(x.grad_fn, (x, []))[0]
+    inputs = (x,) if source is x else (x, source)
 
     def gradients(grad: Tensor) -> tuple[Tensor | None, ...]:
-        return torch.autograd.grad(out, x, grad.reshape(out.shape), retain_graph=True)
+        (found,) = torch.autograd.grad(out, source, grad.reshape(out.shape), retain_graph=True)
+        return (found,) if source is x else (None, found)
 
     def serves(rows: Tensor) -> bool:  # recomputing costs ~ rows per image x heads x T x C, the graph ~ T x C^2
         return 2 * int(torch.bincount(rows // tokens, minlength=n).max()) * parts.weight.shape[1] > width
 
     recompute = lambda sources, rows: _attention_rows(parts, sources[0], rows)  # noqa: E731
-    joined = RowsRecomputed.apply(recompute, Recorded(gradients, serves), (out.detach(),), x)
+    joined = RowsRecomputed.apply(recompute, Recorded(gradients, serves), (out.detach(),), *inputs)
     return (joined, *output[1:]) if isinstance(module, nn.MultiheadAttention) else joined
 
 
@@ -300,7 +314,7 @@ def reached_rows(
                 if _positionwise(module):
                     hooks.forward(module, partial(_rows_joined, chains))
                 elif (parts := attention_parts(module)) is not None and skipped.isdisjoint(module.modules()):
-                    hooks.forward(module, partial(_attention_joined, parts), with_kwargs=True)
+                    hooks.forward(module, partial(_attention_joined, chains, parts), with_kwargs=True)
             yield
     finally:
         chains.clear()
