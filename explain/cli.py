@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
 from .catalog import FUSIONS, METRIC_NAMES, check_method, method_table
-from .errors import ExplainError
+from .errors import ExplainError, first_line
 from .export.inputs import Input, collect_inputs, listed_inputs
 from .export.manifest import check_fresh
 from .export.ownership import check_free
@@ -109,7 +109,23 @@ def _what_to_say(add: Callable[..., Any]) -> None:
         "overlay per prompt; or text queries to an open-vocabulary detector (OWL-ViT, OWLv2): one overlay per box "
         "scoring at least --score-threshold",
     )
-    add("--max-new-tokens", type=int, default=16, help="the longest answer generated for --prompt (default 16)")
+    add(
+        "--max-new-tokens",
+        type=_at_least_one,
+        default=16,
+        help="the longest answer generated for --prompt, at least 1 (default 16)",
+    )
+
+
+def _at_least_one(text: str) -> int:
+    """A whole number of 1 or more, as the parser reads it."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of 1 or more, got {text!r}")
+    return value
 
 
 def _what_to_read(add: Callable[..., Any]) -> None:
@@ -408,9 +424,18 @@ def _check_layers(spec: ModelSpec, names: list[str], x: torch.Tensor) -> None:
     """Each named layer exists and outputs a spatial map at the model's input size."""
     from .core.layers import resolve_layer, trace_layers
 
-    for name in names:
-        resolve_layer(spec.model, name, x)
-    shapes = {info.name: info for info in trace_layers(spec.model, x)}
+    try:
+        for name in names:
+            resolve_layer(spec.model, name, x)
+        shapes = {info.name: info for info in trace_layers(spec.model, x)}
+    except ExplainError:
+        raise
+    except (RuntimeError, ValueError, AssertionError) as err:  # the model's own refusal of the probe
+        size = "x".join(str(side) for side in x.shape[2:])
+        raise UsageError(
+            f"--layer: {spec.name} refused a {size} look at its layers ({first_line(err)}); list them in Python: "
+            "explain.candidate_layers(model, x) with one of your inputs"
+        ) from None
     for name in names:
         info = shapes.get(name)
         if info is None or not info.spatial:
@@ -462,7 +487,7 @@ def _run(args: argparse.Namespace) -> int:
 def _explain_words(args: argparse.Namespace) -> int:
     """``--prompt``, ``--answer``, ``--text``: what a vision-language model says or sees in each image, word by
     word (see :mod:`explain.export.words`)."""
-    from .export.words import WordsRequest, explain_words
+    from .export.words import WordsRequest, explain_words, prompt_text
     from .models.text_image import load_text_image_model
 
     if args.answer is not None and args.prompt is None:
@@ -477,6 +502,8 @@ def _explain_words(args: argparse.Namespace) -> int:
         does = {"answers": "answers prompts", "detects": "detects text queries", "scores": "scores text prompts"}
         wanted = "--prompt QUESTION" if spec.kind == "answers" else "--text 'a cat, a remote'"
         raise UsageError(f"{args.model} {does[spec.kind]}: give {wanted}")
+    if args.prompt is not None:
+        prompt_text(spec.processor, args.prompt)  # a prompt that cannot be read faithfully is refused before any image
     texts = [text.strip() for text in (args.text or "").split(",") if text.strip()]
     if args.text is not None and not texts:
         raise UsageError("--text holds no prompt: give them comma-separated, as --text 'a cat, a remote'")
@@ -525,14 +552,15 @@ def _with_clip_stride(spec: ModelSpec, stride: int) -> ModelSpec:
 
 def _check_model(spec: ModelSpec, options: ExportOptions) -> None:
     """The settings' rules that need the model: its task, its layers at its input size, its class names."""
+    from .export.run import prompted_model
     from .targets import class_index
 
+    options.check_task(spec)
     if options.layer and spec.preprocessing.kind in ("image", "video"):  # a scan's or a signal's at its first call
         names = [options.layer] if isinstance(options.layer, str) else list(options.layer)
-        _check_layers(spec, names, _probe(spec, ""))
+        _check_layers(prompted_model(spec, options.prompt), names, _probe(spec, ""))  # the model the run explains
     if options.target is not None:
         class_index(options.target, spec.labels, len(spec.labels))
-    options.check_task(spec)
 
 
 def _export(

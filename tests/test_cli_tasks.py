@@ -144,3 +144,28 @@ def test_detector_without_detections_and_its_usage_errors(detector_file, tmp_pat
     assert main(["--layers", "--model", DETECTOR, "--weights", str(detector_file)]) == 0
     marked = [line.split()[0] for line in capsys.readouterr().out.splitlines() if "<- automatic choice (fused)" in line]
     assert marked == ["backbone:0", "backbone:1", "backbone:pool"]
+
+
+def test_a_torchvision_detector_from_the_users_file_is_taken_as_it_is(detector_file, tmp_path, capsys) -> None:
+    """A Faster R-CNN built in the user's file (FILE.py:NAME, no ModelSpec) carries its own transform: its records
+    are those of the same weights loaded by name; a bare classifier still gets the line naming ModelSpec."""
+    code = tmp_path / "det.py"
+    code.write_text(
+        "import torch, torchvision\n\n"
+        "def build():\n"
+        "    model = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_fpn(\n"
+        "        weights=None, weights_backbone=None, num_classes=91)\n"
+        f"    model.load_state_dict(torch.load({str(detector_file)!r}))\n"
+        "    return model\n\n"
+        "bare = torch.nn.Conv2d(3, 2, 3)\n"
+    )
+    mine, named = tmp_path / "mine", tmp_path / "named"
+    assert main([str(CAT), "--model", f"{code}:build", "-o", str(mine), "--quiet"]) == 0
+    assert main([str(CAT), "--model", DETECTOR, "--weights", str(detector_file), "-o", str(named), "--quiet"]) == 0
+    ours, theirs = manifest(mine), manifest(named)
+    assert len(ours[0]["targets"]) > 0
+    keys = ("class_name", "score", "box")
+    assert [[t[k] for k in keys] for t in ours[0]["targets"]] == [[t[k] for k in keys] for t in theirs[0]["targets"]]
+    capsys.readouterr()
+    assert main([str(CAT), "--model", f"{code}:bare", "-o", str(tmp_path / "no")]) == 2
+    assert "det.py gives a Conv2d, not an explain.ModelSpec" in capsys.readouterr().err

@@ -274,3 +274,30 @@ def test_a_users_map_model_explains_a_region_drawn_on_each_photo_through_its_res
     with torch.no_grad():
         ious = prompted(loaded.preprocess(explain.load_image(CAT))).iou_scores[0, 0]
     assert target["class_index"] == int(ious.argmax()) and target["score"] == pytest.approx(float(ious.max()), abs=1e-6)
+
+
+def test_a_region_and_a_box_resume_as_given_and_a_sams_wrong_layer_is_one_line(tmp_path, capsys) -> None:
+    """--resume of a finished run with --region (a depth model) or --box (SAM) redoes and rewrites nothing: the
+    settings are compared as the manifest saved them. A SAM's unknown --layer is one line naming its layers."""
+    from conftest import CAT
+    from test_sam import _sam
+
+    from explain.cli import main
+
+    torch.manual_seed(0)
+    depth_folder, sam_folder = tmp_path / "glpn", tmp_path / "sam"
+    _glpn().save_pretrained(depth_folder)
+    transformers.GLPNImageProcessor(size_divisor=32).save_pretrained(depth_folder)
+    _sam().save_pretrained(sam_folder)
+    for model, prompt in ((depth_folder, ["--region", "100,50,300,200"]), (sam_folder, ["--box", "10,10,200,150"])):
+        out = tmp_path / f"{model.name}-out"
+        assert main([str(CAT), "--model", str(model), *prompt, "-o", str(out), "--quiet"]) == 0
+        written = {path: path.stat().st_mtime_ns for path in out.rglob("*") if path.is_file()}
+        assert main([str(CAT), "--model", str(model), *prompt, "-o", str(out), "--resume"]) == 0
+        assert "written 0, failed 0, skipped 1" in capsys.readouterr().out
+        assert {path: path.stat().st_mtime_ns for path in out.rglob("*") if path.is_file()} == written
+    assert main([str(CAT), "--model", str(sam_folder), "--point", "200,150", "--layer", "no.such.layer",
+                 "-o", str(tmp_path / "no")]) == 2  # fmt: skip
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("explain")]
+    assert line.startswith("explain: error: unknown layer 'no.such.layer'") and "model.vision_encoder" in line
+    assert not (tmp_path / "no").exists()

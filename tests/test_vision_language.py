@@ -358,6 +358,35 @@ def test_the_command_line_writes_one_overlay_per_word_of_the_answer(llava_folder
     assert (out / record["figure"]).is_file()
 
 
+def test_a_whole_prompt_is_used_as_written_and_one_that_cannot_be_is_refused(llava_folder, tmp_path, capsys) -> None:
+    """A prompt copied from a model card (its turn and image token) gives what the question alone gives; the turn's
+    markers without the image token, two image tokens, or no new token at all are refused in one line each."""
+    from explain.cli import main
+
+    question, whole = tmp_path / "question", tmp_path / "whole"
+    common = ["--max-new-tokens", "3", "--quiet"]
+    assert main([str(CAT), "--model", str(llava_folder), "--prompt", "what is on the table?", "-o", str(question),
+                 *common]) == 0  # fmt: skip
+    assert main([str(CAT), "--model", str(llava_folder), "--prompt", "USER: <image>\nwhat is on the table? ASSISTANT:",
+                 "-o", str(whole), *common]) == 0  # fmt: skip
+    (asked,), (written,) = _records(question), _records(whole)
+    assert written["answer"] == asked["answer"] and len(written["tokens"]) == len(asked["tokens"]) > 0
+    for a, w in zip(asked["tokens"], written["tokens"]):
+        assert (question / a["output"]).read_bytes() == (whole / w["output"]).read_bytes()
+    capsys.readouterr()
+    for prompt in ("USER: what is on the table? ASSISTANT:", "<image> <image> what is on the table?"):
+        assert main([str(CAT), "--model", str(llava_folder), "--prompt", prompt, "-o", str(tmp_path / "no")]) == 2
+    for count in ("0", "-1"):
+        assert main([str(CAT), "--model", str(llava_folder), "--prompt", "what?", "--max-new-tokens", count,
+                     "-o", str(tmp_path / "no")]) == 2  # fmt: skip
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 4 and all(line.startswith("explain: error: ") for line in lines)
+    assert "marker 'USER:' but not the image token <image>: give the question alone" in lines[0]
+    assert "holds the image token <image> 2 times" in lines[1]
+    assert "--max-new-tokens: must be a whole number of 1 or more, got '0'" in lines[2]
+    assert not (tmp_path / "no").exists()
+
+
 def test_the_command_line_explains_a_given_answer_and_text_prompts(llava_folder, clip_folder, tmp_path) -> None:
     from explain.cli import main
 

@@ -211,10 +211,13 @@ def rename_inputs(out_dir: Path, cwd: str, names: Mapping[Path, str]) -> None:
 
 
 def check_settings(out_dir: Path, previous: Mapping[str, Any] | None, settings: Mapping[str, Any]) -> None:
-    """Refuse to resume a run whose settings differ from this one's, naming what differs."""
+    """Refuse to resume a run whose settings differ from this one's, naming what differs. This run's settings are
+    compared as the manifest saved the earlier run's: as JSON values (a region given as a tuple is the list
+    saved)."""
     if previous is None:
         return
     old = previous["header"]
+    settings = json.loads(json.dumps(settings))
     changed = [key for key in sorted(set(old) | set(settings)) if old.get(key) != settings.get(key)]
     if changed:
         what = "; ".join(f"{key}: {old.get(key)!r} then, {settings.get(key)!r} now" for key in changed)
@@ -352,10 +355,13 @@ def chosen_records(
 
 def merge(out_dir: Path, head: Mapping[str, Any], order: Sequence[str], methods: Sequence[str]) -> list[dict]:
     """Write ``manifest.jsonl`` anew from every manifest file in the folder (:func:`chosen_records`, in input
-    and method order) and remove the parts; returns its records."""
+    and method order) and remove the parts; returns its records. A manifest that already reads so is left as it
+    is (a resumed run that found everything done rewrites nothing)."""
     merged = chosen_records(previous_run(out_dir)[1], order, methods)
     text = "".join(json.dumps(record) + "\n" for record in [dict(head), *merged])
-    write_atomically(out_dir / MANIFEST, lambda temp: temp.write_text(text, encoding="utf-8"))
+    path = out_dir / MANIFEST
+    if not path.is_file() or path.read_text(encoding="utf-8") != text:
+        write_atomically(path, lambda temp: temp.write_text(text, encoding="utf-8"))
     for part in out_dir.glob(PART_GLOB):
         part.unlink()
     return merged

@@ -166,7 +166,7 @@ def _answer(spec: TextImageSpec, image: Image.Image, request: WordsRequest) -> t
     """The answer's words (each one token or more) with their maps and probabilities, and what the record says of
     them."""
     processor, device = spec.processor, next(spec.model.parameters()).device
-    inputs = processor(images=image, text=_prompt_text(processor, request.prompt or ""), return_tensors="pt",
+    inputs = processor(images=image, text=prompt_text(processor, request.prompt or ""), return_tensors="pt",
                        **_whole_image(processor)).to(device)  # fmt: skip
     inputs = {**inputs, **_rows_and_columns(processor, inputs, image)}
     answer = None
@@ -232,13 +232,37 @@ def _query_inputs(spec: TextImageSpec, image: Image.Image, texts: list[str]) -> 
     return processor(text=text, images=image, return_tensors="pt").to(device), phrase_tokens(offsets, spans)
 
 
-def _prompt_text(processor: Any, prompt: str) -> str:
-    """The prompt as the model reads it: through the processor's chat template where it has one, else as LLaVA
-    1.5 was trained (``USER: <image>\\n... ASSISTANT:``)."""
+LLAVA_TURN = ("USER:", "ASSISTANT:")  # the turn's markers of LLaVA 1.5, whose processor has no chat template
+
+
+def prompt_text(processor: Any, prompt: str) -> str:
+    """The prompt as the model reads it. A question alone is wrapped: through the processor's chat template where
+    it has one, else as LLaVA 1.5 was trained (``USER: <image>\\n... ASSISTANT:``). A prompt that already holds
+    the image token, once, is a whole prompt (copied from a model card): used as written.
+
+    Raises:
+        ExplainError: The prompt holds the image token more than once, or the template's markers (a special token
+            of the tokenizer, or LLaVA 1.5's turn) without the image token: it cannot be used as written, nor
+            wrapped again.
+    """
+    image_token = getattr(processor, "image_token", None) or "<image>"
+    count = prompt.count(image_token)
+    if count == 1:
+        return prompt
+    if count > 1:
+        raise ExplainError(f"--prompt holds the image token {image_token} {count} times; each image is read once")
+    tokenizer = getattr(processor, "tokenizer", None)
+    markers = [*getattr(tokenizer, "all_special_tokens", ()), *LLAVA_TURN]
+    marked = [marker for marker in markers if marker and marker in prompt]
+    if marked:
+        raise ExplainError(
+            f"--prompt holds the chat template's marker {marked[0]!r} but not the image token {image_token}: give "
+            f"the question alone (explain wraps it in the model's template), or the whole prompt with {image_token}"
+        )
     if getattr(processor, "chat_template", None):
         turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
         return processor.apply_chat_template(turn, add_generation_prompt=True)
-    return f"USER: {getattr(processor, 'image_token', '<image>')}\n{prompt} ASSISTANT:"
+    return f"{LLAVA_TURN[0]} {image_token}\n{prompt} {LLAVA_TURN[1]}"
 
 
 def _rows_and_columns(processor: Any, inputs: Mapping[str, Any], image: Image.Image) -> dict[str, Any]:

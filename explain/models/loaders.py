@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 
 import torch
 from PIL import Image
+from torch import nn
 
 from ..errors import ModelLoadError, first_line
 from .cache import HUB_HOST, check_online, timm_cached, torch_cached
@@ -117,8 +118,6 @@ def load_user_model(name: str) -> ModelSpec:
     """
     import importlib.util
 
-    from torch import nn
-
     found = USER_MODEL.fullmatch(name)
     if found is None:
         raise ModelLoadError(f"{name}: a model of your own code is named FILE.py:NAME")
@@ -136,11 +135,55 @@ def load_user_model(name: str) -> ModelSpec:
         raise ModelLoadError(f"{name}: {type(err).__name__}: {first_line(err)}") from None
     if isinstance(value, ModelSpec):
         return value
+    carried = _carried_spec(value, attribute) if isinstance(value, nn.Module) else None
+    if carried is not None:
+        return carried
     given = "nothing of that name" if value is None else f"a {type(value).__name__}"
     raise ModelLoadError(
         f"{name}: {path.name} gives {given}, not an explain.ModelSpec, which says how the model reads its inputs "
         "(VolumePreprocessing, SignalPreprocessing, ClipPreprocessing or Preprocessing), its class names and task"
     )
+
+
+YOLO_MODELS = ("DetectionModel", "SegmentationModel", "PoseModel", "OBBModel")  # Ultralytics' models of a head
+
+
+def _carried_spec(model: nn.Module, name: str) -> ModelSpec | None:
+    """The spec of a module that carries its own input handling, as it is: a torchvision detector (its
+    ``GeneralizedRCNNTransform`` normalizes and resizes [0, 1] images of any size) or an Ultralytics YOLO model
+    (letterboxed as Ultralytics predicts); None for any other module, whose preprocessing only its author
+    knows."""
+    from torchvision.models.detection.transform import GeneralizedRCNNTransform
+
+    if isinstance(getattr(model, "transform", None), GeneralizedRCNNTransform):
+        count = _detector_classes(model)
+        if count is None:
+            return None
+        import torchvision
+
+        known = list(torchvision.models.detection.FasterRCNN_ResNet50_FPN_Weights.DEFAULT.meta["categories"])
+        return ModelSpec(model.eval(), name, _default_labels(known, count), UNIT_PREPROCESSING, "detection")
+    inner = getattr(model, "model", None)  # an ``ultralytics.YOLO`` holds its model
+    yolo = next((m for m in (model, inner) if type(m).__name__ in YOLO_MODELS), None)
+    if yolo is None or not type(yolo).__module__.startswith("ultralytics."):
+        return None
+    from .yolo import YoloDetector
+
+    detector = YoloDetector(yolo.float()).eval()
+    return ModelSpec(detector, name, detector.labels, UNIT_PREPROCESSING, "detection")
+
+
+def _detector_classes(model: nn.Module) -> int | None:
+    """How many classes a torchvision detector scores (background included), read from its head; None where
+    its head is of no kind known here."""
+    predictor = getattr(getattr(model, "roi_heads", None), "box_predictor", None)
+    if predictor is not None and hasattr(predictor, "cls_score"):
+        return int(predictor.cls_score.out_features)
+    head = getattr(getattr(model, "head", None), "classification_head", None)
+    for attribute in ("num_classes", "num_columns"):  # RetinaNet's and FCOS's, SSD's
+        if isinstance(getattr(head, attribute, None), int):
+            return int(getattr(head, attribute))
+    return None
 
 
 def _load_user(name: str, weights: str | Path | None) -> ModelSpec:
