@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
-from .catalog import FUSIONS, METRIC_NAMES, check_method, method_table
+from .catalog import FUSIONS, METRIC_NAMES, method_table
 from .errors import ExplainError, first_line
 from .export.inputs import Input, collect_inputs, listed_inputs
 from .export.manifest import check_fresh
@@ -478,42 +478,79 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_OK
     _check_model(spec, options)
     if args.sanity_check:
-        if spec.task != "classification":
-            raise UsageError(f"--sanity-check explains a classifier's class; {spec.name} is a {spec.task} model")
+        _check_sanity(spec)
         return _sanity_check(args, spec, inputs, options, device)
     return _export(args, spec, inputs, options, device)
 
 
+def _check_sanity(spec: ModelSpec) -> None:
+    """The randomization test compares maps of a class: a classifier's.
+
+    Raises:
+        UsageError: The model's task is not a classifier's.
+    """
+    from .tasks.registry import task_of
+
+    task = task_of(spec)
+    if not task.classifies:
+        raise UsageError(f"--sanity-check explains a classifier's class; {spec.name} is a {task.name} model")
+
+
+# Options that have no meaning for a vision-language model's words, and why.
+NOT_FOR_WORDS = {
+    "gallery": "--gallery pages a heatmap export's targets; a vision-language run draws each image's words in "
+    "one strip (NAME.words.METHOD.png)",
+    "keep_aspect": "--keep-aspect resizes for a model of a fixed input; a vision-language model's processor "
+    "reads the image whole",
+    "target": "--target names a class; a vision-language model's words are its answer's, or its --text",
+    "workers": "--workers reads images in batches; a vision-language run reads one image at a time",
+    "sanity_check": "--sanity-check compares a classifier's maps of a class",
+    "clip_stride": "--clip-stride is for a video model",
+    "weights": "--weights loads a checkpoint into a named architecture; a vision-language folder holds its weights",
+    "labels": "--labels names a checkpoint's classes; a vision-language model's words are its own",
+}
+
+
 def _explain_words(args: argparse.Namespace) -> int:
     """``--prompt``, ``--answer``, ``--text``: what a vision-language model says or sees in each image, word by
-    word (see :mod:`explain.export.words`)."""
-    from .export.words import WordsRequest, explain_words, prompt_text
+    word (see :mod:`explain.export.words`), its options checked as every task's are."""
+    from .export.run import weights_digest
+    from .export.words import check_words_fresh, explain_words, words_settings
     from .models.text_image import load_text_image_model
+    from .tasks.language import WordsRequest
+    from .tasks.registry import words_task_of
 
     if args.answer is not None and args.prompt is None:
         raise UsageError("--answer explains an answer to a --prompt: give the prompt too")
     if args.text is not None and args.prompt is not None:
         raise UsageError("--prompt asks a model that answers, --text scores prompts with a contrastive one: give one")
-    check_method(args.method)
+    refused = [why for option, why in NOT_FOR_WORDS.items() if getattr(args, option) not in (None, False)]
+    if refused:
+        raise UsageError(refused[0])
+    options = export_options(args)
+    if options.methods.grid or len(options.methods.names) > 1:
+        raise UsageError("a vision-language run explains its words with one --method at a time")
     inputs = _check_inputs(args, "image")
     check_free(args.out)
+    check_words_fresh(args.out, args.resume, args.overwrite)
     spec = load_text_image_model(args.model, _device(args.device))
-    if (spec.kind == "answers") != (args.prompt is not None):
-        does = {"answers": "answers prompts", "detects": "detects text queries", "scores": "scores text prompts"}
-        wanted = "--prompt QUESTION" if spec.kind == "answers" else "--text 'a cat, a remote'"
-        raise UsageError(f"{args.model} {does[spec.kind]}: give {wanted}")
-    if args.prompt is not None:
-        prompt_text(spec.processor, args.prompt)  # a prompt that cannot be read faithfully is refused before any image
-    texts = [text.strip() for text in (args.text or "").split(",") if text.strip()]
+    task = words_task_of(spec)
+    task.check(args.model, options.asked)  # --topk, --metrics, --keypoint, --region, --point and --box
+    texts = tuple(text.strip() for text in (args.text or "").split(",") if text.strip())
     if args.text is not None and not texts:
         raise UsageError("--text holds no prompt: give them comma-separated, as --text 'a cat, a remote'")
     request = WordsRequest(
         args.prompt, args.answer, texts, args.max_new_tokens, args.method, args.alpha, args.colormap,
-        args.score_threshold,
+        args.score_threshold, options.layer, args.save_raw, options.method_options,
     )  # fmt: skip
+    task.check_request(spec, request)
     report = partial(_print_words, out=args.out, quiet=args.quiet)
-    records = explain_words(spec, inputs, args.out, request, report, overwrite=args.overwrite)
-    return EXIT_SOME_FAILED if any(record["error"] for record in records) else EXIT_OK
+    settings = words_settings(spec, request, weights_digest(spec.model))
+    records, skipped = explain_words(spec, inputs, args.out, request, report, settings, args.resume, args.overwrite)
+    failed = sum(1 for record in records if record["error"])
+    if not args.quiet:
+        print(f"written {len(records) - skipped - failed}, failed {failed}, skipped {skipped}")
+    return EXIT_SOME_FAILED if failed else EXIT_OK
 
 
 def _print_words(record: dict[str, Any], out: Path, quiet: bool) -> None:
@@ -552,13 +589,14 @@ def _with_clip_stride(spec: ModelSpec, stride: int) -> ModelSpec:
 
 def _check_model(spec: ModelSpec, options: ExportOptions) -> None:
     """The settings' rules that need the model: its task, its layers at its input size, its class names."""
-    from .export.run import prompted_model
     from .targets import class_index
+    from .tasks.registry import task_of
 
     options.check_task(spec)
     if options.layer and spec.preprocessing.kind in ("image", "video"):  # a scan's or a signal's at its first call
         names = [options.layer] if isinstance(options.layer, str) else list(options.layer)
-        _check_layers(prompted_model(spec, options.prompt), names, _probe(spec, ""))  # the model the run explains
+        explained = task_of(spec, options.keypoint).explained(spec, options.prompt)  # the model the run explains
+        _check_layers(explained, names, _probe(spec, ""))
     if options.target is not None:
         class_index(options.target, spec.labels, len(spec.labels))
 

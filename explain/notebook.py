@@ -18,7 +18,7 @@ from torch import nn
 
 from .errors import ExplainError
 from .explorer.controls import ALPHA_STEP, CONTROLS, Control
-from .explorer.session import PROMPTED, Explorer, Shown, View, prompt_of
+from .explorer.session import Explorer, Shown, View, prompt_of
 from .models import IMAGENET_PREPROCESSING, ImageLike, ModelSpec, Preprocessing
 
 
@@ -82,7 +82,7 @@ class NotebookExplorer:
         self.overlay, self.overlay_b = w.Image(format="png"), w.Image(format="png")
         self.caption, self.caption_b = w.Label(), w.Label()
         self.problem = w.HTML()
-        prompted = explorer.task in PROMPTED
+        prompted = explorer.task.prompted
         self.prompt = w.Text(
             description="prompt", placeholder="x,y or x1,y1,x2,y2 (the photo's pixels)", continuous_update=False,
             layout=w.Layout(display=None if prompted else "none"),
@@ -151,7 +151,7 @@ class NotebookExplorer:
         try:
             c["layers"].options = self.explorer.layer_menu(photo)
             view = View(prompt=self.prompt_value) if self.prompt_value else None
-            if self.explorer.task == "prompted" and view is None:
+            if self.explorer.task.click == "prompt" and view is None:
                 raise ExplainError(f"{self.explorer.spec.name} draws the mask of a prompt: type it, x,y or x1,y1,x2,y2")
             menu = [(entry.label, entry.index) for entry in self.explorer.entries(photo, view)]
             for name in ("entries", "target_b"):

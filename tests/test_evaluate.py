@@ -202,7 +202,7 @@ def test_a_detector_and_a_segmenter_are_evaluated_on_their_own_targets(tmp_path,
     metric of a classifier's classes is refused with one line."""
     from conftest import random_detector, random_segmenter
 
-    from explain.evaluation.run import object_target
+    from explain.tasks.registry import task_of
 
     photo = bundled_photos()[0]
     detector, segmenter = tmp_path / "frcnn.pt", tmp_path / "lraspp.pt"
@@ -214,7 +214,7 @@ def test_a_detector_and_a_segmenter_are_evaluated_on_their_own_targets(tmp_path,
                      "--metrics", "sparseness,average_drop", "-o", str(out), "--quiet"]) == 0  # fmt: skip
         spec = explain.load_model(model, str(weights))
         x = spec.preprocess(explain.load_image(photo))
-        target = object_target(spec, photo.name, x)
+        target = task_of(spec).evaluated(spec, photo.name, x)
         assert type(target).__name__ == ("DetectionTarget" if "rcnn" in model else "SegmentationTarget")
         result = explain.GradCAM(spec.model)(x, target)
         expected = metrics.average_drop(spec.model, x, result.cams.reshape(1, *x.shape[-2:]), target, score="target")

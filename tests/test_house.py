@@ -348,3 +348,45 @@ def test_the_explorers_controls_are_declared_once_and_built_by_both_front_ends(t
             ]
     assert components["typed"].visible and widgets["typed"].layout.display != "none"  # a classifier's classes
     assert not components["index"].visible and widgets["index"].layout.display == "none"  # no frames in a photo
+
+
+KINDS = {"classification", "segmentation", "detection", "pose", "depth", "prompted", "answers", "detects", "scores",
+         "prompts", "queries"}  # fmt: skip
+"""The names of the kinds of output: only the tasks (explain/tasks) and the models that name their own kind
+(explain/models) may say them."""
+
+
+def kind_names(node: ast.AST) -> set[str]:
+    """The kinds' names a comparison's operand holds: a string, or a tuple, list or set of them."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value} & KINDS
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {name for element in node.elts for name in kind_names(element)}
+    return set()
+
+
+def kind_tests(path: Path) -> list[str]:
+    """Where a file compares something with a kind's name, or dispatches on kinds by a table keyed by them."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Compare):
+            names = set().union(*(kind_names(operand) for operand in [node.left, *node.comparators]))
+            if names:
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} compares with {sorted(names)}")
+        elif isinstance(node, ast.Dict):
+            keys = {name for key in node.keys if key is not None for name in kind_names(key)}
+            if len(keys) > 1:
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} keys a table by {sorted(keys)}")
+    return found
+
+
+def test_no_kind_of_output_is_told_by_its_name_outside_the_tasks() -> None:
+    """The front ends, the export, evaluate, the engine and the methods ask the task; none tests a kind's name."""
+    found = [
+        place
+        for name, path in MODULES.items()
+        if layer_of(name) not in {"tasks", "models"}
+        for place in kind_tests(path)
+    ]
+    assert not found, "\n".join(found)
+    assert kind_tests(PACKAGE / "tasks" / "registry.py")  # the check reads real tables: the registry's are found

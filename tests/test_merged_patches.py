@@ -198,7 +198,7 @@ def test_the_command_line_explains_each_word_of_qwens_answer(qwen_folder, tmp_pa
     out = tmp_path / "out"
     assert main([str(CAT), "--model", str(qwen_folder), "--prompt", "what is on the table?", "--answer", "a cat",
                  "-o", str(out), "--quiet"]) == 0  # fmt: skip
-    (record,) = [json.loads(line) for line in (out / "manifest.words.jsonl").read_text().splitlines()]
+    (record,) = [json.loads(line) for line in (out / "manifest.words.jsonl").read_text().splitlines()][1:]
     assert [token["text"] for token in record["tokens"]] == ["a", "cat"] and record["layer"] == "reading.tokens"
     model = transformers.AutoModelForImageTextToText.from_pretrained(qwen_folder).eval()
     processor = transformers.AutoProcessor.from_pretrained(qwen_folder)

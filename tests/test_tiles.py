@@ -168,7 +168,7 @@ def test_the_command_line_explains_each_word_of_llava_nexts_answer(llava_next_fo
     out = tmp_path / "out"
     assert main([str(CAT), "--model", str(llava_next_folder), "--prompt", "what is on the table?",
                  "--answer", "a cat", "-o", str(out), "--quiet"]) == 0  # fmt: skip
-    (record,) = [json.loads(line) for line in (out / "manifest.words.jsonl").read_text().splitlines()]
+    (record,) = [json.loads(line) for line in (out / "manifest.words.jsonl").read_text().splitlines()][1:]
     assert [token["text"] for token in record["tokens"]] == ["a", "cat"]
     assert record["layer"] == "reading.tiles+reading.base"
     model = transformers.AutoModelForImageTextToText.from_pretrained(llava_next_folder).eval()
@@ -332,7 +332,7 @@ def test_the_command_line_explains_each_word_of_idefics3s_answer(idefics3_folder
     out = tmp_path / "out"
     assert main([str(CAT), "--model", str(idefics3_folder), "--prompt", "what is on the table?",
                  "--answer", "a cat", "-o", str(out), "--quiet"]) == 0  # fmt: skip
-    (record,) = [json.loads(line) for line in (out / "manifest.words.jsonl").read_text().splitlines()]
+    (record,) = [json.loads(line) for line in (out / "manifest.words.jsonl").read_text().splitlines()][1:]
     assert [token["text"] for token in record["tokens"]] == ["a", "cat"]
     assert record["layer"] == "reading.tiles+reading.base"
     model = transformers.AutoModelForImageTextToText.from_pretrained(idefics3_folder).eval()

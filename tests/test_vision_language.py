@@ -331,7 +331,9 @@ def clip_folder(tmp_path_factory) -> Path:
 
 
 def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "manifest.words.jsonl").read_text().splitlines()]
+    head, *records = [json.loads(line) for line in (out / "manifest.words.jsonl").read_text().splitlines()]
+    assert head["header"]["model"] and "weights_sha256" in head["header"]  # the run's settings, then a line an image
+    return records
 
 
 def test_the_command_line_writes_one_overlay_per_word_of_the_answer(llava_folder, tmp_path) -> None:
@@ -385,6 +387,64 @@ def test_a_whole_prompt_is_used_as_written_and_one_that_cannot_be_is_refused(lla
     assert "holds the image token <image> 2 times" in lines[1]
     assert "--max-new-tokens: must be a whole number of 1 or more, got '0'" in lines[2]
     assert not (tmp_path / "no").exists()
+
+
+def test_every_export_option_on_the_words_is_honoured_or_refused_in_one_line(llava_folder, clip_folder, tmp_path,
+                                                                            capsys) -> None:  # fmt: skip
+    """--save-raw writes each word's map as the API gives it; --layer is honoured, a wrong one refused; --resume
+    after a finished run redoes and rewrites nothing, after a killed one completes the rest; the options with no
+    meaning for words are refused in one line, with nothing written."""
+    from explain.cli import main
+
+    out = tmp_path / "out"
+    asked = [str(CAT), str(COFFEE), "--model", str(llava_folder), "--prompt", "what is on the table?",
+             "--max-new-tokens", "2", "-o", str(out), "--quiet"]  # fmt: skip
+    layer = "model.model.multi_modal_projector"
+    assert main([*asked, "--save-raw", "--layer", layer, "--method", "layercam", "--device", "cpu"]) == 0
+    records = _records(out)
+    assert [r["layer"] for r in records] == [layer] * 2 and all(r["method"] == "layercam" for r in records)
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(llava_folder).eval()
+    processor = transformers.AutoProcessor.from_pretrained(llava_folder)
+    inputs = processor(images=explain.load_image(CAT), text="USER: <image>\nwhat is on the table? ASSISTANT:",
+                       return_tensors="pt", do_center_crop=False, size={"height": IMAGE, "width": IMAGE})  # fmt: skip
+    found = explain.explain_answer(model, inputs, max_new_tokens=2, method="layercam", layer=layer)
+    raw = np.load(out / records[0]["raw"])
+    assert raw.shape == tuple(found.maps.shape) and np.allclose(raw, found.maps.numpy(), atol=1e-5)
+
+    written = {path: path.stat().st_mtime_ns for path in out.rglob("*") if path.is_file()}
+    again = [*asked[:-1], "--save-raw", "--layer", layer, "--method", "layercam", "--resume"]
+    capsys.readouterr()
+    assert main(again) == 0
+    assert "written 0, failed 0, skipped 2" in capsys.readouterr().out
+    assert {path: path.stat().st_mtime_ns for path in out.rglob("*") if path.is_file()} == written
+    lines = (out / "manifest.words.jsonl").read_text().splitlines(keepends=True)
+    (out / "manifest.words.jsonl").write_text("".join(lines[:2]))  # killed after the first image
+    (out / records[1]["figure"]).unlink()
+    assert main(again) == 0
+    assert "written 1, failed 0, skipped 1" in capsys.readouterr().out
+    assert _records(out) == records
+    assert main([*asked, "--method", "gradcam", "--resume"]) == 2  # other settings
+    assert "cannot resume a run with other settings" in capsys.readouterr().err
+
+    refused = {
+        "--gallery": "--gallery pages a heatmap export's targets",
+        "--topk 2": "--topk explains a classifier's top classes; ",
+        "--metrics deletion": "--metrics explains a classifier's class; ",
+        "--point 3,4": "--point and --box prompt a promptable segmenter (SAM); ",
+        "--region 1,2,3,4": "--region explains a depth estimator's region; ",
+        "--keypoint all": "--keypoint explains a pose model's keypoints; ",
+        "--target 3": "--target names a class",
+        "--method gradcam,layercam": "one --method at a time",
+        "--layer no.such.layer": "unknown layer 'no.such.layer'",
+    }
+    for option, line in refused.items():
+        capsys.readouterr()
+        for model in (llava_folder, clip_folder):
+            what = ["--prompt", "what?"] if model == llava_folder else ["--text", "a cat"]
+            code = main([str(CAT), "--model", str(model), *what, *option.split(), "-o", str(tmp_path / "no")])
+            errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("explain")]
+            assert code == 2 and len(errors) == 1 and line in errors[0], (option, errors)
+            assert not (tmp_path / "no").exists()
 
 
 def test_the_command_line_explains_a_given_answer_and_text_prompts(llava_folder, clip_folder, tmp_path) -> None:

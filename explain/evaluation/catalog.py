@@ -11,6 +11,7 @@ from torch import Tensor
 
 from .. import metrics
 from ..errors import ExplainError
+from ..tasks.base import Task
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ DEFAULT_METRICS = ("sparseness", "relevance_mass_accuracy", "pointing_game", "de
                    "faithfulness_correlation")  # fmt: skip
 
 
-def chosen_metrics(names: list[str] | None, masks: bool, task: str = "classification") -> list[EvalMetric]:
+def chosen_metrics(names: list[str] | None, masks: bool, task: Task | None = None) -> list[EvalMetric]:
     """The metrics named (None: the defaults, those needing masks only where masks are given), cheapest first.
 
     Raises:
@@ -123,7 +124,9 @@ def chosen_metrics(names: list[str] | None, masks: bool, task: str = "classifica
             f"{missing[0]} scores a map against the object: give the objects' masks (--masks DIR) or boxes "
             "(--boxes FILE)"
         )
-    of_classes = [name for name in names if by_name[name].classes_only and task != "classification"]
+    of_classes = [name for name in names if by_name[name].classes_only and task is not None and not task.classifies]
     if of_classes:
-        raise ExplainError(f"{of_classes[0]} reads a classifier's classes; the model is a {task} model: leave it out")
+        raise ExplainError(
+            f"{of_classes[0]} reads a classifier's classes; the model is a {task.name} model: leave it out"
+        )
     return sorted((by_name[name] for name in names), key=lambda metric: metric.cost)

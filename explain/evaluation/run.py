@@ -22,14 +22,11 @@ from PIL import Image
 
 from ..errors import ExplainError, first_line
 from ..export.ownership import FolderLock
-from ..export.run import BACKGROUND
 from ..io.images import load_image
 from ..methods import create_method
 from ..metrics import CurveResult
-from ..metrics.scoring import plain_forwards
 from ..models import ModelSpec
-from ..targets import DetectionTarget, SegmentationTarget
-from ..targets.base import bound_on, read_output
+from ..tasks.registry import task_of
 from .catalog import EvalMetric, Scene, chosen_metrics
 from .ranking import Ranking, Summary, rank, summarize
 
@@ -113,7 +110,7 @@ def evaluate(
         ExplainError: An unknown metric, masks missing or of the wrong size, boxes missing or outside their image,
             an image that cannot be read, or a folder that holds an earlier evaluation without ``resume``.
     """
-    metrics = chosen_metrics(metric_names, masks is not None or boxes is not None, spec.task)
+    metrics = chosen_metrics(metric_names, masks is not None or boxes is not None, task_of(spec))
     given = read_boxes(boxes) if boxes is not None else None
     scenes = [_loaded(spec, Path(path), masks, given) for path in images]
     names = [name for name, _ in scenes]
@@ -247,7 +244,8 @@ def _run(
     started = time.monotonic()
     methods = {c.label: create_method(c.method, spec.model, c.layer) for c in configurations}
     wanted = {(s[0], c.label) for _, c, s in todo}
-    targets = {name: object_target(spec, name, x) for name, (x, _) in scenes if any(n == name for n, _ in wanted)}
+    task = task_of(spec)
+    targets = {name: task.evaluated(spec, name, x) for name, (x, _) in scenes if any(n == name for n, _ in wanted)}
     maps = _maps(methods, configurations, scenes, wanted, targets)
     found.seconds["explain"] = time.monotonic() - started
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -276,37 +274,6 @@ def _value(scored: Any) -> dict[str, Any]:
     return {"value": float(scored.reshape(-1)[0])}
 
 
-def object_target(spec: ModelSpec, name: str, x: torch.Tensor) -> Any:
-    """What a map of the image explains: None for a classifier (its top class); a detector's most confident
-    detection (its box and label); a segmenter's class that wins the most pixels, the background left out.
-
-    Raises:
-        ExplainError: The detector finds nothing in the image, or the segmenter nothing but background.
-    """
-    if spec.task == "classification":
-        return None
-    with plain_forwards(spec.model):
-        output = spec.model(x)
-    if spec.task == "detection":
-        found = bound_on(DetectionTarget(score_threshold=0.0), output, spec.labels)
-        scores = torch.where(found.valid, found.probabilities, -torch.inf) if found.valid is not None else None
-        if (
-            found.boxes is None
-            or found.boxes.shape[1] == 0
-            or (scores is not None and not bool(scores.isfinite().any()))
-        ):
-            raise ExplainError(f"{name}: the detector finds nothing in it to explain")
-        top = int((scores if scores is not None else found.probabilities)[0].argmax())
-        return DetectionTarget(boxes=found.boxes[0, top : top + 1], labels=found.classes[0, top : top + 1])
-    winners = read_output(output).argmax(dim=1).flatten()
-    counts = torch.bincount(winners, minlength=len(spec.labels))
-    if spec.labels[0] == BACKGROUND:
-        counts[0] = 0
-    if not bool(counts.any()):
-        raise ExplainError(f"{name}: the segmenter finds nothing but background in it to explain")
-    return SegmentationTarget(int(counts.argmax()))
-
-
 def _maps(
     methods: dict[str, Any],
     configurations: Sequence[Configuration],
@@ -315,7 +282,7 @@ def _maps(
     targets: dict[str, Any],
 ) -> dict[tuple[str, str], tuple[torch.Tensor, Any]]:
     """Each needed image's map per configuration, (1, H, W), and what it explains: the class (1,) for a classifier,
-    else the image's target object (see :func:`object_target`)."""
+    else the image's target object (see :meth:`explain.tasks.base.Task.evaluated`)."""
     found = {}
     for configuration in configurations:
         for name, (x, _) in scenes:

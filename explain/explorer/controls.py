@@ -26,7 +26,7 @@ box, a slider of values, a slider of steps (a clip's frames, a scan's slices).""
 
 
 def _classifier(explorer: Explorer) -> bool:
-    return explorer.task == "classification"
+    return explorer.task.classifies
 
 
 def _per_task(classifier: str, other: str) -> Callable[[Explorer], str]:

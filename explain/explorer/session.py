@@ -29,8 +29,6 @@ from ..core.model_state import untouched
 from ..errors import ExplainError
 from ..export.manifest import record
 from ..export.reports import image_metrics
-from ..export.run import prompted_model, task_target
-from ..export.settings import Prompt
 from ..io.atomic import write_atomically
 from ..io.images import load_image, rgb_array
 from ..io.render import Skeleton, annotate, blend, gradient_image, heat_layer
@@ -39,12 +37,14 @@ from ..io.volumes import grey, intensity_window
 from ..methods import create_method
 from ..metrics import sanity_check
 from ..models import ModelSpec
-from ..targets import ClassTarget, KeypointTarget, RegionTarget, Target
+from ..targets import ClassTarget, Target
 from ..targets.keypoints import limbs_of
+from ..tasks.asked import Asked
+from ..tasks.base import Task
+from ..tasks.registry import task_of
 
 PHOTOS = Path(__file__).resolve().parent.parent / "data" / "photos"
 TOP_CLASSES = 5  # a classifier's classes listed per photo
-PROMPTED = ("prompted", "depth")  # the tasks a view's prompt is for: SAM's point or box, a depth model's region
 
 
 BUNDLED_PHOTOS = ("chelsea.jpg", "coffee.jpg", "astronaut.jpg")  # the cat first: its class is known
@@ -304,11 +304,7 @@ class Explorer:
         self._digests: dict[str, str] = {}
         self._pose_model: bool | None = None
         self._lock = threading.RLock()
-
-    @property
-    def task(self) -> str:
-        """What the model does: ``classification``, ``detection`` or ``segmentation``."""
-        return self.spec.task
+        self.task: Task = task_of(spec)
 
     def add(self, source: str | Path | Image.Image | np.ndarray, name: str | None = None) -> Photo:
         """Take a photo: a file (read as :func:`explain.load_image` reads it), a PIL image or an RGB array; for a
@@ -353,10 +349,9 @@ class Explorer:
             x = self.photos[photo].x
             shape = tuple(x.shape)
             if shape not in self._layers:
-                model = self.spec.model
-                if self.task == "prompted":  # its layers are those of any prompt: one at the photo's centre
-                    width, height = self.photos[photo].image.size
-                    model = self._subject(self.photos[photo], View(prompt=(width / 2, height / 2)))[0]
+                shown = self.photos[photo]
+                size = shown.image.size if isinstance(shown.image, Image.Image) else (0, 0)
+                model = self._subject(shown, View(prompt=self.task.probe_prompt(size)))[0]  # SAM's: any prompt's
                 self._layers[shape] = layer_choices(model, x, self.spec.labels)
             return self._layers[shape]
 
@@ -394,10 +389,10 @@ class Explorer:
         check_method(view.method)
         with self._lock:
             maps = self._explained(photo, view)
-            place = 0 if view.target is None or self.task == "classification" else view.target
+            place = 0 if view.target is None or self.task.classifies else view.target
             if not 0 <= place < len(maps.entries):
                 raise ExplainError(f"{photo} has {len(maps.entries)} entries to explain; there is no #{place}")
-            resolved = self._resolved(photo, view) if self.task == "classification" else replace_target(view, place)
+            resolved = self._resolved(photo, view) if self.task.classifies else replace_target(view, place)
             shown, cam = self.photos[photo], maps.cams[place]
             return Shown(shown, resolved, maps.entries[place], cam, maps.layer, self._canvas(shown, cam))
 
@@ -408,7 +403,7 @@ class Explorer:
         Raises:
             ExplainError: A classifier's photo (its classes have no place), or nothing there to pick.
         """
-        if self.task == "classification":
+        if not self.task.click:
             raise ExplainError("a classifier's classes have no place on the photo: click one in the list")
         entries, image = self.entries(photo), self.photos[photo].image
         points = [(e.index, (e.point[0] - x) ** 2 + (e.point[1] - y) ** 2) for e in entries if e.point is not None]
@@ -427,7 +422,7 @@ class Explorer:
         picture = self.photos[photo].image
         if not isinstance(picture, Image.Image):
             raise ExplainError(f"{photo} is a {self.photos[photo].kind}: pick its entries from the list")
-        for entry in [] if self.task in ("classification", "prompted", "depth") else self.entries(photo):
+        for entry in self.entries(photo) if self.task.picks else []:
             picture = entry.marked(picture, labelled=False)
         prompt = view.prompt if view is not None else ()
         if len(prompt) == 2:
@@ -444,9 +439,9 @@ class Explorer:
         Raises:
             ExplainError: The model is no classifier: the metrics score a class's probability.
         """
-        if self.task != "classification":
+        if not self.task.classifies:
             raise ExplainError(
-                f"the faithfulness metrics score a classifier's class; {self.spec.name} is a {self.task} model"
+                f"the faithfulness metrics score a classifier's class; {self.spec.name} is a {self.task.name} model"
             )
         with self._lock:
             result = self._explained(shown.photo.name, shown.view).result
@@ -508,7 +503,7 @@ class Explorer:
 
     def _resolved(self, photo: str, view: View) -> View:
         """A classifier's view with its target named: the top class for None."""
-        if self.task != "classification" or view.target is not None or photo not in self._top:
+        if not self.task.classifies or view.target is not None or photo not in self._top:
             return view
         return replace_target(view, self._top[photo][0].class_index)
 
@@ -517,13 +512,13 @@ class Explorer:
         if photo not in self.photos:
             raise ExplainError(f"no photo named {photo!r}; add it first")
         view = self._resolved(photo, view)
-        key_view = view if self.task == "classification" else replace_target(view, None)
+        key_view = view if self.task.classifies else replace_target(view, None)
         key = (photo, key_view)
         if key in self._maps:
             self._maps.move_to_end(key)
             return self._maps[key]
         maps = self._computed(self.photos[photo], view)
-        if self.task == "classification" and view.target is None:  # now the top class is known: keep it by name
+        if self.task.classifies and view.target is None:  # now the top class is known: keep it by name
             key = (photo, replace_target(view, maps.entries[0].class_index))
         self._maps[key] = maps
         while len(self._maps) > self.cache_size:
@@ -532,7 +527,7 @@ class Explorer:
 
     def _computed(self, photo: Photo, view: View) -> _Maps:
         """One explanation call for a view of a photo."""
-        classifier = self.task == "classification"
+        classifier = self.task.classifies
         model, target = (self.spec.model, None) if classifier else self._subject(photo, view)
         options = self._options(view)
         method = create_method(view.method, model, list(view.layers) or None, labels=self.spec.labels, **options)
@@ -550,31 +545,17 @@ class Explorer:
         return _Maps(_with_k(result, result.cams)[0, keep].detach().cpu(), entries, result.layer, result)
 
     def _subject(self, photo: Photo, view: View) -> tuple[nn.Module, Target]:
-        """What a view of a photo explains, for a model other than a classifier: the model (a promptable segmenter
-        given the view's prompt) and the target (every keypoint of a pose model's detections, a depth model's
-        region drawn on the photo, the task's target of any other).
+        """What a view of a photo explains, for a model other than a classifier: the model and the target, as the
+        task has them for the view's prompt (see :meth:`explain.tasks.base.Task.view`); a detector's whose
+        detections have keypoints explains every keypoint of each.
 
         Raises:
-            ExplainError: A promptable segmenter without a prompt, or a prompt of the wrong length.
+            ExplainError: A prompt the task does not take, or of the wrong length.
         """
-        spec, prompt = self.spec, view.prompt
-        if self.task == "prompted":
-            if len(prompt) not in (2, 4):
-                raise ExplainError(
-                    f"{spec.name} draws the mask of a prompt: give the view a point (x, y) or a box (x1, y1, x2, y2) "
-                    "of the photo, View(prompt=...)"
-                )
-            asked = Prompt(points=(prompt,)) if len(prompt) == 2 else Prompt(box=prompt)  # type: ignore[arg-type]
-            return prompted_model(spec, asked).model, task_target(spec, prompt=asked)
-        if self.task == "depth":
-            if len(prompt) not in (0, 4):
-                raise ExplainError(f"a depth model's region is a box (x1, y1, x2, y2), got {len(prompt)} values")
-            region = task_target(spec, prompt=Prompt(region=prompt or None))  # type: ignore[arg-type]
-            width, height = photo.image.size
-            return spec.model, region.drawn_on([(height, width)]) if isinstance(region, RegionTarget) else region
-        if self.task == "detection" and self._poses(photo):
-            return spec.model, KeypointTarget(score_threshold=self.score_threshold)
-        return spec.model, task_target(spec, score_threshold=self.score_threshold)
+        size = photo.image.size if isinstance(photo.image, Image.Image) else (0, 0)
+        poses = "keypoint" in self.task.takes and self._poses(photo)
+        task = task_of(self.spec, "all") if poses else self.task
+        return task.view(self.spec, view.prompt, size, Asked(score_threshold=self.score_threshold))
 
     def _poses(self, photo: Photo) -> bool:
         """Whether the detector is a pose model (its detections have keypoint scores), found once per explorer."""

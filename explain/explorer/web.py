@@ -27,17 +27,11 @@ from ..io.render import data_uri
 from ..models import ModelSpec, load_model
 from ..targets import class_index
 from .controls import ALPHA_STEP, CONTROLS, VIEW, Control
-from .session import PROMPTED, Explorer, Shown, View, bundled_photos, prompt_of
+from .session import Explorer, Shown, View, bundled_photos, prompt_of
 
 LOCAL = "127.0.0.1"
 MAX_FILE_SIZE = "100mb"  # an upload larger than this is refused before it is read
 SHOWN_FORMAT = "JPEG"  # how the page gets an overlay's layers: a tenth of PNG's encoding time; downloads are PNG
-CLICK_LABELS = {
-    "detection": "Click a detection (or a pose's keypoint) to explain it",
-    "segmentation": "Click a segment to explain it",
-    "prompted": "Click the photo to prompt the model: a point, or two corners of a box",
-    "depth": "Click two corners of the region whose depth to explain",
-}
 
 
 def gradio() -> Any:
@@ -145,10 +139,12 @@ class App:
         if not text:
             return None
         spec = self.explorer.spec
-        if self.explorer.task == "classification":
+        if self.explorer.task.classifies:
             return class_index(int(text) if text.isdigit() else text, spec.labels, len(spec.labels))
         if not text.isdigit():
-            raise ExplainError(f"target {text!r}: a {spec.task} model's targets are its entries' numbers, #0, #1, ...")
+            raise ExplainError(
+                f"target {text!r}: a {self.explorer.task.name} model's targets are its entries' numbers, #0, #1, ..."
+            )
         return int(text)
 
     def add(self, files: list[str] | None) -> tuple[Any, str]:
@@ -176,7 +172,7 @@ class App:
         gr = gradio()
         layers = self.explorer.layer_menu(photo) if photo else []
         try:  # a promptable segmenter's entry is its prompt's mask: none until a click
-            menu = self.explorer.entry_menu(photo) if photo and self.explorer.task != "prompted" else []
+            menu = self.explorer.entry_menu(photo) if photo and self.explorer.task.click != "prompt" else []
         except ExplainError as err:  # no automatic layer, say: the layers are listed to pick one
             gr.Warning(str(err))
             menu = []
@@ -195,7 +191,7 @@ class App:
     def listed(self, photo: str, target: int | None, prompt: list[float] | None) -> Any:
         """The entries to click after a click on the photo: the same photo's (the clicked one chosen), or those of
         the new prompt."""
-        if self.explorer.task == "prompted" and not prompt:  # a box's first corner: no mask yet
+        if self.explorer.task.click == "prompt" and not prompt:  # a box's first corner: no mask yet
             return gradio().skip()
         view = View(prompt=tuple(prompt or ())) if prompt else None
         menu = [(entry.label, entry.index) for entry in self.explorer.entries(photo, view)]
@@ -205,11 +201,11 @@ class App:
         """The photo to click (see :meth:`Explorer.clickable`), with the prompt drawn; hidden where nothing on it
         can be picked (a classifier, a clip, a scan, a signal)."""
         gr = gradio()
-        if not photo or self.explorer.task == "classification" or self.explorer.photos[photo].kind != "image":
+        if not photo or not self.explorer.task.click or self.explorer.photos[photo].kind != "image":
             return gr.Image(value=None, visible=False)
         view = View(prompt=tuple(prompt or ()))
         return gr.Image(
-            value=self.explorer.clickable(photo, view), visible=True, label=CLICK_LABELS[self.explorer.task]
+            value=self.explorer.clickable(photo, view), visible=True, label=self.explorer.task.click_label
         )
 
     def clicked(
@@ -221,12 +217,12 @@ class App:
         else the entry there (a keypoint, a detection, a segment). Returns the target, the prompt, the pending
         corner and the photo to click, with what was clicked drawn on it."""
         x, y = (float(v) for v in event.index)
-        task, prompt = self.explorer.task, list(prompt or [])
-        if task == "depth" or (task == "prompted" and mode == "box"):
+        click, prompt = self.explorer.task.click, list(prompt or [])
+        if click == "region" or (click == "prompt" and mode == "box"):
             if corner is None:  # the box's first corner, drawn as a point until the second
                 return target, prompt, [x, y], self.clickable(photo, [x, y])
             prompt, corner = [min(corner[0], x), min(corner[1], y), max(corner[0], x), max(corner[1], y)], None
-        elif task == "prompted":
+        elif click == "prompt":
             prompt = [x, y]
         else:
             target = self.explorer.entry_at(photo, x, y)
@@ -264,8 +260,8 @@ class App:
         clip's frames or a scan's slices (hidden for a photo), set to the one drawn (``index``; None: the map's
         peak). The model runs only for a view not seen before."""
         gr = gradio()
-        if not photo or (self.explorer.task == "prompted" and not prompt):  # nothing to explain until a click
-            return "", CLICK_LABELS["prompted"] if photo else "", gr.Slider(visible=False)
+        if not photo or (self.explorer.task.click == "prompt" and not prompt):  # nothing to explain until a click
+            return "", self.explorer.task.click_label if photo else "", gr.Slider(visible=False)
         shown = self.explorer.show(photo, self.view(method, layers, target, fuse, aug, eigen, prompt))
         drawn = shown.peak if index is None else int(index)
         depth = shown.photo.depth
@@ -324,7 +320,7 @@ class App:
             raise ExplainError("no image given")
         photo = explorer.add(image, Path(image).name)
         name = (method or "").strip() or "gradcam"
-        if explorer.task in PROMPTED:  # the target is where the model is prompted: x,y or x1,y1,x2,y2
+        if explorer.task.prompted:  # the target is where the model is prompted: x,y or x1,y1,x2,y2
             view = View(method=name, prompt=prompt_of(target or ""))
         else:
             view = View(method=name, target=self.target(target or ""))
@@ -363,14 +359,14 @@ def build(app: App) -> Any:
     gr = gradio()
     explorer = app.explorer
     with gr.Blocks(title=f"explain: {explorer.spec.name}") as page:
-        gr.Markdown(f"### explain · {explorer.spec.name} ({explorer.task})")
+        gr.Markdown(f"### explain · {explorer.spec.name} ({explorer.task.name})")
         with gr.Row():
             with gr.Column(scale=1):
                 files = gr.File(file_count="multiple", label="Images: drop, paste or click to upload", height=120)
                 c = components(explorer, ("view", "style"))
                 c["click"] = gr.Radio(
                     ["point", "box"], value="point", label="A click gives", elem_id="click",
-                    visible=explorer.task == "prompted",
+                    visible=explorer.task.click == "prompt",
                 )  # fmt: skip
                 c["picker"] = gr.Image(elem_id="picker", type="pil", interactive=False, visible=False)
             with gr.Column(scale=2):

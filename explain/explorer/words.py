@@ -16,9 +16,11 @@ import numpy as np
 from PIL import Image
 
 from ..errors import ExplainError
-from ..export.words import Word, WordsRequest, drawn, words_of_image
+from ..export.words import drawn, words_of_image
 from ..io.images import load_image
 from ..models.text_image import TextImageSpec
+from ..tasks.language import Word, WordsRequest
+from ..tasks.registry import words_task_of
 from .session import bundled_photos, unique_name
 
 KEPT = 16  # the questions whose words are kept, the oldest dropped first
@@ -33,6 +35,7 @@ class WordsExplorer:
 
     def __init__(self, spec: TextImageSpec) -> None:
         self.spec = spec
+        self.task = words_task_of(spec)
         self.photos: dict[str, Image.Image] = {}
         self._digests: dict[str, str] = {}
         self._kept: OrderedDict[tuple[Any, ...], tuple[list[Word], dict[str, Any]]] = OrderedDict()
@@ -61,7 +64,7 @@ class WordsExplorer:
         Raises:
             ExplainError: The field the model reads is empty.
         """
-        if self.spec.kind == "answers":
+        if self.task.question:
             if not question.strip():
                 raise ExplainError(f"{self.spec.name} answers prompts: type a question")
             return WordsRequest(question.strip(), answer.strip() or None, (), method=method or "gradcam", **options)
@@ -142,9 +145,10 @@ def build_words(app: WordsApp) -> Any:
     from .web import gradio, user_errors
 
     gr, spec = gradio(), app.explorer.spec
-    answers = spec.kind == "answers"
+    answers = app.explorer.task.question
     with gr.Blocks(title=f"explain: {spec.name}") as page:
-        gr.Markdown(f"### explain · {spec.name} ({spec.kind} · click a word to see where the model looked)")
+        kind = app.explorer.task.name
+        gr.Markdown(f"### explain · {spec.name} ({kind} · click a word to see where the model looked)")
         with gr.Row():
             with gr.Column(scale=1):
                 photos = list(app.explorer.photos)

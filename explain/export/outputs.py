@@ -21,14 +21,10 @@ from ..io.video import count_frames, nearest_sampled, overlay_frames, write_gif,
 from ..io.volumes import montage, read_volume, write_heatmap
 from ..models.spec import InputPreprocessing
 from ..targets.keypoints import limbs_of
+from ..tasks.base import Task
 from .inputs import Input
 from .manifest import record
 from .settings import RenderOptions
-
-
-def slug(name: str) -> str:
-    """A class name as part of a file name: lower case, runs of other characters than letters and digits as '-'."""
-    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split()) or "class"
 
 
 @dataclass(frozen=True)
@@ -106,7 +102,7 @@ class OutputWriter:
     Attributes:
         out_dir: The output folder; records name files relative to it.
         model: The model's name, for the records.
-        task: The model's task (detections and segments tag their files by box and class).
+        task: The model's kind of output, which tells each map's files apart and how figures are drawn.
         methods: The methods whose outputs are written apart: each asked one, or ``"all"`` (one grid).
         topk: The K top classes explained of each image, or None.
         render: How the maps are drawn and which files are written.
@@ -118,23 +114,15 @@ class OutputWriter:
 
     out_dir: Path
     model: str
-    task: str
+    task: Task
     methods: list[str]
     topk: int | None
     render: RenderOptions
     preprocessing: InputPreprocessing | None = None
 
     def tag(self, k: int, class_name: str, method: str) -> str:
-        """What tells an image's outputs apart: the method, and which target (top class, detection, segment)."""
-        if self.task == "detection":
-            return f".{method}.box{k + 1}"
-        if self.task == "pose":  # one entry per detection and keypoint
-            return f".{method}.kp{k + 1}.{slug(class_name)}"
-        if self.task in ("depth", "prompted"):  # one region or mask per image
-            return f".{method}.{class_name}"
-        if self.task == "segmentation":
-            return f".{method}.{slug(class_name)}"
-        return f".{method}" + (f".top{k + 1}" if self.topk else "")
+        """What tells an image's outputs apart: the method, and which target (see :meth:`Task.tag`)."""
+        return self.task.tag(k, class_name, method, self.topk)
 
     def paths(
         self, base: Path, tags: Sequence[str], method: str
@@ -155,7 +143,7 @@ class OutputWriter:
         for method in self.methods:
             tags = [self.tag(k, "class", method) for k in range(self.topk or 1)]
             overlays, figures, pictures, raw = self.paths(base, tags, method)
-            if figures and self.task == "pose":
+            if figures and self.task.strips:
                 figures = [self.strip_path(base, method, 1)]
             files += [*overlays, *figures, *pictures, *([raw] if raw else [])]
         return files
@@ -186,7 +174,7 @@ class OutputWriter:
         outputs, figures, pictures, raw_path = self.paths(base, tags, method)
         targets, style = [], self.render
         try:
-            if figures and self.task == "pose" and method != ALL_METHODS:  # a strip of keypoint maps per detection
+            if figures and self.task.strips and method != ALL_METHODS:  # a strip of maps per detection
                 figures = self.write_strips(image, base, explained, method, layer)
             for j, (e, output) in enumerate(zip(explained, outputs)):
                 mark = partial(self.annotated, e)
@@ -201,7 +189,7 @@ class OutputWriter:
                     save_image(grid(image, e.cams, title, style.alpha, style.colormap, mark=mark), output)
                 else:
                     save_image(mark(picture(image, e.cams[method], style.alpha, style.colormap)), output)
-                if figures and self.task != "pose":
+                if figures and not self.task.strips:
                     title = f"{e.class_name} ({e.score:.1%}), {method} at {layer}"
                     save_image(figure(image, e.cams[method], title, style.alpha, style.colormap, mark), figures[j])
                 targets.append(

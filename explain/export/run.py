@@ -16,39 +16,27 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from ..core.engine import CAMResult
 from ..core.maps import normalize_maps
-from ..errors import ExplainError, ImageRefused, LayerError, NothingToExplain, TargetError, first_line
+from ..errors import ImageRefused, LayerError, NothingToExplain, TargetError, first_line
 from ..io.atomic import remove_temporary_files
-from ..io.images import load_image
 from ..io.video import windowed_maps
 from ..methods import Method, create_method
 from ..models import ModelSpec
-from ..targets import (
-    ClassTarget,
-    DetectionTarget,
-    KeypointTarget,
-    OrientedDetectionTarget,
-    PromptMaskTarget,
-    RegionTarget,
-    SegmentationTarget,
-    Target,
-    TopK,
-    class_index,
-    nearer_sign,
-)
+from ..targets import ClassTarget, RegionTarget, Target, class_index
 from ..targets.base import read_output
 from ..targets.oriented import rotated_corners, upright_boxes
+from ..tasks.base import Task
+from ..tasks.registry import task_of
 from .distributed import Process, process_group, this_process
 from .gallery import remove_gallery
 from .inputs import Input, collect_inputs, mark_output_folder
@@ -68,77 +56,7 @@ from .manifest import (
 )
 from .outputs import Explained, Explanation, Failure, NothingFound, Outcome, OutputWriter, output_bases
 from .ownership import FolderLock, check_free
-from .settings import ExportOptions, Prompt
-
-BACKGROUND = "__background__"  # the name of class 0 of torchvision's segmenters and detectors
-
-
-def task_target(
-    spec: ModelSpec,
-    target: int | str | None = None,
-    score_threshold: float = 0.5,
-    topk: int | None = None,
-    keypoint: str | None = None,
-    prompt: Prompt | None = None,
-) -> Target:
-    """What a model's maps explain by default, from its task.
-
-    - classification: ``target`` for every image, else each image's top class (or its ``topk`` top classes);
-    - segmentation: ``target`` over the pixels it wins, else every class that wins a pixel, background left out;
-    - detection: every detection scoring at least ``score_threshold`` (only those of class ``target``, if given);
-      with ``keypoint`` (a pose model's keypoint name or index, or ``"all"``), that keypoint of each;
-    - depth: the mean depth over the ``prompt``'s region (the whole photo by default), in its direction;
-    - prompted: the mask a promptable segmenter draws for its prompt (see :func:`prompted_model`).
-    """
-    if spec.task in ("depth", "prompted"):
-        return _dense_target(spec, prompt or Prompt())
-    if keypoint is not None:
-        chosen = None if keypoint == "all" else int(keypoint) if keypoint.isdigit() else keypoint
-        return KeypointTarget(chosen, labels=target, score_threshold=score_threshold)
-    if spec.task == "segmentation":
-        background = 0 if spec.labels[0] == BACKGROUND else None
-        return SegmentationTarget(target, background=background)
-    if spec.task == "detection":  # an oriented detector's boxes are matched by rotated IoU
-        kind = OrientedDetectionTarget if getattr(spec.model, "oriented", False) else DetectionTarget
-        return kind(labels=target, score_threshold=score_threshold)
-    return TopK(topk) if topk else ClassTarget(target)
-
-
-def _dense_target(spec: ModelSpec, prompt: Prompt) -> Target:
-    """A depth estimator's region target, or a promptable segmenter's mask target."""
-    if spec.task == "prompted":
-        return PromptMaskTarget()
-    if prompt.direction in ("nearer", "farther"):
-        nearer = nearer_sign(spec.model)
-        sign = nearer if prompt.direction == "nearer" else -nearer
-    else:
-        sign = 1 if prompt.direction == "larger" else -1
-    if prompt.region_mask is not None:
-        image = load_image(prompt.region_mask).convert("L")
-        return RegionTarget(mask=torch.from_numpy(np.asarray(image) > 0), sign=sign)
-    if prompt.region is not None:
-        return RegionTarget(box=prompt.region, sign=sign)
-    return RegionTarget(mask=torch.ones(1, 1), sign=sign)
-
-
-def prompted_model(spec: ModelSpec, prompt: Prompt) -> ModelSpec:
-    """A promptable segmenter's spec with its prompt fixed (:class:`explain.models.sam.SamPrompted`); any other
-    spec as it is.
-
-    Raises:
-        ExplainError: The spec's preprocessing resizes the photo, so a prompt in its pixels would miss.
-    """
-    if spec.task != "prompted":
-        return spec
-    if getattr(spec.preprocessing, "input_size", None) is not None:  # the prompt is in the photo's pixels
-        raise ExplainError(
-            f"{spec.name} takes a prompt in the photo's pixels, so its preprocessing must keep the photo's size: "
-            "give Preprocessing(None, ...) (SamPrompted resizes and pads the photo itself)"
-        )
-    from ..models.sam import SamPrompted
-
-    points = [tuple(point) for point in prompt.points] or None
-    return replace(spec, model=SamPrompted(spec.model, points=points, box=prompt.box))
+from .settings import ExportOptions
 
 
 def _upright(boxes: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -149,9 +67,8 @@ def _upright(boxes: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Ten
     return upright_boxes(boxes), rotated_corners(boxes.flatten(0, 1)).view(*boxes.shape[:2], 4, 2)
 
 
-def _writer(out_dir: Path, spec: ModelSpec, options: ExportOptions) -> OutputWriter:
-    """The run's writer: a pose model's keypoints are written one per detection and keypoint."""
-    task = "pose" if options.keypoint else spec.task
+def _writer(out_dir: Path, spec: ModelSpec, options: ExportOptions, task: Task) -> OutputWriter:
+    """The run's writer, naming each map's files as the task tells them apart."""
     return OutputWriter(
         out_dir, spec.name, task, options.methods.written, options.topk, options.render, spec.preprocessing
     )
@@ -241,8 +158,8 @@ class ExportSummary:
 class _Explainer:
     """The model step: explains a group of same-shape images with every asked method."""
 
-    def __init__(self, spec: ModelSpec, options: ExportOptions, device: torch.device) -> None:
-        spec = prompted_model(spec, options.prompt)
+    def __init__(self, spec: ModelSpec, options: ExportOptions, device: torch.device, task: Task) -> None:
+        spec = task.explained(spec, options.prompt)
         self.spec = spec
         self.options = options
         self.device = device
@@ -253,9 +170,7 @@ class _Explainer:
             )
             for name in selection.names
         }
-        self.target = task_target(
-            spec, options.target, options.score_threshold, options.topk, options.keypoint, options.prompt
-        )
+        self.target = task.target(spec, options.asked)
 
     def target_for(self, sizes: Sequence[tuple[int, int]]) -> Target:
         """The run's target for a group of photos of ``sizes`` (width, height): a region drawn in the photos'
@@ -437,9 +352,10 @@ def export_heatmaps(
     """
     out_dir, process, options = Path(out_dir), this_process(), options or ExportOptions()
     options.check_task(spec)
+    task = task_of(spec, options.keypoint)
     device = process.device(torch.device(device))
-    explainer = _Explainer(spec, options, device)
-    writer = _writer(out_dir, spec, options)
+    explainer = _Explainer(spec, options, device, task)
+    writer = _writer(out_dir, spec, options, task)
     head = header(run_settings(spec, options))
     check_free(out_dir)  # another run's folder is refused before anything is read or written
     lock = FolderLock(out_dir, last=process.rank == 0)

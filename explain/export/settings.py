@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..catalog import ALL_METHODS, FAST_METHOD_NAMES, check_method, check_metrics
 from ..errors import ExplainError
+from ..tasks.asked import Asked, Prompt
 
 if TYPE_CHECKING:
     from ..models import ModelSpec
@@ -105,44 +105,6 @@ class RenderOptions:
 
 
 @dataclass(frozen=True)
-class Prompt:
-    """Where a dense model's target lies: a depth estimator's region, a promptable segmenter's prompt; every
-    coordinate in the photo's own pixels.
-
-    Attributes:
-        region: A depth estimator's region ``(x1, y1, x2, y2)``; None (and no ``region_mask``): the whole photo.
-        region_mask: A mask image of the region (nonzero inside), resized to each photo.
-        direction: What the region's mean depth is explained for: ``"larger"`` or ``"smaller"`` values, or
-            ``"nearer"`` or ``"farther"`` (read from the model's config: see :func:`explain.targets.nearer_sign`).
-        points: A promptable segmenter's points ``(x, y)`` on the object.
-        box: A promptable segmenter's box ``(x1, y1, x2, y2)``.
-    """
-
-    region: tuple[float, float, float, float] | None = None
-    region_mask: Path | None = None
-    direction: str = "larger"
-    points: tuple[tuple[float, float], ...] = ()
-    box: tuple[float, float, float, float] | None = None
-
-    def check(self, name: str, task: str) -> None:
-        """Refuse a prompt the model's task takes none of, or a promptable segmenter without one.
-
-        Raises:
-            ExplainError: Naming the option and the model.
-        """
-        if task != "depth" and (self.region is not None or self.region_mask is not None or self.direction != "larger"):
-            raise ExplainError(f"--region explains a depth estimator's region; {name} is a {task} model")
-        if task != "prompted" and (self.points or self.box is not None):
-            raise ExplainError(f"--point and --box prompt a promptable segmenter (SAM); {name} is a {task} model")
-        if task == "prompted" and not self.points and self.box is None:
-            raise ExplainError(f"{name} draws the mask of a prompt: give --point x,y or --box x1,y1,x2,y2")
-        if self.region is not None and self.region_mask is not None:
-            raise ExplainError("give the region as --region or as --region-mask, not both")
-        if self.direction not in ("larger", "smaller", "nearer", "farther"):
-            raise ExplainError(f"--direction must be larger, smaller, nearer or farther, got {self.direction!r}")
-
-
-@dataclass(frozen=True)
 class ExportOptions:
     """What to explain and what to write for each image, checked when made.
 
@@ -154,7 +116,7 @@ class ExportOptions:
             takes.
         layer: The target layer's dotted name, several (fused), or None for the automatic one.
         target: A class index or name; what is explained follows from the model's task (see
-            :func:`explain.export.run.task_target`).
+            :meth:`explain.tasks.base.Task.target`).
         topk: A classifier's K top classes instead of one.
         score_threshold: The least score of an explained detection.
         keypoint: A pose model's keypoint (a name such as ``left_wrist``, an index, or ``"all"``) explained for
@@ -226,21 +188,23 @@ class ExportOptions:
         if self.resume and self.overwrite:
             raise ExplainError("--resume and --overwrite exclude each other")
 
+    @property
+    def asked(self) -> Asked:
+        """What is explained, as asked: what a task builds its target from."""
+        return Asked(self.target, self.topk, self.score_threshold, self.keypoint, self.prompt, self.metrics)
+
     def check_task(self, spec: ModelSpec) -> None:
-        """The rules that tie the settings to the model's task and classes.
+        """The rules that tie the settings to the model's task (see :meth:`explain.tasks.base.Task.check`) and
+        classes.
 
         Raises:
-            ExplainError: ``topk`` or ``metrics`` for a model that is not a classifier, or ``topk`` above its
-                number of classes.
+            ExplainError: An option the model's task does not take (``topk`` or ``metrics`` for a model that is
+                not a classifier, ...), or ``topk`` above its number of classes.
         """
-        name, task, classes = spec.name, spec.task, len(spec.labels)
-        if self.topk is not None and task != "classification":
-            raise ExplainError(f"--topk explains a classifier's top classes; {name} is a {task} model")
-        if self.metrics and task != "classification":
-            raise ExplainError(f"--metrics explains a classifier's class; {name} is a {task} model")
-        if self.keypoint is not None and task != "detection":
-            raise ExplainError(f"--keypoint explains a pose model's keypoints; {name} is a {task} model")
-        self.prompt.check(name, task)
+        from ..tasks.registry import task_of  # the model is loaded: torch is there
+
+        name, classes = spec.name, len(spec.labels)
+        task_of(spec, self.keypoint).check(name, self.asked)
         if self.topk is not None and self.topk > classes:
             raise ExplainError(f"--topk {self.topk} exceeds the model's {classes} classes")
         kind = spec.preprocessing.kind

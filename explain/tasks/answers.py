@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from ..core.layers import LayerSpec
 from ..core.result import CAMResult
 from ..errors import ExplainError
+from ..methods import create_method
 from ..models.image_readings import image_token_id
 from ..models.query_models import TextQueryDetector
 from ..models.vision_language import (
@@ -108,8 +109,6 @@ def explain_answer(
         ExplainError: More than one image, an empty answer, a model of no supported kind, or scores that are not
             generation's.
     """
-    from . import create_method
-
     prompt, text, reading = _one_image(model, inputs)
     picture = reading.picture(inputs)
     answer, generated = _answer_of(model, inputs, answer, max_new_tokens)
@@ -225,8 +224,6 @@ def explain_prompts(
         layer: The layer (None: the automatic one).
         **options: The method's options.
     """
-    from . import create_method
-
     labels = list(prompts) if prompts is not None else [f"prompt {i}" for i in range(len(input_ids))]
     explainer = create_method(method, TextPrompts(model, input_ids, attention_mask), layer, labels=labels, **options)
     return explainer(pixel_values, ClassesTarget(range(len(labels))))
@@ -265,8 +262,6 @@ def explain_queries(
         layer: The layer (None: the automatic one).
         **options: The method's options.
     """
-    from . import create_method
-
     spans = None if phrases is None else [list(p) for p in phrases]
     detector = TextQueryDetector(model, input_ids, attention_mask, None if queries is None else list(queries), spans)
     explainer = create_method(method, detector, layer, labels=detector.labels, **options)

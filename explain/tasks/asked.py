@@ -1,0 +1,114 @@
+"""What a user asks of a task, without torch: the options that belong to some kinds of output only, the prompt of a
+dense model, and how outputs are named. The command line reads these before it loads a model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ExplainError
+
+DIRECTIONS = ("larger", "smaller", "nearer", "farther")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Where a dense model's target lies: a depth estimator's region, a promptable segmenter's prompt; every
+    coordinate in the photo's own pixels.
+
+    Attributes:
+        region: A depth estimator's region ``(x1, y1, x2, y2)``; None (and no ``region_mask``): the whole photo.
+        region_mask: A mask image of the region (nonzero inside), resized to each photo.
+        direction: What the region's mean depth is explained for: ``"larger"`` or ``"smaller"`` values, or
+            ``"nearer"`` or ``"farther"`` (read from the model's config: see :func:`explain.targets.nearer_sign`).
+        points: A promptable segmenter's points ``(x, y)`` on the object.
+        box: A promptable segmenter's box ``(x1, y1, x2, y2)``.
+    """
+
+    region: tuple[float, float, float, float] | None = None
+    region_mask: Path | None = None
+    direction: str = "larger"
+    points: tuple[tuple[float, float], ...] = ()
+    box: tuple[float, float, float, float] | None = None
+
+    def check(self) -> None:
+        """Refuse a prompt that contradicts itself, whatever the model.
+
+        Raises:
+            ExplainError: Naming the option.
+        """
+        if self.region is not None and self.region_mask is not None:
+            raise ExplainError("give the region as --region or as --region-mask, not both")
+        if self.direction not in DIRECTIONS:
+            raise ExplainError(f"--direction must be larger, smaller, nearer or farther, got {self.direction!r}")
+
+    @property
+    def regional(self) -> bool:
+        """Whether a depth estimator's region or direction is given."""
+        return self.region is not None or self.region_mask is not None or self.direction != "larger"
+
+    @property
+    def prompting(self) -> bool:
+        """Whether a promptable segmenter's point or box is given."""
+        return bool(self.points) or self.box is not None
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What is explained, as the user asked it; a task turns it into its target.
+
+    Attributes:
+        target: A class index or name, or None (each task's default).
+        topk: A classifier's K top classes instead of one.
+        score_threshold: The least score of an explained detection.
+        keypoint: A pose model's keypoint (a name, an index, or ``"all"``), explained for each detection.
+        prompt: A depth estimator's region or a promptable segmenter's prompt.
+        metrics: The faithfulness metrics measured for each map.
+    """
+
+    target: int | str | None = None
+    topk: int | None = None
+    score_threshold: float = 0.5
+    keypoint: str | None = None
+    prompt: Prompt = field(default_factory=Prompt)
+    metrics: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Option:
+    """An option that some kinds of output take and others refuse.
+
+    Attributes:
+        given: Whether the user gave it.
+        purpose: What it is for, as the refusal says it (``"--topk explains a classifier's top classes"``).
+    """
+
+    given: Callable[[Asked], bool]
+    purpose: str
+
+
+OPTIONS = {
+    "topk": Option(lambda asked: asked.topk is not None, "--topk explains a classifier's top classes"),
+    "metrics": Option(lambda asked: bool(asked.metrics), "--metrics explains a classifier's class"),
+    "keypoint": Option(lambda asked: asked.keypoint is not None, "--keypoint explains a pose model's keypoints"),
+    "region": Option(lambda asked: asked.prompt.regional, "--region explains a depth estimator's region"),
+    "prompt": Option(lambda asked: asked.prompt.prompting, "--point and --box prompt a promptable segmenter (SAM)"),
+}
+
+
+def slug(name: str) -> str:
+    """A class name as part of a file name: lower case, runs of other characters than letters and digits as '-'."""
+    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split()) or "class"
+
+
+def refuse_untaken(asked: Asked, takes: frozenset[str], model: str, kind: str) -> None:
+    """Refuse, in one line, the first option given that a kind of output does not take.
+
+    Raises:
+        ExplainError: ``"<what the option is for>; <model> is a <kind> model"``.
+    """
+    for name, option in OPTIONS.items():
+        if name not in takes and option.given(asked):
+            raise ExplainError(f"{option.purpose}; {model} is a {kind} model")
+

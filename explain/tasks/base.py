@@ -1,0 +1,110 @@
+"""The kind of output a model gives, as one object that every front end asks: :class:`Task`.
+
+A task says which of the options that belong to some kinds only it takes (checked once, refused in one line),
+the target built from what the user asked, what one map is of, how its files are named, what its overlay draws,
+what a click on the photo means in the explorer, and what ``explain evaluate`` explains of an image. The command
+line, the export, the explorer, the notebook and ``explain evaluate`` ask it; none of them tests a kind's name.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from torch import Tensor, nn
+
+from ..errors import ExplainError
+from ..models import ModelSpec
+from ..targets import Target
+from .asked import Asked, Prompt, refuse_untaken
+
+
+class Task:
+    """One kind of output. Subclasses set the class attributes and :meth:`target`; the rest has defaults.
+
+    Attributes:
+        name: The kind's name, as a :class:`explain.ModelSpec`'s ``task`` says it.
+        called: What the refusals call a model of the kind (``"<model> is a <called> model"``): its name, unless
+            set.
+        map_of: What one map is of ("class", "segment", "box", "keypoint", "region", "mask", "word", ...).
+        takes: The options of :data:`explain.tasks.asked.OPTIONS` it takes; any other given is refused.
+        classifies: Whether a map is of one of the model's ranked classes: its top classes are listed, a view
+            names a class, and the metrics of a class's probability apply.
+        click: What a click on the photo does in the explorer: ``""`` (nothing: a classifier's classes have no
+            place, they are picked from a list), ``"pick"`` (the entry under it), ``"prompt"`` (a point, or two
+            corners of a box, prompt the model) or ``"region"`` (two corners of the region).
+        click_label: What the explorer says a click does.
+        strips: Whether ``--figure`` draws, per detection, one strip of its maps rather than a figure per map.
+    """
+
+    name: ClassVar[str]
+    called: ClassVar[str | None] = None
+    map_of: ClassVar[str]
+    takes: ClassVar[frozenset[str]] = frozenset()
+    classifies: ClassVar[bool] = False
+    click: ClassVar[str] = "pick"
+    click_label: ClassVar[str] = ""
+    strips: ClassVar[bool] = False
+
+    @property
+    def picks(self) -> bool:
+        """Whether a click on the photo picks one of its entries (a box, a segment, a keypoint)."""
+        return self.click == "pick"
+
+    @property
+    def prompted(self) -> bool:
+        """Whether a click on the photo prompts the model or draws its region: a view's prompt is for it."""
+        return self.click in ("prompt", "region")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def check(self, model: str, asked: Asked) -> None:
+        """Refuse, in one line, an option the task does not take or a prompt it cannot use.
+
+        Raises:
+            ExplainError: Naming the option, what it is for, and the model.
+        """
+        refuse_untaken(asked, self.takes, model, self.called or self.name)
+        asked.prompt.check()
+
+    def target(self, spec: ModelSpec, asked: Asked) -> Target:
+        """What the model's maps explain, from what the user asked."""
+        raise NotImplementedError
+
+    def explained(self, spec: ModelSpec, prompt: Prompt) -> ModelSpec:
+        """The model whose maps are made: the spec as it is, or (a promptable segmenter) given its prompt."""
+        return spec
+
+    def tag(self, k: int, class_name: str, method: str, topk: int | None) -> str:
+        """What tells one image's outputs apart: the method, and which of its maps."""
+        raise NotImplementedError
+
+    def evaluated(self, spec: ModelSpec, name: str, x: Tensor) -> Target | None:
+        """What ``explain evaluate`` explains in an image: None for the task's default target.
+
+        Raises:
+            ExplainError: The task has no one thing to explain per image, or the image holds none.
+        """
+        raise ExplainError(
+            f"explain evaluate scores maps of a classifier's class, a detector's box or a segmenter's class; "
+            f"{spec.name} is a {self.name} model"
+        )
+
+    def probe_prompt(self, size: tuple[int, int]) -> tuple[float, ...]:
+        """A prompt under which the explorer looks at the model's layers on a photo of (width, height): none, for
+        a task whose model needs none."""
+        return ()
+
+    def view(self, spec: ModelSpec, prompt: tuple[float, ...], size: tuple[int, int], asked: Asked) -> Viewed:
+        """What the explorer's view of a photo explains: the model and the target, from the view's prompt (the
+        photo's pixels) and the photo's (width, height).
+
+        Raises:
+            ExplainError: A prompt the task takes none of, or of the wrong length.
+        """
+        if prompt:
+            raise ExplainError(f"{spec.name} is a {self.name} model: a click picks one of its entries, not a prompt")
+        return spec.model, self.target(spec, asked)
+
+
+Viewed = tuple[nn.Module, Target]
