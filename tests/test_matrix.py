@@ -1,0 +1,243 @@
+"""Every kind of output the command line explains, each with every export option: the option does what it says
+(its file exists, its record names it) or is refused in one line with exit status 2 and nothing written. None is
+silently ignored, none ends in a traceback. Small random models, one photo of each kind's, two for the resumes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import CAT, COFFEE
+
+from explain.cli import main
+
+transformers = pytest.importorskip("transformers")
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of output as the command line is given it: the arguments that name the model and what is asked, the
+    inputs, and whether its records are words (a vision-language model's manifest of words)."""
+
+    args: tuple[str, ...]
+    inputs: tuple[Path, ...] = (CAT, COFFEE)
+    words: bool = False
+
+    @property
+    def manifest(self) -> str:
+        return "manifest.words.jsonl" if self.words else "manifest.jsonl"
+
+
+USER_FILE = '''
+import numpy as np
+import torch
+import explain
+from conftest import random_detector, random_segmenter
+from test_volumes import signal_net
+from test_yolo import detecting
+
+UNIT = explain.models.Preprocessing(None, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
+
+
+def classifier():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, padding=1),
+        torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 5),
+    ).eval()
+    preprocessing = explain.models.Preprocessing(64, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    return explain.ModelSpec(model, "tiny", ["a", "b", "c", "d", "e"], preprocessing)
+
+
+def segmenter():
+    labels = ["__background__", "one", "two", "three"]
+    preprocessing = explain.models.Preprocessing(96, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    return explain.ModelSpec(random_segmenter(4), "lraspp", labels, preprocessing, "segmentation")
+
+
+def detector():
+    return random_detector((320, 400), num_classes=91)
+
+
+def pose():
+    model = detecting("yolo11n-pose.yaml")
+    model.max_det = 2
+    return explain.ModelSpec(model, "pose", model.labels, UNIT, "detection")
+
+
+def oriented():
+    model = detecting("yolo11n-obb.yaml")
+    model.max_det = 2
+    return explain.ModelSpec(model, "obb", model.labels, UNIT, "detection")
+
+
+def signal():
+    return explain.ModelSpec(signal_net(), "signal-net", ["a", "b", "c"], explain.models.SignalPreprocessing())
+'''
+
+
+@pytest.fixture(scope="module")
+def kinds(tmp_path_factory) -> dict[str, Kind]:
+    """Each kind's model, written where the command line reads it: a user's file, or a save_pretrained folder."""
+    from test_regions import _glpn
+    from test_sam import _sam
+    from test_vision_language import IMAGE, IMAGE_TOKEN, PATCH, WORDS, _tokenizer, tiny_contrastive, tiny_llava
+
+    root = tmp_path_factory.mktemp("matrix")
+    code = root / "models.py"
+    code.write_text(USER_FILE)
+    signals = []
+    for i in range(2):
+        path = root / f"beat{i}.npy"
+        np.save(path, np.stack([np.sin(np.arange(120) / (4 + i)), np.cos(np.arange(120) / 5)]).astype(np.float32))
+        signals.append(path)
+    torch.manual_seed(0)
+    glpn, sam, llava, clip = root / "glpn", root / "sam", root / "llava", root / "clip"
+    _glpn().save_pretrained(glpn)
+    transformers.GLPNImageProcessor(size_divisor=32).save_pretrained(glpn)
+    _sam().save_pretrained(sam)
+    images = transformers.CLIPImageProcessor(size={"shortest_edge": IMAGE}, crop_size={"height": IMAGE, "width": IMAGE})
+    words = WORDS + [f"w{i}" for i in range(len(WORDS), IMAGE_TOKEN)] + ["<image>"]
+    transformers.LlavaProcessor(
+        image_processor=images, tokenizer=_tokenizer(words, "<image>"), patch_size=PATCH,
+        vision_feature_select_strategy="default", image_token="<image>", num_additional_image_tokens=1,
+    ).save_pretrained(llava)  # fmt: skip
+    tiny_llava().save_pretrained(llava)
+    vocabulary = ["<unk>", "<s>", "</s>", "<pad>", "a", "cat", "remote", "dog"] + [f"w{i}" for i in range(8, 50)]
+    transformers.CLIPProcessor(image_processor=images, tokenizer=_tokenizer(vocabulary)).save_pretrained(clip)
+    tiny_contrastive("clip").save_pretrained(clip)
+    user = str(code)
+    return {
+        "class": Kind(("--model", f"{user}:classifier")),
+        "segment": Kind(("--model", f"{user}:segmenter")),
+        "box": Kind(("--model", f"{user}:detector")),
+        "keypoint": Kind(("--model", f"{user}:pose", "--keypoint", "0", "--score-threshold", "0.3")),
+        "oriented box": Kind(("--model", f"{user}:oriented", "--score-threshold", "0.3")),
+        "depth region": Kind(("--model", str(glpn), "--region", "100,50,300,200")),
+        "SAM mask": Kind(("--model", str(sam), "--point", "200,150")),
+        "signal": Kind(("--model", f"{user}:signal"), tuple(signals)),
+        "answer words": Kind(
+            ("--model", str(llava), "--prompt", "what is on the table?", "--max-new-tokens", "2"), words=True
+        ),
+        "prompts": Kind(("--model", str(clip), "--text", "a cat, a remote"), words=True),
+    }
+
+
+def records(out: Path, kind: Kind) -> list[dict]:
+    """The records of a finished run, its first line (the run's settings) left out."""
+    lines = [json.loads(line) for line in (out / kind.manifest).read_text().splitlines()]
+    assert "header" in lines[0]
+    return lines[1:]
+
+
+def named_files(record: dict, kind: Kind) -> list[str]:
+    """Every file a record names."""
+    parts = record.get("tokens" if kind.words else "targets") or []
+    files = [part[key] for part in parts for key in ("output", "figure", "picture") if part.get(key)]
+    return files + [record[key] for key in ("raw", "figure") if isinstance(record.get(key), str)]
+
+
+def run(kind: Kind, out: Path, *extra: str, inputs: tuple[Path, ...] | None = None) -> int:
+    return main([*map(str, inputs or kind.inputs[:1]), *kind.args, *extra, "-o", str(out), "--quiet"])
+
+
+def snapshot(out: Path) -> dict[Path, int]:
+    return {path: path.stat().st_mtime_ns for path in out.rglob("*") if path.is_file()}
+
+
+# What a kind refuses, and the line that says why; every other option is honoured.
+REFUSED = {
+    **{(kind, "--topk"): "--topk explains a classifier's top classes" for kind in (
+        "segment", "box", "oriented box", "depth region", "SAM mask", "answer words", "prompts")},
+    **{(kind, "--metrics"): "--metrics explains a classifier's class" for kind in (
+        "segment", "box", "oriented box", "depth region", "SAM mask", "answer words", "prompts")},
+    ("keypoint", "--topk"): "--keypoint explains a pose model's keypoints; drop --topk and --metrics",
+    ("keypoint", "--metrics"): "--keypoint explains a pose model's keypoints; drop --topk and --metrics",
+    ("signal", "--figure"): "--figure",
+    ("answer words", "--gallery"): "--gallery pages a heatmap export's targets",
+    ("prompts", "--gallery"): "--gallery pages a heatmap export's targets",
+}  # fmt: skip
+OPTIONS = {
+    "--save-raw": ["--save-raw"],
+    "--figure": ["--figure"],
+    "--gallery": ["--gallery"],
+    "--method": ["--method", "layercam"],
+    "--topk": ["--topk", "2"],
+    "--metrics": ["--metrics", "deletion"],
+    "--device": ["--device", "cpu"],
+}
+KINDS = ("class", "segment", "box", "keypoint", "oriented box", "depth region", "SAM mask", "signal", "answer words",
+         "prompts")  # fmt: skip
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("name", KINDS)
+def test_each_option_is_honoured_or_refused_in_one_line(kinds, name, option, tmp_path, capsys) -> None:
+    kind, out = kinds[name], tmp_path / "out"
+    code = run(kind, out, *OPTIONS[option])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("explain", "Traceback"))]
+    if (name, option) in REFUSED:
+        assert code == 2 and len(errors) == 1, errors
+        assert errors[0].startswith("explain: error: ") and REFUSED[name, option] in errors[0], errors
+        assert not out.exists()
+        return
+    assert code == 0 and not errors, errors
+    (record,) = records(out, kind)
+    assert record["error"] is None and all((out / name).is_file() for name in named_files(record, kind))
+    parts = record.get("tokens" if kind.words else "targets")
+    assert parts, record
+    if option == "--save-raw":
+        assert (out / record["raw"]).is_file() and np.load(out / record["raw"]).size > 0
+    if option == "--figure":
+        figures = [record["figure"]] if kind.words else [part["figure"] for part in parts]
+        assert figures and all((out / figure).is_file() for figure in figures)
+    if option == "--gallery":
+        assert (out / "index.html").is_file()
+    if option == "--method":
+        assert record["method"] == "layercam"
+    if option == "--topk":
+        assert len(parts) == 2
+    if option == "--metrics":
+        assert all(set(part["metrics"]) == {"deletion"} for part in parts)
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_the_layer_given_is_the_layer_used_and_a_wrong_one_is_one_line(kinds, name, tmp_path, capsys) -> None:
+    kind = kinds[name]
+    assert run(kind, tmp_path / "auto") == 0
+    (record,) = records(tmp_path / "auto", kind)
+    layer = record["layer"].split("+")[0].split(",")[0]
+    assert run(kind, tmp_path / "given", "--layer", layer) == 0
+    (given,) = records(tmp_path / "given", kind)
+    assert given["layer"] == layer
+    capsys.readouterr()
+    assert run(kind, tmp_path / "wrong", "--layer", "no.such.layer") == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("explain", "Traceback"))]
+    assert len(errors) == 1 and "no.such.layer" in errors[0] and errors[0].startswith("explain: error: "), errors
+    assert not (tmp_path / "wrong").exists()
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_resume_redoes_nothing_after_a_finished_run_and_the_rest_after_a_killed_one(kinds, name, tmp_path) -> None:
+    kind, out = kinds[name], tmp_path / "out"
+    assert run(kind, out, inputs=kind.inputs) == 0
+    finished = records(out, kind)
+    assert len({r["input"] for r in finished}) == 2
+    before = snapshot(out)
+    assert run(kind, out, "--resume", inputs=kind.inputs) == 0
+    assert snapshot(out) == before  # nothing redone, nothing rewritten
+
+    lines = (out / kind.manifest).read_text().splitlines(keepends=True)
+    second = [r for r in finished if r["input"] == finished[-1]["input"]]
+    (out / kind.manifest).write_text("".join(lines[: len(lines) - len(second)]))  # killed before its record
+    for record in second:
+        for name in named_files(record, kind):
+            (out / name).unlink()
+    assert run(kind, out, "--resume", inputs=kind.inputs) == 0
+    again = records(out, kind)
+    assert [r["input"] for r in again] == [r["input"] for r in finished]
+    assert all(r["error"] is None and all((out / f).is_file() for f in named_files(r, kind)) for r in again)
