@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
 from .catalog import FUSIONS, METRIC_NAMES, method_table
-from .errors import ExplainError, first_line
+from .errors import ExplainError
 from .export.inputs import Input, collect_inputs, listed_inputs
-from .export.manifest import check_fresh
-from .export.ownership import check_free
+from .export.preflight import Prepared, prepare
 from .export.settings import ExportOptions, Prompt, RenderOptions
 from .models.names import BUNDLED_MODEL, DEFAULT_MODEL, VIDEO_MODELS, is_user_model
 
@@ -420,29 +419,6 @@ def layer_table(spec: ModelSpec, x: torch.Tensor) -> str:
     return "\n".join(lines)
 
 
-def _check_layers(spec: ModelSpec, names: list[str], x: torch.Tensor) -> None:
-    """Each named layer exists and outputs a spatial map at the model's input size."""
-    from .core.layers import resolve_layer, trace_layers
-
-    try:
-        for name in names:
-            resolve_layer(spec.model, name, x)
-        shapes = {info.name: info for info in trace_layers(spec.model, x)}
-    except ExplainError:
-        raise
-    except (RuntimeError, ValueError, AssertionError) as err:  # the model's own refusal of the probe
-        size = "x".join(str(side) for side in x.shape[2:])
-        raise UsageError(
-            f"--layer: {spec.name} refused a {size} look at its layers ({first_line(err)}); list them in Python: "
-            "explain.candidate_layers(model, x) with one of your inputs"
-        ) from None
-    for name in names:
-        info = shapes.get(name)
-        if info is None or not info.spatial:
-            found = "does not run" if info is None else f"outputs {info.shape}"
-            raise UsageError(f"layer {name!r} {found}, not a map of the image (C, H, W); see explain --layers")
-
-
 def _print_record(record: dict[str, Any], out: Path, quiet: bool) -> None:
     from tqdm import tqdm
 
@@ -467,9 +443,9 @@ def _run(args: argparse.Namespace) -> int:
     spec = _loaded(args) if is_user_model(args.model) else None  # the user's code says what its model reads
     kind = spec.preprocessing.kind if spec else "video" if args.model in VIDEO_MODELS else "image"
     inputs = None if args.layers is not None else _check_inputs(args, kind)
-    if inputs is not None and not args.sanity_check:
-        check_free(args.out)  # another run's folder, and
-        check_fresh(args.out, args.resume, args.overwrite)  # an earlier run's, are refused before the model loads
+    prepared = None
+    if inputs is not None and not args.sanity_check:  # the run's preflight, once, before the model loads
+        prepared = prepare(inputs, args.out, args.resume, args.overwrite)
     options = export_options(args)  # the inputs are named first: this imports matplotlib
     device = _device(args.device)
     spec = spec or _loaded(args)
@@ -480,7 +456,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.sanity_check:
         _check_sanity(spec)
         return _sanity_check(args, spec, inputs, options, device)
-    return _export(args, spec, inputs, options, device)
+    return _export(args, spec, prepared, options, device)
 
 
 def _check_sanity(spec: ModelSpec) -> None:
@@ -530,9 +506,7 @@ def _explain_words(args: argparse.Namespace) -> int:
     options = export_options(args)
     if options.methods.grid or len(options.methods.names) > 1:
         raise UsageError("a vision-language run explains its words with one --method at a time")
-    inputs = _check_inputs(args, "image")
-    check_free(args.out)
-    check_words_fresh(args.out, args.resume, args.overwrite)
+    prepared = prepare(_check_inputs(args, "image"), args.out, args.resume, args.overwrite, fresh=check_words_fresh)
     spec = load_text_image_model(args.model, _device(args.device))
     task = words_task_of(spec)
     task.check(args.model, options.asked)  # --topk, --metrics, --keypoint, --region, --point and --box
@@ -546,7 +520,7 @@ def _explain_words(args: argparse.Namespace) -> int:
     task.check_request(spec, request)
     report = partial(_print_words, out=args.out, quiet=args.quiet)
     settings = words_settings(spec, request, weights_digest(spec.model))
-    records, skipped = explain_words(spec, inputs, args.out, request, report, settings, args.resume, args.overwrite)
+    records, skipped = explain_words(spec, prepared, args.out, request, report, settings, args.resume, args.overwrite)
     failed = sum(1 for record in records if record["error"])
     if not args.quiet:
         print(f"written {len(records) - skipped - failed}, failed {failed}, skipped {skipped}")
@@ -588,21 +562,16 @@ def _with_clip_stride(spec: ModelSpec, stride: int) -> ModelSpec:
 
 
 def _check_model(spec: ModelSpec, options: ExportOptions) -> None:
-    """The settings' rules that need the model: its task, its layers at its input size, its class names."""
+    """The settings' rules that need the model: its task and its class names."""
     from .targets import class_index
-    from .tasks.registry import task_of
 
-    options.check_task(spec)
-    if options.layer and spec.preprocessing.kind in ("image", "video"):  # a scan's or a signal's at its first call
-        names = [options.layer] if isinstance(options.layer, str) else list(options.layer)
-        explained = task_of(spec, options.keypoint).explained(spec, options.prompt)  # the model the run explains
-        _check_layers(explained, names, _probe(spec, ""))
+    options.check_task(spec)  # the layer is resolved once, by the run's first call: a wrong one writes nothing
     if options.target is not None:
         class_index(options.target, spec.labels, len(spec.labels))
 
 
 def _export(
-    args: argparse.Namespace, spec: ModelSpec, inputs: list[Input], options: ExportOptions, device: torch.device
+    args: argparse.Namespace, spec: ModelSpec, prepared: Prepared, options: ExportOptions, device: torch.device
 ) -> int:
     """Export the inputs' heatmaps; then the metrics' summary and the gallery, on the first process."""
     from .export.distributed import this_process
@@ -610,7 +579,7 @@ def _export(
     from .export.run import export_heatmaps
 
     report = partial(_print_record, out=args.out, quiet=args.quiet)
-    summary = export_heatmaps(spec, inputs, args.out, options, device=device, progress=not args.quiet, report=report)
+    summary = export_heatmaps(spec, prepared, args.out, options, device=device, progress=not args.quiet, report=report)
     process = this_process()
     if not args.quiet:
         print(("" if process.world == 1 else f"rank {process.rank}: ") + summary.line())

@@ -134,7 +134,7 @@ def test_unwritable_output_fails_alone(photos, tmp_path, capsys) -> None:
     [
         (["--model", "resnet05"], "did you mean: resnet50"),
         ([*LITE0, "--layer", "blocks.9"], "unknown layer 'blocks.9'"),
-        ([*LITE0, "--layer", "classifier"], "layer 'classifier' outputs (1000,), not a map of the image (C, H, W)"),
+        ([*LITE0, "--layer", "classifier"], "layer 'classifier' outputs (1000,), not a map of the image (N, C, h, w)"),
         ([*LITE0, "--target", "Egyptain cat"], "did you mean: Egyptian cat"),
         ([*LITE0, "--target", "1000"], "out of range"),
         ([*LITE0, "--topk", "2", "--target", "3"], "exclude each other"),
@@ -401,3 +401,18 @@ def test_guided_and_fused_smoothed_maps_from_the_command_line(tmp_path) -> None:
     assert main([str(CAT), "-o", str(tmp_path / "fused"), *args, *LITE0]) == 0
     (record,) = manifest(tmp_path / "fused")
     assert record["layer"] == "blocks.5+blocks.6" and Path(top(record)["output"]).name == "chelsea.layercam.jpg"
+
+
+def test_a_run_resolves_its_layer_once_in_its_call(tmp_path, monkeypatch) -> None:
+    """One preflight: the layer given is resolved by the run's own call, once, without a probe's trace before."""
+    from explain.core import engine, layers
+
+    calls: list[str] = []
+    for module, name in ((engine, "resolve_layer"), (layers, "resolve_layer"), (layers, "trace_layers")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    assert main([str(CAT), str(COFFEE), "-o", str(tmp_path / "out"), "--layer", "blocks.5", "--quiet", *LITE0]) == 0
+    assert calls == ["resolve_layer"]
+    assert {top(r)["class_name"] for r in manifest(tmp_path / "out")} and all(
+        r["layer"] == "blocks.5" for r in manifest(tmp_path / "out")
+    )

@@ -39,12 +39,11 @@ from ..tasks.base import Task
 from ..tasks.registry import task_of
 from .distributed import Process, process_group, this_process
 from .gallery import remove_gallery
-from .inputs import Input, collect_inputs, mark_output_folder
+from .inputs import Input, mark_output_folder
 from .loading import Group, default_workers, helper_threads, load_batches
 from .manifest import (
     MANIFEST,
     ManifestWriter,
-    check_fresh,
     check_settings,
     finished,
     header,
@@ -55,7 +54,8 @@ from .manifest import (
     rename_inputs,
 )
 from .outputs import Explained, Explanation, Failure, NothingFound, Outcome, OutputWriter, output_bases
-from .ownership import FolderLock, check_free
+from .ownership import FolderLock
+from .preflight import Prepared, prepare
 from .settings import ExportOptions
 
 
@@ -320,7 +320,7 @@ class _Explainer:
 
 def export_heatmaps(
     spec: ModelSpec,
-    sources: Sequence[str | Path | Input],
+    sources: Sequence[str | Path | Input] | Prepared,
     out_dir: str | Path,
     options: ExportOptions | None = None,
     device: str | torch.device = "cpu",
@@ -339,7 +339,8 @@ def export_heatmaps(
     Args:
         spec: The model and its preprocessing (see :func:`explain.models.load_model`).
         sources: Files, folders (searched recursively) and glob patterns, or the
-            inputs :func:`explain.export.inputs.collect_inputs` found in them.
+            inputs :func:`explain.export.inputs.collect_inputs` found in them, or a run the caller prepared
+            (:func:`explain.export.preflight.prepare`: its inputs found and its folder checked, once).
         out_dir: Output folder.
         options: What to explain and write (default: ``ExportOptions()``).
         device: Where to run the model (a process of a distributed CUDA run takes its own device).
@@ -352,17 +353,17 @@ def export_heatmaps(
     """
     out_dir, process, options = Path(out_dir), this_process(), options or ExportOptions()
     options.check_task(spec)
+    if not isinstance(sources, Prepared):  # before --overwrite forgets the folder's outputs
+        sources = prepare(sources, out_dir, options.resume, options.overwrite, spec.preprocessing.kind)
+    inputs = sources.inputs
     task = task_of(spec, options.keypoint)
     device = process.device(torch.device(device))
     explainer = _Explainer(spec, options, device, task)
     writer = _writer(out_dir, spec, options, task)
     head = header(run_settings(spec, options))
-    check_free(out_dir)  # another run's folder is refused before anything is read or written
     lock = FolderLock(out_dir, last=process.rank == 0)
     try:
         with process_group(process, device):
-            # before --overwrite forgets the folder's outputs
-            inputs = collect_inputs(sources, exclude=out_dir, kind=spec.preprocessing.kind)
             previous, records = _folder_prepared(process, out_dir, options, head, inputs, lock)
             todo, bases, summary, order = _plan(process, out_dir, writer, inputs, records)
             log = ManifestWriter(out_dir / (MANIFEST if process.world == 1 else part_name(process.rank)), head)
@@ -408,8 +409,8 @@ def _folder_prepared(
 ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """The output folder made ready for this run: an earlier run refused, cleared (``overwrite``) or checked and
     renamed to this run's input names (``resume``); killed writers' files removed; the folder, if it exists,
-    held by this run. Returns the earlier run's header (or None) and its records."""
-    check_fresh(out_dir, options.resume, options.overwrite)
+    held by this run (its preflight refused an earlier run's without resume or overwrite). Returns the earlier
+    run's header (or None) and its records."""
     if out_dir.is_dir():
         lock.take()
     if process.rank == 0:

@@ -30,6 +30,7 @@ from ..tasks.registry import words_task_of
 from .inputs import Input
 from .manifest import ResumeError, check_settings, header
 from .ownership import FolderLock
+from .preflight import Prepared, prepare
 
 MANIFEST = "manifest.words.jsonl"
 STRIP_COLUMNS = 6  # words per row of the strip figure
@@ -45,7 +46,7 @@ def words_settings(spec: TextImageSpec, request: WordsRequest, weights: str) -> 
 
 def explain_words(
     spec: TextImageSpec,
-    inputs: Sequence[Input],
+    inputs: Sequence[Input] | Prepared,
     out: Path,
     request: WordsRequest,
     report: Callable[[dict[str, Any]], None],
@@ -56,6 +57,9 @@ def explain_words(
     """Explain each image not finished before, write its files and its record; an image that fails gets its error
     in its record, and the others go on. The output folder is held for the run.
 
+    ``inputs``: the images, or the run the caller prepared (:func:`explain.export.preflight.prepare`, with
+    :func:`check_words_fresh`).
+
     Returns:
         Each image's record, in order (those of an earlier run kept as they were), and how many were skipped.
 
@@ -64,8 +68,9 @@ def explain_words(
             the run to resume had other settings.
         LayerError: The request's layer is not one of the model's.
     """
-    manifest = out / MANIFEST
-    check_words_fresh(out, resume, overwrite)
+    if not isinstance(inputs, Prepared):
+        inputs = prepare(inputs, out, resume, overwrite, fresh=check_words_fresh)
+    inputs, manifest = inputs.inputs, out / MANIFEST
     head, lock = header(settings), FolderLock(out)
     try:
         if out.is_dir():  # else taken at the first write: a run refused at its first image leaves no folder
