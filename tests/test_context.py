@@ -394,3 +394,31 @@ def test_a_candidate_changed_in_place_is_not_read_from_the_traced_forward() -> N
     assert first.layer == "last"
     given = explain.GradCAM(copy.deepcopy(model), "last")(x, 2, normalize=False)
     torch.testing.assert_close(first.cams, given.cams)
+
+
+def test_forget_leaves_no_entry_anywhere_and_a_dropped_model_is_freed() -> None:
+    """What a recorder finds (a layer the model modifies in place, a layer computed from another target layer) and
+    how far a YOLO head reads live in the model's context alone: forget clears them, and the model, let go, is
+    freed with them."""
+    from conftest import seeded
+    from test_yolo import detecting
+
+    from explain.core import hooks, windows
+    from explain.core.context import context_of
+
+    assert not any(hasattr(module, name) for module in (hooks, windows)
+                   for name in ("_MODIFIED_IN_PLACE", "_DOWNSTREAM", "_REACHES"))  # fmt: skip
+    resnet, x = seeded("resnet18", num_classes=4), torch.randn(1, 3, 64, 64)
+    explain.gradcam(resnet, x, ["layer3", "layer4.1.bn2"])  # bn2: out += identity after it, and it follows layer3
+    learned = context_of(resnet)
+    assert resnet.layer4[1].bn2 in learned.modified_in_place and resnet.layer4[1].bn2 in learned.downstream
+    yolo = detecting("yolo11n.yaml")
+    explain.gradcam(yolo, torch.rand(1, 3, 64, 64), target=explain.targets.DetectionTarget(score_threshold=0.3))
+    assert len(context_of(yolo).reaches) > 0
+    for model in (resnet, yolo):
+        explain.forget(model)
+        assert not knows(model) and not context_of(model).holds()
+    gone = [weakref.ref(resnet), weakref.ref(yolo)]
+    del resnet, yolo, learned, model
+    gc.collect()
+    assert all(ref() is None for ref in gone)

@@ -28,7 +28,7 @@ def test_path_chosen_and_result_matches_reference(name: str, layer: str, module_
     x = torch.randn(2, 3, 64, 64)
     cam = explain.GradCAM(model, layer)
     result = cam(x, [1, 8], resize=False, normalize=False)
-    assert uses_tensor_hook(model.get_submodule(layer)) is (not module_hook_works)
+    assert uses_tensor_hook(model, model.get_submodule(layer)) is (not module_hook_works)
     expected = reference_gradcam(model, x, layer, [1, 8])
     assert (result.raw.double() - expected).abs().max().item() <= 1e-5
     assert hook_count(model) == 0

@@ -1,7 +1,9 @@
-"""What explain learns about a model, in one object per model: :class:`ModelContext`.
+"""What explain learns about a model, in one object per model: :class:`ModelContext`. Nothing learned lives
+elsewhere: :func:`forget` clears it all.
 
 A call learns facts that later calls reuse: the layers' trace at an input signature, the automatic layers for
-a kind of target, the folded copy for scoring forwards, how far a head's branches read. Each lives in the model's
+a kind of target, the folded copy for scoring forwards, how far a head's branches read, which layers' outputs the
+model modifies in place or computes from another target layer. Each lives in the model's
 context under a key that holds everything that decides it:
 
 - the **structure** of the model, checked once per call (on entering
@@ -45,7 +47,12 @@ class ModelContext:
         sequences: The modules whose output is a sequence (N, T, C), read without a trace, by input signature.
         automatic: The automatic layers' names, by input signature and target kind.
         folded: The folded copy for scoring forwards (see :mod:`explain.core.folding`), or None.
-        reaches: How far a local module reads its input, by module and input signature.
+        reaches: How far a local module reads its input, by module, then by input signature (see
+            :func:`explain.core.windows.reach`).
+        modified_in_place: The modules whose output the model modifies in place, found by earlier calls: their
+            recorders start on the tensor-hook path (see :class:`explain.core.hooks.ActivationGradientRecorder`).
+        downstream: The target modules found computed from another target module's output: their gradient is
+            caught by a tensor hook.
         families: The model families whose passes spare part of the backward (see :mod:`explain.core.families`),
             or None until asked.
     """
@@ -57,7 +64,11 @@ class ModelContext:
     sequences: dict[Hashable, set[str]] = field(default_factory=dict)
     automatic: dict[Hashable, list[str]] = field(default_factory=dict)
     folded: Any = None
-    reaches: dict[Hashable, Any] = field(default_factory=dict)
+    reaches: weakref.WeakKeyDictionary[nn.Module, dict[Hashable, Any]] = field(
+        default_factory=weakref.WeakKeyDictionary
+    )
+    modified_in_place: weakref.WeakSet[nn.Module] = field(default_factory=weakref.WeakSet)
+    downstream: weakref.WeakSet[nn.Module] = field(default_factory=weakref.WeakSet)
     families: tuple[Any, ...] | None = None
 
     def clear(self) -> None:
@@ -69,7 +80,14 @@ class ModelContext:
         self.automatic.clear()
         self.folded = None
         self.reaches.clear()
+        self.modified_in_place.clear()
+        self.downstream.clear()
         self.families = None
+
+    def holds(self) -> bool:
+        """Whether anything is learned (the structure it was learned on aside)."""
+        kept = (self.traces, self.layouts, self.sequences, self.automatic, self.reaches, self.modified_in_place)
+        return any(len(entries) for entries in (*kept, self.downstream)) or self.folded is not None
 
 
 _CONTEXTS: weakref.WeakKeyDictionary[nn.Module, ModelContext] = weakref.WeakKeyDictionary()
@@ -127,10 +145,11 @@ def forget(model: nn.Module) -> None:
 
 
 def knows(model: nn.Module) -> bool:
-    """Whether explain holds anything learned about the model (a trace, automatic layers, a folded copy)."""
+    """Whether explain holds anything learned about the model (a trace, automatic layers, a folded copy, a
+    module's reach or output path)."""
     with _GUARD:
         found = _CONTEXTS.get(model)
-    return found is not None and bool(found.traces or found.layouts or found.automatic or found.folded)
+    return found is not None and found.holds()
 
 
 def _signature(value: Any) -> Hashable:

@@ -26,7 +26,7 @@ from .hooks import ActivationGradientRecorder
 from .layers import LayerSpec, auto_layers, resolve_layer
 from .layouts import Geometry, Layout, Reshape
 from .maps import has_nonzero, normalize_maps, postprocess, principal_projection, upsample
-from .model_state import exclusive, untouched
+from .model_state import exclusive, model_context, untouched
 from .result import CAMResult, make_result
 from .runner import INPUT, Capture, Needs, PassRunner
 from .watch import PassLayouts
@@ -189,7 +189,8 @@ class CAM:
 
     def recorder(self, modules: Mapping[str, nn.Module]) -> ActivationGradientRecorder:
         """What records the target layers' outputs and gradients in a pass (see :mod:`explain.core.hooks`)."""
-        return ActivationGradientRecorder(modules, gradients=self.needs.gradients)
+        learned = model_context(self.model)
+        return ActivationGradientRecorder(modules, gradients=self.needs.gradients, learned=learned)
 
     def weights(self, capture: Capture) -> Tensor:
         """Channel weights (N, C)."""

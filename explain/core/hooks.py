@@ -23,7 +23,6 @@ two layers whenever the score reaches the earlier layer alone.
 from __future__ import annotations
 
 import copy
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
@@ -35,16 +34,11 @@ from torch.utils.hooks import RemovableHandle
 
 from ..errors import LayerError
 from ..warning_filters import warning_filter
+from .context import ModelContext
+from .model_state import model_context
 
 _INPLACE_CLASH = "BackwardHookFunction"  # in PyTorch's error for an in-place change of the output
 
-# Modules whose output their model modifies in place, found by earlier calls: their
-# recorders start on the tensor-hook path and skip the failing first forward.
-_MODIFIED_IN_PLACE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-# Target modules found computed from another target module's output (a detector's finer pyramid level feeds the
-# coarser ones): their gradient is caught by a tensor hook from then on. A full-backward hook would hand a zero
-# gradient back through all that lies between the two layers whenever the score reaches the first layer alone.
-_DOWNSTREAM: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def layer_entry(name: str) -> tuple[str, str | None]:
@@ -129,9 +123,9 @@ class Hooks:
             self._handles.pop().remove()
 
 
-def uses_tensor_hook(module: nn.Module) -> bool:
+def uses_tensor_hook(model: nn.Module, module: nn.Module) -> bool:
     """Whether an earlier call found that the model modifies this module's output in place."""
-    return module in _MODIFIED_IN_PLACE
+    return module in model_context(model).modified_in_place
 
 
 class ActivationGradientRecorder:
@@ -143,6 +137,12 @@ class ActivationGradientRecorder:
             for modules that earlier calls found modified in place.
         gradients: Whether gradients will be asked for; without them the recorder
             only keeps the activations and leaves the forward pass as it is.
+        learned: The model's context, where what the recorder finds is kept for later calls: the modules whose
+            output the model modifies in place (their recorders start on the tensor-hook path and skip the
+            failing first forward), and those computed from another target module's output (a detector's finer
+            pyramid level feeds the coarser ones: their gradient is caught by a tensor hook from then on, as a
+            full-backward hook would hand a zero gradient back through all that lies between the two layers
+            whenever the score reaches the first layer alone). None: kept for this recorder only.
 
     Attributes:
         activations: Each layer's output of the last forward pass, by name.
@@ -151,12 +151,17 @@ class ActivationGradientRecorder:
     """
 
     def __init__(
-        self, modules: Mapping[str, nn.Module], tensor_hook: bool | None = None, gradients: bool = True
+        self,
+        modules: Mapping[str, nn.Module],
+        tensor_hook: bool | None = None,
+        gradients: bool = True,
+        learned: ModelContext | None = None,
     ) -> None:
         self.modules = dict(modules)
         self.record_gradients = gradients
+        self.learned = ModelContext() if learned is None else learned
         if tensor_hook is None:
-            tensor_hook = any(uses_tensor_hook(module) for module in self.modules.values())
+            tensor_hook = any(module in self.learned.modified_in_place for module in self.modules.values())
         self.tensor_hook = tensor_hook
         self.activations: dict[str, Tensor] = {}
         self.gradients: dict[str, Tensor] = {}
@@ -174,7 +179,7 @@ class ActivationGradientRecorder:
     def _tensor_hooked(self, name: str) -> bool:
         """Whether a layer's gradient is caught by a tensor hook: always for an entry of a dict or list output, and
         for a layer that an earlier pass found computed from another target layer."""
-        return self.tensor_hook or layer_entry(name)[1] is not None or self.modules[name] in _DOWNSTREAM
+        return self.tensor_hook or layer_entry(name)[1] is not None or self.modules[name] in self.learned.downstream
 
     def _register(self) -> None:
         try:
@@ -212,7 +217,7 @@ class ActivationGradientRecorder:
         # An output that already requires grad lies downstream of another target layer of this
         # recorder: it stays in the graph, so that layer's gradient can flow through it.
         if output.requires_grad and not self.tensor_hook:  # on the tensor-hook path already, it changes nothing
-            _DOWNSTREAM.add(self.modules[name])
+            self.learned.downstream.add(self.modules[name])
         leaf = output if output.requires_grad else output.detach().requires_grad_(True)
         self.activations[name] = leaf.detach()
         self._leaves[name] = leaf
@@ -245,7 +250,8 @@ class ActivationGradientRecorder:
                 raise
         self._hooks.remove()
         self.tensor_hook = True
-        _MODIFIED_IN_PLACE.update(self.modules.values())
+        for module in self.modules.values():
+            self.learned.modified_in_place.add(module)
         self._register()
         return self._forward_once(model, x)
 

@@ -41,7 +41,7 @@ from .layers import (
 )
 from .layouts import Geometry, Layout, Reshape
 from .maps import INTERPOLATION, Canvas, covered, has_nonzero, normalize_maps, upsample
-from .model_state import running
+from .model_state import model_context, running
 from .watch import PassLayouts
 
 AUG_SCALES = (0.9, 1.0, 1.1)
@@ -437,7 +437,8 @@ class PassRunner:
         hooked = {name: module for name, module in self.layers if module is not None}
         known = PassLayouts(self.model, x, model_kwargs, hooked if method.reshape is None else ())
         if self.search is not None:  # the candidates, one computed from another, by tensor hooks
-            recording = ActivationGradientRecorder(hooked, tensor_hook=True, gradients=needs.gradients)
+            learned = model_context(self.model)
+            recording = ActivationGradientRecorder(hooked, tensor_hook=True, gradients=needs.gradients, learned=learned)
         else:
             recording = method.recorder(hooked)
         if needs.input_gradient:  # the whole network is recorded, for the gradient at the input

@@ -22,8 +22,7 @@ positions the gradient does not reach add nothing.
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, MutableMapping
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -34,18 +33,17 @@ from torch import Tensor, nn
 from .fields import FieldTrace
 from .hooks import Hooks
 from .maps import bounding_boxes, has_nonzero
+from .model_state import model_context
 
-_REACHES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], tuple[int, ...] | None]] = (
-    weakref.WeakKeyDictionary()
-)
+Reaches = MutableMapping[nn.Module, dict[Any, Any]]  # how far each local module reads, by input: the context's
 
 
-def reach(module: nn.Module, x: Tensor) -> tuple[int, ...] | None:
+def reach(module: nn.Module, x: Tensor, reaches: Reaches | None = None) -> tuple[int, ...] | None:
     """How far, along each spatial axis of ``x`` (N, C, *spatial), an output position of ``module`` reads its
-    input; None when the module is not local (see the module's docstring). Traced once per module, input shape
-    and training flags, on the first image."""
+    input; None when the module is not local (see the module's docstring). Traced on the first image, once per
+    module, input shape and training flags where ``reaches`` (the model's context's) keeps what is found."""
     key = (tuple(x.shape[1:]), x.dtype, x.device, tuple(m.training for m in module.modules()))
-    known = _REACHES.setdefault(module, {})
+    known = {} if reaches is None else reaches.setdefault(module, {})
     if key not in known:
         probe = x[:1].detach()
         with torch.no_grad(), FieldTrace(probe) as trace:
@@ -100,14 +98,19 @@ def _window(reached: Tensor, reach: tuple[int, ...]) -> list[slice]:
     ]
 
 
-def _detached(inputs: dict[nn.Module, tuple[Tensor, tuple[int, ...]]], module: nn.Module, args: tuple[Any, ...]):
+def _detached(
+    inputs: dict[nn.Module, tuple[Tensor, tuple[int, ...]]],
+    reaches: Reaches,
+    module: nn.Module,
+    args: tuple[Any, ...],
+):
     """Forward pre-hook: a local module's input that requires grad is detached, and kept for its output's join."""
     x = args[0] if len(args) == 1 else None
     if not isinstance(x, Tensor) or not x.requires_grad or not torch.is_grad_enabled() or x.dim() < 3:
         return None
     if any(p.requires_grad for p in module.parameters()):
         return None
-    span = reach(module, x)
+    span = reach(module, x, reaches)
     if span is None:
         return None
     inputs[module] = (x, span)
@@ -139,10 +142,11 @@ def windowed_heads(model: nn.Module, skip: Collection[nn.Module] = ()) -> Iterat
     """
     heads = [head for head in getattr(model, "local_heads", ()) if set(skip).isdisjoint(head.modules())]
     inputs: dict[nn.Module, tuple[Tensor, tuple[int, ...]]] = {}
+    reaches = model_context(model).reaches
     try:
         with Hooks() as hooks:
             for head in heads:
-                hooks.forward_pre(head, partial(_detached, inputs))
+                hooks.forward_pre(head, partial(_detached, inputs, reaches))
                 hooks.forward(head, partial(_joined, inputs))
             yield
     finally:
