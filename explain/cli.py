@@ -474,8 +474,6 @@ def _check_sanity(spec: ModelSpec) -> None:
 
 # Options that have no meaning for a vision-language model's words, and why.
 NOT_FOR_WORDS = {
-    "gallery": "--gallery pages a heatmap export's targets; a vision-language run draws each image's words in "
-    "one strip (NAME.words.METHOD.png)",
     "keep_aspect": "--keep-aspect resizes for a model of a fixed input; a vision-language model's processor "
     "reads the image whole",
     "target": "--target names a class; a vision-language model's words are its answer's, or its --text",
@@ -490,6 +488,7 @@ NOT_FOR_WORDS = {
 def _explain_words(args: argparse.Namespace) -> int:
     """``--prompt``, ``--answer``, ``--text``: what a vision-language model says or sees in each image, word by
     word (see :mod:`explain.export.words`), its options checked as every task's are."""
+    from .export.gallery import PAGE
     from .export.run import weights_digest
     from .export.words import check_words_fresh, explain_words, words_settings
     from .models.text_image import load_text_image_model
@@ -524,6 +523,8 @@ def _explain_words(args: argparse.Namespace) -> int:
     failed = sum(1 for record in records if record["error"])
     if not args.quiet:
         print(f"written {len(records) - skipped - failed}, failed {failed}, skipped {skipped}")
+    if args.gallery or (args.out / PAGE).is_file():  # a gallery already there is kept current (a resumed run)
+        _write_gallery(args.out, args.quiet)
     return EXIT_SOME_FAILED if failed else EXIT_OK
 
 

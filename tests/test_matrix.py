@@ -158,8 +158,6 @@ REFUSED = {
     ("keypoint", "--topk"): "--keypoint explains a pose model's keypoints; drop --topk and --metrics",
     ("keypoint", "--metrics"): "--keypoint explains a pose model's keypoints; drop --topk and --metrics",
     ("signal", "--figure"): "--figure",
-    ("answer words", "--gallery"): "--gallery pages a heatmap export's targets",
-    ("prompts", "--gallery"): "--gallery pages a heatmap export's targets",
 }  # fmt: skip
 OPTIONS = {
     "--save-raw": ["--save-raw"],
@@ -195,8 +193,10 @@ def test_each_option_is_honoured_or_refused_in_one_line(kinds, name, option, tmp
     if option == "--figure":
         figures = [record["figure"]] if kind.words else [part["figure"] for part in parts]
         assert figures and all((out / figure).is_file() for figure in figures)
-    if option == "--gallery":
-        assert (out / "index.html").is_file()
+    if option == "--gallery":  # a card per target (a word, a prompt), its overlay's thumbnail beside it
+        page = (out / "index.html").read_text()
+        assert all(json.dumps(part.get("text") or part["class_name"]) in page for part in parts)
+        assert len(list((out / "thumbs").rglob("*.jpg"))) == len(parts)
     if option == "--method":
         assert record["method"] == "layercam"
     if option == "--topk":

@@ -427,7 +427,6 @@ def test_every_export_option_on_the_words_is_honoured_or_refused_in_one_line(lla
     assert "cannot resume a run with other settings" in capsys.readouterr().err
 
     refused = {
-        "--gallery": "--gallery pages a heatmap export's targets",
         "--topk 2": "--topk explains a classifier's top classes; ",
         "--metrics deletion": "--metrics explains a classifier's class; ",
         "--point 3,4": "--point and --box prompt a promptable segmenter (SAM); ",

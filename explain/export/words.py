@@ -28,11 +28,11 @@ from ..tasks.asked import slug
 from ..tasks.language import Word, WordsRequest
 from ..tasks.registry import words_task_of
 from .inputs import Input
-from .manifest import ResumeError, check_settings, header
+from .manifest import WORDS_MANIFEST, ResumeError, check_settings, header
 from .ownership import FolderLock
 from .preflight import Prepared, prepare
 
-MANIFEST = "manifest.words.jsonl"
+MANIFEST = WORDS_MANIFEST
 STRIP_COLUMNS = 6  # words per row of the strip figure
 
 
