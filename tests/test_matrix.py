@@ -1,6 +1,8 @@
-"""Every kind of output the command line explains, each with every export option: the option does what it says
-(its file exists, its record names it) or is refused in one line with exit status 2 and nothing written. None is
-silently ignored, none ends in a traceback. Small random models, one photo of each kind's, two for the resumes."""
+"""Every kind of output the command line explains (classes, segments, boxes, keypoints, oriented boxes, a depth
+region, a SAM mask, signals, volumes, clips, an answer's words, prompts, query boxes), each with every export
+option: the option does what it says (its file exists, its record names it) or is refused in one line with exit
+status 2 and nothing written. None is silently ignored, none ends in a traceback. Small random models, one input of
+each kind's, two for the resumes."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 import explain
 from conftest import random_detector, random_segmenter
-from test_volumes import signal_net
+from test_volumes import signal_net, volume_net
 from test_yolo import detecting
 
 UNIT = explain.models.Preprocessing(None, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
@@ -77,6 +79,20 @@ def oriented():
 
 def signal():
     return explain.ModelSpec(signal_net(), "signal-net", ["a", "b", "c"], explain.models.SignalPreprocessing())
+
+
+def volume():
+    return explain.ModelSpec(volume_net(), "volume-net", list("abcd"), explain.models.VolumePreprocessing())
+
+
+def clip():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv3d(3, 6, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv3d(6, 8, 3, stride=2, padding=1),
+        torch.nn.ReLU(), torch.nn.AdaptiveAvgPool3d(1), torch.nn.Flatten(), torch.nn.Linear(8, 3),
+    ).eval()
+    frames = explain.models.ClipPreprocessing(4, (32, 32), (32, 32), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    return explain.ModelSpec(model, "clip-net", ["a", "b", "c"], frames)
 '''
 
 
@@ -85,16 +101,34 @@ def kinds(tmp_path_factory) -> dict[str, Kind]:
     """Each kind's model, written where the command line reads it: a user's file, or a save_pretrained folder."""
     from test_regions import _glpn
     from test_sam import _sam
-    from test_vision_language import IMAGE, IMAGE_TOKEN, PATCH, WORDS, _tokenizer, tiny_contrastive, tiny_llava
+    from test_vision_language import (
+        IMAGE,
+        IMAGE_TOKEN,
+        PATCH,
+        WORDS,
+        _tokenizer,
+        tiny_contrastive,
+        tiny_llava,
+        tiny_owl,
+    )
+    from test_volumes import make_video
 
     root = tmp_path_factory.mktemp("matrix")
     code = root / "models.py"
     code.write_text(USER_FILE)
-    signals = []
+    signals, volumes, videos = [], [], []
+    generator = np.random.default_rng(0)
     for i in range(2):
         path = root / f"beat{i}.npy"
         np.save(path, np.stack([np.sin(np.arange(120) / (4 + i)), np.cos(np.arange(120) / 5)]).astype(np.float32))
         signals.append(path)
+        volumes.append(root / f"scan{i}.npy")
+        np.save(volumes[-1], generator.normal(size=(10, 16, 16)).astype(np.float32))
+        frames = np.zeros((8, 40, 48, 3), np.uint8)
+        for t in range(8):
+            frames[t, 8:24, 4 * t + i : 4 * t + i + 12] = (220, 180, 40)
+        videos.append(root / f"clip{i}.mkv")
+        make_video(videos[-1], frames, fps=8)
     torch.manual_seed(0)
     glpn, sam, llava, clip = root / "glpn", root / "sam", root / "llava", root / "clip"
     _glpn().save_pretrained(glpn)
@@ -110,6 +144,10 @@ def kinds(tmp_path_factory) -> dict[str, Kind]:
     vocabulary = ["<unk>", "<s>", "</s>", "<pad>", "a", "cat", "remote", "dog"] + [f"w{i}" for i in range(8, 50)]
     transformers.CLIPProcessor(image_processor=images, tokenizer=_tokenizer(vocabulary)).save_pretrained(clip)
     tiny_contrastive("clip").save_pretrained(clip)
+    owl = root / "owlv2"
+    owl_images = transformers.Owlv2ImageProcessor(size={"height": IMAGE, "width": IMAGE})
+    transformers.Owlv2Processor(image_processor=owl_images, tokenizer=_tokenizer(vocabulary)).save_pretrained(owl)
+    tiny_owl("owlv2").save_pretrained(owl)
     user = str(code)
     return {
         "class": Kind(("--model", f"{user}:classifier")),
@@ -120,6 +158,9 @@ def kinds(tmp_path_factory) -> dict[str, Kind]:
         "depth region": Kind(("--model", str(glpn), "--region", "100,50,300,200")),
         "SAM mask": Kind(("--model", str(sam), "--point", "200,150")),
         "signal": Kind(("--model", f"{user}:signal"), tuple(signals)),
+        "volume": Kind(("--model", f"{user}:volume"), tuple(volumes)),
+        "clip": Kind(("--model", f"{user}:clip"), tuple(videos)),
+        "query boxes": Kind(("--model", str(owl), "--text", "a cat, a dog", "--score-threshold", "0.4"), words=True),
         "answer words": Kind(
             ("--model", str(llava), "--prompt", "what is on the table?", "--max-new-tokens", "2"), words=True
         ),
@@ -152,9 +193,11 @@ def snapshot(out: Path) -> dict[Path, int]:
 # What a kind refuses, and the line that says why; every other option is honoured.
 REFUSED = {
     **{(kind, "--topk"): "--topk explains a classifier's top classes" for kind in (
-        "segment", "box", "oriented box", "depth region", "SAM mask", "answer words", "prompts")},
+        "segment", "box", "oriented box", "depth region", "SAM mask", "answer words", "prompts", "query boxes")},
     **{(kind, "--metrics"): "--metrics explains a classifier's class" for kind in (
-        "segment", "box", "oriented box", "depth region", "SAM mask", "answer words", "prompts")},
+        "segment", "box", "oriented box", "depth region", "SAM mask", "answer words", "prompts", "query boxes")},
+    ("volume", "--figure"): "--figure",
+    ("clip", "--figure"): "--figure",
     ("keypoint", "--topk"): "--keypoint explains a pose model's keypoints; drop --topk and --metrics",
     ("keypoint", "--metrics"): "--keypoint explains a pose model's keypoints; drop --topk and --metrics",
     ("signal", "--figure"): "--figure",
@@ -168,8 +211,8 @@ OPTIONS = {
     "--metrics": ["--metrics", "deletion"],
     "--device": ["--device", "cpu"],
 }
-KINDS = ("class", "segment", "box", "keypoint", "oriented box", "depth region", "SAM mask", "signal", "answer words",
-         "prompts")  # fmt: skip
+KINDS = ("class", "segment", "box", "keypoint", "oriented box", "depth region", "SAM mask", "signal", "volume", "clip",
+         "answer words", "prompts", "query boxes")  # fmt: skip
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))
