@@ -519,7 +519,9 @@ def _explain_words(args: argparse.Namespace) -> int:
     task.check_request(spec, request)
     report = partial(_print_words, out=args.out, quiet=args.quiet)
     settings = words_settings(spec, request, weights_digest(spec.model))
-    records, skipped = explain_words(spec, prepared, args.out, request, report, settings, args.resume, args.overwrite)
+    records, skipped = explain_words(
+        spec, prepared, args.out, request, report, settings, args.resume, args.overwrite, progress=not args.quiet
+    )
     failed = sum(1 for record in records if record["error"])
     if not args.quiet:
         print(f"written {len(records) - skipped - failed}, failed {failed}, skipped {skipped}")
@@ -529,16 +531,18 @@ def _explain_words(args: argparse.Namespace) -> int:
 
 
 def _print_words(record: dict[str, Any], out: Path, quiet: bool) -> None:
-    """One image's words, or its error, as the command reports them."""
+    """One image's words, or its error, as the command reports them (above the progress bar)."""
+    from tqdm import tqdm
+
     if record["error"]:
-        print(f"explain: error: {record['error']}", file=sys.stderr)
+        tqdm.write(f"explain: error: {record['error']}", file=sys.stderr)
     elif quiet:
         return
     elif record.get("note"):
-        print(f"{record['input']}: {record['note']}")
+        tqdm.write(f"{record['input']}: {record['note']}", file=sys.stdout)
     else:
         said = record.get("answer") or ", ".join(record.get("texts", ()))
-        print(f"{record['input']}: {said!r} layer={record['layer']} -> {out / record['figure']}")
+        tqdm.write(f"{record['input']}: {said!r} layer={record['layer']} -> {out / record['figure']}", file=sys.stdout)
 
 
 def _loaded(args: argparse.Namespace) -> ModelSpec:

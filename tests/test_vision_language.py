@@ -603,3 +603,16 @@ def test_a_detector_scoring_text_tokens_instead_of_queries_is_refused() -> None:
 
     with pytest.raises(explain.TargetError, match=r"logits score 256 text entries, not the 2 queries.*phrases="):
         explain.explain_queries(PerToken(), image(), torch.tensor([[1, 5], [1, 6]]), score_threshold=0.0)
+
+
+def test_a_words_run_launched_by_torchrun_is_refused_in_one_line(clip_folder, tmp_path, capsys, monkeypatch) -> None:
+    """The words of a vision-language run are one process's: each of torchrun's processes would write them all."""
+    from explain.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert main([str(CAT), "--model", str(clip_folder), "--text", "a cat", "-o", str(tmp_path / "no")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("explain")]
+    assert errors == ["explain: error: a vision-language run explains its images in one process: launch it without "
+                      "torchrun"]  # fmt: skip
+    assert not (tmp_path / "no").exists()

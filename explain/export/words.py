@@ -11,6 +11,7 @@ there, and rewrites nothing when none is left; a run stopped at any moment loses
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
+from tqdm import tqdm
 
 from ..errors import ExplainError, LayerError, NothingToExplain, first_line
 from ..io.atomic import write_atomically
@@ -27,6 +29,7 @@ from ..models.text_image import TextImageSpec
 from ..tasks.asked import slug
 from ..tasks.language import Word, WordsRequest
 from ..tasks.registry import words_task_of
+from .distributed import this_process
 from .inputs import Input
 from .manifest import WORDS_MANIFEST, ResumeError, check_settings, header
 from .ownership import FolderLock
@@ -53,12 +56,14 @@ def explain_words(
     settings: Mapping[str, Any],
     resume: bool = False,
     overwrite: bool = False,
+    progress: bool = False,
 ) -> tuple[list[dict[str, Any]], int]:
     """Explain each image not finished before, write its files and its record; an image that fails gets its error
     in its record, and the others go on. The output folder is held for the run.
 
     ``inputs``: the images, or the run the caller prepared (:func:`explain.export.preflight.prepare`, with
-    :func:`check_words_fresh`).
+    :func:`check_words_fresh`). ``progress``: a progress bar on stderr (where it is a terminal). The run is one
+    process's: a ``torchrun`` launch is refused.
 
     Returns:
         Each image's record, in order (those of an earlier run kept as they were), and how many were skipped.
@@ -68,6 +73,8 @@ def explain_words(
             the run to resume had other settings.
         LayerError: The request's layer is not one of the model's.
     """
+    if this_process().world > 1:
+        raise ExplainError("a vision-language run explains its images in one process: launch it without torchrun")
     if not isinstance(inputs, Prepared):
         inputs = prepare(inputs, out, resume, overwrite, fresh=check_words_fresh)
     inputs, manifest = inputs.inputs, out / MANIFEST
@@ -80,7 +87,7 @@ def explain_words(
         done = {r["input"]: r for r in kept if r["error"] is None and _whole(out, r)}
         todo = [item for item in inputs if item.name not in done]
         records = [r for r in kept if r["input"] in done]
-        for item in todo:
+        for item in tqdm(todo, unit="image", disable=None if progress else True, file=sys.stderr):
             found = _recorded(spec, item, out, request, lock)
             records.append(found)
             _write(manifest, [head, *records])
