@@ -27,6 +27,7 @@ from .layouts import Geometry, grids_recorded
 from .maps import Canvas
 from .model_state import model_context, modules_of
 from .rows import has_sequence_layers, reached_rows
+from .speedups import enabled
 from .windows import has_local_heads, windowed_heads
 
 
@@ -50,24 +51,33 @@ class Family:
 
     Attributes:
         name: What the family is.
+        speedup: The switch of its partial backward (see :mod:`explain.core.speedups`).
         member: Whether a model belongs to it, from what the model holds.
         context: The context around one pass of a member, from the model and the pass's scope.
     """
 
     name: str
+    speedup: str
     member: Callable[[nn.Module, list[nn.Module]], bool]
     context: Callable[[nn.Module, PassScope], AbstractContextManager[Any]]
 
 
 FAMILIES = (
-    Family("torchvision R-CNN", lambda model, modules: is_rcnn(model), lambda model, scope: sparse_box_heads(model)),
+    Family(
+        "torchvision R-CNN",
+        "box_heads",
+        lambda model, modules: is_rcnn(model),
+        lambda model, scope: sparse_box_heads(model),
+    ),
     Family(
         "local heads (YOLO)",
+        "windows",
         lambda model, modules: has_local_heads(model),
         lambda model, scope: windowed_heads(model, skip=scope.hooked),
     ),
     Family(
         "sequences (transformers)",
+        "rows",
         lambda model, modules: has_sequence_layers(modules),
         lambda model, scope: reached_rows(model, skip=scope.hooked, sequences=scope.sequences),
     ),
@@ -85,11 +95,12 @@ def families_of(model: nn.Module) -> tuple[Family, ...]:
 
 @contextmanager
 def partial_backward(model: nn.Module, scope: PassScope) -> Iterator[None]:
-    """For the block (one pass), each of the model's families differentiates its part only where the score
-    reaches."""
+    """For the block (one pass), each of the model's families whose speedup is on differentiates its part only
+    where the score reaches."""
     with ExitStack() as stack:
         for family in families_of(model):
-            stack.enter_context(family.context(model, scope))
+            if enabled(family.speedup):
+                stack.enter_context(family.context(model, scope))
         yield
 
 

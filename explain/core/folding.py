@@ -29,6 +29,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from .context import context_of
 from .model_state import model_context
+from .speedups import enabled
 
 # Subclasses of BatchNorm2d whose forward is act(drop(batch_norm(x))): what remains of them once folded.
 _NORM_ACT: set[type[nn.BatchNorm2d]] = set()
@@ -161,8 +162,9 @@ class ScoringForwards:
 
     def __init__(self, model: nn.Module, device: torch.device, fold: bool = True) -> None:
         self.model = model
-        self.channels_last = device.type == "cpu"
-        if self.channels_last and fold and not any(_blocks_folding(m) for m in model.modules()):
+        self.channels_last = device.type == "cpu" and enabled("channels_last")
+        cpu, folds = device.type == "cpu", fold and enabled("folding")
+        if cpu and folds and not any(_blocks_folding(m) for m in model.modules()):
             self.model = folded_copy(model) or model
 
     def __call__(self, inputs: Tensor, **model_kwargs: Any) -> Any:

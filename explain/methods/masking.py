@@ -32,6 +32,7 @@ from ..core.layers import LayerSpec
 from ..core.maps import INTERPOLATION, bounding_boxes, postprocess
 from ..core.model_state import running
 from ..core.prefix import SharedPrefix
+from ..core.speedups import enabled
 from ..errors import ExplainError
 
 
@@ -104,7 +105,10 @@ class MaskedCopies(CAM):
         x = capture.x
         forwards = capture.once("scoring", lambda: ScoringForwards(self.model, x.device))
         with torch.no_grad(), running(self.model):
-            plan = shared_prefix_plan(forwards, x, self.baseline, images, keep, self.batch_size, capture.model_kwargs)
+            plan = None
+            if enabled("prefix"):
+                kwargs = capture.model_kwargs
+                plan = shared_prefix_plan(forwards, x, self.baseline, images, keep, self.batch_size, kwargs)
             order = torch.arange(len(images), device=x.device) if plan is None else plan.order
             checked = False
             for start in range(0, len(order), self.batch_size):

@@ -1,0 +1,46 @@
+"""The engine's speedups: code that only makes a pass cheaper, never what a map means. Each piece is behind its own
+switch (:data:`SPEEDUPS`); with every one off, the engine computes the same maps by plain autograd and plain
+forwards (tested family by family in ``tests/test_speedups.py``).
+
+``EXPLAIN_SPEEDUPS`` in the environment sets them for every call: ``0`` switches all off, ``1`` (or unset) all on,
+and a comma-separated list of names keeps those alone on (``EXPLAIN_SPEEDUPS=rows,folding``). It is read at each
+pass, so a test or a user may change it between calls.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ...errors import ExplainError
+
+SPEEDUPS = {
+    "rows": "a sequence model's position-wise layers and attention differentiated at the rows a score reaches "
+    "(explain.core.rows)",
+    "windows": "a YOLO head's local branches differentiated over the windows a detection reads "
+    "(explain.core.windows)",
+    "box_heads": "an R-CNN's box head differentiated at its kept detections alone (explain.core.detectors)",
+    "prefix": "masked copies scored through the local prefix they share with their image (explain.core.prefix)",
+    "folding": "scoring forwards through a copy with its batch norms folded (explain.core.folding)",
+    "channels_last": "scoring forwards on the CPU in channels-last memory (explain.core.folding)",
+}
+"""Each speedup's name and what it spares."""
+
+VARIABLE = "EXPLAIN_SPEEDUPS"
+
+
+def enabled(name: str) -> bool:
+    """Whether the speedup ``name`` (one of :data:`SPEEDUPS`) is on, as ``EXPLAIN_SPEEDUPS`` says.
+
+    Raises:
+        ExplainError: The variable names a speedup that does not exist.
+    """
+    value = os.environ.get(VARIABLE, "1").strip().lower()
+    if value in ("", "1", "on", "true", "all"):
+        return True
+    if value in ("0", "off", "false", "none"):
+        return False
+    chosen = {part.strip() for part in value.split(",") if part.strip()}
+    unknown = sorted(chosen - set(SPEEDUPS))
+    if unknown:
+        raise ExplainError(f"{VARIABLE}={value}: no speedup {unknown[0]!r}; the speedups are {', '.join(SPEEDUPS)}")
+    return name in chosen
