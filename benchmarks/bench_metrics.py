@@ -3,7 +3,8 @@ copies, ROAD against pytorch-grad-cam's ROAD classes (with the values compared, 
 
 Deletion and insertion: resnet50 (random weights, eval mode), 8 images of 224², 28 steps, ``batch_size`` 16. The
 baselines run forwards of as many copies (232), built beforehand, in chunks of 16 under ``no_grad``: the plain
-model, and the forwards explain itself runs (:class:`explain.core.folding.ScoringForwards`: on the CPU the batch
+model, and the forwards explain itself runs
+(:class:`explain.core.speedups.folding.ScoringForwards`: on the CPU the batch
 norms folded and the inputs channels last). ROAD: the bundled EfficientNet-Lite0 on the six photos in ``assets/``
 and two of them again (8 images), each photo's top class scored by its softmax probability, Grad-CAM's maps, the
 same removal fractions (explain's percentiles are the share removed, pytorch-grad-cam's the share kept); and a small
@@ -24,7 +25,7 @@ from timing import emit, interleaved_medians, stolen_share
 
 import explain
 from explain import metrics
-from explain.core.folding import ScoringForwards
+from explain.core.speedups.folding import ScoringForwards
 from explain.export.inputs import collect_inputs
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"

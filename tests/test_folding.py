@@ -10,8 +10,8 @@ from torch import nn
 
 import explain
 from explain import metrics
-from explain.core import folding
-from explain.core.folding import folded
+from explain.core.speedups import folding
+from explain.core.speedups.folding import folded
 from explain.methods import perturbation
 from explain.metrics import scoring
 

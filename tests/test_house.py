@@ -17,7 +17,7 @@ from torch import nn
 
 import explain
 from explain import metrics
-from explain.core import folding
+from explain.core.speedups import folding
 from explain.export.settings import ExportOptions, MethodSelection, RenderOptions
 from explain.metrics import scoring
 

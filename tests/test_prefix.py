@@ -11,8 +11,8 @@ from conftest import hook_count, seeded
 from torch import nn
 
 import explain
-from explain.core.folding import ScoringForwards
-from explain.core.prefix import SharedPrefix
+from explain.core.speedups.folding import ScoringForwards
+from explain.core.speedups.prefix import SharedPrefix
 
 captum = pytest.importorskip("captum.attr", reason="captum: a test dependency (pip install -e '.[test]')")
 

@@ -1,4 +1,5 @@
-"""Backward passes at the rows a score reaches (explain.core.rows): the gradients plain autograd gives, with the
+"""Backward passes at the rows a score reaches (explain.core.speedups.rows): the gradients plain autograd gives,
+with the
 rows a score does not reach left out of the recomputation."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from torch import nn
 
 import explain
 from explain.core.layers import traced_layers
-from explain.core.rows import reached_rows
+from explain.core.speedups.rows import reached_rows
 
 
 class Branching(nn.Module):
@@ -114,9 +115,11 @@ def test_class_token_vit_differentiates_its_last_block_at_the_class_token_alone(
     seen: list[int] = []
     spy_rows(fc1, seen)
     attended: list[list[int]] = []
-    recompute = explain.core.rows._attention_rows
+    recompute = explain.core.speedups.rows._attention_rows
     monkeypatch.setattr(
-        explain.core.rows, "_attention_rows", lambda m, x, rows: attended.append(rows.tolist()) or recompute(m, x, rows)
+        explain.core.speedups.rows,
+        "_attention_rows",
+        lambda m, x, rows: attended.append(rows.tolist()) or recompute(m, x, rows),
     )
     x = torch.randn(3, 3, 64, 64)
     traced_layers(model, x)  # the layouts' trace (one-image forwards, once per input shape) is not counted here

@@ -1,4 +1,5 @@
-"""Backward passes over the window of a map a score reaches (explain.core.windows): the gradients plain autograd
+"""Backward passes over the window of a map a score reaches (explain.core.speedups.windows): the gradients plain
+autograd
 gives, the reach read from the module's own operations, and modules that are not local left to autograd."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import torch
 from conftest import hook_count
 from torch import nn
 
-from explain.core.windows import reach, windowed_heads
+from explain.core.speedups.windows import reach, windowed_heads
 
 
 class Branch(nn.Module):

@@ -145,7 +145,7 @@ def test_head_branches_are_differentiated_over_the_reached_window_and_the_gradie
     levels behind them are not differentiated; the gradients are those of the plain Ultralytics model,
     differentiated whole."""
     from explain.core.model_state import frozen_parameters
-    from explain.core.windows import windowed_heads
+    from explain.core.speedups.windows import windowed_heads
 
     x = image().requires_grad_(True)  # the whole network in the graph, the parameters frozen as in a call
     levels = [f"model.model.{index}" for index in detector.model.model[-1].f]

@@ -46,9 +46,9 @@ class ModelContext:
         layouts: The layouts of given layers read without a trace, by input signature and layer name.
         sequences: The modules whose output is a sequence (N, T, C), read without a trace, by input signature.
         automatic: The automatic layers' names, by input signature and target kind.
-        folded: The folded copy for scoring forwards (see :mod:`explain.core.folding`), or None.
+        folded: The folded copy for scoring forwards (see :mod:`explain.core.speedups.folding`), or None.
         reaches: How far a local module reads its input, by module, then by input signature (see
-            :func:`explain.core.windows.reach`).
+            :func:`explain.core.speedups.windows.reach`).
         modified_in_place: The modules whose output the model modifies in place, found by earlier calls: their
             recorders start on the tensor-hook path (see :class:`explain.core.hooks.ActivationGradientRecorder`).
         downstream: The target modules found computed from another target module's output: their gradient is

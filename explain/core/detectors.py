@@ -27,7 +27,7 @@ from ..errors import LayerError
 from .hooks import Hooks
 from .maps import Canvas
 from .model_state import modules_of
-from .rows import RowsRecomputed
+from .speedups.rows import RowsRecomputed
 
 
 @contextmanager
@@ -121,7 +121,8 @@ def sparse_box_heads(model: nn.Module) -> Iterator[None]:
     autograd graph over its thousand proposals. Each kept detection is then traced to the
     proposal it was decoded from (the same decode, softmax and clipping as torchvision's
     ``postprocess_detections``, compared exactly), and its boxes and scores are returned as
-    they are, joined to the features by :class:`explain.core.rows.RowsRecomputed`, whose backward recomputes, with
+    they are, joined to the features by :class:`explain.core.speedups.rows.RowsRecomputed`, whose backward
+    recomputes, with
     autograd, only the rows whose gradient is asked for: RoI pooling, box head, predictor,
     softmax and box decoding of that one proposal. The values are torchvision's, and so is
     their gradient, since a row of the head depends on its own proposal alone (torchvision

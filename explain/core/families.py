@@ -7,8 +7,9 @@ Two kinds:
   both (:func:`picture_recorded`), so that its maps are laid out on the grid and brought back onto the image.
 - **Where the backward can be spared.** The partial backwards of :data:`FAMILIES`: an R-CNN's kept detections
   through their own proposals (:func:`explain.core.detectors.sparse_box_heads`), a YOLO head's local branches
-  over the windows a detection reads (:func:`explain.core.windows.windowed_heads`), a sequence model's
-  position-wise layers and attention at the rows a score reaches (:func:`explain.core.rows.reached_rows`). Which
+  over the windows a detection reads (:func:`explain.core.speedups.windows.windowed_heads`), a sequence model's
+  position-wise layers and attention at the rows a score reaches
+  (:func:`explain.core.speedups.rows.reached_rows`). Which
   families a model belongs to is asked once per model structure and kept in its context
   (:mod:`explain.core.context`); a pass enters only those.
 """
@@ -26,9 +27,9 @@ from .detectors import canvas_recorded, is_rcnn, sparse_box_heads
 from .layouts import Geometry, grids_recorded
 from .maps import Canvas
 from .model_state import model_context, modules_of
-from .rows import has_sequence_layers, reached_rows
 from .speedups import enabled
-from .windows import has_local_heads, windowed_heads
+from .speedups.rows import has_sequence_layers, reached_rows
+from .speedups.windows import has_local_heads, windowed_heads
 
 
 @dataclass(frozen=True)

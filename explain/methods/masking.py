@@ -3,10 +3,10 @@ random masks, at the input's resolution.
 
 A mask keeps the input where it is 1 and puts the baseline where it is 0. The copies of every image under every
 mask are scored ``batch_size`` per forward under ``torch.no_grad()`` (on the CPU by a copy of the model with its batch
-norms folded, channels-last: :class:`explain.core.folding.ScoringForwards`), with the call's bound target
+norms folded, channels-last: :class:`explain.core.speedups.folding.ScoringForwards`), with the call's bound target
 (:class:`MaskedCopies`, which the superpixel methods share). A copy that differs from its image, or from the
 all-baseline input, only inside a small box (an occluded window, an ablated segment, a coalition of one segment)
-shares that input's local prefix (:mod:`explain.core.prefix`); the boxes are read from the masks. Each method's
+shares that input's local prefix (:mod:`explain.core.speedups.prefix`); the boxes are read from the masks. Each method's
 formula weighs each mask's region by the score and normalizes the sum.
 ``raw`` keeps the signed attribution; the map is its positive part, normalized.
 """
@@ -26,18 +26,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.engine import CAM, Capture, Needs
-from ..core.fields import per_axis
-from ..core.folding import ScoringForwards
 from ..core.layers import LayerSpec
 from ..core.maps import INTERPOLATION, bounding_boxes, postprocess
 from ..core.model_state import running
-from ..core.prefix import SharedPrefix
 from ..core.speedups import enabled
+from ..core.speedups.fields import per_axis
+from ..core.speedups.folding import ScoringForwards
+from ..core.speedups.prefix import SharedPrefix
 from ..errors import ExplainError
 
 
 def _positive_per_axis(value: int | Sequence[int], rank: int, what: str) -> tuple[int, ...]:
-    """One positive int per spatial axis (see :func:`explain.core.fields.per_axis`).
+    """One positive int per spatial axis (see :func:`explain.core.speedups.fields.per_axis`).
 
     Raises:
         ExplainError: Not one positive int, nor one per axis.
@@ -92,7 +92,7 @@ class MaskedCopies(CAM):
         """Score copy r of image ``images[r]`` under its mask, ``batch_size`` copies per forward.
 
         A copy that differs from its image, or from the all-baseline input, only inside a small box shares that
-        input's local prefix (:class:`explain.core.prefix.SharedPrefix`; see :func:`shared_prefix_plan`). Those
+        input's local prefix (:class:`explain.core.speedups.prefix.SharedPrefix`; see :func:`shared_prefix_plan`). Those
         copies are scored first, and the first forward through the prefix is checked against whole copies: a
         different score drops the prefix.
 
@@ -184,7 +184,7 @@ def shared_prefix_plan(
     inside the box around its mask's positions below 1, from the other inside the box around those above 0; the
     smaller box is its own. Candidate windows are the boxes of the smallest eighth, quarter, half, three quarters
     and all of the copies (their largest side per axis); the one whose fitting copies save the most of the
-    forward's work is chosen (:meth:`explain.core.prefix.SharedPrefix.saving`). None where none saves
+    forward's work is chosen (:meth:`explain.core.speedups.prefix.SharedPrefix.saving`). None where none saves
     :data:`MIN_WORTH` whole forwards.
     """
     spatial = torch.tensor(x.shape[2:], device=x.device)

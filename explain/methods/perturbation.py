@@ -10,7 +10,7 @@ the unablated score, so its weight is 0 without a forward.
 
 On the CPU the inputs are passed in channels-last layout, and Score-CAM's
 family, which perturbs only the input, scores with a copy of the model whose
-batch norms are folded into its convolutions (:class:`explain.core.folding.ScoringForwards`).
+batch norms are folded into its convolutions (:class:`explain.core.speedups.folding.ScoringForwards`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import torch
 from torch import Tensor
 
 from ..core.engine import CAM, Capture, Needs
-from ..core.folding import ScoringForwards
 from ..core.hooks import output_replaced
 from ..core.maps import has_nonzero, normalize_maps
 from ..core.model_state import running
+from ..core.speedups.folding import ScoringForwards
 from ..errors import LayerError
 
 

@@ -12,9 +12,9 @@ import torch
 from torch import Tensor, nn
 
 from ..core.engine import check_images
-from ..core.folding import ScoringForwards
 from ..core.maps import upsample
 from ..core.model_state import running, untouched
+from ..core.speedups.folding import ScoringForwards
 from ..errors import ExplainError, TargetError
 from ..targets import BoundTarget, ClassTarget, Target, TargetLike, TopK, as_target, bound_on
 
@@ -66,7 +66,7 @@ class Scorer:
         model: The model, run as it is (its mode kept) without autograd.
         x: The plain images, (N, C, H, W).
         score: What the scores are: ``"probability"``, ``"logit"`` or ``"target"`` (see :func:`scorer`).
-        forwards: Its forwards of the perturbed copies (:class:`explain.core.folding.ScoringForwards`).
+        forwards: Its forwards of the perturbed copies (:class:`explain.core.speedups.folding.ScoringForwards`).
         bound: The target bound on the plain images.
         original: The score of each plain image, (N,).
         batch_size: Most copies per forward.

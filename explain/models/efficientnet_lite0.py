@@ -17,7 +17,7 @@ import math
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.folding import norm_with_activation
+from ..core.speedups.folding import norm_with_activation
 
 # Per stage: expansion ratio, kernel size, stride of its first block, output channels, blocks.
 STAGES = (

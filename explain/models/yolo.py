@@ -83,7 +83,7 @@ class YoloDetector(nn.Module):
 
     The head's branches (each level's boxes, classes and mask coefficients) are its :attr:`local_heads`: during a
     call, each is differentiated only over the window of cells its gradient reaches
-    (:func:`explain.core.windows.windowed_heads`). One detection's score reaches one cell of one level's class
+    (:func:`explain.core.speedups.windows.windowed_heads`). One detection's score reaches one cell of one level's class
     branch: its backward recomputes that branch on the cell's receptive field and skips the other branches, and
     the neck behind them.
 

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..hooks import Hooks
+from ..maps import bounding_boxes, has_nonzero
+from ..model_state import model_context
 from .fields import FieldTrace
-from .hooks import Hooks
-from .maps import bounding_boxes, has_nonzero
-from .model_state import model_context
 
 Reaches = MutableMapping[nn.Module, dict[Any, Any]]  # how far each local module reads, by input: the context's
 

@@ -27,9 +27,9 @@ import torch
 from torch import Tensor, fx, nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
-from .context import context_of
-from .model_state import model_context
-from .speedups import enabled
+from ..context import context_of
+from ..model_state import model_context
+from . import enabled
 
 # Subclasses of BatchNorm2d whose forward is act(drop(batch_norm(x))): what remains of them once folded.
 _NORM_ACT: set[type[nn.BatchNorm2d]] = set()

@@ -26,9 +26,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .attention_capture import attention_kind
-from .hooks import Hooks
-from .maps import has_nonzero
+from ..attention_capture import attention_kind
+from ..hooks import Hooks
+from ..maps import has_nonzero
 
 
 class Recorded(NamedTuple):
