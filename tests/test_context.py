@@ -320,7 +320,9 @@ def test_a_models_families_are_asked_once_and_again_after_a_change(monkeypatch) 
 
     asked: list[str] = []
     watched = [
-        families.Family(f.name, lambda model, modules, f=f: asked.append(f.name) or f.member(model, modules), f.context)
+        families.Family(
+            f.name, f.speedup, lambda model, modules, f=f: asked.append(f.name) or f.member(model, modules), f.context
+        )
         for f in families.FAMILIES
     ]
     monkeypatch.setattr(families, "FAMILIES", tuple(watched))
@@ -403,8 +405,9 @@ def test_forget_leaves_no_entry_anywhere_and_a_dropped_model_is_freed() -> None:
     from conftest import seeded
     from test_yolo import detecting
 
-    from explain.core import hooks, windows
+    from explain.core import hooks
     from explain.core.context import context_of
+    from explain.core.speedups import windows
 
     assert not any(hasattr(module, name) for module in (hooks, windows)
                    for name in ("_MODIFIED_IN_PLACE", "_DOWNSTREAM", "_REACHES"))  # fmt: skip
