@@ -232,9 +232,8 @@ def _what_to_write(add: Callable[..., Any]) -> None:
         "--format",
         dest="fmt",
         choices=("jpg", "png"),
-        default="jpg",
         help="overlay and figure format: jpg (default; about 1.5 ms to encode a 640x480 overlay) or png (exact "
-        "pixels; about 25 ms); --save-raw keeps the exact maps",
+        "pixels; about 25 ms; a vision-language model's words' default); --save-raw keeps the exact maps",
     )
     add("--save-raw", action="store_true", help="also save the raw feature-resolution CAM as .npy")
     add("--figure", action="store_true", help="also save a figure: image, heatmap with colour bar, overlay")
@@ -324,7 +323,7 @@ def export_options(args: argparse.Namespace) -> ExportOptions:
             _numbers(args.box, 4, "--box"),
         ),
         batch_size=args.batch_size,
-        render=RenderOptions(args.fmt, args.alpha, args.colormap, args.figure, args.save_raw),
+        render=RenderOptions(args.fmt or "jpg", args.alpha, args.colormap, args.figure, args.save_raw),
         keep_aspect=args.keep_aspect or None,
         metrics=args.metrics or (),
         workers=args.workers,
@@ -453,6 +452,9 @@ def _run(args: argparse.Namespace) -> int:
         print(layer_table(spec, _probe(spec, args.layers)))
         return EXIT_OK
     _check_model(spec, options)
+    kind = spec.preprocessing.kind
+    if args.fmt is not None and kind != "image":
+        raise UsageError(f"--format sets the format of an image's overlays; {spec.name} writes each {kind}'s own files")
     if args.sanity_check:
         _check_sanity(spec)
         return _sanity_check(args, spec, inputs, options, device)
@@ -514,7 +516,8 @@ def _explain_words(args: argparse.Namespace) -> int:
         raise UsageError("--text holds no prompt: give them comma-separated, as --text 'a cat, a remote'")
     request = WordsRequest(
         args.prompt, args.answer, texts, args.max_new_tokens, args.method, args.alpha, args.colormap,
-        args.score_threshold, options.layer, args.save_raw, options.method_options,
+        args.score_threshold, options.layer, args.save_raw, options.methods.options_for(args.method, args.batch_size),
+        args.fmt or "png",
     )  # fmt: skip
     task.check_request(spec, request)
     report = partial(_print_words, out=args.out, quiet=args.quiet)

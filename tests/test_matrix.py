@@ -196,6 +196,7 @@ REFUSED = {
         "segment", "box", "oriented box", "depth region", "SAM mask", "answer words", "prompts", "query boxes")},
     **{(kind, "--metrics"): "--metrics explains a classifier's class" for kind in (
         "segment", "box", "oriented box", "depth region", "SAM mask", "answer words", "prompts", "query boxes")},
+    **{(kind, "--format"): "--format sets the format of an image's overlays" for kind in ("signal", "volume", "clip")},
     ("volume", "--figure"): "--figure",
     ("clip", "--figure"): "--figure",
     ("keypoint", "--topk"): "--keypoint explains a pose model's keypoints; drop --topk and --metrics",
@@ -210,6 +211,7 @@ OPTIONS = {
     "--topk": ["--topk", "2"],
     "--metrics": ["--metrics", "deletion"],
     "--device": ["--device", "cpu"],
+    "--format": ["--format", "png"],
 }
 KINDS = ("class", "segment", "box", "keypoint", "oriented box", "depth region", "SAM mask", "signal", "volume", "clip",
          "answer words", "prompts", "query boxes")  # fmt: skip
@@ -240,6 +242,8 @@ def test_each_option_is_honoured_or_refused_in_one_line(kinds, name, option, tmp
         page = (out / "index.html").read_text()
         assert all(json.dumps(part.get("text") or part["class_name"]) in page for part in parts)
         assert len(list((out / "thumbs").rglob("*.jpg"))) == len(parts)
+    if option == "--format":
+        assert all(name.endswith(".png") for name in named_files(record, kind) if not name.endswith(".npy"))
     if option == "--method":
         assert record["method"] == "layercam"
     if option == "--topk":

@@ -400,7 +400,8 @@ def test_every_export_option_on_the_words_is_honoured_or_refused_in_one_line(lla
     asked = [str(CAT), str(COFFEE), "--model", str(llava_folder), "--prompt", "what is on the table?",
              "--max-new-tokens", "2", "-o", str(out), "--quiet"]  # fmt: skip
     layer = "model.model.multi_modal_projector"
-    assert main([*asked, "--save-raw", "--layer", layer, "--method", "layercam", "--device", "cpu"]) == 0
+    assert main([*asked, "--save-raw", "--layer", layer, "--method", "layercam", "--device", "cpu", "--batch-size",
+                 "4"]) == 0  # fmt: skip
     records = _records(out)
     assert [r["layer"] for r in records] == [layer] * 2 and all(r["method"] == "layercam" for r in records)
     model = transformers.LlavaForConditionalGeneration.from_pretrained(llava_folder).eval()
@@ -412,7 +413,7 @@ def test_every_export_option_on_the_words_is_honoured_or_refused_in_one_line(lla
     assert raw.shape == tuple(found.maps.shape) and np.allclose(raw, found.maps.numpy(), atol=1e-5)
 
     written = {path: path.stat().st_mtime_ns for path in out.rglob("*") if path.is_file()}
-    again = [*asked[:-1], "--save-raw", "--layer", layer, "--method", "layercam", "--resume"]
+    again = [*asked[:-1], "--save-raw", "--layer", layer, "--method", "layercam", "--batch-size", "4", "--resume"]
     capsys.readouterr()
     assert main(again) == 0
     assert "written 0, failed 0, skipped 2" in capsys.readouterr().out
@@ -425,6 +426,11 @@ def test_every_export_option_on_the_words_is_honoured_or_refused_in_one_line(lla
     assert _records(out) == records
     assert main([*asked, "--method", "gradcam", "--resume"]) == 2  # other settings
     assert "cannot resume a run with other settings" in capsys.readouterr().err
+    jpegs = tmp_path / "jpegs"  # --format: the overlays and the strip
+    assert main([*asked[:-3], "-o", str(jpegs), "--quiet", "--format", "jpg"]) == 0
+    (first, _) = _records(jpegs)
+    assert all(Image.open(jpegs / name).format == "JPEG" for name in [first["figure"]] + [t["output"] for t in
+                                                                                       first["tokens"]])  # fmt: skip
 
     refused = {
         "--topk 2": "--topk explains a classifier's top classes; ",

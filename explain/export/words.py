@@ -44,7 +44,7 @@ def words_settings(spec: TextImageSpec, request: WordsRequest, weights: str) -> 
     asked = {key: getattr(request, key) for key in ("prompt", "answer", "max_new_tokens", "method", "score_threshold")}
     return {"model": spec.name, "weights_sha256": weights, **asked, "texts": list(request.texts),
             "layer": request.layer, "alpha": request.alpha, "colormap": request.colormap,
-            "save_raw": request.save_raw}  # fmt: skip
+            "save_raw": request.save_raw, "fmt": request.fmt}  # fmt: skip
 
 
 def explain_words(
@@ -162,11 +162,12 @@ def _written(
     relative = item.relative or Path(item.path.stem)
     tokens = []
     for i, word in enumerate(words):
-        name = relative.with_name(f"{relative.name}.{i:02d}.{slug(word.text) or 'token'}.{request.method}.png")
+        tag = f"{i:02d}.{slug(word.text) or 'token'}.{request.method}"
+        name = relative.with_name(f"{relative.name}.{tag}.{request.fmt}")
         save_image(drawn(image, word, request.alpha, request.colormap), out / name)
         entry = {"index": i, "text": word.text, "score": round(word.score, 6), "output": str(name)}
         tokens.append(entry if word.box is None else {**entry, "box": [round(v, 2) for v in word.box]})
-    strip = relative.with_name(f"{relative.name}.words.{request.method}.png")
+    strip = relative.with_name(f"{relative.name}.words.{request.method}.{request.fmt}")
     panels = {f"{i} {word.text}": word.cam for i, word in enumerate(words)}
     title = f"{item.path.name} · {request.method} · {record.get('answer') or ', '.join(request.texts)}"
     columns = min(STRIP_COLUMNS, len(panels) + 1)

@@ -41,6 +41,7 @@ class WordsRequest:
         layer: The layer (None: the automatic one).
         save_raw: Also write every word's map as ``.npy``.
         method_options: The method's options (``fuse``, ``smooth_samples``, ...; see :class:`explain.CAM`).
+        fmt: The overlays' and the strip's format: ``"png"`` or ``"jpg"``.
     """
 
     prompt: str | None
@@ -54,6 +55,7 @@ class WordsRequest:
     layer: str | Sequence[str] | None = None
     save_raw: bool = False
     method_options: Mapping[str, Any] = field(default_factory=dict)
+    fmt: str = "png"
 
 
 @dataclass(frozen=True)
