@@ -196,8 +196,8 @@ def _how_to_explain(add: Callable[..., Any]) -> None:
     add(
         "--score-threshold",
         type=float,
-        default=0.5,
-        help="a detector's least score of an explained detection, one overlay each (default 0.5)",
+        help="a detector's least score of an explained detection, one overlay each (default 0.5; an "
+        "open-vocabulary detector's 0.1); a model that is no detector refuses it",
     )
     add("--topk", type=int, help="write one overlay for each of the K top classes")
     add(
@@ -516,7 +516,8 @@ def _explain_words(args: argparse.Namespace) -> int:
         raise UsageError("--text holds no prompt: give them comma-separated, as --text 'a cat, a remote'")
     request = WordsRequest(
         args.prompt, args.answer, texts, args.max_new_tokens, args.method, args.alpha, args.colormap,
-        args.score_threshold, options.layer, args.save_raw, options.methods.options_for(args.method, args.batch_size),
+        WordsRequest.score_threshold if args.score_threshold is None else args.score_threshold, options.layer,
+        args.save_raw, options.methods.options_for(args.method, args.batch_size),
         args.fmt or "png",
     )  # fmt: skip
     task.check_request(spec, request)

@@ -197,6 +197,8 @@ REFUSED = {
     **{(kind, "--metrics"): "--metrics explains a classifier's class" for kind in (
         "segment", "box", "oriented box", "depth region", "SAM mask", "answer words", "prompts", "query boxes")},
     **{(kind, "--format"): "--format sets the format of an image's overlays" for kind in ("signal", "volume", "clip")},
+    **{(kind, "--score-threshold"): "--score-threshold sets a detector's least explained score" for kind in (
+        "class", "segment", "depth region", "SAM mask", "signal", "volume", "clip", "answer words", "prompts")},
     ("volume", "--figure"): "--figure",
     ("clip", "--figure"): "--figure",
     ("keypoint", "--topk"): "--keypoint explains a pose model's keypoints; drop --topk and --metrics",
@@ -212,6 +214,7 @@ OPTIONS = {
     "--metrics": ["--metrics", "deletion"],
     "--device": ["--device", "cpu"],
     "--format": ["--format", "png"],
+    "--score-threshold": ["--score-threshold", "0.3"],
 }
 KINDS = ("class", "segment", "box", "keypoint", "oriented box", "depth region", "SAM mask", "signal", "volume", "clip",
          "answer words", "prompts", "query boxes")  # fmt: skip
@@ -244,6 +247,8 @@ def test_each_option_is_honoured_or_refused_in_one_line(kinds, name, option, tmp
         assert len(list((out / "thumbs").rglob("*.jpg"))) == len(parts)
     if option == "--format":
         assert all(name.endswith(".png") for name in named_files(record, kind) if not name.endswith(".npy"))
+    if option == "--score-threshold":
+        assert all(part["score"] >= 0.3 for part in parts)
     if option == "--method":
         assert record["method"] == "layercam"
     if option == "--topk":

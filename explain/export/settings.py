@@ -118,7 +118,8 @@ class ExportOptions:
         target: A class index or name; what is explained follows from the model's task (see
             :meth:`explain.tasks.base.Task.target`).
         topk: A classifier's K top classes instead of one.
-        score_threshold: The least score of an explained detection.
+        score_threshold: The least score of an explained detection; None: the task's default (a detector takes
+            it, any other model refuses it).
         keypoint: A pose model's keypoint (a name such as ``left_wrist``, an index, or ``"all"``) explained for
             each detection instead of its box.
         prompt: A depth estimator's region or a promptable segmenter's prompt.
@@ -143,7 +144,7 @@ class ExportOptions:
     layer: LayerChoice = None
     target: int | str | None = None
     topk: int | None = None
-    score_threshold: float = 0.5
+    score_threshold: float | None = None
     keypoint: str | None = None
     prompt: Prompt = field(default_factory=Prompt)
     batch_size: int = 16
@@ -181,7 +182,7 @@ class ExportOptions:
             raise ExplainError("--topk must be at least 1")
         if self.batch_size < 1:
             raise ExplainError("--batch-size must be at least 1")
-        if not 0.0 <= self.score_threshold <= 1.0:
+        if self.score_threshold is not None and not 0.0 <= self.score_threshold <= 1.0:
             raise ExplainError("--score-threshold must be between 0 and 1")
         if self.workers is not None and self.workers < 0:
             raise ExplainError("--workers must be 0 or more")

@@ -10,6 +10,7 @@ from pathlib import Path
 from ..errors import ExplainError
 
 DIRECTIONS = ("larger", "smaller", "nearer", "farther")
+DETECTION_THRESHOLD = 0.5  # a detector's least score of an explained detection, where none is given
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,8 @@ class Asked:
     Attributes:
         target: A class index or name, or None (each task's default).
         topk: A classifier's K top classes instead of one.
-        score_threshold: The least score of an explained detection.
+        score_threshold: The least score of an explained detection; None: the task's default
+            (:data:`DETECTION_THRESHOLD`).
         keypoint: A pose model's keypoint (a name, an index, or ``"all"``), explained for each detection.
         prompt: A depth estimator's region or a promptable segmenter's prompt.
         metrics: The faithfulness metrics measured for each map.
@@ -69,7 +71,7 @@ class Asked:
 
     target: int | str | None = None
     topk: int | None = None
-    score_threshold: float = 0.5
+    score_threshold: float | None = None
     keypoint: str | None = None
     prompt: Prompt = field(default_factory=Prompt)
     metrics: tuple[str, ...] = ()
@@ -92,6 +94,9 @@ OPTIONS = {
     "topk": Option(lambda asked: asked.topk is not None, "--topk explains a classifier's top classes"),
     "metrics": Option(lambda asked: bool(asked.metrics), "--metrics explains a classifier's class"),
     "keypoint": Option(lambda asked: asked.keypoint is not None, "--keypoint explains a pose model's keypoints"),
+    "score_threshold": Option(
+        lambda asked: asked.score_threshold is not None, "--score-threshold sets a detector's least explained score"
+    ),
     "region": Option(lambda asked: asked.prompt.regional, "--region explains a depth estimator's region"),
     "prompt": Option(lambda asked: asked.prompt.prompting, "--point and --box prompt a promptable segmenter (SAM)"),
 }

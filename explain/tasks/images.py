@@ -28,10 +28,15 @@ from ..targets import (
     nearer_sign,
 )
 from ..targets.base import bound_on, read_output
-from .asked import Asked, Prompt, slug
+from .asked import DETECTION_THRESHOLD, Asked, Prompt, slug
 from .base import Task, Viewed
 
 BACKGROUND = "__background__"  # the name of class 0 of torchvision's segmenters and detectors
+
+
+def threshold(asked: Asked) -> float:
+    """The least score of an explained detection: the one asked, else :data:`DETECTION_THRESHOLD`."""
+    return DETECTION_THRESHOLD if asked.score_threshold is None else asked.score_threshold
 
 
 class Classification(Task):
@@ -84,12 +89,12 @@ class Detection(Task):
     """A detector's boxes: every detection scoring at least ``score_threshold`` (of class ``target``, if given)."""
 
     name, map_of = "detection", "box"
-    takes = frozenset({"keypoint"})
+    takes = frozenset({"keypoint", "score_threshold"})
     click_label = "Click a detection (or a pose's keypoint) to explain it"
     matched = DetectionTarget
 
     def target(self, spec: ModelSpec, asked: Asked) -> Target:
-        return self.matched(labels=asked.target, score_threshold=asked.score_threshold)
+        return self.matched(labels=asked.target, score_threshold=threshold(asked))
 
     def tag(self, k: int, class_name: str, method: str, topk: int | None) -> str:
         return f".{method}.box{k + 1}"
@@ -123,7 +128,7 @@ class Keypoints(Detection):
     def target(self, spec: ModelSpec, asked: Asked) -> Target:
         keypoint = asked.keypoint or "all"
         chosen = None if keypoint == "all" else int(keypoint) if keypoint.isdigit() else keypoint
-        return KeypointTarget(chosen, labels=asked.target, score_threshold=asked.score_threshold)
+        return KeypointTarget(chosen, labels=asked.target, score_threshold=threshold(asked))
 
     def tag(self, k: int, class_name: str, method: str, topk: int | None) -> str:
         return f".{method}.kp{k + 1}.{slug(class_name)}"

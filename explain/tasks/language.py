@@ -170,6 +170,7 @@ class Queries(WordsTask):
     """Each box an open-vocabulary detector (OWL-ViT, OWLv2, Grounding DINO) finds for text queries."""
 
     name, map_of, does, asks = "queries", "box of a text query", "detects text queries", "--text 'a cat, a remote'"
+    takes = frozenset({"score_threshold"})
 
     def words(
         self, spec: TextImageSpec, image: Image.Image, request: WordsRequest
