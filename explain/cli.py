@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from .models import ModelSpec
+    from .tasks.base import Task
 
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -451,27 +452,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.layers is not None:
         print(layer_table(spec, _probe(spec, args.layers)))
         return EXIT_OK
-    _check_model(spec, options)
+    task = _check_model(spec, options)
     kind = spec.preprocessing.kind
     if args.fmt is not None and kind != "image":
         raise UsageError(f"--format sets the format of an image's overlays; {spec.name} writes each {kind}'s own files")
     if args.sanity_check:
-        _check_sanity(spec)
+        if not task.classifies:
+            raise UsageError(f"--sanity-check explains a classifier's class; {spec.name} is a {task.name} model")
         return _sanity_check(args, spec, inputs, options, device)
     return _export(args, spec, prepared, options, device)
-
-
-def _check_sanity(spec: ModelSpec) -> None:
-    """The randomization test compares maps of a class: a classifier's.
-
-    Raises:
-        UsageError: The model's task is not a classifier's.
-    """
-    from .tasks.registry import task_of
-
-    task = task_of(spec)
-    if not task.classifies:
-        raise UsageError(f"--sanity-check explains a classifier's class; {spec.name} is a {task.name} model")
 
 
 # Options that have no meaning for a vision-language model's words, and why.
@@ -570,13 +559,14 @@ def _with_clip_stride(spec: ModelSpec, stride: int) -> ModelSpec:
     return replace(spec, preprocessing=replace(spec.preprocessing, stride=stride))
 
 
-def _check_model(spec: ModelSpec, options: ExportOptions) -> None:
-    """The settings' rules that need the model: its task and its class names."""
+def _check_model(spec: ModelSpec, options: ExportOptions) -> Task:
+    """The settings' rules that need the model: its task (returned) and its class names."""
     from .targets import class_index
 
-    options.check_task(spec)  # the layer is resolved once, by the run's first call: a wrong one writes nothing
+    task = options.check_task(spec)  # the layer is resolved once, by the run's first call: a wrong one writes nothing
     if options.target is not None:
         class_index(options.target, spec.labels, len(spec.labels))
+    return task
 
 
 def _export(

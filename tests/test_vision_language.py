@@ -373,8 +373,9 @@ def test_a_whole_prompt_is_used_as_written_and_one_that_cannot_be_is_refused(lla
                  "-o", str(whole), *common]) == 0  # fmt: skip
     (asked,), (written,) = _records(question), _records(whole)
     assert written["answer"] == asked["answer"] and len(written["tokens"]) == len(asked["tokens"]) > 0
-    for a, w in zip(asked["tokens"], written["tokens"]):
-        assert (question / a["output"]).read_bytes() == (whole / w["output"]).read_bytes()
+    for a, w in zip(asked["tokens"], written["tokens"]):  # the same overlay, to a level of 8-bit rounding
+        shown = [np.asarray(Image.open(out / t["output"]), dtype=np.int16) for out, t in ((question, a), (whole, w))]
+        assert np.abs(shown[0] - shown[1]).max() <= 1
     capsys.readouterr()
     for prompt in ("USER: what is on the table? ASSISTANT:", "<image> <image> what is on the table?"):
         assert main([str(CAT), "--model", str(llava_folder), "--prompt", prompt, "-o", str(tmp_path / "no")]) == 2

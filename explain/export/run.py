@@ -36,7 +36,6 @@ from ..targets import ClassTarget, RegionTarget, Target, class_index
 from ..targets.base import read_output
 from ..targets.oriented import rotated_corners, upright_boxes
 from ..tasks.base import Task
-from ..tasks.registry import task_of
 from .distributed import Process, process_group, this_process
 from .gallery import remove_gallery
 from .inputs import Input, mark_output_folder
@@ -352,11 +351,10 @@ def export_heatmaps(
             set, or the run to resume had other settings.
     """
     out_dir, process, options = Path(out_dir), this_process(), options or ExportOptions()
-    options.check_task(spec)
+    task = options.check_task(spec)
     if not isinstance(sources, Prepared):  # before --overwrite forgets the folder's outputs
         sources = prepare(sources, out_dir, options.resume, options.overwrite, spec.preprocessing.kind)
     inputs = sources.inputs
-    task = task_of(spec, options.keypoint)
     device = process.device(torch.device(device))
     explainer = _Explainer(spec, options, device, task)
     writer = _writer(out_dir, spec, options, task)

@@ -14,6 +14,7 @@ from ..tasks.asked import Asked, Prompt
 
 if TYPE_CHECKING:
     from ..models import ModelSpec
+    from ..tasks.base import Task
 
 LayerChoice = str | Sequence[str] | None  # a dotted name, several (fused), or None: the automatic layer
 FORMATS = ("jpg", "png")
@@ -194,9 +195,9 @@ class ExportOptions:
         """What is explained, as asked: what a task builds its target from."""
         return Asked(self.target, self.topk, self.score_threshold, self.keypoint, self.prompt, self.metrics)
 
-    def check_task(self, spec: ModelSpec) -> None:
+    def check_task(self, spec: ModelSpec) -> Task:
         """The rules that tie the settings to the model's task (see :meth:`explain.tasks.base.Task.check`) and
-        classes.
+        classes; returns the task.
 
         Raises:
             ExplainError: An option the model's task does not take (``topk`` or ``metrics`` for a model that is
@@ -205,7 +206,8 @@ class ExportOptions:
         from ..tasks.registry import task_of  # the model is loaded: torch is there
 
         name, classes = spec.name, len(spec.labels)
-        task_of(spec, self.keypoint).check(name, self.asked)
+        task = task_of(spec, self.keypoint)
+        task.check(name, self.asked)
         if self.topk is not None and self.topk > classes:
             raise ExplainError(f"--topk {self.topk} exceeds the model's {classes} classes")
         kind = spec.preprocessing.kind
@@ -216,3 +218,4 @@ class ExportOptions:
                 f"{name} explains {kind}s: --method all's grid, --figure and --keep-aspect draw or resize images; "
                 f"write each method's own {kind} outputs instead"
             )
+        return task
