@@ -21,11 +21,13 @@ from .export.inputs import Input, collect_inputs, listed_inputs
 from .export.preflight import Prepared, prepare
 from .export.settings import ExportOptions, Prompt, RenderOptions
 from .models.names import BUNDLED_MODEL, DEFAULT_MODEL, VIDEO_MODELS, is_user_model
+from .tasks.asked import Reading
 
 if TYPE_CHECKING:
     import torch
 
     from .models import ModelSpec
+    from .models.text_image import TextImageSpec
     from .tasks.base import Task
 
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -330,7 +332,21 @@ def export_options(args: argparse.Namespace) -> ExportOptions:
         workers=args.workers,
         resume=args.resume,
         overwrite=args.overwrite,
+        reading=_reading(args),
     )
+
+
+def _reading(args: argparse.Namespace) -> Reading:
+    """What a vision-language model reads besides each image: ``--prompt`` (and ``--answer``), or ``--text``'s
+    comma-separated prompts or queries.
+
+    Raises:
+        UsageError: A ``--text`` that holds none.
+    """
+    texts = tuple(text.strip() for text in (args.text or "").split(",") if text.strip())
+    if args.text is not None and not texts:
+        raise UsageError("--text holds no prompt: give them comma-separated, as --text 'a cat, a remote'")
+    return Reading(args.prompt, args.answer, texts, args.max_new_tokens)
 
 
 def _check_inputs(args: argparse.Namespace, kind: str) -> list[Input]:
@@ -429,6 +445,8 @@ def _print_record(record: dict[str, Any], out: Path, quiet: bool) -> None:
         return
     if record["note"]:
         tqdm.write(f"{record['input']}: {record['note']}", file=sys.stdout)
+    if record["answer"] is not None:
+        tqdm.write(f"{record['input']}: answer {record['answer']!r}", file=sys.stdout)
     for target in record["targets"]:
         line = f"{record['input']}: {target['class_name']} ({target['score']:.3f}) layer={record['layer']}"
         tqdm.write(f"{line} -> {out / target['output']}", file=sys.stdout)
@@ -436,8 +454,6 @@ def _print_record(record: dict[str, Any], out: Path, quiet: bool) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     """Everything after the arguments are known to be well-formed: inputs, device, model, export."""
-    if args.prompt is not None or args.text is not None or args.answer is not None:
-        return _explain_words(args)
     if args.gallery and not args.inputs and args.from_list is None and args.layers is None:
         return _write_gallery(args.out, args.quiet)  # rebuilt from the manifest alone: no model
     spec = _loaded(args) if is_user_model(args.model) else None  # the user's code says what its model reads
@@ -450,6 +466,13 @@ def _run(args: argparse.Namespace) -> int:
     device = _device(args.device)
     spec = spec or _loaded(args)
     if args.layers is not None:
+        from .models.text_image import TextImageSpec
+
+        if isinstance(spec, TextImageSpec):
+            raise UsageError(
+                f"{spec.name} reads text besides the image, so --layers has no input to look at; list its layers in "
+                "Python: explain.candidate_layers(model.vision_tower, pixel_values)"
+            )
         print(layer_table(spec, _probe(spec, args.layers)))
         return EXIT_OK
     task = _check_model(spec, options)
@@ -463,85 +486,23 @@ def _run(args: argparse.Namespace) -> int:
     return _export(args, spec, prepared, options, device)
 
 
-# Options that have no meaning for a vision-language model's words, and why.
-NOT_FOR_WORDS = {
-    "keep_aspect": "--keep-aspect resizes for a model of a fixed input; a vision-language model's processor "
-    "reads the image whole",
-    "target": "--target names a class; a vision-language model's words are its answer's, or its --text",
-    "workers": "--workers reads images in batches; a vision-language run reads one image at a time",
-    "sanity_check": "--sanity-check compares a classifier's maps of a class",
-    "clip_stride": "--clip-stride is for a video model",
-    "weights": "--weights loads a checkpoint into a named architecture; a vision-language folder holds its weights",
-    "labels": "--labels names a checkpoint's classes; a vision-language model's words are its own",
-}
+def _loaded(args: argparse.Namespace) -> ModelSpec | TextImageSpec:
+    """The model the arguments name, on their device, its clips in sliding windows where asked: a vision-language
+    model from its folder (its weights and classes are its own), any other as :func:`explain.load_model` loads it.
 
-
-def _explain_words(args: argparse.Namespace) -> int:
-    """``--prompt``, ``--answer``, ``--text``: what a vision-language model says or sees in each image, word by
-    word (see :mod:`explain.export.words`), its options checked as every task's are."""
-    from .export.gallery import PAGE
-    from .export.run import weights_digest
-    from .export.words import check_words_fresh, explain_words, words_settings
-    from .models.text_image import load_text_image_model
-    from .tasks.language import WordsRequest
-    from .tasks.registry import words_task_of
-
-    if args.answer is not None and args.prompt is None:
-        raise UsageError("--answer explains an answer to a --prompt: give the prompt too")
-    if args.text is not None and args.prompt is not None:
-        raise UsageError("--prompt asks a model that answers, --text scores prompts with a contrastive one: give one")
-    refused = [why for option, why in NOT_FOR_WORDS.items() if getattr(args, option) not in (None, False)]
-    if refused:
-        raise UsageError(refused[0])
-    options = export_options(args)
-    if options.methods.grid or len(options.methods.names) > 1:
-        raise UsageError("a vision-language run explains its words with one --method at a time")
-    prepared = prepare(_check_inputs(args, "image"), args.out, args.resume, args.overwrite, fresh=check_words_fresh)
-    spec = load_text_image_model(args.model, _device(args.device))
-    task = words_task_of(spec)
-    task.check(args.model, options.asked)  # --topk, --metrics, --keypoint, --region, --point and --box
-    texts = tuple(text.strip() for text in (args.text or "").split(",") if text.strip())
-    if args.text is not None and not texts:
-        raise UsageError("--text holds no prompt: give them comma-separated, as --text 'a cat, a remote'")
-    request = WordsRequest(
-        args.prompt, args.answer, texts, args.max_new_tokens, args.method, args.alpha, args.colormap,
-        WordsRequest.score_threshold if args.score_threshold is None else args.score_threshold, options.layer,
-        args.save_raw, options.methods.options_for(args.method, args.batch_size),
-        args.fmt or "png",
-    )  # fmt: skip
-    task.check_request(spec, request)
-    report = partial(_print_words, out=args.out, quiet=args.quiet)
-    settings = words_settings(spec, request, weights_digest(spec.model))
-    records, skipped = explain_words(
-        spec, prepared, args.out, request, report, settings, args.resume, args.overwrite, progress=not args.quiet
-    )
-    failed = sum(1 for record in records if record["error"])
-    if not args.quiet:
-        print(f"written {len(records) - skipped - failed}, failed {failed}, skipped {skipped}")
-    if args.gallery or (args.out / PAGE).is_file():  # a gallery already there is kept current (a resumed run)
-        _write_gallery(args.out, args.quiet)
-    return EXIT_SOME_FAILED if failed else EXIT_OK
-
-
-def _print_words(record: dict[str, Any], out: Path, quiet: bool) -> None:
-    """One image's words, or its error, as the command reports them (above the progress bar)."""
-    from tqdm import tqdm
-
-    if record["error"]:
-        tqdm.write(f"explain: error: {record['error']}", file=sys.stderr)
-    elif quiet:
-        return
-    elif record.get("note"):
-        tqdm.write(f"{record['input']}: {record['note']}", file=sys.stdout)
-    else:
-        said = record.get("answer") or ", ".join(record.get("texts", ()))
-        tqdm.write(f"{record['input']}: {said!r} layer={record['layer']} -> {out / record['figure']}", file=sys.stdout)
-
-
-def _loaded(args: argparse.Namespace) -> ModelSpec:
-    """The model the arguments name, on their device, its clips in sliding windows where asked."""
+    Raises:
+        UsageError: ``--weights`` or ``--labels`` for a vision-language model.
+    """
     from .models import load_model
+    from .models.text_image import is_text_image_model, load_text_image_model
 
+    if is_text_image_model(args.model) or _reading(args).given:
+        if args.weights is not None or args.labels is not None or args.clip_stride is not None:
+            raise UsageError(
+                f"--weights, --labels and --clip-stride are for a named architecture; {args.model} is a "
+                "vision-language model's folder, which holds its weights and reads images"
+            )
+        return load_text_image_model(args.model, _device(args.device))
     spec = load_model(args.model, args.weights, args.labels, _device(args.device))
     return spec if args.clip_stride is None else _with_clip_stride(spec, args.clip_stride)
 
@@ -709,15 +670,9 @@ def _app(argv: Sequence[str]) -> int:
     """``explain app``: serve the explorer until interrupted."""
     args = build_app_parser().parse_args(argv)
     from .explorer.web import gradio, serve
-    from .models.text_image import is_text_image_model
 
     gradio()  # a missing extra is named before the model loads
-    if is_text_image_model(args.model):  # a vision-language model's folder: its words' page
-        from .explorer.words import serve_words
-
-        serve_words(args.model, args.host, args.port, _device(args.device), args.quiet)
-    else:
-        serve(args.model, args.weights, args.host, args.port, _device(args.device), args.quiet)
+    serve(args.model, args.weights, args.host, args.port, _device(args.device), args.quiet)
     return EXIT_OK
 
 

@@ -17,9 +17,12 @@ from typing import Any
 from torch import nn
 
 from .errors import ExplainError
-from .explorer.controls import ALPHA_STEP, CONTROLS, Control
-from .explorer.session import Explorer, Shown, View, prompt_of
+from .explorer.controls import ALPHA_STEP, COLORMAPS, CONTROLS, Control
+from .explorer.session import Explorer, Shown, View, method_choices, prompt_of
+from .explorer.words import word_menu
 from .models import IMAGENET_PREPROCESSING, ImageLike, ModelSpec, Preprocessing
+from .models.text_image import TextImageSpec
+from .tasks.language import WordsRequest
 
 
 def widgets() -> Any:
@@ -228,19 +231,93 @@ class NotebookExplorer:
         return self.explorer.save(self.shown, self.folder, c["alpha"].value, c["colormap"].value, self.index)
 
 
+class WordsNotebook:
+    """The widgets of :func:`explore` for a vision-language model: a photo, a question (and an answer to explain
+    instead of the model's own) or comma-separated text prompts, a method; the words to pick and the picked
+    word's map. Picking another word draws its kept map again.
+
+    Attributes:
+        explorer: The model, its photos and their kept words.
+        controls: ``photo``, ``question``, ``answer``, ``texts``, ``method``, ``alpha``, ``colormap`` and
+            ``words`` (the words to pick, filled by :meth:`explain`).
+        overlay: The picked word's image widget; ``caption`` what was said, the method and the layer.
+        widget: The whole, a ``VBox``.
+    """
+
+    def __init__(self, explorer: Explorer) -> None:
+        w = widgets()
+        self.explorer, answers = explorer, getattr(explorer.task, "question", False)
+        asked, texts = (w.Layout(display=None if shown else "none") for shown in (answers, not answers))
+        methods = [name for _, name in method_choices()]
+        self.controls: dict[str, Any] = {
+            "photo": w.Dropdown(options=list(explorer.photos), description="photo"),
+            "question": w.Text(description="question", layout=asked),
+            "answer": w.Text(description="answer", placeholder="empty: the model's own", layout=asked),
+            "texts": w.Text(description="texts", placeholder="a cat, a remote", layout=texts),
+            "method": w.Dropdown(options=methods, value="gradcam", description="method"),
+            "alpha": w.FloatSlider(value=0.5, min=0.0, max=1.0, step=ALPHA_STEP, description="alpha"),
+            "colormap": w.Dropdown(options=list(COLORMAPS), value="jet", description="colormap"),
+            "words": w.ToggleButtons(options=[], description="words"),
+        }
+        self.overlay, self.caption, self.problem = w.Image(format="png"), w.Label(), w.HTML()
+        go = w.Button(description="explain")
+        go.on_click(lambda _: self.explain())
+        for name in ("words", "alpha", "colormap"):
+            self.controls[name].observe(lambda _: self.draw(), names="value")
+        self.widget = w.VBox([*self.controls.values(), go, self.overlay, self.caption, self.problem])
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def request(self) -> WordsRequest:
+        """What the controls ask."""
+        c = {name: control.value for name, control in self.controls.items()}
+        fields = (c["question"], c["answer"], c["texts"], c["method"])
+        return self.explorer.reading(*fields, alpha=c["alpha"], colormap=c["colormap"])
+
+    def explain(self) -> None:
+        """The photo explained for the controls' question (once), its words listed and the first one drawn."""
+        try:
+            words, said = self.explorer.words(self.controls["photo"].value, self.request())
+        except ExplainError as err:
+            self.problem.value = f"<b>{err}</b>"
+            return
+        self.problem.value = ""
+        told = said.get("answer") or ", ".join(said.get("texts", ()))
+        self.caption.value = f"{told} · {self.controls['method'].value} · layer {said['layer']}"
+        self.controls["words"].options = word_menu(words)
+        self.draw()
+
+    def draw(self) -> None:
+        """The picked word's map, from the kept words."""
+        if not self.controls["words"].options:
+            return
+        try:
+            picture = self.explorer.word_picture(
+                self.controls["photo"].value, self.request(), self.controls["words"].value or 0
+            )
+        except ExplainError as err:
+            self.problem.value = f"<b>{err}</b>"
+            return
+        buffer = io.BytesIO()
+        picture.save(buffer, format="PNG")
+        self.overlay.value = buffer.getvalue()
+
+
 def explore(
-    model: ModelSpec | nn.Module,
+    model: ModelSpec | TextImageSpec | nn.Module,
     image: ImageLike | Sequence[ImageLike],
     *,
     labels: Sequence[str] | None = None,
     preprocessing: Preprocessing = IMAGENET_PREPROCESSING,
     folder: str | Path = "explain_views",
-) -> NotebookExplorer:
+) -> NotebookExplorer | WordsNotebook:
     """Explore a model's maps of one or several images with widgets; the notebook cell's last value shows them.
 
     Args:
-        model: A :class:`explain.ModelSpec` (from :func:`explain.load_model`), or a classifier returning
-            (N, classes) scores, left as it was.
+        model: A :class:`explain.ModelSpec` (from :func:`explain.load_model`), a vision-language model (from
+            :func:`explain.models.text_image.load_text_image_model`: its words' widgets, :class:`WordsNotebook`),
+            or a classifier returning (N, classes) scores, left as it was.
         image: A path, PIL image or RGB array, or a sequence of them; for a ModelSpec of clips, scans or signals,
             files of those.
         labels: A bare classifier's class names; default ``class 0``, ``class 1``, ...
@@ -251,7 +328,7 @@ def explore(
         ExplainError: ipywidgets is not installed (its ``pip install`` named), or an image is unreadable.
     """
     widgets()
-    if not isinstance(model, ModelSpec):
+    if not isinstance(model, (ModelSpec, TextImageSpec)):
         count = None if labels is not None else _class_count(model, preprocessing)
         names = list(labels) if labels is not None else [f"class {i}" for i in range(count)]
         model = ModelSpec(model, type(model).__name__, names, preprocessing)
@@ -259,6 +336,8 @@ def explore(
     single = isinstance(image, (str, Path)) or not isinstance(image, Sequence)
     for item in [image] if single else image:
         explorer.add(item)
+    if explorer.task.click == "word":  # the page follows the task, as the web app's does
+        return WordsNotebook(explorer)
     return NotebookExplorer(explorer, Path(folder))
 
 

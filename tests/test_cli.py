@@ -51,7 +51,7 @@ def test_folder_and_glob_export(photos, tmp_path, capsys) -> None:
         "coffee.png",
         "more/chelsea.png",
     ]
-    assert all(r["schema"] == 5 and len(r["targets"]) == 1 for r in records)
+    assert all(r["schema"] == 6 and len(r["targets"]) == 1 for r in records)
     assert [top(r)["class_name"] for r in records] == ["Egyptian cat", "espresso", "Egyptian cat"]
     assert [top(r)["class_index"] for r in records] == [285, 967, 285]
     assert 0.6 < top(records[0])["score"] < 0.9 and top(records[1])["score"] > 0.8
@@ -96,7 +96,7 @@ def test_bad_files_fail_alone(photos, tmp_path, capsys) -> None:
     records = manifest(out)
     assert len(records) == 8
     empty = next(r for r in records if r["input"].endswith("empty.png"))
-    assert empty["error"] and empty["targets"] is None and empty["layer"] is None and empty["schema"] == 5
+    assert empty["error"] and empty["targets"] is None and empty["layer"] is None and empty["schema"] == 6
     good = [r for r in records if r["error"] is None]
     assert len(good) == 3 and all((out / top(r)["output"]).is_file() for r in good)
 

@@ -107,8 +107,8 @@ def test_the_command_line_draws_each_box_of_grounding_dinos_phrases(grounding_fo
 
     out = tmp_path / "out"
     assert main([str(CAT), "--model", str(grounding_folder), "--text", "a cat, a remote", "--score-threshold",
-                 "0.3", "-o", str(out), "--quiet"]) == 0  # fmt: skip
-    (record,) = [json.loads(line) for line in (out / "manifest.words.jsonl").read_text().splitlines()][1:]
+                 "0.3", "-o", str(out), "--quiet", "--format", "png"]) == 0  # fmt: skip
+    (record,) = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()][1:]
     image = load_image(CAT)
     model = transformers.GroundingDinoForObjectDetection.from_pretrained(grounding_folder).eval()
     processor = transformers.AutoProcessor.from_pretrained(grounding_folder)
@@ -117,14 +117,14 @@ def test_the_command_line_draws_each_box_of_grounding_dinos_phrases(grounding_fo
         model, inputs["pixel_values"], inputs["input_ids"], queries=["a cat", "a remote"], phrases=[[1, 2], [4, 5]],
         attention_mask=inputs["attention_mask"], score_threshold=0.3,
     )  # fmt: skip
-    assert len(record["tokens"]) == found.cams.shape[1] > 0
+    assert len(record["targets"]) == found.cams.shape[1] > 0
     height, width = inputs["pixel_values"].shape[-2:]
     scale = torch.tensor([image.width / width, image.height / height] * 2)  # the processor kept the aspect, rounded
-    for k, token in enumerate(record["tokens"]):
-        assert token["text"] == ["a cat", "a remote"][int(found.class_indices[0, k])]
-        torch.testing.assert_close(torch.tensor(token["box"]), found.target.boxes[0, k] * scale, atol=0.01, rtol=0)
-    first = record["tokens"][0]
+    for k, token in enumerate(record["targets"]):
+        assert token["class_name"] == ["a cat", "a remote"][int(found.class_indices[0, k])]
+        torch.testing.assert_close(torch.tensor(token["box"]), found.target.boxes[0, k] * scale, atol=0.06, rtol=0)
+    first = record["targets"][0]
     drawn = overlay(image, found.cams[0, 0])
-    drawn = annotate(drawn, f"{first['text']} {first['score']:.2f}", tuple(found.target.boxes[0, 0] * scale))
+    drawn = annotate(drawn, f"{first['class_name']} {first['score']:.3g}", tuple(found.target.boxes[0, 0] * scale))
     written = np.asarray(Image.open(out / first["output"]), dtype=np.int16)
     assert np.abs(written - np.asarray(drawn, dtype=np.int16)).max() <= 1

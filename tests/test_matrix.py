@@ -22,19 +22,17 @@ transformers = pytest.importorskip("transformers")
 
 @dataclass(frozen=True)
 class Kind:
-    """A kind of output as the command line is given it: the arguments that name the model and what is asked, the
-    inputs, and whether its records are words (a vision-language model's manifest of words)."""
+    """A kind of output as the command line is given it: the arguments that name the model and what is asked, and
+    the inputs."""
 
     args: tuple[str, ...]
     inputs: tuple[Path, ...] = (CAT, COFFEE)
-    words: bool = False
-
-    @property
-    def manifest(self) -> str:
-        return "manifest.words.jsonl" if self.words else "manifest.jsonl"
 
 
-USER_FILE = '''
+MANIFEST = "manifest.jsonl"  # every kind's, a vision-language model's words too
+
+
+USER_FILE = """
 import numpy as np
 import torch
 import explain
@@ -93,7 +91,7 @@ def clip():
     ).eval()
     frames = explain.models.ClipPreprocessing(4, (32, 32), (32, 32), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
     return explain.ModelSpec(model, "clip-net", ["a", "b", "c"], frames)
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -160,26 +158,23 @@ def kinds(tmp_path_factory) -> dict[str, Kind]:
         "signal": Kind(("--model", f"{user}:signal"), tuple(signals)),
         "volume": Kind(("--model", f"{user}:volume"), tuple(volumes)),
         "clip": Kind(("--model", f"{user}:clip"), tuple(videos)),
-        "query boxes": Kind(("--model", str(owl), "--text", "a cat, a dog", "--score-threshold", "0.4"), words=True),
-        "answer words": Kind(
-            ("--model", str(llava), "--prompt", "what is on the table?", "--max-new-tokens", "2"), words=True
-        ),
-        "prompts": Kind(("--model", str(clip), "--text", "a cat, a remote"), words=True),
+        "query boxes": Kind(("--model", str(owl), "--text", "a cat, a dog", "--score-threshold", "0.4")),
+        "answer words": Kind(("--model", str(llava), "--prompt", "what is on the table?", "--max-new-tokens", "2")),
+        "prompts": Kind(("--model", str(clip), "--text", "a cat, a remote")),
     }
 
 
-def records(out: Path, kind: Kind) -> list[dict]:
+def records(out: Path) -> list[dict]:
     """The records of a finished run, its first line (the run's settings) left out."""
-    lines = [json.loads(line) for line in (out / kind.manifest).read_text().splitlines()]
+    lines = [json.loads(line) for line in (out / MANIFEST).read_text().splitlines()]
     assert "header" in lines[0]
     return lines[1:]
 
 
-def named_files(record: dict, kind: Kind) -> list[str]:
+def named_files(record: dict) -> list[str]:
     """Every file a record names."""
-    parts = record.get("tokens" if kind.words else "targets") or []
-    files = [part[key] for part in parts for key in ("output", "figure", "picture") if part.get(key)]
-    return files + [record[key] for key in ("raw", "figure") if isinstance(record.get(key), str)]
+    files = [part[key] for part in record["targets"] or () for key in ("output", "figure", "picture") if part.get(key)]
+    return files + ([record["raw"]] if record["raw"] else [])
 
 
 def run(kind: Kind, out: Path, *extra: str, inputs: tuple[Path, ...] | None = None) -> int:
@@ -215,6 +210,7 @@ OPTIONS = {
     "--device": ["--device", "cpu"],
     "--format": ["--format", "png"],
     "--score-threshold": ["--score-threshold", "0.3"],
+    "--workers": ["--workers", "1"],
 }
 KINDS = ("class", "segment", "box", "keypoint", "oriented box", "depth region", "SAM mask", "signal", "volume", "clip",
          "answer words", "prompts", "query boxes")  # fmt: skip
@@ -232,25 +228,27 @@ def test_each_option_is_honoured_or_refused_in_one_line(kinds, name, option, tmp
         assert not out.exists()
         return
     assert code == 0 and not errors, errors
-    (record,) = records(out, kind)
-    assert record["error"] is None and all((out / name).is_file() for name in named_files(record, kind))
-    parts = record.get("tokens" if kind.words else "targets")
+    (record,) = records(out)
+    assert record["error"] is None and all((out / name).is_file() for name in named_files(record))
+    parts = record["targets"]
     assert parts, record
     if option == "--save-raw":
         assert (out / record["raw"]).is_file() and np.load(out / record["raw"]).size > 0
     if option == "--figure":
-        figures = [record["figure"]] if kind.words else [part["figure"] for part in parts]
+        figures = [part["figure"] for part in parts]
         assert figures and all((out / figure).is_file() for figure in figures)
     if option == "--gallery":  # a card per target (a word, a prompt), its overlay's thumbnail beside it
         page = (out / "index.html").read_text()
-        assert all(json.dumps(part.get("text") or part["class_name"]) in page for part in parts)
+        assert all(json.dumps(part["class_name"]) in page for part in parts)
         assert len(list((out / "thumbs").rglob("*.jpg"))) == len(parts)
     if option == "--format":
-        assert all(name.endswith(".png") for name in named_files(record, kind) if not name.endswith(".npy"))
+        assert all(name.endswith(".png") for name in named_files(record) if not name.endswith(".npy"))
     if option == "--score-threshold":
         assert all(part["score"] >= 0.3 for part in parts)
     if option == "--method":
         assert record["method"] == "layercam"
+    if option == "--workers":  # one process read the image: what threads read
+        assert record["layer"] and (out / parts[0]["output"]).stat().st_size > 0
     if option == "--topk":
         assert len(parts) == 2
     if option == "--metrics":
@@ -261,10 +259,10 @@ def test_each_option_is_honoured_or_refused_in_one_line(kinds, name, option, tmp
 def test_the_layer_given_is_the_layer_used_and_a_wrong_one_is_one_line(kinds, name, tmp_path, capsys) -> None:
     kind = kinds[name]
     assert run(kind, tmp_path / "auto") == 0
-    (record,) = records(tmp_path / "auto", kind)
+    (record,) = records(tmp_path / "auto")
     layer = record["layer"].split("+")[0].split(",")[0]
     assert run(kind, tmp_path / "given", "--layer", layer) == 0
-    (given,) = records(tmp_path / "given", kind)
+    (given,) = records(tmp_path / "given")
     assert given["layer"] == layer
     capsys.readouterr()
     assert run(kind, tmp_path / "wrong", "--layer", "no.such.layer") == 2
@@ -277,19 +275,19 @@ def test_the_layer_given_is_the_layer_used_and_a_wrong_one_is_one_line(kinds, na
 def test_resume_redoes_nothing_after_a_finished_run_and_the_rest_after_a_killed_one(kinds, name, tmp_path) -> None:
     kind, out = kinds[name], tmp_path / "out"
     assert run(kind, out, inputs=kind.inputs) == 0
-    finished = records(out, kind)
+    finished = records(out)
     assert len({r["input"] for r in finished}) == 2
     before = snapshot(out)
     assert run(kind, out, "--resume", inputs=kind.inputs) == 0
     assert snapshot(out) == before  # nothing redone, nothing rewritten
 
-    lines = (out / kind.manifest).read_text().splitlines(keepends=True)
+    lines = (out / MANIFEST).read_text().splitlines(keepends=True)
     second = [r for r in finished if r["input"] == finished[-1]["input"]]
-    (out / kind.manifest).write_text("".join(lines[: len(lines) - len(second)]))  # killed before its record
+    (out / MANIFEST).write_text("".join(lines[: len(lines) - len(second)]))  # killed before its record
     for record in second:
-        for name in named_files(record, kind):
+        for name in named_files(record):
             (out / name).unlink()
     assert run(kind, out, "--resume", inputs=kind.inputs) == 0
-    again = records(out, kind)
+    again = records(out)
     assert [r["input"] for r in again] == [r["input"] for r in finished]
-    assert all(r["error"] is None and all((out / f).is_file() for f in named_files(r, kind)) for r in again)
+    assert all(r["error"] is None and all((out / f).is_file() for f in named_files(r)) for r in again)

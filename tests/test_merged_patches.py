@@ -197,15 +197,15 @@ def test_the_command_line_explains_each_word_of_qwens_answer(qwen_folder, tmp_pa
 
     out = tmp_path / "out"
     assert main([str(CAT), "--model", str(qwen_folder), "--prompt", "what is on the table?", "--answer", "a cat",
-                 "-o", str(out), "--quiet"]) == 0  # fmt: skip
-    (record,) = [json.loads(line) for line in (out / "manifest.words.jsonl").read_text().splitlines()][1:]
-    assert [token["text"] for token in record["tokens"]] == ["a", "cat"] and record["layer"] == "reading.tokens"
+                 "-o", str(out), "--quiet", "--format", "png"]) == 0  # fmt: skip
+    (record,) = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()][1:]
+    assert [token["class_name"] for token in record["targets"]] == ["a", "cat"] and record["layer"] == "reading.tokens"
     model = transformers.AutoModelForImageTextToText.from_pretrained(qwen_folder).eval()
     processor = transformers.AutoProcessor.from_pretrained(qwen_folder)
     photo = load_image(CAT)
     given = processor(images=photo, text="USER: <|image_pad|>\nwhat is on the table? ASSISTANT:", return_tensors="pt")
     found = explain.explain_answer(model, dict(given), answer=processor.tokenizer("a cat").input_ids)
-    for token, cam in zip(record["tokens"], found.maps):
+    for token, cam in zip(record["targets"], found.maps):
         written = np.asarray(Image.open(out / token["output"]), dtype=np.int16)
         assert np.abs(written - np.asarray(overlay(photo, cam), dtype=np.int16)).max() <= 1
 

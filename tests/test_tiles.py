@@ -167,9 +167,9 @@ def test_the_command_line_explains_each_word_of_llava_nexts_answer(llava_next_fo
 
     out = tmp_path / "out"
     assert main([str(CAT), "--model", str(llava_next_folder), "--prompt", "what is on the table?",
-                 "--answer", "a cat", "-o", str(out), "--quiet"]) == 0  # fmt: skip
-    (record,) = [json.loads(line) for line in (out / "manifest.words.jsonl").read_text().splitlines()][1:]
-    assert [token["text"] for token in record["tokens"]] == ["a", "cat"]
+                 "--answer", "a cat", "-o", str(out), "--quiet", "--format", "png"]) == 0  # fmt: skip
+    (record,) = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()][1:]
+    assert [token["class_name"] for token in record["targets"]] == ["a", "cat"]
     assert record["layer"] == "reading.tiles+reading.base"
     model = transformers.AutoModelForImageTextToText.from_pretrained(llava_next_folder).eval()
     processor = transformers.AutoProcessor.from_pretrained(llava_next_folder)
@@ -177,7 +177,7 @@ def test_the_command_line_explains_each_word_of_llava_nexts_answer(llava_next_fo
     given = processor(images=photo, text="USER: <image>\nwhat is on the table? ASSISTANT:", return_tensors="pt",
                       do_center_crop=False, size={"height": SIDE, "width": SIDE})  # fmt: skip
     found = explain.explain_answer(model, dict(given), answer=processor.tokenizer("a cat").input_ids)
-    for token, cam in zip(record["tokens"], found.maps):
+    for token, cam in zip(record["targets"], found.maps):
         written = np.asarray(Image.open(out / token["output"]), dtype=np.int16)
         assert np.abs(written - np.asarray(overlay(photo, cam), dtype=np.int16)).max() <= 1
 
@@ -331,9 +331,9 @@ def test_the_command_line_explains_each_word_of_idefics3s_answer(idefics3_folder
 
     out = tmp_path / "out"
     assert main([str(CAT), "--model", str(idefics3_folder), "--prompt", "what is on the table?",
-                 "--answer", "a cat", "-o", str(out), "--quiet"]) == 0  # fmt: skip
-    (record,) = [json.loads(line) for line in (out / "manifest.words.jsonl").read_text().splitlines()][1:]
-    assert [token["text"] for token in record["tokens"]] == ["a", "cat"]
+                 "--answer", "a cat", "-o", str(out), "--quiet", "--format", "png"]) == 0  # fmt: skip
+    (record,) = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()][1:]
+    assert [token["class_name"] for token in record["targets"]] == ["a", "cat"]
     assert record["layer"] == "reading.tiles+reading.base"
     model = transformers.AutoModelForImageTextToText.from_pretrained(idefics3_folder).eval()
     processor = transformers.AutoProcessor.from_pretrained(idefics3_folder)
@@ -343,7 +343,7 @@ def test_the_command_line_explains_each_word_of_idefics3s_answer(idefics3_folder
     info = processor.image_processor(images=[[photo]], return_row_col_info=True)
     given.update(rows=info["rows"], cols=info["cols"])
     found = explain.explain_answer(model, given, answer=processor.tokenizer("a cat").input_ids)
-    for token, cam in zip(record["tokens"], found.maps):
+    for token, cam in zip(record["targets"], found.maps):
         written = np.asarray(Image.open(out / token["output"]), dtype=np.int16)
         assert np.abs(written - np.asarray(overlay(photo, cam), dtype=np.int16)).max() <= 1
 

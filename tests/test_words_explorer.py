@@ -4,6 +4,7 @@ call on the processor's output; the page's handlers, its build, and the app serv
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import CAT
+from PIL import Image
 from test_vision_language import IMAGE, llava_folder  # noqa: F401  (the fixture, shared)
 
 import explain
@@ -38,20 +40,20 @@ def _forwards(model: torch.nn.Module) -> list[int]:
 
 
 def test_a_photos_words_are_explained_once_and_each_click_draws_its_map(llava_folder) -> None:  # noqa: F811
-    from explain.explorer.words import WordsExplorer
+    from explain.explorer import Explorer
 
     spec = _spec(llava_folder)
-    explorer = WordsExplorer(spec)
-    name = explorer.add(CAT)
-    assert explorer.add(load_image(CAT), "again.png") == name  # the same photo twice is one
-    request = explorer.request("what is on the table?", "a cat", "", "gradcam")
+    explorer = Explorer(spec)  # one session type for every kind of output
+    name = explorer.add(CAT).name
+    assert explorer.add(load_image(CAT), "again.png").name == name  # the same photo twice is one
+    request = explorer.reading("what is on the table?", "a cat", "", "gradcam")
     calls = _forwards(spec.model)
     words, record = explorer.words(name, request)
     assert [word.text for word in words] == ["a", "cat"] and record["answer"] == "a cat" and calls
     before = len(calls)
-    pictures = [explorer.picture(name, request, k) for k in (1, 0)]
-    styled = explorer.request("what is on the table?", "a cat", "", "gradcam", alpha=0.8, colormap="viridis")
-    explorer.picture(name, styled, 1)
+    pictures = [explorer.word_picture(name, request, k) for k in (1, 0)]
+    styled = explorer.reading("what is on the table?", "a cat", "", "gradcam", alpha=0.8, colormap="viridis")
+    explorer.word_picture(name, styled, 1)
     assert len(calls) == before  # drawing another word, or in another style, runs no model
     processor = spec.processor
     photo = load_image(CAT)
@@ -62,24 +64,25 @@ def test_a_photos_words_are_explained_once_and_each_click_draws_its_map(llava_fo
         expected = np.asarray(overlay(photo, found.maps[k]), dtype=np.int16)
         assert np.abs(np.asarray(picture, dtype=np.int16) - expected).max() <= 1
     with pytest.raises(explain.ExplainError, match="answers prompts: type a question"):
-        explorer.request("  ", "", "a cat", "gradcam")
+        explorer.reading("  ", "", "a cat", "gradcam")
     with pytest.raises(explain.ExplainError, match="no word 2: the photo has 2"):
-        explorer.picture(name, request, 2)
+        explorer.word_picture(name, request, 2)
 
 
 def test_the_pages_handlers_list_the_words_and_show_a_clicked_one(llava_folder) -> None:  # noqa: F811
-    from explain.explorer.words import WordsApp, build_words
+    from explain.explorer.web import App, build
 
-    app = WordsApp(_spec(llava_folder))
+    app = App(_spec(llava_folder), load=lambda name: _spec(name))  # one app: its page follows the task
     photo = next(iter(app.explorer.photos))
     fields = (photo, "what is on the table?", "a cat", "", "gradcam", 0.5, "jet")
-    words, first, caption = app.explain(*fields)
+    words, first, caption = app.explain_words(*fields)
     assert [value for _, value in words.choices] == [0, 1] and "a cat" in caption
     calls = _forwards(app.explorer.spec.model)
-    second = app.show(*fields, 1)
+    second = app.show_word(*fields, 1)
     assert not calls and second.size == first.size
     assert np.asarray(second).tobytes() != np.asarray(first).tobytes()  # another word, another map
-    assert build_words(app) is not None
+    page = build(app)
+    assert {"question", "words", "overlay"} <= {getattr(block, "elem_id", None) for block in page.blocks.values()}
 
 
 def test_the_app_takes_a_vision_language_models_folder(llava_folder, tmp_path) -> None:  # noqa: F811
@@ -117,3 +120,26 @@ def test_the_app_takes_a_vision_language_models_folder(llava_folder, tmp_path) -
     finally:
         server.terminate()
         server.wait(30)
+
+
+def test_the_notebook_follows_the_task_to_the_words_widgets(llava_folder) -> None:  # noqa: F811
+    """``explore`` of a vision-language model gives its words' widgets: the words of the question to pick, each
+    picked word drawn as the session draws it, without running the model again."""
+    pytest.importorskip("ipywidgets")
+    from explain.notebook import WordsNotebook, explore
+
+    spec = _spec(llava_folder)
+    seen = explore(spec, CAT)
+    assert isinstance(seen, WordsNotebook)
+    seen.controls["question"].value, seen.controls["answer"].value = "what is on the table?", "a cat"
+    seen.explain()
+    assert [value for _, value in seen.controls["words"].options] == [0, 1] and seen.caption.value.startswith("a cat")
+    calls = _forwards(spec.model)
+    seen.controls["words"].value = 1
+    request = seen.explorer.reading("what is on the table?", "a cat", "", "gradcam")
+    expected = seen.explorer.word_picture(next(iter(seen.explorer.photos)), request, 1)
+    shown = np.asarray(Image.open(io.BytesIO(seen.overlay.value)))
+    assert not calls and np.array_equal(shown, np.asarray(expected))
+    seen.controls["question"].value = " "
+    seen.explain()
+    assert "answers prompts: type a question" in seen.problem.value

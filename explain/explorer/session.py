@@ -31,16 +31,18 @@ from ..export.manifest import record
 from ..export.reports import image_metrics
 from ..io.atomic import write_atomically
 from ..io.images import load_image, rgb_array
-from ..io.render import Skeleton, annotate, blend, gradient_image, heat_layer
+from ..io.render import Skeleton, annotate, blend, gradient_image, heat_layer, overlay
 from ..io.signals import plot_signal
 from ..io.volumes import grey, intensity_window
 from ..methods import create_method
 from ..metrics import sanity_check
 from ..models import ModelSpec
+from ..models.text_image import TextImageSpec
 from ..targets import ClassTarget, Target
 from ..targets.keypoints import limbs_of
 from ..tasks.asked import Asked
 from ..tasks.base import Task
+from ..tasks.language import Word, WordsRequest, WordsTask
 from ..tasks.registry import task_of
 
 PHOTOS = Path(__file__).resolve().parent.parent / "data" / "photos"
@@ -278,17 +280,19 @@ class _Maps:
 
 
 class Explorer:
-    """One model and the photos it is shown, with their maps and top classes kept.
+    """One model and the photos it is shown, with their maps and top classes kept; for a vision-language model,
+    each photo's words, prompts or boxes of each question, kept.
 
     Calls from several threads (a web server's) run the model one at a time.
 
     Args:
-        spec: The model, its preprocessing and class names (see :func:`explain.load_model`).
+        spec: The model, its preprocessing and class names (see :func:`explain.load_model`), or a vision-language
+            model and its processor (see :func:`explain.models.text_image.load_text_image_model`).
         cache_size: How many explanation calls are kept, the least recently used dropped first.
         score_threshold: A detector's least score of a listed detection.
     """
 
-    def __init__(self, spec: ModelSpec, cache_size: int = 64, score_threshold: float = 0.5) -> None:
+    def __init__(self, spec: ModelSpec | TextImageSpec, cache_size: int = 64, score_threshold: float = 0.5) -> None:
         if getattr(spec.preprocessing, "stride", None) is not None:
             raise ExplainError(
                 f"the explorer explains one clip per video; {spec.name} takes sliding windows (a clip stride): "
@@ -299,6 +303,7 @@ class Explorer:
         self.cache_size = cache_size
         self.score_threshold = score_threshold
         self._maps: OrderedDict[tuple[str, View], _Maps] = OrderedDict()
+        self._words: OrderedDict[tuple[Any, ...], tuple[list[Word], dict[str, Any]]] = OrderedDict()
         self._top: dict[str, list[Entry]] = {}
         self._layers: dict[tuple[int, ...], tuple[list[LayerInfo], list[str]]] = {}
         self._digests: dict[str, str] = {}
@@ -330,7 +335,7 @@ class Explorer:
             image, x, name = Image.fromarray(rgb_array(source)), None, name or "image"
         if x is None:
             content = np.asarray(image).tobytes() + repr(image.size).encode()
-            x = self.spec.preprocess(image)
+            x = self.spec.preprocessing(image)[None]
         digest = hashlib.sha256(content).hexdigest()
         with self._lock:
             if digest in self._digests:
@@ -341,6 +346,60 @@ class Explorer:
             self.photos[unique] = photo
             self._digests[digest] = unique
             return photo
+
+    def reading(self, question: str, answer: str, texts: str, method: str, **options: Any) -> WordsRequest:
+        """What a vision-language model's page asks: a question (and an answer to explain instead of the model's
+        own) of a model that answers; comma-separated text prompts or queries of another. ``options``: how it is
+        drawn (``alpha``, ``colormap``).
+
+        Raises:
+            ExplainError: The field the model reads is empty.
+        """
+        task = self.task
+        if not isinstance(task, WordsTask):
+            raise ExplainError(f"{self.spec.name} is a {task.name} model: it reads no question or text prompts")
+        if task.question:
+            if not question.strip():
+                raise ExplainError(f"{self.spec.name} answers prompts: type a question")
+            return WordsRequest(question.strip(), answer.strip() or None, (), method=method or "gradcam", **options)
+        prompts = tuple(text.strip() for text in texts.split(",") if text.strip())
+        if not prompts:
+            raise ExplainError(f"{self.spec.name} reads text prompts: type them comma-separated, as 'a cat, a remote'")
+        return WordsRequest(None, None, prompts, method=method or "gradcam", **options)
+
+    def words(self, photo: str, request: WordsRequest) -> tuple[list[Word], dict[str, Any]]:
+        """A vision-language model's words of the photo with their maps, and what its record says: computed once
+        per photo and question (method, prompt, answer, texts), then kept; the style of a drawing (alpha,
+        colormap) computes nothing.
+
+        Raises:
+            ExplainError: An unknown photo, or one the model cannot explain.
+        """
+        if photo not in self.photos:
+            raise ExplainError(f"no photo named {photo!r}; add it first")
+        image = self.photos[photo].image
+        asked = (request.prompt, request.answer, tuple(request.texts), request.max_new_tokens, request.method)
+        key = (photo, *asked, request.score_threshold)
+        with self._lock:
+            if key not in self._words:
+                self._words[key] = self.task.words(self.spec, image, request)  # type: ignore[attr-defined]
+                while len(self._words) > self.cache_size:
+                    self._words.popitem(last=False)
+            self._words.move_to_end(key)
+            return self._words[key]
+
+    def word_picture(self, photo: str, request: WordsRequest, index: int) -> Image.Image:
+        """The map of the photo's word ``index`` drawn on it in the request's style, its box drawn too.
+
+        Raises:
+            ExplainError: No such word.
+        """
+        words, _ = self.words(photo, request)
+        if not 0 <= index < len(words):
+            raise ExplainError(f"no word {index}: the photo has {len(words)}")
+        word = words[index]
+        drawn = overlay(self.photos[photo].image, word.cam, request.alpha, request.colormap)
+        return drawn if word.box is None else annotate(drawn, f"{word.text} {word.score:.3g}", tuple(word.box))
 
     def layers(self, photo: str) -> tuple[list[LayerInfo], list[str]]:
         """The layers a CAM can use on the photo, and the automatic choice (see

@@ -25,9 +25,11 @@ from PIL import Image
 from ..errors import ExplainError
 from ..io.render import data_uri
 from ..models import ModelSpec, load_model
+from ..models.text_image import TextImageSpec, is_text_image_model, load_text_image_model
 from ..targets import class_index
 from .controls import ALPHA_STEP, CONTROLS, VIEW, Control
 from .session import Explorer, Shown, View, bundled_photos, prompt_of
+from .words import build_words, word_menu
 
 LOCAL = "127.0.0.1"
 MAX_FILE_SIZE = "100mb"  # an upload larger than this is refused before it is read
@@ -106,11 +108,11 @@ class App:
     """The app's state: one model's explorer at a time, and the handlers the page calls.
 
     Args:
-        spec: The model to start with.
+        spec: The model to start with: any that :func:`load_named` loads.
         load: Builds another model by name (for the endpoint's ``model``); the old one is dropped first.
     """
 
-    def __init__(self, spec: ModelSpec, load: Callable[[str], ModelSpec]) -> None:
+    def __init__(self, spec: ModelSpec | TextImageSpec, load: Callable[[str], ModelSpec | TextImageSpec]) -> None:
         self.explorer = Explorer(spec)
         self.load = load
         self.downloads = Path(tempfile.mkdtemp(prefix="explain-app-"))
@@ -310,6 +312,25 @@ class App:
         saved = self.explorer.save(shown, self.downloads, alpha, colormap or "jet", index)
         return [str(path) for path in saved]
 
+    def explain_words(
+        self, photo: str, question: str, answer: str, texts: str, method: str, alpha: float, colormap: str
+    ) -> tuple[Any, Image.Image, str]:
+        """A vision-language model's page: the photo explained (once per question), its words to click, the first
+        one's map, and what was said."""
+        request = self.explorer.reading(question, answer, texts, method, alpha=alpha, colormap=colormap)
+        words, said = self.explorer.words(photo, request)
+        told = said.get("answer") or ", ".join(said.get("texts", ()))
+        caption = f"**{told}** · {request.method} at `{said['layer']}`"
+        menu = gradio().Radio(choices=word_menu(words), value=0)
+        return menu, self.explorer.word_picture(photo, request, 0), caption
+
+    def show_word(
+        self, photo: str, question: str, answer: str, texts: str, method: str, alpha: float, colormap: str, word: int
+    ) -> Image.Image:
+        """A clicked word's map, from the kept words."""
+        request = self.explorer.reading(question, answer, texts, method, alpha=alpha, colormap=colormap)
+        return self.explorer.word_picture(photo, request, int(word or 0))
+
     def explain(self, image: str, model: str, method: str, target: str) -> tuple[Image.Image, dict[str, float], str]:
         """The endpoint ``/explain``: one image's overlay, its top classes (or entries) with their probabilities,
         and the layer used. For a model of clips, scans or signals, ``image`` is such a file, drawn at the map's
@@ -354,10 +375,13 @@ def components(explorer: Explorer, groups: tuple[str, ...]) -> dict[str, Any]:
 
 
 def build(app: App) -> Any:
-    """The page: photos and their entries on the left, the overlay and a second one to compare in the middle and
-    on the right, the faithfulness metrics and the downloads below."""
+    """The page, as the model's task has it: photos and their entries on the left, the overlay and a second one to
+    compare in the middle and on the right, the faithfulness metrics and the downloads below; for a task whose
+    click picks a word, the words' page (:func:`explain.explorer.words.build_words`)."""
     gr = gradio()
     explorer = app.explorer
+    if explorer.task.click == "word":
+        return build_words(app)
     with gr.Blocks(title=f"explain: {explorer.spec.name}") as page:
         gr.Markdown(f"### explain · {explorer.spec.name} ({explorer.task.name})")
         with gr.Row():
@@ -459,19 +483,32 @@ def serve(
     device: str = "cpu",
     quiet: bool = False,
 ) -> None:
-    """Start the app and serve until interrupted (a vision-language model's page is
-    :func:`explain.explorer.words.serve_words`).
+    """Start the app and serve until interrupted.
 
     Args:
-        model: The model's name (see :func:`explain.load_model`).
+        model: The model's name (see :func:`load_named`).
         weights: A checkpoint of it, or None.
         host: The address to listen on; anything but 127.0.0.1 lets others on the network use it (a warning says so).
         port: The port.
         device: Where the model runs.
         quiet: Print nothing but warnings.
     """
-    spec = on_model_thread(load_model)(model, weights, device=device)  # the first torch calls there too
-    launch(build(on_model_thread(App)(spec, lambda name: load_model(name, device=device))), host, port, quiet)
+    spec = on_model_thread(load_named)(model, weights, device)  # the first torch calls there too
+    launch(build(on_model_thread(App)(spec, lambda name: load_named(name, None, device))), host, port, quiet)
+
+
+def load_named(model: str, weights: str | None = None, device: str = "cpu") -> ModelSpec | TextImageSpec:
+    """A model by its name: a vision-language model's folder (see
+    :func:`explain.models.text_image.is_text_image_model`), or any other name :func:`explain.load_model` takes.
+
+    Raises:
+        ExplainError: ``weights`` for a vision-language model's folder, which holds its own.
+    """
+    if not is_text_image_model(model):
+        return load_model(model, weights, device=device)
+    if weights is not None:
+        raise ExplainError(f"{model} is a vision-language model's folder: it holds its weights; drop --weights")
+    return load_text_image_model(model, device)
 
 
 def launch(page: Any, host: str, port: int, quiet: bool) -> None:

@@ -24,7 +24,7 @@ from PIL import Image
 from ..errors import ExplainError
 from ..io.atomic import write_atomically
 from ..io.files import INPUT_SUFFIXES
-from .manifest import chosen_records, previous_run, words_run
+from .manifest import chosen_records, previous_run
 
 PAGE = "index.html"
 THUMBS = "thumbs"
@@ -54,17 +54,14 @@ def thumbnail(overlay: Path, thumb: Path) -> None:
 
 
 def gallery_data(out_dir: Path) -> dict[str, Any]:
-    """The page's data from the output folder's manifest (or its manifest of words): its cards, and the inputs
-    without a map.
+    """The page's data from the output folder's manifest: its cards (one per map: a class, a box, a word, ...),
+    and the inputs without a map.
 
     Raises:
         ExplainError: The folder holds no manifest.
     """
     head, records = previous_run(out_dir)
-    if head is None:  # a vision-language run's words: a card per word, prompt or box
-        head, records = words_run(out_dir)
-    else:
-        records = chosen_records(records)
+    records = chosen_records(records)
     if head is None:
         raise ExplainError(f"{out_dir}: no manifest of an explain run here to build a gallery from")
     root = Path(head.get("cwd", "."))

@@ -23,12 +23,12 @@ from ..errors import ExplainError
 from ..io.atomic import write_atomically
 
 MANIFEST = "manifest.jsonl"
-WORDS_MANIFEST = "manifest.words.jsonl"  # a vision-language run's (see explain.export.words)
 PART_GLOB = "manifest.rank*.jsonl"
 # Version of the records' fields. 2: one list of explained targets per input; 3: each target's metrics and
 # curves (null unless asked); 4: a header line of the run's settings, paths relative to the output folder; 5: each
-# target's picture (a video's animated GIF; null for an image, whose overlay is its picture).
-SCHEMA = 5
+# target's picture (a video's animated GIF; null for an image, whose overlay is its picture); 6: the answer whose
+# words a vision-language model's targets are (null for any other).
+SCHEMA = 6
 
 
 class ResumeError(ExplainError):
@@ -56,6 +56,7 @@ def record(
     layer: str | None = None,
     raw: str | None = None,
     note: str | None = None,
+    answer: str | None = None,
 ) -> dict[str, Any]:
     """A record of one input (as the user named it) and one method: the same fields whatever the options (see
     :data:`SCHEMA`)."""
@@ -66,6 +67,7 @@ def record(
         "method": method,
         "layer": layer,
         "targets": targets,
+        "answer": answer,
         "raw": raw,
         "note": note,
         "error": error,
@@ -98,6 +100,7 @@ _FIELDS: dict[str, tuple[type, ...]] = {
     "method": (str,),
     "layer": (str, type(None)),
     "targets": (list, type(None)),
+    "answer": (str, type(None)),
     "raw": (str, type(None)),
     "note": (str, type(None)),
     "error": (str, type(None)),
@@ -165,23 +168,6 @@ def manifest_files(out_dir: Path) -> list[Path]:
     """The manifest and the parts of distributed runs found in an output folder."""
     main = out_dir / MANIFEST
     return ([main] if main.is_file() else []) + sorted(out_dir.glob(PART_GLOB))
-
-
-def words_run(out_dir: Path) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-    """The first line and the records of a vision-language run's manifest of words, each record as a heatmap
-    export's has its targets: one per word, prompt or box, named by its text (none where the folder has no such
-    manifest)."""
-    path = out_dir / WORDS_MANIFEST
-    if not path.is_file():
-        return None, []
-    head, *lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    records = [
-        {**line, "note": line.get("note"), "layer": line.get("layer"),
-         "targets": [{"class_name": t["text"], "score": t["score"], "output": t["output"]}
-                     for t in line.get("tokens") or ()]}
-        for line in lines
-    ]  # fmt: skip
-    return head, records
 
 
 def previous_run(out_dir: Path) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:

@@ -47,11 +47,13 @@ class Explained:
 
 @dataclass(frozen=True)
 class Explanation:
-    """What the model step gives an image that it explained: its targets, its raw maps by method, and the layer."""
+    """What the model step gives an image that it explained: its targets, its raw maps by method, the layer, and
+    the answer whose words the targets are (a vision-language model's)."""
 
     targets: list[Explained]
     raws: dict[str, np.ndarray]
     layer: str
+    answer: str | None = None
 
 
 @dataclass(frozen=True)
@@ -148,28 +150,20 @@ class OutputWriter:
             files += [*overlays, *figures, *pictures, *([raw] if raw else [])]
         return files
 
-    def strip_path(self, base: Path, method: str, detection: int) -> Path:
-        """Where a pose model's strip of a detection's keypoint maps is written (detections counted from 1)."""
-        return base.with_name(f"{base.name}.{method}.det{detection}.keypoints.figure.{self.render.fmt}")
+    def strip_path(self, base: Path, method: str, number: int) -> Path:
+        """Where an image's strip ``number`` (counted from 1) is written (see :attr:`Task.strip`)."""
+        part = self.task.strip.format(n=number)
+        return base.with_name(f"{base.name}.{method}.{part}.figure.{self.render.fmt}")
 
     def write(self, item: Input, image: np.ndarray, base: Path, explanation: Explanation) -> list[dict[str, Any]]:
         """Render and write one image's outputs, a map per target for each method (or their grid); returns its
         records, one per method written apart."""
-        return [
-            self._write_method(item, image, base, explanation.targets, m, explanation.raws.get(m), explanation.layer)
-            for m in self.methods
-        ]
+        return [self._write_method(item, image, base, explanation, m) for m in self.methods]
 
     def _write_method(
-        self,
-        item: Input,
-        image: np.ndarray,
-        base: Path,
-        explained: list[Explained],
-        method: str,
-        raw: torch.Tensor | None,
-        layer: str,
+        self, item: Input, image: np.ndarray, base: Path, explanation: Explanation, method: str
     ) -> dict[str, Any]:
+        explained, raw, layer = explanation.targets, explanation.raws.get(method), explanation.layer
         tags = [self.tag(e.k, e.class_name, method) for e in explained]
         outputs, figures, pictures, raw_path = self.paths(base, tags, method)
         targets, style = [], self.render
@@ -217,26 +211,26 @@ class OutputWriter:
         except Exception as err:  # a picture that cannot be drawn costs its input, never the run
             return record(item.name, self.model, method, error=f"{item.name}: cannot render outputs: {first_line(err)}")
         raw_name = self.relative(raw_path) if raw_path else None
-        return record(item.name, self.model, method, targets=targets, layer=layer, raw=raw_name)
+        return record(
+            item.name, self.model, method, targets=targets, layer=layer, raw=raw_name, answer=explanation.answer
+        )
 
     def write_strips(
         self, image: np.ndarray, base: Path, explained: list[Explained], method: str, layer: str
     ) -> list[Path]:
-        """A pose model's figures: for each detection, one strip of its explained keypoints' maps, each drawn
-        over the skeleton with its keypoint ringed (``NAME.METHOD.detD.keypoints.figure.FMT``). Returns each
-        target's figure, its detection's strip."""
-        runs: list[list[Explained]] = []
-        for e in explained:  # the K axis runs detection after detection: a detection's keypoints share its box
-            if runs and runs[-1][0].box == e.box:
-                runs[-1].append(e)
-            else:
-                runs.append([e])
+        """The figures of a task that draws strips (see :attr:`Task.strip`): a pose model's, one strip per detection
+        of its keypoints' maps, each over the skeleton with its keypoint ringed; a vision-language model's, one of
+        all its words. Returns each target's figure, its strip."""
         figures, style = [], self.render
-        for number, run in enumerate(runs, start=1):
+        for number, run in enumerate(self.task.strip_runs(explained), start=1):
             path = self.strip_path(base, method, number)
-            cams = {e.class_name: e.cams[method] for e in run}
-            marks = {e.class_name: partial(self.annotated, e) for e in run}
-            title = f"detection {number}: {len(run)} keypoint{'s' * (len(run) > 1)}, {method} at {layer}"
+            names = [e.class_name for e in run]
+            if len(set(names)) < len(names):  # an answer's words may repeat: numbered, each its own panel
+                names = [f"{i} {name}" for i, name in enumerate(names)]
+            cams = {name: e.cams[method] for name, e in zip(names, run)}
+            marks = {name: partial(self.annotated, e) for name, e in zip(names, run)}
+            many = f"{self.task.map_of}{'s' * (len(run) > 1)}"
+            title = f"{self.task.strip_title.format(n=number)}: {len(run)} {many}, {method} at {layer}"
             save_image(strip(image, cams, marks, title, style.alpha, style.colormap), path)
             figures += [path] * len(run)
         return figures

@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
@@ -32,6 +33,7 @@ from ..io.atomic import remove_temporary_files
 from ..io.video import windowed_maps
 from ..methods import Method, create_method
 from ..models import ModelSpec
+from ..models.text_image import TextImageSpec
 from ..targets import ClassTarget, RegionTarget, Target, class_index
 from ..targets.base import read_output
 from ..targets.oriented import rotated_corners, upright_boxes
@@ -56,6 +58,7 @@ from .outputs import Explained, Explanation, Failure, NothingFound, Outcome, Out
 from .ownership import FolderLock
 from .preflight import Prepared, prepare
 from .settings import ExportOptions
+from .words import WordsExplainer
 
 
 def _upright(boxes: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -66,7 +69,7 @@ def _upright(boxes: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Ten
     return upright_boxes(boxes), rotated_corners(boxes.flatten(0, 1)).view(*boxes.shape[:2], 4, 2)
 
 
-def _writer(out_dir: Path, spec: ModelSpec, options: ExportOptions, task: Task) -> OutputWriter:
+def _writer(out_dir: Path, spec: ModelSpec | TextImageSpec, options: ExportOptions, task: Task) -> OutputWriter:
     """The run's writer, naming each map's files as the task tells them apart."""
     return OutputWriter(
         out_dir, spec.name, task, options.methods.written, options.topk, options.render, spec.preprocessing
@@ -84,7 +87,7 @@ def weights_digest(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
-def run_settings(spec: ModelSpec, options: ExportOptions) -> dict[str, Any]:
+def run_settings(spec: ModelSpec | TextImageSpec, options: ExportOptions) -> dict[str, Any]:
     """What decides an export's outputs, for its manifest's header: a resumed run must have the same. How the run
     goes (batch size, workers, resume, overwrite) is left out."""
     layer = options.layer
@@ -111,6 +114,7 @@ def run_settings(spec: ModelSpec, options: ExportOptions) -> dict[str, Any]:
         "figure": render.figure,
         "keep_aspect": options.keep_aspect,
         "metrics": list(options.metrics),
+        "reading": {**vars(options.reading), "texts": list(options.reading.texts)},
     }
     preprocessing = spec.preprocessing.settings()
     return {"model": spec.name, "weights_sha256": weights_digest(spec.model), "preprocessing": preprocessing, **chosen}
@@ -297,6 +301,12 @@ class _Explainer:
             },
         }
 
+    def outcomes(self, x: torch.Tensor, images: Sequence[np.ndarray]) -> list[Outcome]:
+        """Explain a group: its model input ``x`` and its pictures, whose sizes a detector's boxes are scaled to
+        (an image's, a clip's frames'; none else)."""
+        sizes = [(image.shape[-2], image.shape[-3]) if image.ndim >= 3 else (1, 1) for image in images]
+        return self.explain_robustly(x, sizes)
+
     def explain_robustly(self, x: torch.Tensor, sizes: Sequence[tuple[int, int]]) -> list[Outcome]:
         """Explain a group; if it fails, its images one by one, so one bad image costs only itself: an image that
         fails (the model refuses it, the target cannot be placed on it) gets a :class:`Failure`, one with nothing
@@ -317,8 +327,11 @@ class _Explainer:
         return [part for i in range(len(sizes)) for part in self.explain_robustly(x[i : i + 1], sizes[i : i + 1])]
 
 
+ModelStep = _Explainer | WordsExplainer  # what explains a group of images: a model's maps, or its words'
+
+
 def export_heatmaps(
-    spec: ModelSpec,
+    spec: ModelSpec | TextImageSpec,
     sources: Sequence[str | Path | Input] | Prepared,
     out_dir: str | Path,
     options: ExportOptions | None = None,
@@ -336,7 +349,9 @@ def export_heatmaps(
     each process explains its share of the inputs on its own device and the manifest is merged at the end.
 
     Args:
-        spec: The model and its preprocessing (see :func:`explain.models.load_model`).
+        spec: The model and its preprocessing (see :func:`explain.models.load_model`), or a vision-language model
+            and its processor (:func:`explain.models.text_image.load_text_image_model`), whose words are explained
+            (``options.reading`` says what it reads).
         sources: Files, folders (searched recursively) and glob patterns, or the
             inputs :func:`explain.export.inputs.collect_inputs` found in them, or a run the caller prepared
             (:func:`explain.export.preflight.prepare`: its inputs found and its folder checked, once).
@@ -356,7 +371,7 @@ def export_heatmaps(
         sources = prepare(sources, out_dir, options.resume, options.overwrite, spec.preprocessing.kind)
     inputs = sources.inputs
     device = process.device(torch.device(device))
-    explainer = _Explainer(spec, options, device, task)
+    explainer = (WordsExplainer if isinstance(spec, TextImageSpec) else _Explainer)(spec, options, device, task)
     writer = _writer(out_dir, spec, options, task)
     head = header(run_settings(spec, options))
     lock = FolderLock(out_dir, last=process.rank == 0)
@@ -466,7 +481,7 @@ class _Recorder:
 
 
 def _run(
-    explainer: _Explainer,
+    explainer: ModelStep,
     writer: OutputWriter,
     todo: Sequence[Input],
     bases: Mapping[Input, Path],
@@ -510,13 +525,11 @@ def _run(
 
 
 def _write_jobs(
-    explainer: _Explainer, writer: OutputWriter, group: Group, files: Sequence[Input], bases: Mapping[Input, Path]
+    explainer: ModelStep, writer: OutputWriter, group: Group, files: Sequence[Input], bases: Mapping[Input, Path]
 ) -> list[Callable[[], list[dict[str, Any]]]]:
     """Explain a group; returns for each image the job that writes its outputs and returns its records."""
     images = [pixels.numpy() for pixels in group.images]
-    # each input's (width, height), which a detector's boxes are scaled to (an image's, a clip's frames'; none else)
-    sizes = [(image.shape[-2], image.shape[-3]) if image.ndim >= 3 else (1, 1) for image in images]
-    parts = explainer.explain_robustly(group.x, sizes)
+    parts = explainer.outcomes(group.x, images)
     jobs = []
     for position, image, outcome in zip(group.positions, images, parts):
         item = files[position]

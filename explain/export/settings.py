@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..catalog import ALL_METHODS, FAST_METHOD_NAMES, check_method, check_metrics
 from ..errors import ExplainError
-from ..tasks.asked import Asked, Prompt
+from ..tasks.asked import Asked, Prompt, Reading
 
 if TYPE_CHECKING:
     from ..models import ModelSpec
+    from ..models.text_image import TextImageSpec
     from ..tasks.base import Task
 
 LayerChoice = str | Sequence[str] | None  # a dotted name, several (fused), or None: the automatic layer
@@ -134,6 +135,7 @@ class ExportOptions:
         resume: Continue the run whose manifest the output folder holds (its settings must be these).
         overwrite: Start afresh in a folder that holds one (removing the files its manifest names and its
             gallery); with neither, such a folder is refused.
+        reading: What a vision-language model reads besides each image: a question, or text prompts.
         methods: The parsed ``method`` and ``method_options`` (set when made).
 
     Raises:
@@ -155,6 +157,7 @@ class ExportOptions:
     workers: int | None = None
     resume: bool = False
     overwrite: bool = False
+    reading: Reading = field(default_factory=Reading)
     methods: MethodSelection = field(init=False)
 
     def __post_init__(self) -> None:
@@ -189,33 +192,40 @@ class ExportOptions:
             raise ExplainError("--workers must be 0 or more")
         if self.resume and self.overwrite:
             raise ExplainError("--resume and --overwrite exclude each other")
+        self.reading.check()
 
     @property
     def asked(self) -> Asked:
         """What is explained, as asked: what a task builds its target from."""
-        return Asked(self.target, self.topk, self.score_threshold, self.keypoint, self.prompt, self.metrics)
+        return Asked(
+            self.target, self.topk, self.score_threshold, self.keypoint, self.prompt, self.metrics, self.reading
+        )
 
-    def check_task(self, spec: ModelSpec) -> Task:
+    def check_task(self, spec: ModelSpec | TextImageSpec) -> Task:
         """The rules that tie the settings to the model's task (see :meth:`explain.tasks.base.Task.check`) and
-        classes; returns the task.
+        input; returns the task.
 
         Raises:
             ExplainError: An option the model's task does not take (``topk`` or ``metrics`` for a model that is
-                not a classifier, ...), or ``topk`` above its number of classes.
+                not a classifier, a question for one that reads none, ...), ``topk`` above its number of
+                classes, or an option its input has no use for.
         """
         from ..tasks.registry import task_of  # the model is loaded: torch is there
 
-        name, classes = spec.name, len(spec.labels)
+        name, reads = spec.name, spec.preprocessing
         task = task_of(spec, self.keypoint)
-        task.check(name, self.asked)
-        if self.topk is not None and self.topk > classes:
-            raise ExplainError(f"--topk {self.topk} exceeds the model's {classes} classes")
-        kind = spec.preprocessing.kind
-        if getattr(spec.preprocessing, "stride", None) is not None and (self.metrics or self.topk is not None):
+        task.check(spec, self.asked)
+        if self.topk is not None and self.topk > len(spec.labels):
+            raise ExplainError(f"--topk {self.topk} exceeds the model's {len(spec.labels)} classes")
+        if task.one_method and (self.methods.grid or len(self.methods.names) > 1):
+            raise ExplainError(f"{name} is a {task.called or task.name} model: give one --method at a time")
+        if getattr(reads, "stride", None) is not None and (self.metrics or self.topk is not None):
             raise ExplainError("--clip-stride explains each video's class over its windows; drop --metrics and --topk")
-        if kind != "image" and (self.methods.grid or self.render.figure or self.keep_aspect):
+        if reads.kind != "image" and (self.methods.grid or self.render.figure or self.keep_aspect):
             raise ExplainError(
-                f"{name} explains {kind}s: --method all's grid, --figure and --keep-aspect draw or resize images; "
-                f"write each method's own {kind} outputs instead"
+                f"{name} explains {reads.kind}s: --method all's grid, --figure and --keep-aspect draw or resize "
+                f"images; write each method's own {reads.kind} outputs instead"
             )
+        if self.keep_aspect and getattr(reads, "input_size", 0) is None:
+            raise ExplainError(f"--keep-aspect resizes to a model's input size; {name} reads each image at its own")
         return task

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError, first_line
+from .spec import UNIT_PREPROCESSING, Preprocessing
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,16 @@ class TextImageSpec:
     processor: Any
     name: str
     kind: Literal["answers", "detects", "scores"]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs."""
+        return next(self.model.parameters()).device
+
+    @property
+    def preprocessing(self) -> Preprocessing:
+        """How an export reads each image: whole, at its own size (the processor resizes it for the model)."""
+        return UNIT_PREPROCESSING
 
 
 @contextmanager

@@ -56,6 +56,44 @@ class Prompt:
 
 
 @dataclass(frozen=True)
+class Reading:
+    """What a vision-language model reads besides the image.
+
+    Attributes:
+        question: The question to a model that answers (a prompt copied from a model card, with its image
+            token, is read as written), or None.
+        answer: The answer whose words are explained instead of the model's own, or None.
+        texts: The text prompts of a contrastive model, or the text queries of an open-vocabulary detector.
+        max_new_tokens: The longest answer generated.
+    """
+
+    question: str | None = None
+    answer: str | None = None
+    texts: tuple[str, ...] = ()
+    max_new_tokens: int = 16
+
+    @property
+    def given(self) -> bool:
+        """Whether anything is given for a vision-language model to read."""
+        return self.question is not None or self.answer is not None or bool(self.texts)
+
+    def check(self) -> None:
+        """Refuse a reading that contradicts itself, whatever the model.
+
+        Raises:
+            ExplainError: Naming the options.
+        """
+        if self.answer is not None and self.question is None:
+            raise ExplainError("--answer explains an answer to a --prompt: give the prompt too")
+        if self.texts and self.question is not None:
+            raise ExplainError(
+                "--prompt asks a model that answers, --text scores prompts with a contrastive one: give one"
+            )
+        if self.max_new_tokens < 1:
+            raise ExplainError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
 class Asked:
     """What is explained, as the user asked it; a task turns it into its target.
 
@@ -67,6 +105,7 @@ class Asked:
         keypoint: A pose model's keypoint (a name, an index, or ``"all"``), explained for each detection.
         prompt: A depth estimator's region or a promptable segmenter's prompt.
         metrics: The faithfulness metrics measured for each map.
+        reading: What a vision-language model reads besides the image.
     """
 
     target: int | str | None = None
@@ -75,6 +114,7 @@ class Asked:
     keypoint: str | None = None
     prompt: Prompt = field(default_factory=Prompt)
     metrics: tuple[str, ...] = ()
+    reading: Reading = field(default_factory=Reading)
 
 
 @dataclass(frozen=True)
@@ -99,6 +139,9 @@ OPTIONS = {
     ),
     "region": Option(lambda asked: asked.prompt.regional, "--region explains a depth estimator's region"),
     "prompt": Option(lambda asked: asked.prompt.prompting, "--point and --box prompt a promptable segmenter (SAM)"),
+    "reading": Option(
+        lambda asked: asked.reading.given, "--prompt, --answer and --text are read by a vision-language model"
+    ),
 }
 
 
@@ -116,4 +159,3 @@ def refuse_untaken(asked: Asked, takes: frozenset[str], model: str, kind: str) -
     for name, option in OPTIONS.items():
         if name not in takes and option.given(asked):
             raise ExplainError(f"{option.purpose}; {model} is a {kind} model")
-

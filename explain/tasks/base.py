@@ -8,12 +8,13 @@ line, the export, the explorer, the notebook and ``explain evaluate`` ask it; no
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
 from ..errors import ExplainError
 from ..models import ModelSpec
+from ..models.text_image import TextImageSpec
 from ..targets import Target
 from .asked import Asked, Prompt, refuse_untaken
 
@@ -33,7 +34,10 @@ class Task:
             place, they are picked from a list), ``"pick"`` (the entry under it), ``"prompt"`` (a point, or two
             corners of a box, prompt the model) or ``"region"`` (two corners of the region).
         click_label: What the explorer says a click does.
-        strips: Whether ``--figure`` draws, per detection, one strip of its maps rather than a figure per map.
+        strip: Where ``--figure`` draws strips of maps rather than a figure per map, each strip's part of its
+            file name, ``{n}`` its number (``"det{n}.keypoints"``: a strip per detection); empty: no strips.
+        strip_title: Each strip's title, ``{n}`` its number.
+        one_method: Whether a run gives it one method at a time.
     """
 
     name: ClassVar[str]
@@ -43,7 +47,24 @@ class Task:
     classifies: ClassVar[bool] = False
     click: ClassVar[str] = "pick"
     click_label: ClassVar[str] = ""
-    strips: ClassVar[bool] = False
+    strip: ClassVar[str] = ""
+    strip_title: ClassVar[str] = ""
+    one_method: ClassVar[bool] = False
+
+    @property
+    def strips(self) -> bool:
+        """Whether ``--figure`` draws strips of maps rather than a figure per map."""
+        return bool(self.strip)
+
+    def strip_runs(self, explained: list[Any]) -> list[list[Any]]:
+        """The maps of an image that each strip draws: a detection's, whose maps share its box, in order."""
+        runs: list[list[Any]] = []
+        for e in explained:
+            if runs and runs[-1][0].box == e.box:
+                runs[-1].append(e)
+            else:
+                runs.append([e])
+        return runs
 
     @property
     def picks(self) -> bool:
@@ -58,13 +79,13 @@ class Task:
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
-    def check(self, model: str, asked: Asked) -> None:
+    def check(self, spec: ModelSpec | TextImageSpec, asked: Asked) -> None:
         """Refuse, in one line, an option the task does not take or a prompt it cannot use.
 
         Raises:
             ExplainError: Naming the option, what it is for, and the model.
         """
-        refuse_untaken(asked, self.takes, model, self.called or self.name)
+        refuse_untaken(asked, self.takes, spec.name, self.called or self.name)
         asked.prompt.check()
 
     def target(self, spec: ModelSpec, asked: Asked) -> Target:

@@ -123,7 +123,7 @@ class Keypoints(Detection):
     """A pose model's keypoint (``keypoint``: a name, an index, or ``"all"``) of each detection, scored by the
     model's own keypoint confidence; ``--figure`` draws each detection's keypoints in one strip."""
 
-    name, map_of, strips = "pose", "keypoint", True
+    name, map_of, strip, strip_title = "pose", "keypoint", "det{n}.keypoints", "detection {n}"
 
     def target(self, spec: ModelSpec, asked: Asked) -> Target:
         keypoint = asked.keypoint or "all"
@@ -173,10 +173,10 @@ class PromptedMask(Task):
     takes = frozenset({"prompt"})
     click_label = "Click the photo to prompt the model: a point, or two corners of a box"
 
-    def check(self, model: str, asked: Asked) -> None:
-        super().check(model, asked)
+    def check(self, spec: ModelSpec, asked: Asked) -> None:
+        super().check(spec, asked)
         if not asked.prompt.prompting:
-            raise ExplainError(f"{model} draws the mask of a prompt: give --point x,y or --box x1,y1,x2,y2")
+            raise ExplainError(f"{spec.name} draws the mask of a prompt: give --point x,y or --box x1,y1,x2,y2")
 
     def target(self, spec: ModelSpec, asked: Asked) -> Target:
         return PromptMaskTarget()

@@ -20,8 +20,12 @@ from ..errors import ExplainError
 from ..models.query_models import phrase_text, phrase_tokens
 from ..models.text_image import TextImageSpec
 from ..models.tiles import ROWS_AND_COLUMNS
+from ..targets import Target
 from .answers import explain_answer, explain_prompts, explain_queries
+from .asked import Asked, slug
 from .base import Task
+
+LayerChoice = str | Sequence[str] | None
 
 
 @dataclass(frozen=True)
@@ -39,9 +43,7 @@ class WordsRequest:
         colormap: The heatmap's colours.
         score_threshold: A detector's least score of an explained box.
         layer: The layer (None: the automatic one).
-        save_raw: Also write every word's map as ``.npy``.
         method_options: The method's options (``fuse``, ``smooth_samples``, ...; see :class:`explain.CAM`).
-        fmt: The overlays' and the strip's format: ``"png"`` or ``"jpg"``.
     """
 
     prompt: str | None
@@ -53,9 +55,7 @@ class WordsRequest:
     colormap: str = "jet"
     score_threshold: float = 0.1
     layer: str | Sequence[str] | None = None
-    save_raw: bool = False
     method_options: Mapping[str, Any] = field(default_factory=dict)
-    fmt: str = "png"
 
 
 @dataclass(frozen=True)
@@ -90,15 +90,48 @@ class WordsTask(Task):
     called = "vision-language"
     click = "word"
     click_label = "Click a word to see where the model looked"
+    takes = frozenset({"reading"})
+    strip = "words"
+    one_method = True
 
-    def check_request(self, spec: TextImageSpec, request: WordsRequest) -> None:
-        """Refuse, in one line, a request the model cannot read.
+    def check(self, spec: TextImageSpec, asked: Asked) -> None:
+        """As every task's, and what the model reads: a question to a model that answers, text prompts or queries
+        to another.
 
         Raises:
             ExplainError: A question to a model of text prompts, or the reverse, or nothing to read.
         """
-        if (request.prompt is not None) != self.question or (not self.question and not request.texts):
+        super().check(spec, asked)
+        if asked.target is not None:
+            raise ExplainError(f"--target names a class; {spec.name} is a vision-language model: its words are its own")
+        reading = asked.reading
+        if (reading.question is not None) != self.question or (not self.question and not reading.texts):
             raise ExplainError(f"{spec.name} {self.does}: give {self.asks}")
+
+    def request(self, asked: Asked, method: str, layer: LayerChoice, options: Mapping[str, Any]) -> WordsRequest:
+        """What an export asks of each image: the reading asked, with a method, its options and a layer."""
+        reading = asked.reading
+        threshold = WordsRequest.score_threshold if asked.score_threshold is None else asked.score_threshold
+        return WordsRequest(reading.question, reading.answer, reading.texts, reading.max_new_tokens, method,
+                            score_threshold=threshold, layer=layer, method_options=options)  # fmt: skip
+
+    def target(self, spec: TextImageSpec, asked: Asked) -> Target:  # type: ignore[override]
+        """None: a vision-language model's maps are of its words, found by :meth:`words`.
+
+        Raises:
+            ExplainError: Always, naming the way to its words' maps.
+        """
+        raise ExplainError(
+            f"{spec.name} is a vision-language model: its maps are of its words; ask for them with a question or "
+            "text prompts (Explorer.reading and Explorer.words, or explain.explain_answer)"
+        )
+
+    def tag(self, k: int, class_name: str, method: str, topk: int | None) -> str:
+        return f".{method}.{k:02d}.{slug(class_name)}"
+
+    def strip_runs(self, explained: list[Any]) -> list[list[Any]]:
+        """All the image's words in one strip."""
+        return [list(explained)] if explained else []
 
     def words(
         self, spec: TextImageSpec, image: Image.Image, request: WordsRequest
@@ -115,11 +148,12 @@ class Answers(WordsTask):
     """Each word of a model's answer to a question about the image (LLaVA, PaliGemma, Qwen2-VL, ...)."""
 
     name, map_of, does, asks, question = "answers", "word", "answers prompts", "--prompt QUESTION", True
+    strip_title = "the answer"
 
-    def check_request(self, spec: TextImageSpec, request: WordsRequest) -> None:
-        """As every task's, and a prompt that can be read faithfully (see :func:`prompt_text`)."""
-        super().check_request(spec, request)
-        prompt_text(spec.processor, request.prompt or "")
+    def check(self, spec: TextImageSpec, asked: Asked) -> None:
+        """As every words task's, and a prompt that can be read faithfully (see :func:`prompt_text`)."""
+        super().check(spec, asked)
+        prompt_text(spec.processor, asked.reading.question or "")
 
     def words(
         self, spec: TextImageSpec, image: Image.Image, request: WordsRequest
@@ -148,6 +182,7 @@ class Prompts(WordsTask):
     """Each text prompt of a contrastive model (CLIP, SigLIP), by the image's logit against it."""
 
     name, map_of, does, asks = "prompts", "prompt", "scores text prompts", "--text 'a cat, a remote'"
+    strip_title = "the prompts"
 
     def words(
         self, spec: TextImageSpec, image: Image.Image, request: WordsRequest
@@ -170,7 +205,8 @@ class Queries(WordsTask):
     """Each box an open-vocabulary detector (OWL-ViT, OWLv2, Grounding DINO) finds for text queries."""
 
     name, map_of, does, asks = "queries", "box of a text query", "detects text queries", "--text 'a cat, a remote'"
-    takes = frozenset({"score_threshold"})
+    takes = frozenset({"reading", "score_threshold"})
+    strip_title = "the boxes"
 
     def words(
         self, spec: TextImageSpec, image: Image.Image, request: WordsRequest
@@ -260,5 +296,3 @@ def _whole_image(processor: Any) -> dict[str, Any]:
     if not getattr(images, "do_center_crop", False) or crop is None:
         return {}
     return {"do_center_crop": False, "size": {"height": crop["height"], "width": crop["width"]}}
-
-

@@ -21,13 +21,15 @@ TASKS: dict[str, type[Task]] = {
 TEXT_TASKS: dict[str, type[WordsTask]] = {"answers": Answers, "scores": Prompts, "detects": Queries}
 
 
-def task_of(spec: ModelSpec, keypoint: str | None = None) -> Task:
+def task_of(spec: ModelSpec | TextImageSpec, keypoint: str | None = None) -> Task:
     """The task of a model: its spec's, a detector's refined by what it finds (oriented boxes, where the model
-    says so; a pose model's keypoints, where ``keypoint`` is asked).
+    says so; a pose model's keypoints, where ``keypoint`` is asked); a vision-language model's from its kind.
 
     Raises:
         ExplainError: A spec whose task is none of :data:`TASKS`.
     """
+    if isinstance(spec, TextImageSpec):
+        return words_task_of(spec)
     kind = TASKS.get(spec.task)
     if kind is None:
         raise ExplainError(f"{spec.name}: unknown task {spec.task!r}; a ModelSpec's task is one of {', '.join(TASKS)}")
