@@ -682,7 +682,7 @@ EVALUATE = "evaluate"  # ``explain evaluate ...``: which method to trust, measur
 def _evaluate(argv: Sequence[str]) -> int:
     """``explain evaluate``: score methods and layers with the metrics, rank them, write the report."""
     from .evaluation import command
-    from .models import load_model
+    from .models.loaders import load_named
 
     parser = _Parser(
         prog="explain evaluate",
@@ -696,7 +696,7 @@ def _evaluate(argv: Sequence[str]) -> int:
     missing = [item for item in inputs if item.path is None]
     if missing:
         raise UsageError(missing[0].error or f"{missing[0].name}: not found")
-    spec = load_model(args.model, args.weights, None, _device(args.device))
+    spec = load_named(args.model, args.weights, _device(args.device))
     print(command.run(args, spec, [item.path for item in inputs]))
     return EXIT_OK
 

@@ -634,3 +634,17 @@ def test_a_words_run_under_torchrun_shares_its_images_and_writes_what_one_proces
     files = [{p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
              for out in (tmp_path / "alone", tmp_path / "two")]  # fmt: skip
     assert len(files[0]) == 6 and files[0] == files[1]  # two overlays an image, the marker and the manifest
+
+
+def test_evaluate_refuses_a_vision_language_model_in_one_line(clip_folder, tmp_path, capsys) -> None:
+    """``explain evaluate`` scores one target per image; a model of words has none: one line before any image is
+    read, nothing written."""
+    from explain.cli import main
+
+    assert main(["evaluate", str(CAT), "--model", str(clip_folder), "-o", str(tmp_path / "no")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("explain", "Traceback"))]
+    assert errors == [
+        "explain: error: explain evaluate scores maps of a classifier's class, a detector's box or a segmenter's "
+        f"class; {clip_folder} is a vision-language model"
+    ]
+    assert not (tmp_path / "no").exists()

@@ -110,7 +110,9 @@ def evaluate(
         ExplainError: An unknown metric, masks missing or of the wrong size, boxes missing or outside their image,
             an image that cannot be read, or a folder that holds an earlier evaluation without ``resume``.
     """
-    metrics = chosen_metrics(metric_names, masks is not None or boxes is not None, task_of(spec))
+    task = task_of(spec)
+    task.check_evaluated(spec)  # before any image is read
+    metrics = chosen_metrics(metric_names, masks is not None or boxes is not None, task)
     given = read_boxes(boxes) if boxes is not None else None
     scenes = [_loaded(spec, Path(path), masks, given) for path in images]
     names = [name for name, _ in scenes]

@@ -24,8 +24,9 @@ from PIL import Image
 
 from ..errors import ExplainError
 from ..io.render import data_uri
-from ..models import ModelSpec, load_model
-from ..models.text_image import TextImageSpec, is_text_image_model, load_text_image_model
+from ..models import ModelSpec
+from ..models.loaders import load_named
+from ..models.text_image import TextImageSpec
 from ..targets import class_index
 from .controls import ALPHA_STEP, CONTROLS, VIEW, Control
 from .session import Explorer, Shown, View, bundled_photos, prompt_of
@@ -108,7 +109,7 @@ class App:
     """The app's state: one model's explorer at a time, and the handlers the page calls.
 
     Args:
-        spec: The model to start with: any that :func:`load_named` loads.
+        spec: The model to start with: any that :func:`explain.models.loaders.load_named` loads.
         load: Builds another model by name (for the endpoint's ``model``); the old one is dropped first.
     """
 
@@ -486,7 +487,7 @@ def serve(
     """Start the app and serve until interrupted.
 
     Args:
-        model: The model's name (see :func:`load_named`).
+        model: The model's name (see :func:`explain.models.loaders.load_named`).
         weights: A checkpoint of it, or None.
         host: The address to listen on; anything but 127.0.0.1 lets others on the network use it (a warning says so).
         port: The port.
@@ -495,20 +496,6 @@ def serve(
     """
     spec = on_model_thread(load_named)(model, weights, device)  # the first torch calls there too
     launch(build(on_model_thread(App)(spec, lambda name: load_named(name, None, device))), host, port, quiet)
-
-
-def load_named(model: str, weights: str | None = None, device: str = "cpu") -> ModelSpec | TextImageSpec:
-    """A model by its name: a vision-language model's folder (see
-    :func:`explain.models.text_image.is_text_image_model`), or any other name :func:`explain.load_model` takes.
-
-    Raises:
-        ExplainError: ``weights`` for a vision-language model's folder, which holds its own.
-    """
-    if not is_text_image_model(model):
-        return load_model(model, weights, device=device)
-    if weights is not None:
-        raise ExplainError(f"{model} is a vision-language model's folder: it holds its weights; drop --weights")
-    return load_text_image_model(model, device)
 
 
 def launch(page: Any, host: str, port: int, quiet: bool) -> None:

@@ -23,6 +23,7 @@ from .dense import dense_kind
 from .names import BUNDLED_MODEL as BUNDLED
 from .names import DEFAULT_MODEL, USER_MODEL, is_user_model
 from .spec import UNIT_PREPROCESSING, ClipPreprocessing, ModelSpec, Preprocessing, Task
+from .text_image import TextImageSpec, is_text_image_model, load_text_image_model
 
 
 def imagenet_labels() -> list[str]:
@@ -352,3 +353,19 @@ def _load_efficientnet_lite0(weights: str | Path | None) -> ModelSpec:
         labels=_default_labels(imagenet_labels(), count),
         preprocessing=Preprocessing(224, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), Image.Resampling.BICUBIC),
     )
+
+
+def load_named(
+    model: str, weights: str | None = None, device: str | torch.device = "cpu"
+) -> ModelSpec | TextImageSpec:
+    """A model by its name: a vision-language model's folder or cached Hub name (see
+    :func:`explain.models.text_image.is_text_image_model`), or any other name :func:`load_model` takes.
+
+    Raises:
+        ModelLoadError: ``weights`` for a vision-language model's folder, which holds its own; or as the loaders.
+    """
+    if not is_text_image_model(model):
+        return load_model(model, weights, device=device)
+    if weights is not None:
+        raise ModelLoadError(f"{model} is a vision-language model's folder: it holds its weights; drop --weights")
+    return load_text_image_model(model, device)

@@ -38,6 +38,7 @@ class Task:
             file name, ``{n}`` its number (``"det{n}.keypoints"``: a strip per detection); empty: no strips.
         strip_title: Each strip's title, ``{n}`` its number.
         one_method: Whether a run gives it one method at a time.
+        evaluates: Whether ``explain evaluate`` scores its maps (it has one thing to explain per image).
     """
 
     name: ClassVar[str]
@@ -50,6 +51,7 @@ class Task:
     strip: ClassVar[str] = ""
     strip_title: ClassVar[str] = ""
     one_method: ClassVar[bool] = False
+    evaluates: ClassVar[bool] = False
 
     @property
     def strips(self) -> bool:
@@ -100,16 +102,26 @@ class Task:
         """What tells one image's outputs apart: the method, and which of its maps."""
         raise NotImplementedError
 
+    def check_evaluated(self, spec: ModelSpec | TextImageSpec) -> None:
+        """Refuse, in one line, a model of a task that ``explain evaluate`` cannot score.
+
+        Raises:
+            ExplainError: The task has no one thing to explain per image.
+        """
+        if not self.evaluates:
+            raise ExplainError(
+                f"explain evaluate scores maps of a classifier's class, a detector's box or a segmenter's class; "
+                f"{spec.name} is a {self.called or self.name} model"
+            )
+
     def evaluated(self, spec: ModelSpec, name: str, x: Tensor) -> Target | None:
         """What ``explain evaluate`` explains in an image: None for the task's default target.
 
         Raises:
             ExplainError: The task has no one thing to explain per image, or the image holds none.
         """
-        raise ExplainError(
-            f"explain evaluate scores maps of a classifier's class, a detector's box or a segmenter's class; "
-            f"{spec.name} is a {self.name} model"
-        )
+        self.check_evaluated(spec)
+        return None
 
     def probe_prompt(self, size: tuple[int, int]) -> tuple[float, ...]:
         """A prompt under which the explorer looks at the model's layers on a photo of (width, height): none, for

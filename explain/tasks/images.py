@@ -43,6 +43,7 @@ class Classification(Task):
     """A classifier's class: ``target`` for every image, else each image's top class (or its ``topk`` top)."""
 
     name, map_of, classifies, click = "classification", "class", True, ""
+    evaluates = True
     takes = frozenset({"topk", "metrics"})
 
     def target(self, spec: ModelSpec, asked: Asked) -> Target:
@@ -65,6 +66,7 @@ class Segmentation(Task):
     background left out."""
 
     name, map_of = "segmentation", "segment"
+    evaluates = True
     click_label = "Click a segment to explain it"
 
     def target(self, spec: ModelSpec, asked: Asked) -> Target:
@@ -89,6 +91,7 @@ class Detection(Task):
     """A detector's boxes: every detection scoring at least ``score_threshold`` (of class ``target``, if given)."""
 
     name, map_of = "detection", "box"
+    evaluates = True
     takes = frozenset({"keypoint", "score_threshold"})
     click_label = "Click a detection (or a pose's keypoint) to explain it"
     matched = DetectionTarget
