@@ -289,17 +289,23 @@ def test_a_model_is_traced_once_whatever_flags_its_calls_change(method: str, cou
 
 
 def test_the_structure_is_checked_once_per_call(monkeypatch) -> None:
-    """The structure check walks every module's attributes: once per call, on entering it, not at each look-up."""
+    """The structure check walks every module's attributes: once per call, on entering it, not at each look-up; the
+    structure itself is built once, when it is first learned, and again only after a change."""
     from explain.core import context
 
     checks: list[int] = []
-    original = context.structure
-    monkeypatch.setattr(context, "structure", lambda modules: (checks.append(1), original(modules))[1])
+    built: list[int] = []
+    check, build = context.unchanged, context.structure
+    monkeypatch.setattr(context, "unchanged", lambda modules, known: (checks.append(1), check(modules, known))[1])
+    monkeypatch.setattr(context, "structure", lambda modules: (built.append(1), build(modules))[1])
     model, x = branchy(), images()
     explain.gradcam(model, x)  # first call: trace, settled layer
     explain.gradcam(model, x)
     explain.gradcam(model, x, "stem")
-    assert len(checks) == 3
+    assert len(checks) == 3 and len(built) == 1
+    model.stem.stride = (2, 2)  # a convolution's stride: a new trace
+    explain.gradcam(model, x)
+    assert len(checks) == 4 and len(built) == 2
 
 
 class Headed(nn.Module):
@@ -425,3 +431,28 @@ def test_forget_leaves_no_entry_anywhere_and_a_dropped_model_is_freed() -> None:
     del resnet, yolo, learned, model
     gc.collect()
     assert all(ref() is None for ref in gone)
+
+
+CHANGES = {
+    "a module replaced": lambda m: setattr(m, "layer4", nn.Sequential(nn.Conv2d(256, 512, 1), nn.ReLU())),
+    "a module added": lambda m: m.layer4.append(nn.Conv2d(512, 512, 1)),
+    "a parameter's shape": lambda m: (setattr(m.fc, "weight", nn.Parameter(torch.randn(7, 512))),
+                                      setattr(m.fc, "bias", nn.Parameter(torch.zeros(7)))),
+    "a buffer": lambda m: setattr(m.layer4[1].bn2, "running_mean", torch.randn(512)),
+    "a patched forward": lambda m: setattr(m.layer4[1], "forward", torch.relu),
+    "a convolution's stride": lambda m: setattr(m.conv1, "stride", (4, 4)),
+    "a module removed": lambda m: delattr(m.layer4[1], "relu") or setattr(m.layer4[1], "relu", nn.Identity()),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_model_changed_after_a_call_is_explained_as_a_fresh_copy_of_it(change: str) -> None:
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=5).eval()
+    x = images()
+    explain.GradCAM(model)(x, 3)  # learned
+    CHANGES[change](model)
+    result, fresh = explain.GradCAM(model)(x, 3), fresh_maps(model, x)
+    assert result.layer == fresh.layer
+    torch.testing.assert_close(result.cams, fresh.cams)
+    torch.testing.assert_close(result.scores, fresh.scores)
