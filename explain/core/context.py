@@ -59,6 +59,8 @@ class ModelContext:
             caught by a tensor hook.
         families: The model families whose passes spare part of the backward (see :mod:`explain.core.families`),
             or None until asked.
+        names: The model's modules by dotted name, the model itself aside, as its structure has them (held
+            weakly), or None until asked.
     """
 
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -74,6 +76,7 @@ class ModelContext:
     modified_in_place: weakref.WeakSet[nn.Module] = field(default_factory=weakref.WeakSet)
     downstream: weakref.WeakSet[nn.Module] = field(default_factory=weakref.WeakSet)
     families: tuple[Any, ...] | None = None
+    names: weakref.WeakValueDictionary[str, nn.Module] | None = None
 
     def clear(self) -> None:
         """Drop every learned entry; the lock stays."""
@@ -87,6 +90,7 @@ class ModelContext:
         self.modified_in_place.clear()
         self.downstream.clear()
         self.families = None
+        self.names = None
 
     def holds(self) -> bool:
         """Whether anything is learned (the structure it was learned on aside)."""

@@ -19,7 +19,7 @@ from .context import input_signature, target_kind
 from .families import Picture, picture_recorded
 from .hooks import Hooks, layer_entry, output_entry, with_entry
 from .layouts import Geometry, Layout, find_layout, grid_fits
-from .model_state import eval_mode, frozen_parameters, model_context
+from .model_state import eval_mode, frozen_parameters, model_context, module_names
 from .op_trace import Observed, OpTrace
 
 LayerSpec = str | nn.Module | None
@@ -43,7 +43,7 @@ def resolve_layer(
         LayerError: The name is unknown (the message names layers with spatial
             outputs, the closest names first) or the module is not part of ``model``.
     """
-    names = {name: module for name, module in model.named_modules() if name}
+    names = module_names(model)
     if isinstance(layer, nn.Module):
         for name, module in names.items():
             if module is layer:

@@ -17,7 +17,8 @@ with those of the pass around it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -153,3 +154,12 @@ def modules_of(model: nn.Module) -> list[nn.Module]:
     them); else a new walk."""
     walked = _PASSES.__dict__.get("walks", {}).get(id(model))
     return list(model.modules()) if walked is None else walked
+
+
+def module_names(model: nn.Module) -> Mapping[str, nn.Module]:
+    """The model's modules by dotted name, the model itself aside: found once per structure (see
+    :func:`model_context`), then kept in its context."""
+    context = model_context(model)
+    if context.names is None:
+        context.names = weakref.WeakValueDictionary((name, m) for name, m in model.named_modules() if name)
+    return context.names

@@ -11,6 +11,7 @@ transformers' attention rolled out through the layers), ``legrad.py`` (each bloc
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -58,8 +59,9 @@ METHODS: dict[str, type[CAM]] = {entry.name: globals()[entry.cls] for entry in M
 FAST_METHODS = list(FAST_METHOD_NAMES)
 
 
-def method_options(method: str) -> set[str]:
-    """The options (keyword arguments besides ``labels``) that a method's class takes."""
+@functools.cache
+def method_options(method: str) -> frozenset[str]:
+    """The options (keyword arguments besides ``labels``) that a method's class takes, read once per method."""
     names: set[str] = set()
     for cls in METHODS[method].__mro__:
         if "__init__" not in cls.__dict__:
@@ -68,7 +70,7 @@ def method_options(method: str) -> set[str]:
         names |= {p.name for p in parameters if p.kind is p.KEYWORD_ONLY}
         if not any(p.kind is p.VAR_KEYWORD for p in parameters):
             break
-    return names - {"labels"}
+    return frozenset(names - {"labels"})
 
 
 def create_method(
