@@ -289,14 +289,14 @@ def test_a_model_is_traced_once_whatever_flags_its_calls_change(method: str, cou
 
 
 def test_the_structure_is_checked_once_per_call(monkeypatch) -> None:
-    """The structure check walks every module's attributes: once per call, on entering it, not at each look-up; the
+    """The structure check reads every module's attributes: once per call, on entering it, not at each look-up; the
     structure itself is built once, when it is first learned, and again only after a change."""
     from explain.core import context
 
     checks: list[int] = []
     built: list[int] = []
-    check, build = context.unchanged, context.structure
-    monkeypatch.setattr(context, "unchanged", lambda modules, known: (checks.append(1), check(modules, known))[1])
+    check, build = context.walked, context.structure
+    monkeypatch.setattr(context, "walked", lambda model, known: (checks.append(1), check(model, known))[1])
     monkeypatch.setattr(context, "structure", lambda modules: (built.append(1), build(modules))[1])
     model, x = branchy(), images()
     explain.gradcam(model, x)  # first call: trace, settled layer

@@ -14,8 +14,8 @@ context under a key that holds everything that decides it:
   module itself, as a patched ``forward``; the ``training`` and ``inplace`` flags aside, which explain's calls
   change for their length: the traces run in eval mode, the backward rules out of place). A change to any of
   them drops every learned entry, so that a replaced stage, a swapped head, a switched branch or a new stride is
-  traced afresh. The check compares the walk with what was learned, module by module, without building the
-  structure again (:func:`unchanged`);
+  traced afresh. The check reads the learned structure, module by module, without walking the model or building
+  the structure again (:func:`walked`);
 - per entry, the **input signature** (:func:`input_signature`: the shape of one input without its batch axis,
   dtype and device, and the model's further keyword arguments), and for the automatic layers the **target's
   kind** (:func:`target_kind`).
@@ -103,9 +103,9 @@ _GUARD = threading.Lock()
 
 
 def structure(modules: Sequence[nn.Module]) -> tuple[Any, ...]:
-    """The structure of a model walked as ``modules``: per module, its identity, how many attributes and children
-    it has, its switches (and any function set on it, as a patched ``forward``), and the shape, dtype and device
-    of each of its parameters and buffers."""
+    """The structure of a model walked as ``modules``: per module, a weak reference to it, how many attributes it
+    has, its children, its switches (and any function set on it, as a patched ``forward``), and the shape, dtype
+    and device of each of its parameters and buffers."""
     return tuple(_entry(module) for module in modules)
 
 
@@ -114,7 +114,8 @@ def _entry(module: nn.Module) -> tuple[Any, ...]:
     found = module.__dict__
     keys = [key for key, value in found.items() if _switch(key, value)]
     values = [found[key] for key in keys]
-    return id(module), len(found), len(found["_modules"]), keys, [*map(type, values)], values, _tensors(found)
+    children = [*map(id, found["_modules"].values())]
+    return weakref.ref(module), len(found), children, keys, [*map(type, values)], values, _tensors(found)
 
 
 def _switch(key: str, value: Any) -> bool:
@@ -136,19 +137,24 @@ def _tensors(found: Mapping[str, Any]) -> list[Any]:
             if t is not None]  # fmt: skip
 
 
-def unchanged(modules: Sequence[nn.Module], known: tuple[Any, ...] | None) -> bool:
-    """Whether a model walked as ``modules`` has the structure ``known`` (see :func:`structure`), checked module by
-    module without building it again: a tenth of the time, and less where it differs early."""
-    if known is None or len(modules) != len(known):
-        return False
-    for module, (identity, size, children, keys, types, values, tensors) in zip(modules, known):
-        found = module.__dict__
-        if id(module) != identity or len(found) != size or len(found["_modules"]) != children:
-            return False
+def walked(model: nn.Module, known: tuple[Any, ...] | None) -> list[nn.Module] | None:
+    """The model's modules in the order :meth:`nn.Module.modules` walks them, read from its learned structure
+    ``known`` without walking it, where the model still has that structure (each module alive, with the same
+    children in the same order, attributes, switches, parameters and buffers: so the walk is the same); else
+    None."""
+    if known is None:
+        return None
+    modules = []
+    for reference, size, children, keys, types, values, tensors in known:
+        module = reference()
+        found = getattr(module, "__dict__", None)
+        if found is None or len(found) != size or [*map(id, found["_modules"].values())] != children:
+            return None
         now = [found.get(key, _MISSING) for key in keys]
         if [*map(type, now)] != types or now != values or _tensors(found) != tensors:  # equal types: plain ==
-            return False
-    return True
+            return None
+        modules.append(module)
+    return modules if modules and modules[0] is model else None
 
 
 def context_of(model: nn.Module) -> ModelContext:
@@ -160,15 +166,16 @@ def context_of(model: nn.Module) -> ModelContext:
         return found
 
 
-def learned(model: nn.Module, modules: Sequence[nn.Module] | None = None) -> ModelContext:
-    """The model's context, its learned entries dropped if the model's structure changed since they were learned.
-    ``modules``: the model's walk, when the caller has it."""
+def learned(model: nn.Module) -> tuple[ModelContext, list[nn.Module]]:
+    """The model's context, its learned entries dropped if the model's structure changed since they were learned,
+    and the model's modules in walk order (read from the structure where it holds, else walked)."""
     context = context_of(model)
-    walked = list(model.modules()) if modules is None else modules
-    if not unchanged(walked, context.structure):
+    modules = walked(model, context.structure)
+    if modules is None:
+        modules = list(model.modules())
         context.clear()
-        context.structure = structure(walked)
-    return context
+        context.structure = structure(modules)
+    return context, modules
 
 
 def forget(model: nn.Module) -> None:

@@ -121,15 +121,13 @@ def buffers_kept(model: nn.Module, modules: list[nn.Module] | None = None) -> It
 @contextmanager
 def untouched(model: nn.Module) -> Iterator[None]:
     """Everything a CAM call must leave as it was: parameter flags, training flags, buffers; other threads' calls
-    on the model wait meanwhile. The model's modules are walked once, on entry, and serve :func:`modules_of`
-    within the block; on the outermost entry, that walk checks what explain learned about the model against its
-    structure (see :func:`model_context`), before any rule changes a module's flags."""
+    on the model wait meanwhile. The model's modules are found once, on entry, and serve :func:`modules_of`
+    within the block: on the outermost entry, read from the structure explain learned, checked module by module
+    (see :func:`explain.core.context.learned`), before any rule changes a module's flags."""
     with exclusive(model):
-        modules = list(model.modules())
         walks = _PASSES.__dict__.setdefault("walks", {})
         outer = walks.get(id(model))
-        if outer is None:
-            learned(model, modules)
+        modules = learned(model)[1] if outer is None else list(model.modules())
         walks[id(model)] = modules
         try:
             with frozen_parameters(model, modules), training_flags_kept(model, modules), buffers_kept(model, modules):
@@ -146,7 +144,7 @@ def model_context(model: nn.Module) -> ModelContext:
     against the model's structure on entry, once per call; else checked now."""
     if id(model) in _PASSES.__dict__.get("walks", {}):
         return context_of(model)
-    return learned(model)
+    return learned(model)[0]
 
 
 def modules_of(model: nn.Module) -> list[nn.Module]:
