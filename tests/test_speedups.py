@@ -134,3 +134,56 @@ def test_each_speedup_has_its_own_switch(monkeypatch) -> None:
     monkeypatch.setenv(VARIABLE, "rows,turbo")
     with pytest.raises(explain.ExplainError, match="no speedup 'turbo'; the speedups are rows, windows"):
         enabled("rows")
+
+
+def small_cnn() -> torch.nn.Module:
+    """A CNN with batch norms (what the scoring speedups fold), small enough for every perturbation method."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 16, 3, stride=2, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(16, 5),
+    ).eval()  # fmt: skip
+
+
+def small_vit() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model("vit_tiny_patch16_224", num_classes=5, depth=2, img_size=64).eval()
+
+
+ZOO = {"cnn": small_cnn, "vit": small_vit, "swin": hf_swin}
+# The fewest samples, masks, scales or segments each method takes, so that every one runs in well under a second.
+FEWEST = {
+    "sess": {"scales": (64,)}, "sscam": {"samples": 4}, "iscam": {"samples": 4}, "integrated_gradients": {"steps": 8},
+    "gradient_shap": {"samples": 4}, "occlusion": {"window": 16, "stride": 16}, "rise": {"masks": 32},
+    "lime": {"samples": 16, "segments": 8}, "kernel_shap": {"samples": 16, "segments": 8},
+    "feature_ablation": {"segments": 8},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("method", list(explain.METHODS))
+@pytest.mark.parametrize("family", list(ZOO))
+def test_every_method_on_every_family_is_the_same_without_the_speedups_or_refused_in_one_line(
+    family, method, monkeypatch
+) -> None:
+    """Never a crash: a finite map, the same with every speedup off, or the same one-line refusal both ways."""
+    model, x = ZOO[family](), torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    options = FEWEST.get(method, {}) | ({"seed": 0} if "seed" in explain.methods.method_options(method) else {})
+
+    def call() -> explain.CAMResult | str:
+        explain.forget(model)
+        try:
+            return explain.create_method(method, model, **options)(x, 2)
+        except explain.ExplainError as err:
+            assert "\n" not in str(err), str(err)
+            return str(err)
+
+    fast, plain = both_ways(monkeypatch, call)
+    if isinstance(fast, str) or isinstance(plain, str):
+        assert fast == plain
+        return
+    assert fast.layer == plain.layer
+    tolerance = 1e-4 if method in SCORED | {"sscam", "iscam"} else 1e-5
+    for a, b in ((fast.cams, plain.cams), (fast.raw, plain.raw)):  # a map may be zero: a score no mask moves
+        assert torch.isfinite(a).all() and torch.isfinite(b).all()
+        torch.testing.assert_close(a, b, rtol=0, atol=tolerance * max(float(b.abs().max()), 1e-12))

@@ -16,6 +16,7 @@ from ..core.layers import LayerSpec
 from ..core.maps import upsample
 from ..core.model_state import running
 from ..errors import ExplainError, TargetError
+from ..targets.base import read_output
 
 
 def slide(length: int, step: int, window: int) -> list[int]:
@@ -142,9 +143,10 @@ class SESS(CAM):
         """One image's fused map (H, W)."""
         height, width = image.shape[-2:]
         patches, places = self.windows(image)
+        read = capture.target.read or read_output  # the classifier's scores in its output (a logits field, ...)
         with torch.no_grad(), running(self.model):
             scores = torch.cat([
-                self.model(patches[i : i + self.batch_size], **capture.model_kwargs).softmax(dim=1)[:, label]
+                read(self.model(patches[i : i + self.batch_size], **capture.model_kwargs)).softmax(dim=1)[:, label]
                 for i in range(0, len(patches), self.batch_size)
             ]).clamp(min=0)  # fmt: skip
         order = scores.argsort()[math.floor(len(scores) * self.pre_filter) :]
