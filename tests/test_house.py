@@ -5,6 +5,7 @@ built once per model."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import gc
 import weakref
 from pathlib import Path
@@ -390,3 +391,23 @@ def test_no_kind_of_output_is_told_by_its_name_outside_the_tasks() -> None:
     ]
     assert not found, "\n".join(found)
     assert kind_tests(PACKAGE / "tasks" / "registry.py")  # the check reads real tables: the registry's are found
+
+
+@pytest.mark.parametrize("family", ["cnn", "vit"])
+def test_no_method_keeps_a_calls_state_on_itself(family) -> None:
+    """A method's attributes after a call are those it was built with; only the last call's layer, which ``layer``
+    reports, is kept. A call's masks, windows or attention modules live in the call (Rollout's once did not)."""
+    from test_speedups import FEWEST, ZOO
+
+    model, x = ZOO[family](), torch.randn(1, 3, 64, 64)
+
+    def state(method: object) -> dict[str, int]:
+        return {key: id(value) for key, value in vars(method).items() if key != "_layers"}
+
+    for name in explain.METHODS:
+        options = FEWEST.get(name, {}) | ({"seed": 0} if "seed" in explain.methods.method_options(name) else {})
+        method = explain.create_method(name, model, **options)
+        before = state(method)
+        with contextlib.suppress(explain.ExplainError):  # a refusal too must leave the method as it was
+            method(x, 2)
+        assert state(method) == before, name

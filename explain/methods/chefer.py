@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from ..core.attention_capture import AttentionRecorder, attention_kind
 from ..core.engine import Capture
 from ..errors import LayerError
-from .rollout import ClassHead, GradientRollout, class_head
+from .rollout import ClassHead, GradientRollout, class_head, layer_label
 
 
 def safe_divide(a: Tensor, b: Tensor) -> Tensor:
@@ -338,16 +338,17 @@ class CheferRelevance(GradientRollout):
     name = "chefer"
 
     def recorder(self, modules: Mapping[str, nn.Module]) -> BlockInputRecorder:
-        return BlockInputRecorder(self._attention, self._label, vit_parts(self.model))
+        chosen = self.attention()
+        return BlockInputRecorder(chosen, layer_label(list(chosen)), vit_parts(self.model))
 
     def weighted(self, capture: Capture) -> Tensor:
         return capture.gradients.double().clamp(min=0).mean(dim=2)  # the "gradients" are ∇A ⊙ R_A already
 
     def layer_gradients(self, recorder: Any, score: Tensor, rescore: Callable[[Any], Tensor]) -> dict[str, Tensor]:
         """The gradient at each chosen attention times its relevance, stacked: (N, layers, heads, T, T)."""
-        gradients = recorder.backward(score)[self._label]
+        gradients = recorder.backward(score)[recorder.name]
         (relevance,) = torch.autograd.grad(score, recorder.head_output, retain_graph=True)
-        names = {m: name for name, m in self._attention.items()}
+        names = {m: name for name, m in recorder.modules.items()}
         parts = recorder.parts
         found: dict[str, Tensor] = {}
         with torch.no_grad(), _unreadable_as_refusal():
@@ -362,5 +363,5 @@ class CheferRelevance(GradientRollout):
                 )
                 if block.attention in names:
                     found[names[block.attention]] = of_probabilities
-        stacked = torch.stack([found[name] for name in self._attention], dim=1)
-        return {self._label: gradients * stacked.to(gradients.dtype)}
+        stacked = torch.stack([found[name] for name in recorder.modules], dim=1)
+        return {recorder.name: gradients * stacked.to(gradients.dtype)}

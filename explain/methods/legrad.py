@@ -11,7 +11,7 @@ from ..core.attention_capture import AttentionRecorder
 from ..core.engine import Capture, Needs
 from ..core.layers import LayerSpec
 from ..errors import LayerError
-from .rollout import Rollout, class_head
+from .rollout import Rollout, class_head, layer_label
 
 ReadOut = Callable[[Tensor], Any]  # a block's tokens (N, T, C) -> an output the target scores
 
@@ -91,8 +91,9 @@ class LeGrad(Rollout):
                 f"LeGrad reads the class out of each block through the model's final norm and head; for a "
                 f"{type(self.model).__name__} give read_out=, a function of a block's tokens (N, T, C)"
             )
-        blocks = [self.model.get_submodule(name.rpartition(".")[0]) for name in self._attention]
-        return ReadOutRecorder(self._attention, self._label, blocks, self.read_out)
+        chosen = self.attention()
+        blocks = [self.model.get_submodule(name.rpartition(".")[0]) for name in chosen]
+        return ReadOutRecorder(chosen, layer_label(list(chosen)), blocks, self.read_out)
 
     def layer_gradients(self, recorder: Any, score: Tensor, rescore: Callable[[Any], Tensor]) -> dict[str, Tensor]:
         return recorder.backward_each([rescore(read) for read in recorder.read_outs])

@@ -19,7 +19,7 @@ import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -218,44 +218,48 @@ def shared_prefix_plan(
     return PrefixPlan(prefix, order, fits, base, at)
 
 
-class Masking(MaskedCopies):
-    """Base of the masking methods: ``count`` masks of the input (:meth:`keep`), the region each one's score is
-    credited to (:meth:`credit`), and how the credits are normalized (:meth:`normalized`). Every image is scored
-    under every mask; the arguments are :class:`MaskedCopies`'.
-    """
+class Masks(Protocol):
+    """One call's masks of the input: how many, each one (:meth:`keep`), and how the summed credits become the
+    attribution (:meth:`normalized`). Made anew at each call, so that the method keeps no call's state."""
 
-    def count(self, capture: Capture) -> int:
-        """How many masks the call scores per image (drawing random ones with the call's generator)."""
-        raise NotImplementedError
+    count: int
 
     def keep(self, indices: Tensor, spatial: Sequence[int]) -> Tensor:
         """Masks ``indices``, (len(indices), *spatial) in [0, 1]: 1 keeps the input, 0 puts the baseline."""
+
+    def normalized(self, total: Tensor, keeps: Tensor) -> Tensor:
+        """The attribution from the summed credits (N, *spatial) and the masks' sum (*spatial)."""
+
+
+class Masking(MaskedCopies):
+    """Base of the masking methods: a call's masks of the input (:meth:`masks`), and the region each one's score is
+    credited to (:meth:`credit`). Every image is scored under every mask; the arguments are :class:`MaskedCopies`'.
+    """
+
+    def masks(self, capture: Capture) -> Masks:
+        """The call's masks (random ones drawn with the call's generator)."""
         raise NotImplementedError
 
     def credit(self, score: Tensor, plain: Tensor, keep: Tensor) -> Tensor:
         """What each masked copy adds to the attribution of each position, (rows, *spatial)."""
         raise NotImplementedError
 
-    def normalized(self, total: Tensor, keeps: Tensor) -> Tensor:
-        """The attribution from the summed credits (N, *spatial) and the masks' sum (*spatial)."""
-        raise NotImplementedError
-
     def compute(self, capture: Capture) -> Tensor:
         x = capture.x
         spatial, device = x.shape[2:], x.device
-        count = self.count(capture)
+        drawn = self.masks(capture)
         total = x.new_zeros(len(x), *spatial, dtype=torch.float32)
         keeps = x.new_zeros(*spatial, dtype=torch.float32)
-        images = torch.arange(len(x), device=device).repeat_interleave(count)  # row r: image r // count
-        masks = torch.arange(count, device=device).repeat(len(x))  # and its mask r % count
+        images = torch.arange(len(x), device=device).repeat_interleave(drawn.count)  # row r: image r // count
+        masks = torch.arange(drawn.count, device=device).repeat(len(x))  # and its mask r % count
 
         def credited(rows: Tensor, keep: Tensor, score: Tensor) -> None:
             chosen = images[rows]
             total.index_add_(0, chosen, self.credit(score, capture.scores[chosen].float(), keep))
             keeps.add_(keep[chosen == 0].sum(dim=0))  # each mask once: the first image has them all
 
-        self.score_copies(capture, images, lambda rows: self.keep(masks[rows], spatial).float(), credited)
-        return self.normalized(total, keeps)
+        self.score_copies(capture, images, lambda rows: drawn.keep(masks[rows], spatial).float(), credited)
+        return drawn.normalized(total, keeps)
 
 
 def window_starts(size: int, window: int, stride: int) -> list[int]:
@@ -314,31 +318,46 @@ class Occlusion(Masking):
     ) -> None:
         super().__init__(model, labels=labels, baseline=baseline, batch_size=batch_size)
         self.window, self.stride = window, stride
-        self._starts, self._windows = torch.zeros(0, dtype=torch.long), ()
 
-    def count(self, capture: Capture) -> int:
+    def masks(self, capture: Capture) -> Windows:
         spatial = capture.x.shape[2:]
         rank = len(spatial)
         window = _positive_per_axis(self.window, rank, "window")
         stride = _positive_per_axis(self.stride, rank, "stride")
         starts = [window_starts(size, w, st) for size, w, st in zip(spatial, window, stride)]
-        self._starts = torch.tensor(list(itertools.product(*starts)), device=capture.x.device)  # (placements, rank)
-        self._windows = window
-        return len(self._starts)
-
-    def keep(self, indices: Tensor, spatial: Sequence[int]) -> Tensor:
-        hidden = torch.ones(len(indices), *spatial, dtype=torch.bool, device=indices.device)
-        for axis, (size, side) in enumerate(zip(spatial, self._windows)):
-            start = self._starts[indices, axis].view(-1, *(1,) * len(spatial))
-            position = torch.arange(size, device=indices.device).view(-1, *(1,) * (len(spatial) - axis - 1))
-            hidden &= (position >= start) & (position < start + side)  # inside the window along this axis
-        return (~hidden).float()
+        return Windows(torch.tensor(list(itertools.product(*starts)), device=capture.x.device), window)
 
     def credit(self, score: Tensor, plain: Tensor, keep: Tensor) -> Tensor:
         return (plain - score).view(-1, *(1,) * (keep.dim() - 1)) * (1 - keep)
 
+
+@dataclass(frozen=True)
+class Windows:
+    """Occlusion's masks of one call: each placement's window hidden.
+
+    Attributes:
+        starts: Each placement's first position along each axis, (placements, rank).
+        sides: The window's side along each axis.
+    """
+
+    starts: Tensor
+    sides: tuple[int, ...]
+
+    @property
+    def count(self) -> int:
+        """How many placements."""
+        return len(self.starts)
+
+    def keep(self, indices: Tensor, spatial: Sequence[int]) -> Tensor:
+        hidden = torch.ones(len(indices), *spatial, dtype=torch.bool, device=indices.device)
+        for axis, (size, side) in enumerate(zip(spatial, self.sides)):
+            start = self.starts[indices, axis].view(-1, *(1,) * len(spatial))
+            position = torch.arange(size, device=indices.device).view(-1, *(1,) * (len(spatial) - axis - 1))
+            hidden &= (position >= start) & (position < start + side)  # inside the window along this axis
+        return (~hidden).float()
+
     def normalized(self, total: Tensor, keeps: Tensor) -> Tensor:
-        return total / (len(self._starts) - keeps)  # each position: the placements that hide it
+        return total / (self.count - keeps)  # each position: the placements that hide it
 
 
 class RISE(Masking):
@@ -381,34 +400,55 @@ class RISE(Masking):
         super().__init__(model, labels=labels, baseline=baseline, batch_size=batch_size, seed=seed)
         if masks < 1 or cells < 1 or not 0 < p <= 1:
             raise ExplainError(f"RISE needs masks >= 1, cells >= 1 and 0 < p <= 1; got {masks}, {cells}, {p}")
-        self.masks, self.cells, self.p = masks, cells, p
-        self._grids, self._shifts = torch.zeros(0), torch.zeros(0)
+        self.count, self.cells, self.p = masks, cells, p
 
-    def count(self, capture: Capture) -> int:
+    def masks(self, capture: Capture) -> Grids:
         x, generator = capture.x, capture.generator
         rank = x.dim() - 2
-        shape = (self.masks, 1, *(self.cells,) * rank)
-        self._grids = (torch.rand(shape, device=x.device, generator=generator) < self.p).float()
+        shape = (self.count, 1, *(self.cells,) * rank)
+        grids = (torch.rand(shape, device=x.device, generator=generator) < self.p).float()
         cell = [math.ceil(side / self.cells) for side in x.shape[2:]]
-        self._shifts = torch.stack(
-            [torch.randint(0, c, (self.masks,), device=x.device, generator=generator) for c in cell], dim=1
+        shifts = torch.stack(
+            [torch.randint(0, c, (self.count,), device=x.device, generator=generator) for c in cell], dim=1
         )
-        return self.masks
-
-    def keep(self, indices: Tensor, spatial: Sequence[int]) -> Tensor:
-        rank = len(spatial)
-        large = [(self.cells + 1) * math.ceil(side / self.cells) for side in spatial]
-        upsampled = F.interpolate(self._grids[indices], size=large, mode=INTERPOLATION[rank], align_corners=False)
-        rows = torch.arange(len(indices), device=indices.device).view(-1, *(1,) * rank)
-        cut = [
-            torch.arange(size, device=indices.device).view(-1, *(1,) * (rank - axis - 1))
-            + self._shifts[indices, axis].view(-1, *(1,) * rank)
-            for axis, size in enumerate(spatial)
-        ]  # each mask's positions, shifted, along each axis
-        return upsampled[:, 0][(rows, *cut)]
+        return Grids(grids, shifts, self.cells, self.p)
 
     def credit(self, score: Tensor, plain: Tensor, keep: Tensor) -> Tensor:
         return score.view(-1, *(1,) * (keep.dim() - 1)) * keep
 
+
+@dataclass(frozen=True)
+class Grids:
+    """RISE's masks of one call: random grids of kept cells, each upsampled and cut at its shift.
+
+    Attributes:
+        grids: The grids, (masks, 1, *(cells,) * rank), 1 where a cell is kept.
+        shifts: Each mask's shift along each axis, (masks, rank).
+        cells: The grid's cells per axis.
+        p: The probability that a cell is kept.
+    """
+
+    grids: Tensor
+    shifts: Tensor
+    cells: int
+    p: float
+
+    @property
+    def count(self) -> int:
+        """How many masks."""
+        return len(self.grids)
+
+    def keep(self, indices: Tensor, spatial: Sequence[int]) -> Tensor:
+        rank = len(spatial)
+        large = [(self.cells + 1) * math.ceil(side / self.cells) for side in spatial]
+        upsampled = F.interpolate(self.grids[indices], size=large, mode=INTERPOLATION[rank], align_corners=False)
+        rows = torch.arange(len(indices), device=indices.device).view(-1, *(1,) * rank)
+        cut = [
+            torch.arange(size, device=indices.device).view(-1, *(1,) * (rank - axis - 1))
+            + self.shifts[indices, axis].view(-1, *(1,) * rank)
+            for axis, size in enumerate(spatial)
+        ]  # each mask's positions, shifted, along each axis
+        return upsampled[:, 0][(rows, *cut)]
+
     def normalized(self, total: Tensor, keeps: Tensor) -> Tensor:
-        return total / (self.masks * self.p)
+        return total / (self.count * self.p)

@@ -82,12 +82,14 @@ class Rollout(CAM):
     ) -> None:
         super().__init__(model, layer, labels=labels)
         self.fused = False  # the layers are rolled out together, not fused map by map
-        self._attention: dict[str, nn.Module] = {}  # the call's attention modules, by name
-        self._label = ""  # their layer's name in the call's records
 
-    def target_layers(
-        self, x: Tensor, model_kwargs: Mapping[str, Any], target: TargetLike = None
-    ) -> list[tuple[str, nn.Module | None]]:
+    def attention(self) -> dict[str, nn.Module]:
+        """The attention modules rolled out, by name, in the order the model runs them: those asked for, or all
+        that can be read; found anew at each call, as the model has them then (the method keeps no call's state).
+
+        Raises:
+            LayerError: A module asked for is no readable attention, or the model has none.
+        """
         readable = attention_modules(self.model)
         if self.requested is None:
             chosen = readable
@@ -108,13 +110,16 @@ class Rollout(CAM):
                 "HuggingFace's ViT, DeiT, DINOv2 and CLIP attention; "
                 "this model has none"
             )
-        self._attention = chosen
-        names = list(chosen)
-        self._label = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]} ({len(names)} attention layers)"
-        return [(self._label, None)]
+        return chosen
+
+    def target_layers(
+        self, x: Tensor, model_kwargs: Mapping[str, Any], target: TargetLike = None
+    ) -> list[tuple[str, nn.Module | None]]:
+        return [(layer_label(list(self.attention())), None)]
 
     def recorder(self, modules: Mapping[str, nn.Module]) -> AttentionRecorder:
-        return AttentionRecorder(self._attention, self._label, gradients=self.needs.gradients)
+        chosen = self.attention()
+        return AttentionRecorder(chosen, layer_label(list(chosen)), gradients=self.needs.gradients)
 
     def layout(self, name: str, activation: Tensor, geometry: Geometry, known: PassLayouts) -> Layout:
         return Layout("attention")
@@ -141,6 +146,11 @@ class Rollout(CAM):
         for an image, (N, t, h, w) for a clip's tubelets, (N, l) for a signal's patches."""
         grid, prefix = self.patch_grid(capture)
         return self.rolled_out(capture)[:, 0, prefix:].reshape(-1, *grid)
+
+
+def layer_label(names: list[str]) -> str:
+    """The attention modules' layer name in a call's records: the one, or the first and last of several."""
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]} ({len(names)} attention layers)"
 
 
 def _identity_like(attention: Tensor) -> Tensor:
