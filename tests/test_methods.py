@@ -418,7 +418,8 @@ def test_method_names_and_options_are_checked() -> None:
 
 
 def test_catalogue_names_every_method_class_once() -> None:
-    """The torch-free catalogue (``--method list``) and the classes agree on every name."""
+    """The torch-free catalogue (``--method list``), read from the classes' source, holds every method class of
+    every module of ``explain.methods`` once, with what the imported class says: a method is its class alone."""
     import importlib
     import inspect
     import pkgutil
@@ -437,8 +438,16 @@ def test_catalogue_names_every_method_class_once() -> None:
         if cls.__module__ == module.__name__ and "name" in cls.__dict__
     }
     assert {explain.METHODS[entry.name] for entry in METHOD_CATALOG} == classes
-    assert all(explain.METHODS[entry.name].name == entry.name for entry in METHOD_CATALOG)
-    assert all(explain.METHODS[entry.name].__name__ == entry.cls for entry in METHOD_CATALOG)
+    assert len(METHOD_CATALOG) == len(classes) == len(explain.METHODS)
+    for entry in METHOD_CATALOG:
+        cls = explain.METHODS[entry.name]
+        assert (cls.name, cls.__name__, cls.title, cls.fast, cls.cost) == (
+            entry.name, entry.cls, entry.title, entry.fast, entry.cost
+        )  # fmt: skip
+        assert cls.title and getattr(explain, entry.cls) is cls and entry.cls in explain.methods.__all__
+    from explain.catalog import METHOD_MODULES
+
+    assert sorted(METHOD_MODULES) == sorted(module.__name__.rpartition(".")[2] for module in files)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -127,6 +127,9 @@ class CAM:
     """
 
     name = "cam"
+    title = ""  # what it is, with its paper: its line of the catalog (see explain.catalog), read from here
+    fast = True  # one forward and at most one backward per target: part of ``--method all``
+    cost: str | None = None  # what makes a call slow, for a method of many passes (the explorer shows it)
     needs = Needs()  # what the formula needs from each pass: by default, the layers' outputs and gradients
     relu = True
     smooth_statistic = "mean"  # what the passes' maps become: their "mean", mean "square" or "variance" (VarGrad)

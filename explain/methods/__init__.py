@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Mapping, Sequence
+from importlib import import_module
 from typing import Any
 
 from torch import Tensor, nn
@@ -23,37 +24,15 @@ from ..core.engine import CAM
 from ..core.layers import LayerSpec
 from ..errors import ExplainError
 from ..targets import TargetLike
-from .activation import FEM, KPCACAM, EigenCAM, OriginalCAM, RandomCAM
-from .attribution import DeepLift, GradientSHAP, InputXGradient, IntegratedGradients, Saliency, SobelCAM
-from .chefer import CheferRelevance
-from .factorization import Concepts, DeepFeatureFactorization
-from .gradient import (
-    EigenGradCAM,
-    FinerCAM,
-    FullGrad,
-    GradCAM,
-    GradCAMElementWise,
-    GradCAMPlusPlus,
-    HiResCAM,
-    LayerCAM,
-    RefineCAM,
-    SegEigenCAM,
-    ShapleyCAM,
-    XGradCAM,
-)
-from .guided import Deconvolution, GuidedBackprop, GuidedGradCAM
-from .legrad import LeGrad
-from .lrp import LRP
-from .masking import RISE, Occlusion
-from .perturbation import ISCAM, SSCAM, AblationCAM, ScoreCAM
-from .rollout import AttentionRollout, GradientRollout
-from .scales import SESS
-from .superpixels import LIME, FeatureAblation, KernelSHAP
+from .factorization import Concepts
 
 Method = CAM  # every method, the guided ones included, is a CAM subclass called the same way
 
-# Each catalogued name to its class, imported above.
-METHODS: dict[str, type[CAM]] = {entry.name: globals()[entry.cls] for entry in METHOD_CATALOG}
+# Each method's name to its class: the catalog's, read from the classes themselves (see explain.catalog).
+METHODS: dict[str, type[CAM]] = {
+    entry.name: getattr(import_module(f".{entry.module}", __name__), entry.cls) for entry in METHOD_CATALOG
+}
+globals().update({cls.__name__: cls for cls in METHODS.values()})  # explain.methods.GradCAM, ...
 
 # One forward and at most one backward per target: what ``--method all`` compares.
 FAST_METHODS = list(FAST_METHOD_NAMES)
@@ -157,53 +136,12 @@ def gradcam(
     )
 
 
-__all__ = [
+__all__ = [  # the method classes, from the catalog, then the rest
+    *(entry.cls for entry in METHOD_CATALOG),
     "FAST_METHODS",
-    "FEM",
-    "ISCAM",
-    "KPCACAM",
-    "LIME",
-    "LRP",
     "METHODS",
-    "RISE",
-    "SESS",
-    "SSCAM",
-    "AblationCAM",
-    "AttentionRollout",
-    "CheferRelevance",
     "Concepts",
-    "Deconvolution",
-    "DeepFeatureFactorization",
-    "DeepLift",
-    "EigenCAM",
-    "EigenGradCAM",
-    "FeatureAblation",
-    "FinerCAM",
-    "FullGrad",
-    "GradCAM",
-    "GradCAMElementWise",
-    "GradCAMPlusPlus",
-    "GradientRollout",
-    "GradientSHAP",
-    "GuidedBackprop",
-    "GuidedGradCAM",
-    "HiResCAM",
-    "InputXGradient",
-    "IntegratedGradients",
-    "KernelSHAP",
-    "LayerCAM",
-    "LeGrad",
     "Method",
-    "Occlusion",
-    "OriginalCAM",
-    "RandomCAM",
-    "RefineCAM",
-    "Saliency",
-    "ScoreCAM",
-    "SegEigenCAM",
-    "ShapleyCAM",
-    "SobelCAM",
-    "XGradCAM",
     "cam",
     "create_method",
     "gradcam",

@@ -41,6 +41,7 @@ class OriginalCAM(CAM):
     """
 
     name = "cam"
+    title = "CAM (Zhou et al. 2016)"
     needs = Needs(gradients=False)
     relu = False
 
@@ -63,6 +64,7 @@ class EigenCAM(CAM):
     """
 
     name = "eigencam"
+    title = "Eigen-CAM (Muhammad & Yeasin 2020)"
     needs = Needs(gradients=False)
 
     def compute(self, capture: Capture) -> Tensor:
@@ -82,6 +84,8 @@ class RandomCAM(CAM):
     A method that scores no better than this on a metric is not explaining the model."""
 
     name = "random"
+    title = "random channel weights, a baseline"
+    fast = False
     needs = Needs(gradients=False)
 
     def weights(self, capture: Capture) -> Tensor:
@@ -108,6 +112,7 @@ class KPCACAM(EigenCAM):
     """
 
     name = "kpcacam"
+    title = "KPCA-CAM, kernel principal component (Karmani et al. 2024)"
 
     def __init__(
         self,
@@ -145,6 +150,7 @@ class FEM(CAM):
     """
 
     name = "fem"
+    title = "FEM, channels' outstanding positions (Fuad et al. 2020)"
     needs = Needs(gradients=False)
 
     def __init__(

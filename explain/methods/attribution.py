@@ -118,6 +118,7 @@ class Saliency(InputAttribution):
     """
 
     name = "saliency"
+    title = "Saliency, the input's gradient (Simonyan et al. 2014)"
 
     def attribution(self, capture: Capture) -> Tensor:
         return capture.gradients
@@ -134,6 +135,7 @@ class InputXGradient(InputAttribution):
     """
 
     name = "input_x_gradient"
+    title = "Input x Gradient (Shrikumar et al. 2016)"
 
     def attribution(self, capture: Capture) -> Tensor:
         return capture.x * capture.gradients
@@ -220,6 +222,9 @@ class IntegratedGradients(FromBaseline):
     """
 
     name = "integrated_gradients"
+    title = "Integrated Gradients (Sundararajan et al. 2017)"
+    fast = False
+    cost = "a forward and backward per step"
     needs = Needs(gradients=False, map_of_input=True)  # the plain pass binds; the path's points give the gradients
 
     def __init__(
@@ -284,6 +289,9 @@ class GradientSHAP(InputAttribution):
     """
 
     name = "gradient_shap"
+    title = "GradientSHAP, expected gradients (Lundberg & Lee 2017)"
+    fast = False
+    cost = "a forward and backward per sample"
     needs = Needs(gradients=False, map_of_input=True)  # the plain pass binds; the draws give the gradients
 
     def __init__(
@@ -349,6 +357,8 @@ class SobelCAM(InputAttribution):
     """
 
     name = "sobel"
+    title = "Sobel-CAM, the input's edges: a baseline"
+    fast = False
     needs = Needs(gradients=False, map_of_input=True)
 
     def attribution(self, capture: Capture) -> Tensor:
@@ -394,6 +404,8 @@ class DeepLift(FromBaseline):
     """
 
     name = "deeplift"
+    title = "DeepLift, the rescale rule (Shrikumar et al. 2017)"
+    fast = False
     # the rule replaces the nonlinearities' slopes wherever the gradient goes
     needs = Needs(gradients=False, input_gradient=True, whole_backward=True, map_of_input=True)
 

@@ -336,6 +336,8 @@ class CheferRelevance(GradientRollout):
     """
 
     name = "chefer"
+    title = "Chefer 2021a, relevance and gradient rolled out (Chefer et al. 2021)"
+    fast = False
 
     def recorder(self, modules: Mapping[str, nn.Module]) -> BlockInputRecorder:
         chosen = self.attention()

@@ -66,6 +66,8 @@ class DeepFeatureFactorization(CAM):
     """
 
     name = "dff"
+    title = "Deep Feature Factorization, NMF concepts (Collins et al. 2018)"
+    fast = False
     needs = Needs(gradients=False)
     relu = False
 

@@ -29,6 +29,7 @@ class GradCAM(CAM):
     """
 
     name = "gradcam"
+    title = "Grad-CAM (Selvaraju et al. 2017)"
 
     def weights(self, capture: Capture) -> Tensor:
         return capture.gradients.mean(dim=capture.spatial)
@@ -48,6 +49,7 @@ class GradCAMPlusPlus(CAM):
     """
 
     name = "gradcampp"
+    title = "Grad-CAM++ (Chattopadhyay et al. 2018)"
 
     def weights(self, capture: Capture) -> Tensor:
         g, a = capture.gradients, capture.activations
@@ -66,6 +68,7 @@ class XGradCAM(CAM):
     """
 
     name = "xgradcam"
+    title = "XGrad-CAM (Fu et al. 2020)"
     epsilon = 1e-7
 
     def weights(self, capture: Capture) -> Tensor:
@@ -83,6 +86,7 @@ class HiResCAM(CAM):
     """
 
     name = "hirescam"
+    title = "HiResCAM (Draelos & Carin 2020)"
 
     def weighted_activations(self, capture: Capture) -> Tensor:
         return capture.gradients * capture.activations
@@ -94,6 +98,7 @@ class GradCAMElementWise(CAM):
     """
 
     name = "gradcam_elementwise"
+    title = "Grad-CAM, element-wise ReLU"
 
     def weighted_activations(self, capture: Capture) -> Tensor:
         return torch.relu(capture.gradients * capture.activations)
@@ -108,6 +113,7 @@ class LayerCAM(CAM):
     """
 
     name = "layercam"
+    title = "LayerCAM (Jiang et al. 2021)"
 
     def weighted_activations(self, capture: Capture) -> Tensor:
         return torch.relu(capture.gradients) * capture.activations
@@ -119,6 +125,7 @@ class EigenGradCAM(CAM):
     """
 
     name = "eigengradcam"
+    title = "Eigen-Grad-CAM, principal component of g*A"
 
     def weighted_activations(self, capture: Capture) -> Tensor:
         return capture.gradients * capture.activations
@@ -137,6 +144,7 @@ class SegEigenCAM(CAM):
     """
 
     name = "segeigencam"
+    title = "Seg-Eigen-CAM, principal component of |g|*A (Chung & Ying 2025)"
 
     def weighted_activations(self, capture: Capture) -> Tensor:
         return capture.gradients.abs() * capture.activations
@@ -165,6 +173,9 @@ class ShapleyCAM(CAM):
     """
 
     name = "shapleycam"
+    title = "ShapleyCAM, gradient and Hessian (Cai et al. 2025)"
+    fast = False
+    cost = "a second backward, through the Hessian"
     needs = Needs(curvature=True)
 
     def backward_rule(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> AbstractContextManager[Any]:
@@ -186,6 +197,8 @@ class RefineCAM(GradCAMPlusPlus):
     """
 
     name = "refinecam"
+    title = "RefineCAM, Grad-CAM++ maps of layers multiplied"
+    fast = False
 
     def __init__(self, model: nn.Module, layer: LayerSpec | Sequence[str | nn.Module] = None, **options: Any) -> None:
         super().__init__(model, layer, **{"fuse": "product", **options})
@@ -220,6 +233,8 @@ class FullGrad(CAM):
     """
 
     name = "fullgrad"
+    title = "FullGrad, input and bias gradients (Srinivas & Fleuret 2019)"
+    fast = False
     needs = Needs(input_gradient=True, map_of_input=True)
 
     def __init__(
@@ -313,6 +328,7 @@ class FinerCAM(GradCAM):
     """
 
     name = "finercam"
+    title = "Finer-CAM, a class against its look-alikes (Zhang et al. 2025)"
 
     def __init__(
         self,

@@ -55,6 +55,7 @@ class GuidedBackprop(CAM):
     """
 
     name = "guided_backprop"
+    title = "Guided Backprop (Springenberg et al. 2015)"
     needs = Needs(gradients=False, input_gradient=True, map_of_input=True)  # no layer's gradient: the input's
 
     def __init__(self, model: nn.Module, layer: LayerSpec = None, *, labels: Sequence[str] | None = None) -> None:
@@ -92,6 +93,7 @@ class GuidedGradCAM(GuidedBackprop):
     """
 
     name = "guided_gradcam"
+    title = "Guided Grad-CAM (Selvaraju et al. 2017)"
 
     def __init__(self, model: nn.Module, layer: LayerSpec = None, *, labels: Sequence[str] | None = None) -> None:
         super().__init__(model, labels=labels)
@@ -126,4 +128,5 @@ class Deconvolution(GuidedBackprop):
     """
 
     name = "deconvolution"
+    title = "Deconvolution (Zeiler & Fergus 2014)"
     rule = "deconvolution"

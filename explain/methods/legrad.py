@@ -72,6 +72,9 @@ class LeGrad(Rollout):
     """
 
     name = "legrad"
+    title = "LeGrad, each block's read-out at its attention (Bousselham et al. 2024)"
+    fast = False
+    cost = "a backward per block"
     needs = Needs(whole_backward=True, layer_outputs=False)  # every block's read-out reads every token
 
     def __init__(

@@ -247,6 +247,7 @@ class LRP(InputAttribution):
     """
 
     name = "lrp"
+    title = "Layer-wise relevance propagation, zennit's composites (Bach et al. 2015)"
     needs = Needs(gradients=False, input_gradient=True, whole_backward=True, map_of_input=True)
 
     def __init__(

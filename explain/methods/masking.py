@@ -304,6 +304,9 @@ class Occlusion(Masking):
     """
 
     name = "occlusion"
+    title = "Occlusion, sliding windows (Zeiler & Fergus 2014)"
+    fast = False
+    cost = "one forward per window placement"
 
     def __init__(
         self,
@@ -383,6 +386,9 @@ class RISE(Masking):
     """
 
     name = "rise"
+    title = "RISE, random masks (Petsiuk et al. 2018)"
+    fast = False
+    cost = "one forward per random mask"
 
     def __init__(
         self,

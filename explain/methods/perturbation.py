@@ -70,6 +70,9 @@ class ScoreCAM(PerturbationCAM):
     """
 
     name = "scorecam"
+    title = "Score-CAM (Wang et al. 2020)"
+    fast = False
+    cost = "one forward per channel"
     skips_flat_channels = True  # a constant map's mask is known (zero): one forward per image serves them all
     folds = True  # only the input is perturbed
 
@@ -110,6 +113,9 @@ class SSCAM(ScoreCAM):
     """
 
     name = "sscam"
+    title = "SS-CAM (Wang et al. 2020)"
+    fast = False
+    cost = "a forward per channel and noise sample"
     skips_flat_channels = False
 
     def __init__(self, *args: Any, samples: int = 35, sigma: float = 2.0, **kwargs: Any) -> None:
@@ -135,6 +141,9 @@ class ISCAM(ScoreCAM):
     """
 
     name = "iscam"
+    title = "IS-CAM (Naidu et al. 2020)"
+    fast = False
+    cost = "a forward per channel and integration step"
 
     def __init__(self, *args: Any, samples: int = 10, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -157,6 +166,9 @@ class AblationCAM(PerturbationCAM):
     """
 
     name = "ablationcam"
+    title = "Ablation-CAM (Desai & Ramaswamy 2020)"
+    fast = False
+    cost = "one forward per channel"
 
     def weights(self, capture: Capture) -> Tensor:
         if capture.layout.kind != "channels_first":

@@ -171,6 +171,8 @@ class AttentionRollout(Rollout):
     """
 
     name = "attention_rollout"
+    title = "Attention Rollout (Abnar & Zuidema 2020)"
+    fast = False
     needs = Needs(gradients=False, layer_outputs=False)
 
     def rolled_out(self, capture: Capture) -> Tensor:
@@ -195,6 +197,8 @@ class GradientRollout(Rollout):
     """
 
     name = "gradient_rollout"
+    title = "Gradient-weighted rollout (Chefer et al. 2021)"
+    fast = False
 
     def weighted(self, capture: Capture) -> Tensor:
         """Each layer's weighted attention, averaged over heads: (N, layers, T, T)."""

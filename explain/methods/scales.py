@@ -71,6 +71,9 @@ class SESS(CAM):
     """
 
     name = "sess"
+    title = "SESS, a method over scaled, slid windows (Tyagi et al. 2022)"
+    fast = False
+    cost = "the base method on every window at every scale"
     needs = Needs(gradients=False, map_of_input=True)  # the plain pass binds; the base method explains the windows
 
     def __init__(

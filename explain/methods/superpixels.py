@@ -141,6 +141,9 @@ class FeatureAblation(Superpixels):
     per segment and image."""
 
     name = "feature_ablation"
+    title = "Feature Ablation over superpixels"
+    fast = False
+    cost = "one forward per superpixel"
 
     def coalitions(self, m: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
         return 1 - torch.eye(m, device=device, dtype=torch.long)
@@ -181,6 +184,9 @@ class LIME(Superpixels):
     """
 
     name = "lime"
+    title = "LIME over superpixels (Ribeiro et al. 2016)"
+    fast = False
+    cost = "one forward per sample"
 
     def __init__(
         self,
@@ -230,6 +236,9 @@ class KernelSHAP(Superpixels):
     """
 
     name = "kernel_shap"
+    title = "Kernel SHAP over superpixels (Lundberg & Lee 2017)"
+    fast = False
+    cost = "one forward per sample"
 
     def __init__(
         self, model: nn.Module, layer: LayerSpec = None, *, labels: Sequence[str] | None = None, samples: int = 500,
