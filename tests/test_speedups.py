@@ -187,3 +187,33 @@ def test_every_method_on_every_family_is_the_same_without_the_speedups_or_refuse
     for a, b in ((fast.cams, plain.cams), (fast.raw, plain.raw)):  # a map may be zero: a score no mask moves
         assert torch.isfinite(a).all() and torch.isfinite(b).all()
         torch.testing.assert_close(a, b, rtol=0, atol=tolerance * max(float(b.abs().max()), 1e-12))
+
+
+@pytest.mark.parametrize("family", list(ZOO))
+@pytest.mark.parametrize("images", [1, 2])
+def test_the_automatic_layer_is_the_searchs_whether_the_pass_settles_it_or_not(family, images, monkeypatch) -> None:
+    """One image on an unseen model: the trace's own forward settles the layer; two: the call's own pass among the
+    last candidates; with ``layer_in_pass`` off, the search of every candidate. The same layer and maps each way,
+    on the first call and on the next, which reads the remembered layer: one route, two speedups of it."""
+    from explain.core import layers
+
+    model = ZOO[family]()
+    x = torch.randn(images, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    searches: list[int] = []
+    search = layers.find_auto_layers
+    monkeypatch.setattr(layers, "find_auto_layers", lambda *args: searches.append(1) or search(*args))
+
+    def calls() -> list[explain.CAMResult]:
+        explain.forget(model)
+        return [explain.GradCAM(model)(x, 2) for _ in range(2)]
+
+    monkeypatch.delenv(VARIABLE, raising=False)
+    settled = calls()
+    # settled by a pass, then remembered; a Swin's last tokens lie on several grids: only the search tells
+    assert len(searches) == (family == "swin")
+    searches.clear()
+    monkeypatch.setenv(VARIABLE, ",".join(name for name in SPEEDUPS if name != "layer_in_pass"))
+    searched = calls()
+    assert len(searches) == 1  # searched once, then remembered
+    for fast, plain in zip(settled, searched):
+        assert_same(fast, plain)

@@ -42,6 +42,7 @@ from .layers import (
 from .layouts import Geometry, Layout, Reshape
 from .maps import INTERPOLATION, Canvas, covered, has_nonzero, normalize_maps, upsample
 from .model_state import model_context, running
+from .speedups import enabled
 from .watch import PassLayouts
 
 AUG_SCALES = (0.9, 1.0, 1.1)
@@ -325,25 +326,40 @@ class PassRunner:
         self.model_kwargs, self.generator, self.goal = model_kwargs, generator, goal
         self.automatic = method.automatic
         self.search: PendingSearch | None = None
+        self.traced = False
         self.layers: list[tuple[str, nn.Module | None]] = []
-        settles = self.automatic and self._settles_in_pass()
-        fresh = len(x) == 1 and method.reshape is None and not knows_layers(self.model, x, model_kwargs, goal)
-        fresh = fresh and not declares_layers(self.model)
-        self.traced = settles and fresh
-        if not self.traced:
-            self._find_layers(x, settles)
+        self._decide(x)
 
-    def _find_layers(self, x: Tensor, settles: bool) -> None:
-        """The call's layers: the last candidates of the automatic layer where the plain pass settles it (see
-        :func:`explain.core.layers.pending_search`), else the method's."""
+    def _decide(self, x: Tensor, fresh: bool = False, trace: bool = True) -> None:
+        """The one place where a call's layers are decided: those the method names; else the automatic ones,
+        remembered from an earlier call of the input's signature and kind of target, or searched (``fresh``:
+        searched again, whatever was remembered). Two speedups (``layer_in_pass``, see
+        :mod:`explain.core.speedups`) settle the automatic layer without a search of its own: the call's plain
+        pass records the last candidates (:func:`explain.core.layers.pending_search`), and a call of one image on
+        a model explain knows nothing of runs the trace's own forward as that pass (``traced``, unless ``trace``
+        is off: the traced pass did not settle it)."""
+        self.search, self.traced = None, False
+        settles = self.automatic and not fresh and self._settles_in_pass() and enabled("layer_in_pass")
+        if settles and trace and self._unseen(x):
+            self.traced = True  # the traced pass decides: see _traced_pass
+            return
         if settles:
             self.search = pending_search(self.model, x, self.model_kwargs, self.goal)
         if self.search is not None:  # the call's own pass records the last candidates and settles it
             self.layers = [
                 (info.name, self.model.get_submodule(layer_entry(info.name)[0])) for info in self.search.tried
             ]
+        elif fresh:
+            self.layers = auto_layers(self.model, x, self.model_kwargs, self.goal, self.method.labels, fresh=True)
         else:
             self.layers = self.method.target_layers(x, self.model_kwargs, self.goal)
+
+    def _unseen(self, x: Tensor) -> bool:
+        """Whether the call is of one image on a model whose layers explain knows nothing of at x's signature, and
+        which declares none (the trace's own forward can then be the call's pass)."""
+        if len(x) != 1 or self.method.reshape is not None or declares_layers(self.model):
+            return False
+        return not knows_layers(self.model, x, self.model_kwargs, self.goal)
 
     def _settles_in_pass(self) -> bool:
         """Whether the plain pass can settle the automatic layer: a method whose pass takes the plain gradient at
@@ -362,16 +378,16 @@ class PassRunner:
             traced = self._traced_pass(x)
             if traced is not None:
                 return traced
-            self._find_layers(x, settles=True)
+            self._decide(x, trace=False)
         try:
             recorded = self.record(x, self.goal, plain=True)
         except LayerError:
             if not self.automatic or self.search is not None:
                 raise
-            layers = auto_layers(self.model, x, self.model_kwargs, self.goal, self.method.labels, fresh=True)
-            if [name for name, _ in layers] == [name for name, _ in self.layers]:
+            remembered = [name for name, _ in self.layers]
+            self._decide(x, fresh=True)
+            if [name for name, _ in self.layers] == remembered:
                 raise
-            self.layers = layers
             return self.record(x, self.goal, plain=True)
         return recorded if self.search is None else self._settled(recorded, x)
 
@@ -422,7 +438,7 @@ class PassRunner:
         reached = {name for by_layer in recorded.gradients for name, g in by_layer.items() if has_nonzero(g[0])}
         chosen = settle(self.model, search, reached)
         if chosen is None:
-            self.layers = auto_layers(self.model, x, self.model_kwargs, self.goal, self.method.labels, fresh=True)
+            self._decide(x, fresh=True)
             return self.record(x, self.goal, plain=True)
         self.layers = [(name, module) for name, module in self.layers if name == chosen]
         recorded = recorded.kept(chosen)

@@ -22,6 +22,9 @@ SPEEDUPS = {
     "prefix": "masked copies scored through the local prefix they share with their image (explain.core.prefix)",
     "folding": "scoring forwards through a copy with its batch norms folded (explain.core.folding)",
     "channels_last": "scoring forwards on the CPU in channels-last memory (explain.core.folding)",
+    "layer_in_pass": "the automatic layer settled by the call's own pass among the last candidates, and on a model "
+    "not seen before, by the trace's own forward as that pass, rather than by a search of its own "
+    "(explain.core.runner, PassRunner._decide)",
 }
 """Each speedup's name and what it spares."""
 
