@@ -1,7 +1,7 @@
 """The pass runner: the passes of one call, run as a method says it needs them (its :class:`Needs`).
 
 A call's runner finds the layers (the automatic one settled in the call's own pass where it can, see
-:func:`explain.core.layers.pending_search`), runs the plain pass (the input as given: it binds the target), then
+:mod:`explain.core.speedups.settling`), runs the plain pass (the input as given: it binds the target), then
 the views and noisy copies a method's smoothing asks for, and hands the method one :class:`Capture` per layer and
 target. Around each pass it enters the model's families (:mod:`explain.core.families`: a detector's canvas, a
 transformer's patch grid, the backwards spared where the score does not reach), the method's backward rule and
@@ -29,20 +29,12 @@ from ..targets import BoundTarget, Target, bound_on
 from ..targets.base import spatial_axes
 from .families import PassScope, partial_backward, picture_recorded
 from .hooks import ActivationGradientRecorder, layer_entry
-from .layers import (
-    BACKBONE,
-    PendingSearch,
-    auto_layers,
-    declares_layers,
-    knows_layers,
-    pending_search,
-    settle,
-    traced_forward,
-)
+from .layers import BACKBONE, auto_layers, declares_layers, knows_layers, traced_forward
 from .layouts import Geometry, Layout, Reshape
 from .maps import INTERPOLATION, Canvas, covered, has_nonzero, normalize_maps, upsample
 from .model_state import model_context, running
 from .speedups import enabled
+from .speedups.settling import PendingSearch, pending_search, settle
 from .watch import PassLayouts
 
 AUG_SCALES = (0.9, 1.0, 1.1)
@@ -335,9 +327,9 @@ class PassRunner:
         remembered from an earlier call of the input's signature and kind of target, or searched (``fresh``:
         searched again, whatever was remembered). Two speedups (``layer_in_pass``, see
         :mod:`explain.core.speedups`) settle the automatic layer without a search of its own: the call's plain
-        pass records the last candidates (:func:`explain.core.layers.pending_search`), and a call of one image on
-        a model explain knows nothing of runs the trace's own forward as that pass (``traced``, unless ``trace``
-        is off: the traced pass did not settle it)."""
+        pass records the last candidates (:mod:`explain.core.speedups.settling`), and a call of one image on a
+        model explain knows nothing of runs the trace's own forward as that pass (``traced``, unless ``trace`` is
+        off: the traced pass did not settle it)."""
         self.search, self.traced = None, False
         settles = self.automatic and not fresh and self._settles_in_pass() and enabled("layer_in_pass")
         if settles and trace and self._unseen(x):
@@ -394,7 +386,7 @@ class PassRunner:
     def _traced_pass(self, x: Tensor) -> PassRecord | None:
         """The plain pass of one image as the trace's own forward, run with autograd from the image (see
         :func:`explain.core.layers.traced_forward`): the trace finds the last candidates, their gradients settle the
-        automatic layer (see :func:`explain.core.layers.settle`), and its activation and gradient are the pass's.
+        automatic layer (see :mod:`explain.core.speedups.settling`), and its activation and gradient are the pass's.
         None where the candidates do not settle it, or where the model changed a candidate's output in place after
         returning it: the trace is kept, and the call's pass runs as for a known model."""
         traced = traced_forward(self.model, x, self.model_kwargs)
@@ -432,8 +424,8 @@ class PassRunner:
 
     def _settled(self, recorded: PassRecord, x: Tensor) -> PassRecord:
         """The plain pass at the automatic layer its last candidates' gradients settle (see
-        :func:`explain.core.layers.settle`): the first image's, as the search's probe reads them. Where they do
-        not settle it, the layer is searched in full and the pass run again."""
+        :mod:`explain.core.speedups.settling`): the first image's, as the search's probe reads them. Where they do not
+        settle it, the layer is searched in full and the pass run again."""
         search, self.search = self.search, None
         reached = {name for by_layer in recorded.gradients for name, g in by_layer.items() if has_nonzero(g[0])}
         chosen = settle(self.model, search, reached)
