@@ -21,7 +21,7 @@ from .export.inputs import Input, collect_inputs, listed_inputs
 from .export.preflight import Prepared, prepare
 from .export.settings import ExportOptions, Prompt, RenderOptions
 from .models.names import BUNDLED_MODEL, DEFAULT_MODEL, VIDEO_MODELS, is_user_model
-from .tasks.asked import Reading
+from .tasks.asked import Reading, texts_of
 
 if TYPE_CHECKING:
     import torch
@@ -114,8 +114,8 @@ def _what_to_say(add: Callable[..., Any]) -> None:
     add(
         "--max-new-tokens",
         type=_at_least_one,
-        default=16,
-        help="the longest answer generated for --prompt, at least 1 (default 16)",
+        help="the longest answer generated for --prompt, at least 1 (default 16; refused with --answer, which "
+        "generates none, and for a model that answers no prompt)",
     )
 
 
@@ -343,7 +343,7 @@ def _reading(args: argparse.Namespace) -> Reading:
     Raises:
         UsageError: A ``--text`` that holds none.
     """
-    texts = tuple(text.strip() for text in (args.text or "").split(",") if text.strip())
+    texts = texts_of(args.text or "")
     if args.text is not None and not texts:
         raise UsageError("--text holds no prompt: give them comma-separated, as --text 'a cat, a remote'")
     return Reading(args.prompt, args.answer, texts, args.max_new_tokens)
@@ -487,23 +487,27 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _loaded(args: argparse.Namespace) -> ModelSpec | TextImageSpec:
-    """The model the arguments name, on their device, its clips in sliding windows where asked: a vision-language
-    model from its folder (its weights and classes are its own), any other as :func:`explain.load_model` loads it.
+    """The model the arguments name, on their device (a ``torchrun`` process's own GPU), its clips in sliding
+    windows where asked: a vision-language model from its folder (its weights and classes are its own), any other
+    as :func:`explain.load_model` loads it.
 
     Raises:
-        UsageError: ``--weights`` or ``--labels`` for a vision-language model.
+        UsageError: ``--weights``, ``--labels`` or ``--clip-stride`` for a vision-language model.
     """
+    from .export.distributed import this_process
     from .models import load_model
     from .models.text_image import is_text_image_model, load_text_image_model
 
-    if is_text_image_model(args.model) or _reading(args).given:
+    device = this_process().device(_device(args.device))  # where the export runs this process's share
+
+    if is_text_image_model(args.model) or (_reading(args).given and not is_user_model(args.model)):
         if args.weights is not None or args.labels is not None or args.clip_stride is not None:
             raise UsageError(
                 f"--weights, --labels and --clip-stride are for a named architecture; {args.model} is a "
                 "vision-language model's folder, which holds its weights and reads images"
             )
-        return load_text_image_model(args.model, _device(args.device))
-    spec = load_model(args.model, args.weights, args.labels, _device(args.device))
+        return load_text_image_model(args.model, device)
+    spec = load_model(args.model, args.weights, args.labels, device)
     return spec if args.clip_stride is None else _with_clip_stride(spec, args.clip_stride)
 
 

@@ -385,3 +385,24 @@ def test_loading_for_a_cpu_model_yields_to_it_and_the_model_keeps_its_priority(d
         assert [float(v) for batch in batches for group in batch.groups for v in group.x] == [expected] * 6
     assert main([str(dataset / "a"), "-o", str(tmp_path / "out"), *LITE0, "--workers", str(workers), "--quiet"]) == 0
     assert own_priority() == before  # the thread that runs the model
+
+
+def test_a_torchrun_process_loads_its_model_on_its_own_gpu(monkeypatch) -> None:
+    """Under ``torchrun`` on CUDA, each process loads the model on the GPU of its local rank, where the export
+    puts its inputs, whatever kind of model (the device is faked: the loader is asked, nothing runs)."""
+    import explain.models
+    from explain import cli
+    from explain.models import text_image
+
+    asked: list[torch.device] = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(cli, "_device", lambda text: torch.device("cuda"))
+    monkeypatch.setattr(explain.models, "load_model", lambda *args: asked.append(args[-1]))
+    monkeypatch.setattr(text_image, "load_text_image_model", lambda name, device: asked.append(device))
+    monkeypatch.setattr(text_image, "is_text_image_model", lambda name: name == "vlm")
+    for model in ("resnet18", "vlm"):
+        args = cli.build_parser().parse_args(["photo.jpg", "--model", model])
+        cli._loaded(args)
+    assert asked == [torch.device("cuda", 1)] * 2

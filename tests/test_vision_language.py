@@ -497,6 +497,13 @@ def test_the_command_lines_text_errors_are_one_line(llava_folder, clip_folder, t
         "explain: error: --answer explains an answer to a --prompt: give the prompt too",
     ]
     assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+    bounded = "--max-new-tokens bounds the answer a model generates for a --prompt; give the prompt, without --answer"
+    for asked in (["--model", str(clip_folder), "--text", "a cat"],  # no answer generated: refused, not ignored
+                  ["--model", str(llava_folder), "--prompt", "what?", "--answer", "a cat"],
+                  ["--model", "efficientnet_lite0"]):  # fmt: skip
+        assert main([str(CAT), *asked, "--max-new-tokens", "3", "-o", str(tmp_path / "e")]) == 2
+        assert capsys.readouterr().err.strip() == f"explain: error: {bounded}"
+    assert not (tmp_path / "e").exists()
 
 
 def test_a_hub_name_that_is_not_cached_is_one_line_without_the_hub_clients_output(tmp_path) -> None:
@@ -621,19 +628,27 @@ def test_a_detector_scoring_text_tokens_instead_of_queries_is_refused() -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun's gloo group, as the export's test")
 def test_a_words_run_under_torchrun_shares_its_images_and_writes_what_one_process_does(clip_folder, tmp_path) -> None:
-    """Each of two processes explains its share of the photos; the merged folder is the one process's, byte for
-    byte."""
+    """Each of two processes explains its share of the photos; the merged folder holds the one process's files and
+    records: the same names, the same records but for float rounding (scores within 1e-5), the same overlays
+    within one level of 8-bit rounding (another process may sum in another order)."""
     from test_export import ROOT, torchrun
 
-    common = [str(CAT), str(COFFEE), "--model", str(clip_folder), "--text", "a cat, a remote", "--quiet"]
+    common = [str(CAT), str(COFFEE), "--model", str(clip_folder), "--text", "a cat, a remote", "--quiet",
+              "--format", "png"]  # fmt: skip
     alone = subprocess.run([sys.executable, str(ROOT / "cli.py"), *common, "-o", str(tmp_path / "alone")],
                            env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)  # fmt: skip
     assert alone.returncode == 0, alone.stderr
     two = torchrun(2, *common, "-o", str(tmp_path / "two"))
     assert two.wait(timeout=300) == 0, two.stderr.read()
-    files = [{p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
-             for out in (tmp_path / "alone", tmp_path / "two")]  # fmt: skip
-    assert len(files[0]) == 6 and files[0] == files[1]  # two overlays an image, the marker and the manifest
+    outs = tmp_path / "alone", tmp_path / "two"
+    names = [sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) for out in outs]
+    assert len(names[0]) == 6 and names[0] == names[1]  # two overlays an image, the marker and the manifest
+    (one, two_) = ([_head(out), *_records(out)] for out in outs)
+    scores = [[t.pop("score") for r in run[1:] for t in r["targets"]] for run in (one, two_)]
+    assert one == two_ and np.allclose(scores[0], scores[1], rtol=0, atol=1e-5)
+    for name in (n for n in names[0] if n.endswith(".png")):
+        shown = [np.asarray(Image.open(out / name), dtype=np.int16) for out in outs]
+        assert np.abs(shown[0] - shown[1]).max() <= 1, name
 
 
 def test_evaluate_refuses_a_vision_language_model_in_one_line(clip_folder, tmp_path, capsys) -> None:

@@ -40,7 +40,7 @@ from ..models import ModelSpec
 from ..models.text_image import TextImageSpec
 from ..targets import ClassTarget, Target
 from ..targets.keypoints import limbs_of
-from ..tasks.asked import Asked
+from ..tasks.asked import Asked, texts_of
 from ..tasks.base import Task
 from ..tasks.language import Word, WordsRequest, WordsTask
 from ..tasks.registry import task_of
@@ -362,7 +362,7 @@ class Explorer:
             if not question.strip():
                 raise ExplainError(f"{self.spec.name} answers prompts: type a question")
             return WordsRequest(question.strip(), answer.strip() or None, (), method=method or "gradcam", **options)
-        prompts = tuple(text.strip() for text in texts.split(",") if text.strip())
+        prompts = texts_of(texts)
         if not prompts:
             raise ExplainError(f"{self.spec.name} reads text prompts: type them comma-separated, as 'a cat, a remote'")
         return WordsRequest(None, None, prompts, method=method or "gradcam", **options)

@@ -114,7 +114,11 @@ def run_settings(spec: ModelSpec | TextImageSpec, options: ExportOptions) -> dic
         "figure": render.figure,
         "keep_aspect": options.keep_aspect,
         "metrics": list(options.metrics),
-        "reading": {**vars(options.reading), "texts": list(options.reading.texts)},
+        "reading": {
+            **vars(options.reading),
+            "texts": list(options.reading.texts),
+            "max_new_tokens": options.reading.new_tokens,  # the same run, given 16 or not
+        },
     }
     preprocessing = spec.preprocessing.settings()
     return {"model": spec.name, "weights_sha256": weights_digest(spec.model), "preprocessing": preprocessing, **chosen}

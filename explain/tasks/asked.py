@@ -10,6 +10,7 @@ from pathlib import Path
 from ..errors import ExplainError
 
 DIRECTIONS = ("larger", "smaller", "nearer", "farther")
+NEW_TOKENS = 16  # the longest answer generated, where --max-new-tokens is not given
 DETECTION_THRESHOLD = 0.5  # a detector's least score of an explained detection, where none is given
 
 
@@ -55,6 +56,12 @@ class Prompt:
         return bool(self.points) or self.box is not None
 
 
+def texts_of(text: str) -> tuple[str, ...]:
+    """Comma-separated text prompts or queries, as ``--text`` and the explorer take them: each stripped, the empty
+    ones left out."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
 @dataclass(frozen=True)
 class Reading:
     """What a vision-language model reads besides the image.
@@ -64,18 +71,24 @@ class Reading:
             token, is read as written), or None.
         answer: The answer whose words are explained instead of the model's own, or None.
         texts: The text prompts of a contrastive model, or the text queries of an open-vocabulary detector.
-        max_new_tokens: The longest answer generated.
+        max_new_tokens: The longest answer generated; None: :data:`NEW_TOKENS`.
     """
 
     question: str | None = None
     answer: str | None = None
     texts: tuple[str, ...] = ()
-    max_new_tokens: int = 16
+    max_new_tokens: int | None = None
 
     @property
     def given(self) -> bool:
         """Whether anything is given for a vision-language model to read."""
-        return self.question is not None or self.answer is not None or bool(self.texts)
+        asked = (self.question, self.answer, self.max_new_tokens)
+        return any(value is not None for value in asked) or bool(self.texts)
+
+    @property
+    def new_tokens(self) -> int:
+        """The longest answer generated, as asked or by default."""
+        return NEW_TOKENS if self.max_new_tokens is None else self.max_new_tokens
 
     def check(self) -> None:
         """Refuse a reading that contradicts itself, whatever the model.
@@ -89,8 +102,14 @@ class Reading:
             raise ExplainError(
                 "--prompt asks a model that answers, --text scores prompts with a contrastive one: give one"
             )
+        if self.max_new_tokens is None:
+            return
         if self.max_new_tokens < 1:
             raise ExplainError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if self.question is None or self.answer is not None:
+            raise ExplainError(
+                "--max-new-tokens bounds the answer a model generates for a --prompt; give the prompt, without --answer"
+            )
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from ..models.text_image import TextImageSpec
 from ..models.tiles import ROWS_AND_COLUMNS
 from ..targets import Target
 from .answers import explain_answer, explain_prompts, explain_queries
-from .asked import Asked, slug
+from .asked import NEW_TOKENS, Asked, slug
 from .base import Task
 
 LayerChoice = str | Sequence[str] | None
@@ -49,7 +49,7 @@ class WordsRequest:
     prompt: str | None
     answer: str | None
     texts: Sequence[str]
-    max_new_tokens: int = 16
+    max_new_tokens: int = NEW_TOKENS
     method: str = "gradcam"
     alpha: float = 0.5
     colormap: str = "jet"
@@ -112,7 +112,7 @@ class WordsTask(Task):
         """What an export asks of each image: the reading asked, with a method, its options and a layer."""
         reading = asked.reading
         threshold = WordsRequest.score_threshold if asked.score_threshold is None else asked.score_threshold
-        return WordsRequest(reading.question, reading.answer, reading.texts, reading.max_new_tokens, method,
+        return WordsRequest(reading.question, reading.answer, reading.texts, reading.new_tokens, method,
                             score_threshold=threshold, layer=layer, method_options=options)  # fmt: skip
 
     def target(self, spec: TextImageSpec, asked: Asked) -> Target:  # type: ignore[override]
