@@ -405,10 +405,10 @@ def test_guided_and_fused_smoothed_maps_from_the_command_line(tmp_path) -> None:
 
 def test_a_run_resolves_its_layer_once_in_its_call(tmp_path, monkeypatch) -> None:
     """One preflight: the layer given is resolved by the run's own call, once, without a probe's trace before."""
-    from explain.core import engine, layers
+    from explain.core import layers, recording
 
     calls: list[str] = []
-    for module, name in ((engine, "resolve_layer"), (layers, "resolve_layer"), (layers, "trace_layers")):
+    for module, name in ((recording, "resolve_layer"), (layers, "resolve_layer"), (layers, "trace_layers")):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
     assert main([str(CAT), str(COFFEE), "-o", str(tmp_path / "out"), "--layer", "blocks.5", "--quiet", *LITE0]) == 0

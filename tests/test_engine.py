@@ -263,3 +263,62 @@ def test_cuda_matches_cpu() -> None:
     on_gpu = explain.gradcam(model.cuda(), x.cuda(), "layer4.1.bn2", [1, 2, 3, 4], normalize=False)
     assert on_gpu.device.type == "cuda"
     torch.testing.assert_close(on_gpu.cpu(), on_cpu, atol=1e-4, rtol=1e-3)
+
+
+def test_a_method_of_its_own_recording_is_its_class_alone() -> None:
+    """A new method that records elsewhere than its layers' outputs declares a Recording in its needs and holds
+    only its formula: here the input of layer4's first block, recorded by a forward pre-hook, weighted Grad-CAM's
+    way; its map is Grad-CAM's at the module whose output that input is (layer3), computed independently."""
+    from explain.core.engine import CAM, Capture, Needs
+    from explain.core.hooks import Hooks
+    from explain.core.layouts import Layout
+    from explain.core.recording import Recording
+
+    class BlockInput:
+        def __init__(self, module: nn.Module) -> None:
+            self.modules, self.name, self._hooks = {"layer4.0": module}, "layer4.0 input", Hooks()
+            self.activations: dict[str, torch.Tensor] = {}
+
+        def __enter__(self) -> BlockInput:
+            self._hooks.forward_pre(self.modules["layer4.0"], self._keep)
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self._hooks.remove()
+
+        def _keep(self, module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+            self.leaf = args[0].detach().requires_grad_(True)
+            self.activations = {self.name: self.leaf.detach()}
+            return (self.leaf,)
+
+        def forward(self, model, x):
+            return model(x)
+
+        def backward(self, score, create_graph=False, rescore=None):
+            return {self.name: torch.autograd.grad(score, self.leaf, retain_graph=True)[0]}
+
+    class Inputs(Recording):
+        searched = False
+
+        def layers(self, method, x, model_kwargs, goal):
+            return [("layer4.0 input", None)]
+
+        def recorder(self, method, modules):
+            return BlockInput(method.model.layer4[0])
+
+        def layout(self, method, name, activation, geometry, known):
+            return Layout("channels_first")
+
+    class BlockInputCAM(CAM):
+        name = "block-input-cam"
+        needs = Needs(records=Inputs(), whole_backward=True)
+
+        def weights(self, capture: Capture) -> torch.Tensor:
+            return capture.gradients.mean(dim=(2, 3))
+
+    model = seeded("resnet18", num_classes=10)
+    x = torch.randn(2, 3, 96, 96, generator=torch.Generator().manual_seed(0))
+    got = BlockInputCAM(model)(x, [3, 8], resize=False, normalize=False)
+    expected = reference_gradcam(model, x, "layer3", [3, 8])
+    assert got.layer == "layer4.0 input" and (expected.flatten(1).amax(1) > 0).all()
+    assert (got.raw.double() - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()

@@ -411,3 +411,19 @@ def test_no_method_keeps_a_calls_state_on_itself(family) -> None:
         with contextlib.suppress(explain.ExplainError):  # a refusal too must leave the method as it was
             method(x, 2)
         assert state(method) == before, name
+
+
+PASS_STEPS = ("target_layers", "recorder", "layout", "layer_gradients", "record", "plain_pass")
+
+
+def test_a_method_holds_its_formula_and_the_runner_its_passes() -> None:
+    """No method defines how its passes record (its layers, its recorder, a layout, its gradients): it declares a
+    recording in ``needs`` (explain.core.recording) and the runner asks that; the base class has none of these
+    steps either."""
+    from explain.core.engine import CAM
+    from explain.core.recording import Recording
+
+    for cls in [CAM, *(explain.methods.METHODS[name] for name in explain.METHODS)]:
+        defined = [step for step in PASS_STEPS if any(step in vars(k) for k in cls.__mro__ if k is not object)]
+        assert not defined, (cls.__name__, defined)
+        assert isinstance(cls.needs.records, Recording), cls.__name__

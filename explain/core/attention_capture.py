@@ -180,9 +180,12 @@ class AttentionRecorder:
         self.activations = {self.name: torch.stack([self._probabilities[n] for n in self.modules], dim=1)}
         return output
 
-    def backward(self, score: Tensor, create_graph: bool = False) -> dict[str, Tensor]:
+    def backward(
+        self, score: Tensor, create_graph: bool = False, rescore: Callable[[Any], Tensor] | None = None
+    ) -> dict[str, Tensor]:
         """The gradient of the scalar ``score`` with respect to every module's probabilities, stacked like
-        them: ``{name: dS/dA}``, (N, layers, heads, T, T).
+        them: ``{name: dS/dA}``, (N, layers, heads, T, T). ``rescore`` (how the pass's target scores another
+        output) is for a recorder that reads other outputs out (LeGrad's): unused here.
 
         Raises:
             LayerError: ``create_graph``: the probabilities' gradient is not differentiated again.
@@ -229,3 +232,4 @@ def _per_head_weights(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str
         tokens = args[0].transpose(0, 1).contiguous().transpose(0, 1)
         args = (tokens, tokens, tokens, *args[3:])
     return args, {**kwargs, "need_weights": True, "average_attn_weights": False}
+

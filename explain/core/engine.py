@@ -3,7 +3,8 @@
 A method subclasses :class:`CAM` and supplies only its formula: its channel weights (:meth:`CAM.weights`), its
 element-wise weighted activations (:meth:`CAM.weighted_activations`), or how they become a map
 (:meth:`CAM.combine`); it says what its formula needs from each pass in ``needs`` (:class:`Needs`: gradients at
-the layers or at the input, curvature, a whole backward, the input's map). The passes are the pass runner's
+the layers or at the input, curvature, a whole backward, the input's map, what its passes record: see
+:mod:`explain.core.recording`). The passes are the pass runner's
 (:mod:`explain.core.runner`); a call (:meth:`CAM.__call__`) checks the input, binds the call's state (its target
 and layers, on the runner), and turns the runner's maps into the result. All map arithmetic is batched torch on
 the input's device.
@@ -11,7 +12,7 @@ the input's device.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal
 
@@ -22,14 +23,12 @@ from ..catalog import FUSIONS
 from ..errors import ExplainError, LayerError, TargetError
 from ..targets import BoundTarget, Target, TargetLike, as_target
 from .detectors import thresholds_lowered
-from .hooks import ActivationGradientRecorder
-from .layers import LayerSpec, auto_layers, resolve_layer
-from .layouts import Geometry, Layout, Reshape
+from .layers import LayerSpec
+from .layouts import Reshape
 from .maps import has_nonzero, normalize_maps, postprocess, principal_projection, upsample
-from .model_state import exclusive, model_context, untouched
+from .model_state import exclusive, untouched
 from .result import CAMResult, make_result
 from .runner import INPUT, Capture, Needs, PassRunner
-from .watch import PassLayouts
 
 __all__ = ["CAM", "INPUT", "Capture", "Needs", "check_images", "check_rank"]
 
@@ -177,23 +176,7 @@ class CAM:
     @property
     def automatic(self) -> bool:
         """Whether the method's layers are the automatic ones (none asked for), searched by the runner."""
-        return self.requested is None and not self.needs.map_of_input
-
-    def target_layers(
-        self, x: Tensor, model_kwargs: Mapping[str, Any], target: TargetLike = None
-    ) -> list[tuple[str, nn.Module | None]]:
-        """The target layers by name and module: those asked for, or the automatic ones for x and the call's
-        target (the input, for a method whose map is the input's)."""
-        if self.needs.map_of_input:
-            return [(INPUT, None)]
-        if self.requested is None:
-            return auto_layers(self.model, x, model_kwargs, target, self.labels)
-        return [resolve_layer(self.model, spec, x, model_kwargs) for spec in self.requested]
-
-    def recorder(self, modules: Mapping[str, nn.Module]) -> ActivationGradientRecorder:
-        """What records the target layers' outputs and gradients in a pass (see :mod:`explain.core.hooks`)."""
-        learned = model_context(self.model)
-        return ActivationGradientRecorder(modules, gradients=self.needs.gradients, learned=learned)
+        return self.requested is None and self.needs.records.searched and not self.needs.map_of_input
 
     def weights(self, capture: Capture) -> Tensor:
         """Channel weights (N, C)."""
@@ -318,20 +301,3 @@ class CAM:
         if self.fuse == "product":
             return stacked.prod(dim=0)
         return stacked.sum(dim=0) / len(maps) if self.fuse == "mean" else stacked.amax(dim=0)
-
-    def layout(self, name: str, activation: Tensor, geometry: Geometry, known: PassLayouts) -> Layout:
-        """How a layer's output becomes a map: the caller's ``reshape``, else as the model's context or the pass
-        itself tells (see :mod:`explain.core.watch` and :mod:`explain.core.layouts`).
-
-        Raises:
-            LayerError: The output is no map of the image.
-        """
-        if self.reshape is not None:
-            return Layout("reshape", reshape=self.reshape)
-        return known.layout(name, activation, geometry)
-
-    def layer_gradients(self, recorder: Any, score: Tensor, rescore: Callable[[Any], Tensor]) -> dict[str, Tensor]:
-        """The recorded layers' gradients of one target's summed score, by name: by default of ``score`` at every
-        layer. ``rescore`` scores another output of the pass's images the same way (LeGrad scores each layer's
-        own read-out)."""
-        return recorder.backward(score, create_graph=self.needs.curvature)

@@ -264,8 +264,11 @@ class ActivationGradientRecorder:
                 raise LayerError(f"layer {name!r} did not run during the forward pass")
         return output
 
-    def backward(self, score: Tensor, create_graph: bool = False) -> dict[str, Tensor]:
-        """Record the gradient of the scalar ``score`` with respect to each layer's output.
+    def backward(
+        self, score: Tensor, create_graph: bool = False, rescore: Callable[[Any], Tensor] | None = None
+    ) -> dict[str, Tensor]:
+        """Record the gradient of the scalar ``score`` with respect to each layer's output (``rescore``, how the
+        pass's target scores another output, is for recorders that read other outputs out: unused here).
 
         The graph is kept, so several scores of one forward can be explained; with ``create_graph`` the
         gradients are themselves differentiable (see :meth:`curvature`). Of several

@@ -33,13 +33,13 @@ from .layers import BACKBONE, auto_layers, declares_layers, knows_layers, traced
 from .layouts import Geometry, Layout, Reshape
 from .maps import INTERPOLATION, Canvas, covered, has_nonzero, normalize_maps, upsample
 from .model_state import model_context, running
+from .recording import INPUT, LAYER_OUTPUTS, Recording
 from .speedups import enabled
 from .speedups.settling import PendingSearch, pending_search, settle
 from .watch import PassLayouts
 
 AUG_SCALES = (0.9, 1.0, 1.1)
 PLAIN_VIEW = (False, 1.0)  # (flip, scale): the input as given
-INPUT = "input"  # the layer name of the input, for methods whose map is the input's
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,8 @@ class Needs:
             scores read every token (LeGrad); no family spares a part of the backward, which would only recompute
             it.
         map_of_input: The map is the input's, not a layer's (guided methods, pixel attributions).
-        layer_outputs: The layers' outputs and plain gradients, as the base recorder takes them; False for a
-            method that records something else (attention, block inputs).
+        records: What its passes record, and where (:mod:`explain.core.recording`): by default the outputs and
+            gradients of the layers it names or of the automatic ones.
     """
 
     gradients: bool = True
@@ -63,7 +63,7 @@ class Needs:
     curvature: bool = False
     whole_backward: bool = False
     map_of_input: bool = False
-    layer_outputs: bool = True
+    records: Recording = LAYER_OUTPUTS
 
     @property
     def spared(self) -> bool:
@@ -252,8 +252,8 @@ def check_reached(gradients: list[dict[str, Tensor]], bound: BoundTarget, automa
 
 
 class Method(Protocol):
-    """What the runner asks of a method: its options, what it needs, its recording and its formula (the protocol
-    :class:`explain.core.engine.CAM` implements)."""
+    """What the runner asks of a method: its options, what it needs (its recording among them), its backward rule
+    and its formula (the protocol :class:`explain.core.engine.CAM` implements)."""
 
     model: nn.Module
     labels: list[str] | None
@@ -269,22 +269,8 @@ class Method(Protocol):
     def automatic(self) -> bool:
         """Whether the layers are the automatic ones."""
 
-    def target_layers(
-        self, x: Tensor, model_kwargs: Mapping[str, Any], target: Any
-    ) -> list[tuple[str, nn.Module | None]]:
-        """The layers by name and module."""
-
-    def recorder(self, modules: Mapping[str, nn.Module]) -> Any:
-        """What records the layers in a pass."""
-
-    def layer_gradients(self, recorder: Any, score: Tensor, rescore: Callable[[Any], Tensor]) -> dict[str, Tensor]:
-        """The layers' gradients of one summed score."""
-
     def backward_rule(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> AbstractContextManager[Any]:
         """A context around each pass that changes how gradients flow."""
-
-    def layout(self, name: str, activation: Tensor, geometry: Geometry, known: PassLayouts) -> Layout:
-        """How a layer's output becomes a map."""
 
     def compute(self, capture: Capture) -> Tensor:
         """The raw map (N, h, w) of one layer and one target."""
@@ -344,7 +330,7 @@ class PassRunner:
         elif fresh:
             self.layers = auto_layers(self.model, x, self.model_kwargs, self.goal, self.method.labels, fresh=True)
         else:
-            self.layers = self.method.target_layers(x, self.model_kwargs, self.goal)
+            self.layers = self.needs.records.layers(self.method, x, self.model_kwargs, self.goal)
 
     def _unseen(self, x: Tensor) -> bool:
         """Whether the call is of one image on a model whose layers explain knows nothing of at x's signature, and
@@ -358,7 +344,7 @@ class PassRunner:
         its layers' outputs, on a model in eval mode (as the search's own probe runs it)."""
         needs = self.needs
         plain = needs.spared and not (needs.input_gradient or self.model.training)
-        return needs.gradients and needs.layer_outputs and plain
+        return needs.gradients and plain
 
     def plain_pass(self, x: Tensor) -> PassRecord:
         """The pass over the input as given (see :meth:`record`). Automatic layers kept from an earlier call that
@@ -448,7 +434,7 @@ class PassRunner:
             learned = model_context(self.model)
             recording = ActivationGradientRecorder(hooked, tensor_hook=True, gradients=needs.gradients, learned=learned)
         else:
-            recording = method.recorder(hooked)
+            recording = needs.records.recorder(method, hooked)
         if needs.input_gradient:  # the whole network is recorded, for the gradient at the input
             x = x.detach().requires_grad_(True)
         scope = PassScope(recording.modules.values(), known.sequences)
@@ -472,7 +458,7 @@ class PassRunner:
             recorded = recorder.activations
         geometry = picture.geometry(x)
         # Laid out after the pass: a layout its forward could not tell is traced now, without the pass's hooks.
-        layouts = {name: method.layout(name, a, geometry, known) for name, a in recorded.items()}
+        layouts = {name: needs.records.layout(method, name, a, geometry, known) for name, a in recorded.items()}
         gradients, curvatures = ([_laid_out(found[i], layouts) for found in derivatives] for i in (0, 1))
         if plain and needs.gradients and self.search is None:  # a pending search checks its choice
             check_reached(gradients, bound, automatic=method.requested is None)
@@ -497,7 +483,7 @@ class PassRunner:
         for it (else empty)."""
         found, curved = {}, {}
         if self.needs.gradients:
-            raw = self.method.layer_gradients(recorder, score, rescore)
+            raw = recorder.backward(score, create_graph=self.needs.curvature, rescore=rescore)
             if self.needs.curvature:
                 curved = dict(recorder.curvature(raw))
             found = {name: g.detach() for name, g in raw.items()}

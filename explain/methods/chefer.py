@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.attention_capture import AttentionRecorder, attention_kind
-from ..core.engine import Capture
+from ..core.engine import Capture, Needs
+from ..core.recording import Asking, AttentionProbabilities, layer_label
 from ..errors import LayerError
-from .rollout import ClassHead, GradientRollout, class_head, layer_label
+from .rollout import ClassHead, GradientRollout, class_head
 
 
 def safe_divide(a: Tensor, b: Tensor) -> Tensor:
@@ -312,10 +313,43 @@ class BlockInputRecorder(AttentionRecorder):
     def _keep_input(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.inputs[module] = (args[0] if args else kwargs["hidden_states"]).detach()
 
+    def backward(
+        self, score: Tensor, create_graph: bool = False, rescore: Callable[[Any], Tensor] | None = None
+    ) -> dict[str, Tensor]:
+        """The gradient at each chosen attention times its relevance, stacked: (N, layers, heads, T, T)."""
+        gradients = super().backward(score, create_graph)[self.name]
+        (relevance,) = torch.autograd.grad(score, self.head_output, retain_graph=True)
+        names = {m: name for name, m in self.modules.items()}
+        parts = self.parts
+        found: dict[str, Tensor] = {}
+        with torch.no_grad(), _unreadable_as_refusal():
+            last = self.outputs[parts.blocks[-1].block]
+            pooled = parts.head.pre_head(parts.head.norm(last[:, 0]))  # the linear head's input: norms pass
+            _check_recomputed(parts.head.linear(pooled), self.head_output.detach(), "head")
+            tokens = torch.zeros_like(last)
+            tokens[:, 0] = z_plus(pooled, parts.head.linear.weight, relevance.to(pooled.dtype))
+            for block in reversed(parts.blocks):
+                tokens, of_probabilities = block_relevance(
+                    block, self.inputs[block.block], self.outputs[block.block], tokens
+                )
+                if block.attention in names:
+                    found[names[block.attention]] = of_probabilities
+        stacked = torch.stack([found[name] for name in self.modules], dim=1)
+        return {self.name: gradients * stacked.to(gradients.dtype)}
+
 
 def _tokens(output: Any) -> Tensor:
     """A block's output tokens: the tensor itself, or the first of a tuple."""
     return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class BlockInputs(AttentionProbabilities):
+    """The attention probabilities and their gradients, with each block's input and output and the head's output
+    (:class:`BlockInputRecorder`): the gradient each gives is weighted by its relevance."""
+
+    def recorder(self, method: Asking, modules: Mapping[str, nn.Module]) -> BlockInputRecorder:
+        chosen = self.chosen(method)
+        return BlockInputRecorder(chosen, layer_label(list(chosen)), vit_parts(method.model))
 
 
 class CheferRelevance(GradientRollout):
@@ -338,32 +372,7 @@ class CheferRelevance(GradientRollout):
     name = "chefer"
     title = "Chefer 2021a, relevance and gradient rolled out (Chefer et al. 2021)"
     fast = False
-
-    def recorder(self, modules: Mapping[str, nn.Module]) -> BlockInputRecorder:
-        chosen = self.attention()
-        return BlockInputRecorder(chosen, layer_label(list(chosen)), vit_parts(self.model))
+    needs = Needs(records=BlockInputs())  # the "gradients" at the attention are weighted by its relevance
 
     def weighted(self, capture: Capture) -> Tensor:
         return capture.gradients.double().clamp(min=0).mean(dim=2)  # the "gradients" are ∇A ⊙ R_A already
-
-    def layer_gradients(self, recorder: Any, score: Tensor, rescore: Callable[[Any], Tensor]) -> dict[str, Tensor]:
-        """The gradient at each chosen attention times its relevance, stacked: (N, layers, heads, T, T)."""
-        gradients = recorder.backward(score)[recorder.name]
-        (relevance,) = torch.autograd.grad(score, recorder.head_output, retain_graph=True)
-        names = {m: name for name, m in recorder.modules.items()}
-        parts = recorder.parts
-        found: dict[str, Tensor] = {}
-        with torch.no_grad(), _unreadable_as_refusal():
-            last = recorder.outputs[parts.blocks[-1].block]
-            pooled = parts.head.pre_head(parts.head.norm(last[:, 0]))  # the linear head's input: norms pass
-            _check_recomputed(parts.head.linear(pooled), recorder.head_output.detach(), "head")
-            tokens = torch.zeros_like(last)
-            tokens[:, 0] = z_plus(pooled, parts.head.linear.weight, relevance.to(pooled.dtype))
-            for block in reversed(parts.blocks):
-                tokens, of_probabilities = block_relevance(
-                    block, recorder.inputs[block.block], recorder.outputs[block.block], tokens
-                )
-                if block.attention in names:
-                    found[names[block.attention]] = of_probabilities
-        stacked = torch.stack([found[name] for name in recorder.modules], dim=1)
-        return {recorder.name: gradients * stacked.to(gradients.dtype)}

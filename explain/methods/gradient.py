@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from ..core.engine import CAM, INPUT, Capture, Needs
 from ..core.layers import LayerSpec, traced_layers
 from ..core.maps import normalize_maps, principal_projection, upsample
+from ..core.recording import Asking, Layers, Recording
 from ..errors import ExplainError, LayerError, TargetError
 from ..targets import BoundTarget, ClassTarget, ContrastTarget, Target, TargetLike, as_target
 
@@ -208,6 +209,31 @@ BIASED = (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm)  # FullGrad'
 Scaling = Literal["map", "channel"]
 
 
+class BiasedLayers(Recording):
+    """The input, and the output of every module with a bias that maps the input (FullGrad's terms)."""
+
+    searched = False
+
+    def layers(self, method: Asking, x: Tensor, model_kwargs: Mapping[str, Any], goal: Any) -> Layers:
+        """The input, then every module with a bias whose output is a channels-first map of the input.
+
+        Raises:
+            LayerError: Such a module runs more than once in a forward (its gradient would mix the calls).
+        """
+        traced = traced_layers(method.model, x, model_kwargs)
+        layers: list[tuple[str, nn.Module | None]] = [(INPUT, None)]
+        for name, module in method.model.named_modules():
+            info = traced.get(name)
+            if not isinstance(module, BIASED) or module.bias is None or info is None or info.layout is None:
+                continue
+            if info.calls > 1:
+                raise LayerError(f"FullGrad needs every bias once per forward; layer {name!r} runs {info.calls} times")
+            if info.layout.kind == "channels_first":
+                layers.append((name, module))
+        return layers
+
+
+
 class FullGrad(CAM):
     r"""FullGrad: Srinivas & Fleuret, "Full-Gradient Representation for Neural Network Visualization", NeurIPS 2019
     (arXiv:1905.00780).
@@ -235,7 +261,7 @@ class FullGrad(CAM):
     name = "fullgrad"
     title = "FullGrad, input and bias gradients (Srinivas & Fleuret 2019)"
     fast = False
-    needs = Needs(input_gradient=True, map_of_input=True)
+    needs = Needs(input_gradient=True, map_of_input=True, records=BiasedLayers())
 
     def __init__(
         self,
@@ -255,26 +281,6 @@ class FullGrad(CAM):
     def layer(self) -> str | None:
         """The input and how many bias layers."""
         return f"{INPUT}+{len(self._layers) - 1} bias layers" if self._layers else None
-
-    def target_layers(
-        self, x: Tensor, model_kwargs: Mapping[str, Any], target: TargetLike = None
-    ) -> list[tuple[str, nn.Module | None]]:
-        """The input, then every module with a bias whose output is a channels-first map of the input.
-
-        Raises:
-            LayerError: Such a module runs more than once in a forward (its gradient would mix the calls).
-        """
-        traced = traced_layers(self.model, x, model_kwargs)
-        layers: list[tuple[str, nn.Module | None]] = [(INPUT, None)]
-        for name, module in self.model.named_modules():
-            info = traced.get(name)
-            if not isinstance(module, BIASED) or module.bias is None or info is None or info.layout is None:
-                continue
-            if info.calls > 1:
-                raise LayerError(f"FullGrad needs every bias once per forward; layer {name!r} runs {info.calls} times")
-            if info.layout.kind == "channels_first":
-                layers.append((name, module))
-        return layers
 
     @staticmethod
     def bias(module: nn.Module) -> Tensor:

@@ -10,8 +10,9 @@ from torch import Tensor, nn
 from ..core.attention_capture import AttentionRecorder
 from ..core.engine import Capture, Needs
 from ..core.layers import LayerSpec
+from ..core.recording import AttentionProbabilities, layer_label
 from ..errors import LayerError
-from .rollout import Rollout, class_head, layer_label
+from .rollout import Rollout, class_head
 
 ReadOut = Callable[[Tensor], Any]  # a block's tokens (N, T, C) -> an output the target scores
 
@@ -50,6 +51,30 @@ class ReadOutRecorder(AttentionRecorder):
         self.read_outs = [None] * len(self.blocks)
         return super().forward(model, x)
 
+    def backward(
+        self, score: Tensor, create_graph: bool = False, rescore: Callable[[Any], Tensor] | None = None
+    ) -> dict[str, Tensor]:
+        """Each attention's gradient of its own block's read-out, scored by ``rescore`` as the pass's target."""
+        if rescore is None or create_graph:
+            raise LayerError("LeGrad differentiates each block's read-out, scored as the target, once")
+        return self.backward_each([rescore(read) for read in self.read_outs])
+
+
+class BlockReadOuts(AttentionProbabilities):
+    """The attention probabilities, with each block's read-out of the class (:class:`ReadOutRecorder`), each
+    differentiated at its own block's attention."""
+
+    def recorder(self, method: LeGrad, modules: Mapping[str, nn.Module]) -> ReadOutRecorder:  # type: ignore[override]
+        read_out = method.read_out
+        if read_out is None:
+            raise LayerError(
+                f"LeGrad reads the class out of each block through the model's final norm and head; for a "
+                f"{type(method.model).__name__} give read_out=, a function of a block's tokens (N, T, C)"
+            )
+        chosen = self.chosen(method)
+        blocks = [method.model.get_submodule(name.rpartition(".")[0]) for name in chosen]
+        return ReadOutRecorder(chosen, layer_label(list(chosen)), blocks, read_out)
+
 
 class LeGrad(Rollout):
     r"""LeGrad: Bousselham et al., "LeGrad: An Explainability Method for Vision Transformers via Feature Formation
@@ -75,7 +100,7 @@ class LeGrad(Rollout):
     title = "LeGrad, each block's read-out at its attention (Bousselham et al. 2024)"
     fast = False
     cost = "a backward per block"
-    needs = Needs(whole_backward=True, layer_outputs=False)  # every block's read-out reads every token
+    needs = Needs(whole_backward=True, records=BlockReadOuts())  # every block's read-out reads every token
 
     def __init__(
         self,
@@ -87,19 +112,6 @@ class LeGrad(Rollout):
     ) -> None:
         super().__init__(model, layer, labels=labels)
         self.read_out = read_out or read_out_of(model)
-
-    def recorder(self, modules: Mapping[str, nn.Module]) -> ReadOutRecorder:
-        if self.read_out is None:
-            raise LayerError(
-                f"LeGrad reads the class out of each block through the model's final norm and head; for a "
-                f"{type(self.model).__name__} give read_out=, a function of a block's tokens (N, T, C)"
-            )
-        chosen = self.attention()
-        blocks = [self.model.get_submodule(name.rpartition(".")[0]) for name in chosen]
-        return ReadOutRecorder(chosen, layer_label(list(chosen)), blocks, self.read_out)
-
-    def layer_gradients(self, recorder: Any, score: Tensor, rescore: Callable[[Any], Tensor]) -> dict[str, Tensor]:
-        return recorder.backward_each([rescore(read) for read in recorder.read_outs])
 
     def compute(self, capture: Capture) -> Tensor:
         grid, prefix = self.patch_grid(capture)

@@ -1,24 +1,20 @@
 """Methods of vision transformers' attention: the class token's row of the attention rolled out through
-the layers, on the patch grid. The probabilities are captured by
-:class:`explain.core.attention_capture.AttentionRecorder`."""
+the layers, on the patch grid. The probabilities are recorded as :class:`explain.core.recording.AttentionProbabilities`
+says."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..core.attention_capture import AttentionRecorder, attention_modules
 from ..core.engine import CAM, Capture, Needs
 from ..core.layers import LayerSpec
-from ..core.layouts import Geometry, Layout
-from ..core.watch import PassLayouts
+from ..core.recording import ATTENTION
 from ..errors import LayerError
-from ..targets import TargetLike
 
 
 @dataclass(frozen=True)
@@ -69,9 +65,8 @@ class Rollout(CAM):
         labels: Class names, to accept a class name as target.
     """
 
-    needs = Needs(layer_outputs=False)  # the attention probabilities and their gradients
+    needs = Needs(records=ATTENTION)  # the attention probabilities and their gradients; no layer given: all of them
     relu = False  # the rolled-out attention is not negative
-    automatic = False  # no layer given: every attention module, not a searched layer
 
     def __init__(
         self,
@@ -82,47 +77,6 @@ class Rollout(CAM):
     ) -> None:
         super().__init__(model, layer, labels=labels)
         self.fused = False  # the layers are rolled out together, not fused map by map
-
-    def attention(self) -> dict[str, nn.Module]:
-        """The attention modules rolled out, by name, in the order the model runs them: those asked for, or all
-        that can be read; found anew at each call, as the model has them then (the method keeps no call's state).
-
-        Raises:
-            LayerError: A module asked for is no readable attention, or the model has none.
-        """
-        readable = attention_modules(self.model)
-        if self.requested is None:
-            chosen = readable
-        else:
-            named = dict(self.model.named_modules())
-            chosen = {}
-            for spec in self.requested:
-                name = next((n for n, m in named.items() if m is spec), None) if isinstance(spec, nn.Module) else spec
-                if name not in readable:
-                    raise LayerError(
-                        f"{name!r} is not an attention module that can be read; the model's are "
-                        f"{', '.join(readable) or 'none'}"
-                    )
-                chosen[name] = readable[name]
-        if not chosen:
-            raise LayerError(
-                f"{type(self).__name__} reads the attention of nn.MultiheadAttention, timm's Attention or "
-                "HuggingFace's ViT, DeiT, DINOv2 and CLIP attention; "
-                "this model has none"
-            )
-        return chosen
-
-    def target_layers(
-        self, x: Tensor, model_kwargs: Mapping[str, Any], target: TargetLike = None
-    ) -> list[tuple[str, nn.Module | None]]:
-        return [(layer_label(list(self.attention())), None)]
-
-    def recorder(self, modules: Mapping[str, nn.Module]) -> AttentionRecorder:
-        chosen = self.attention()
-        return AttentionRecorder(chosen, layer_label(list(chosen)), gradients=self.needs.gradients)
-
-    def layout(self, name: str, activation: Tensor, geometry: Geometry, known: PassLayouts) -> Layout:
-        return Layout("attention")
 
     def rolled_out(self, capture: Capture) -> Tensor:
         """The attention rolled out through the layers, (N, T, T)."""
@@ -148,11 +102,6 @@ class Rollout(CAM):
         return self.rolled_out(capture)[:, 0, prefix:].reshape(-1, *grid)
 
 
-def layer_label(names: list[str]) -> str:
-    """The attention modules' layer name in a call's records: the one, or the first and last of several."""
-    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]} ({len(names)} attention layers)"
-
-
 def _identity_like(attention: Tensor) -> Tensor:
     """The identity (N, T, T) for per-layer matrices (N, layers, T, T)."""
     n, _, tokens, _ = attention.shape
@@ -173,7 +122,7 @@ class AttentionRollout(Rollout):
     name = "attention_rollout"
     title = "Attention Rollout (Abnar & Zuidema 2020)"
     fast = False
-    needs = Needs(gradients=False, layer_outputs=False)
+    needs = Needs(gradients=False, records=ATTENTION)
 
     def rolled_out(self, capture: Capture) -> Tensor:
         layers = capture.activations.double().mean(dim=2)  # (N, layers, T, T)
