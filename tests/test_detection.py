@@ -231,7 +231,7 @@ def test_only_the_explained_rows_of_the_box_head_are_differentiated(detector, mo
         assert calls[0][0] > 20 and not calls[0][1]  # every proposal of both images, no graph
         assert calls[1:] == [(2, True)]  # one row per image: its explained detection
         calls.clear()
-        monkeypatch.setattr("explain.core.detectors._trace", lambda *args: None)
+        monkeypatch.setattr("explain.core.speedups.box_heads._trace", lambda *args: None)
         dense = explain.GradCAM(detector, LAYER)(x, target, normalize=False)
         assert calls[1] == (calls[0][0], True)  # the fallback: the whole head again, with autograd
     finally:

@@ -6,7 +6,7 @@ Two kinds:
   detectors, YOLO's letterbox), and a transformer's patch embedding cuts it into a grid of patches: a pass records
   both (:func:`picture_recorded`), so that its maps are laid out on the grid and brought back onto the image.
 - **Where the backward can be spared.** The partial backwards of :data:`FAMILIES`: an R-CNN's kept detections
-  through their own proposals (:func:`explain.core.detectors.sparse_box_heads`), a YOLO head's local branches
+  through their own proposals (:func:`explain.core.speedups.box_heads.sparse_box_heads`), a YOLO head's local branches
   over the windows a detection reads (:func:`explain.core.speedups.windows.windowed_heads`), a sequence model's
   position-wise layers and attention at the rows a score reaches
   (:func:`explain.core.speedups.rows.reached_rows`). Which
@@ -23,11 +23,12 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .detectors import canvas_recorded, is_rcnn, sparse_box_heads
+from .detectors import canvas_recorded, is_rcnn
 from .layouts import Geometry, grids_recorded
 from .maps import Canvas
 from .model_state import model_context, modules_of
 from .speedups import enabled
+from .speedups.box_heads import sparse_box_heads
 from .speedups.rows import has_sequence_layers, reached_rows
 from .speedups.windows import has_local_heads, windowed_heads
 

@@ -247,7 +247,7 @@ def trace_layers(
     an image of noise, to tell which outputs depend on the image (else ``varies`` is None). The model is left as
     it was.
     """
-    return _traced(model, x, model_kwargs, content, None)
+    return traced_infos(model, x, model_kwargs, content, None)
 
 
 @dataclass
@@ -269,20 +269,11 @@ class TracedForward:
     picture: Picture
 
 
-def traced_forward(model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> TracedForward:
-    """Trace x's first image (see :func:`trace_layers`, without the noise pass) with autograd from the image, so that
-    the gradient of a score of its output reaches every layer's output; the trace is kept in the model's context,
-    as :func:`traced_layers` keeps it. The parameters' flags are the caller's to freeze."""
-    forward = TracedForward(x[:1].detach().requires_grad_(True), None, {}, Picture())
-    infos = _traced(model, x, model_kwargs, False, forward)
-    model_context(model).traces[input_signature(x, model_kwargs)] = {info.name: info for info in infos}
-    return forward
-
-
-def _traced(
+def traced_infos(
     model: nn.Module, x: Tensor, model_kwargs: Mapping[str, Any] | None, content: bool, kept: TracedForward | None
 ) -> list[LayerInfo]:
-    """:func:`trace_layers`; with ``kept``, its image's forward runs with autograd and fills ``kept``."""
+    """:func:`trace_layers`; with ``kept``, its image's forward runs with autograd and fills ``kept`` (the
+    ``layer_in_pass`` speedup's, :func:`explain.core.speedups.settling.traced_forward`)."""
     modules = {name: module for name, module in model.named_modules() if name}
     recorder = _Recorder(x, modules, content, kept)
     image, kwargs = recorder.image, model_kwargs or {}

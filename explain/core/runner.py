@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
@@ -24,18 +24,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import LayerError, TargetError
+from ..errors import LayerError
 from ..targets import BoundTarget, Target, bound_on
 from ..targets.base import spatial_axes
 from .families import PassScope, partial_backward, picture_recorded
 from .hooks import ActivationGradientRecorder, layer_entry
-from .layers import BACKBONE, auto_layers, declares_layers, knows_layers, traced_forward
+from .layers import auto_layers, declares_layers, knows_layers
 from .layouts import Geometry, Layout, Reshape
-from .maps import INTERPOLATION, Canvas, covered, has_nonzero, normalize_maps, upsample
+from .maps import INTERPOLATION, Canvas, covered, normalize_maps, upsample
 from .model_state import model_context, running
+from .passes import PassRecord, check_reached, summed_score, target_scores
 from .recording import INPUT, LAYER_OUTPUTS, Recording
 from .speedups import enabled
-from .speedups.settling import PendingSearch, pending_search, settle
+from .speedups.settling import PendingSearch, pending_search, settled_pass, traced_pass
 from .watch import PassLayouts
 
 AUG_SCALES = (0.9, 1.0, 1.1)
@@ -137,65 +138,6 @@ class Capture:
         return self.target.score(output, images)[:, self.k]
 
 
-@dataclass(frozen=True)
-class PassRecord:
-    """What one pass recorded at every target layer, before any method's formula.
-
-    Attributes:
-        x: The images the pass ran on, detached.
-        output: The model's output.
-        bound: The call's bound target.
-        scores: Its (N, K) scores in this pass's output.
-        activations: Each layer's output as a map (N, C, h, w), float32 (and the input's, for a method whose map
-            is the input's).
-        gradients: For each of the K targets, each layer's gradient as a map like its activation (empty maps for
-            a method without gradients).
-        curvatures: For each of the K targets, each layer's Hessian-vector product H·A as a map (empty maps for a
-            method that asks for none).
-        layouts: How each layer's output became its map.
-        canvas: A detector's canvas (its maps are brought onto the image), or None.
-        geometry: The picture the pass's layers saw, and the patch grid.
-    """
-
-    x: Tensor
-    output: Any
-    bound: BoundTarget
-    scores: Tensor
-    activations: dict[str, Tensor]
-    gradients: list[dict[str, Tensor]]
-    curvatures: list[dict[str, Tensor]]
-    layouts: dict[str, Layout]
-    canvas: Canvas | None
-    geometry: Geometry
-
-    def kept(self, name: str) -> PassRecord:
-        """The record of one of its layers alone."""
-
-        def of(values: dict[str, Any]) -> dict[str, Any]:
-            return {key: value for key, value in values.items() if key == name}
-
-        return replace(
-            self,
-            activations=of(self.activations),
-            gradients=[of(g) for g in self.gradients],
-            curvatures=[of(c) for c in self.curvatures],
-            layouts=of(self.layouts),
-        )
-
-
-def summed_score(bound: BoundTarget, k: int, images: Tensor, output: Any) -> Tensor:
-    """The k-th target's score in an output whose row r stands for image ``images[r]``, summed over the rows."""
-    return bound.score(output, images)[:, k].sum()
-
-
-def target_scores(bound: BoundTarget, output: Any, x: Tensor) -> Tensor:
-    """The (N, K) scores of a bound target in the output of a pass over the call's N images ``x``."""
-    scores = bound.score(output, torch.arange(x.shape[0], device=x.device))
-    if scores.shape[0] != x.shape[0]:
-        raise TargetError(f"{scores.shape[0]} target scores for a batch of {x.shape[0]} images")
-    return scores
-
-
 def _laid_out(values: Mapping[str, Tensor], layouts: Mapping[str, Layout]) -> dict[str, Tensor]:
     """Each layer's tensor shaped like its output, as a map (the input's own, which has no layout, as it is)."""
     return {name: layouts[name](value) if name in layouts else value for name, value in values.items()}
@@ -214,41 +156,6 @@ def _deaugment(maps: Tensor, flip: bool, size: Sequence[int]) -> Tensor:
     """Bring maps of an augmented pass back to the original geometry (``size``), normalized."""
     maps = upsample(maps, size)
     return normalize_maps(maps.flip(-1) if flip else maps, len(size))
-
-
-def _intact(found: tuple[Tensor, int] | None) -> bool:
-    """Whether a traced output is in the image's graph as its module returned it (not changed in place since)."""
-    return found is not None and found[0].requires_grad and found[0]._version == found[1]
-
-
-def check_reached(gradients: list[dict[str, Tensor]], bound: BoundTarget, automatic: bool) -> None:
-    """Refuse maps of a gradient that is zero everywhere: they would be flat, a confident picture of nothing.
-    The message's way out depends on whether the layers are the automatic ones.
-
-    Raises:
-        LayerError: For some image and target, the gradient is zero at every position of every layer.
-    """
-    for k, by_layer in enumerate(gradients):
-        zero = torch.stack([g.flatten(1).abs().amax(dim=1) == 0 for g in by_layer.values()]).all(dim=0)
-        if bound.valid is not None:
-            zero &= bound.valid[:, k]
-        if not zero.any():
-            continue
-        if automatic and all(layer_entry(name)[0] == BACKBONE for name in by_layer):
-            why = (
-                "The automatic layers leave out a detector's pyramid levels one cell wide, too coarse to map, "
-                "and a detection there reaches none of the others: choose a layer inside the backbone, "
-                "whose maps feed every level (explain --layers)"
-            )
-        else:
-            why = (
-                "At the last block of a class-token transformer, say, the head never reads the patch tokens: "
-                "choose an earlier layer (explain --layers)" + ("" if automatic else ", or the automatic one")
-            )
-        raise LayerError(
-            f"the target score's gradient is zero at every position of layer(s) {', '.join(by_layer)} "
-            f"(image {int(zero.nonzero()[0])}): the score does not depend on the map there. {why}"
-        )
 
 
 class Method(Protocol):
@@ -370,58 +277,26 @@ class PassRunner:
         return recorded if self.search is None else self._settled(recorded, x)
 
     def _traced_pass(self, x: Tensor) -> PassRecord | None:
-        """The plain pass of one image as the trace's own forward, run with autograd from the image (see
-        :func:`explain.core.layers.traced_forward`): the trace finds the last candidates, their gradients settle the
-        automatic layer (see :mod:`explain.core.speedups.settling`), and its activation and gradient are the pass's.
-        None where the candidates do not settle it, or where the model changed a candidate's output in place after
-        returning it: the trace is kept, and the call's pass runs as for a known model."""
-        traced = traced_forward(self.model, x, self.model_kwargs)
-        search = pending_search(self.model, x, self.model_kwargs, self.goal)
-        if search is None:
+        """The plain pass of one image as the trace's own forward, which settles the automatic layer (see
+        :func:`explain.core.speedups.settling.traced_pass`); None where it does not: the call's pass then runs as
+        for a known model."""
+        found = traced_pass(self.model, x, self.model_kwargs, self.goal, self.method.labels)
+        if found is None:
             return None
-        changed = [i for i, info in enumerate(search.tried) if not _intact(traced.outputs.get(info.name))]
-        intact = search.tried[changed[-1] + 1 :] if changed else search.tried  # after the last one changed in place
-        if not intact:
-            return None
-        search = replace(search, tried=intact)
-        leaves = [traced.outputs[info.name][0] for info in intact]
-        with running(self.model):
-            bound = bound_on(self.goal, traced.output, self.method.labels)
-            scores = target_scores(bound, traced.output, x)
-            count = scores.shape[1]
-            found = [
-                torch.autograd.grad(scores[:, k].sum(), leaves, retain_graph=k < count - 1, allow_unused=True)
-                for k in range(count)
-            ]
-        laid = [{info.name: info.layout(g) for info, g in zip(intact, by_k) if g is not None} for by_k in found]
-        chosen = settle(self.model, search, {name for by_k in laid for name, g in by_k.items() if has_nonzero(g)})
-        if chosen is None:
-            return None
-        self.layers = [(chosen, self.model.get_submodule(layer_entry(chosen)[0]))]
-        layout = next(info.layout for info in intact if info.name == chosen)
-        activation = layout(traced.outputs[chosen][0].detach())
-        gradients = [{chosen: by_k.get(chosen, torch.zeros_like(activation))} for by_k in laid]
-        check_reached(gradients, bound, automatic=True)
-        picture = traced.picture
-        return PassRecord(
-            x.detach(), traced.output, bound, scores, {chosen: activation.float()}, gradients, [{} for _ in laid],
-            {chosen: layout}, picture.canvas, picture.geometry(x),
-        )  # fmt: skip
+        self.layers, recorded = found
+        return recorded
 
     def _settled(self, recorded: PassRecord, x: Tensor) -> PassRecord:
         """The plain pass at the automatic layer its last candidates' gradients settle (see
-        :mod:`explain.core.speedups.settling`): the first image's, as the search's probe reads them. Where they do not
-        settle it, the layer is searched in full and the pass run again."""
+        :func:`explain.core.speedups.settling.settled_pass`). Where they do not settle it, the layer is searched in
+        full and the pass run again."""
         search, self.search = self.search, None
-        reached = {name for by_layer in recorded.gradients for name, g in by_layer.items() if has_nonzero(g[0])}
-        chosen = settle(self.model, search, reached)
-        if chosen is None:
+        kept = settled_pass(self.model, search, recorded)
+        if kept is None:
             self._decide(x, fresh=True)
             return self.record(x, self.goal, plain=True)
-        self.layers = [(name, module) for name, module in self.layers if name == chosen]
-        recorded = recorded.kept(chosen)
-        check_reached(recorded.gradients, recorded.bound, automatic=True)
-        return recorded
+        self.layers = [(name, module) for name, module in self.layers if name in kept.layouts]
+        return kept
 
     def record(self, x: Tensor, goal: Target | BoundTarget, plain: bool = False) -> PassRecord:
         """One forward (and backward) pass over ``x``: the layers' activations and, for each of the K targets, their

@@ -15,16 +15,17 @@ from ...errors import ExplainError
 
 SPEEDUPS = {
     "rows": "a sequence model's position-wise layers and attention differentiated at the rows a score reaches "
-    "(explain.core.rows)",
+    "(explain.core.speedups.rows)",
     "windows": "a YOLO head's local branches differentiated over the windows a detection reads "
-    "(explain.core.windows)",
-    "box_heads": "an R-CNN's box head differentiated at its kept detections alone (explain.core.detectors)",
-    "prefix": "masked copies scored through the local prefix they share with their image (explain.core.prefix)",
-    "folding": "scoring forwards through a copy with its batch norms folded (explain.core.folding)",
-    "channels_last": "scoring forwards on the CPU in channels-last memory (explain.core.folding)",
+    "(explain.core.speedups.windows)",
+    "box_heads": "an R-CNN's box head differentiated at its kept detections alone (explain.core.speedups.box_heads)",
+    "prefix": "masked copies scored through the local prefix they share with their image "
+    "(explain.core.speedups.prefix)",
+    "folding": "scoring forwards through a copy with its batch norms folded (explain.core.speedups.folding)",
+    "channels_last": "scoring forwards on the CPU in channels-last memory (explain.core.speedups.folding)",
     "layer_in_pass": "the automatic layer settled by the call's own pass among the last candidates, and on a model "
     "not seen before, by the trace's own forward as that pass, rather than by a search of its own "
-    "(explain.core.runner, PassRunner._decide)",
+    "(explain.core.speedups.settling)",
 }
 """Each speedup's name and what it spares."""
 

@@ -10,7 +10,7 @@ reached, the graph that the forward recorded serves instead.
 - :func:`reached_rows`: ``nn.Linear`` and last-axis ``nn.LayerNorm`` modules applied to sequences (every
   position of their input mapped on its own), and self-attention, timm's and ``nn.MultiheadAttention`` (a row of
   its output depends on its own query row and on every key and value of its image), for the block.
-- :func:`explain.core.detectors.sparse_box_heads` joins an R-CNN's kept detections to its features.
+- :func:`explain.core.speedups.box_heads.sparse_box_heads` joins an R-CNN's kept detections to its features.
 
 The recomputed rows' gradients are the ones autograd would give: a row whose output gradient is zero adds
 nothing to the input's gradient, and the recomputation computes the other rows as the forward did.
