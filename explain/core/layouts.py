@@ -94,6 +94,24 @@ class Layout:
             return mapped
         return output
 
+    def placed(self, output: Tensor, maps: Tensor) -> Tensor:
+        """The layout undone: ``maps`` (N, C, *grid) laid out as the layer's ``output`` is, which gives what the
+        maps leave out (a transformer's prefix tokens, kept as they are).
+
+        Raises:
+            LayerError: The layout is the caller's ``reshape`` or attention, which cannot be undone.
+        """
+        if self.kind == "channels_first":
+            return maps
+        if self.kind == "channels_last":
+            return maps.movedim(1, -1)
+        if self.kind == "tokens":
+            patches = maps.flatten(2).transpose(1, 2)  # (N, cells, C), the cells row-major
+            if self.order is not None:
+                patches = patches.index_select(1, torch.tensor(self.order, device=maps.device))
+            return torch.cat([output[:, : self.prefix], patches], dim=1)
+        raise LayerError(f"a layer laid out by {self.describe()} cannot be given maps in its place")
+
     @cached_property
     def tokens_by_cell(self) -> Tensor:
         """For unrolled tokens, the patch token in each grid cell, row-major: ``order``'s inverse, made once."""

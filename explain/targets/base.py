@@ -160,6 +160,19 @@ class BoundTarget:
     points: Tensor | None = None
     poses: Tensor | None = None
 
+    def repeated(self, copies: int) -> BoundTarget:
+        """The target of a batch in which each image comes ``copies`` times in a row: row r is image r // copies."""
+        score = self.score
+
+        def rows(values: Tensor | None) -> Tensor | None:
+            return None if values is None else values.repeat_interleave(copies, dim=0)
+
+        return replace(
+            self, score=lambda output, images: score(output, images // copies), classes=rows(self.classes),
+            probabilities=rows(self.probabilities), valid=rows(self.valid), boxes=rows(self.boxes),
+            regions=rows(self.regions), points=rows(self.points), poses=rows(self.poses),
+        )  # fmt: skip
+
     @property
     def classifier_rows(self) -> bool:
         """Whether ``classes`` are a classifier's classes, rows of its last linear layer."""

@@ -1,0 +1,20 @@
+"""Concepts: what the model sees, not only where.
+
+- CRAFT (:mod:`explain.concepts.craft`): concepts found by factorizing a layer's activations over crops
+  (:mod:`explain.concepts.factorization`), ranked for a target by Sobol total indices (:mod:`explain.concepts.sobol`),
+  and mapped on any image;
+- CRP (:mod:`explain.concepts.crp`): the relevance of a target through each of K concepts at a layer, in one pass.
+
+Every layer is read and rewritten through the engine's own pass (:mod:`explain.concepts.reading`), so any model and
+target explain explains has concepts too.
+"""
+
+from .craft import ConceptBank, Craft, Importance, crop_boxes, cut
+from .crp import ConceptMaps, ConceptRelevance
+from .factorization import Factors, coefficients, factorize
+from .sobol import TotalIndices, jansen_total, sobol_design
+
+__all__ = [
+    "ConceptBank", "ConceptMaps", "ConceptRelevance", "Craft", "Factors", "Importance", "TotalIndices",
+    "coefficients", "crop_boxes", "cut", "factorize", "jansen_total", "sobol_design",
+]  # fmt: skip

@@ -1,0 +1,193 @@
+r"""CRP: Achtibat et al., "From attribution maps to human-understandable explanations through Concept Relevance
+Propagation", Nature Machine Intelligence 2023 (arXiv:2206.03208).
+
+The relevance of a target passing through a concept: LRP's backward (:class:`explain.methods.lrp.LRP`, zennit's
+composites), the relevance arriving at one layer kept where the concept is and passed on to the input,
+:math:`R(x \mid \theta)`. A concept is a set of channels (a weight per channel, 1 on the set), or a direction of a
+concept bank (:class:`explain.concepts.craft.ConceptBank`): at each position, its share of the activation's
+reconstruction, :math:`u_k w_{kc} / \sum_j u_j w_{jc}`, on each channel c. Relevance is linear in the relevance it
+starts from, so concepts that split a layer's relevance (channel sets that partition the channels, or a bank's
+shares) have maps that sum to the unconditioned one. K concepts run in one pass over N·K copies of the images,
+copy r conditioned on concept r mod K.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..core.context import input_signature
+from ..core.engine import check_images
+from ..core.hooks import Hooks
+from ..core.layers import LayerSpec, resolve_layer, traced_layers
+from ..core.model_state import exclusive, model_context, running, untouched
+from ..errors import ExplainError, LayerError, TargetError
+from ..methods.lrp import LRP
+from ..targets import TargetLike, as_target, bound_on
+from .craft import ConceptBank
+from .factorization import coefficients
+
+Concepts = Sequence[Sequence[int]] | Tensor | ConceptBank
+"""Channel sets (one list of channel indices per concept), a weight per concept and channel (K, C), or a bank."""
+
+
+@dataclass(frozen=True)
+class ConceptMaps:
+    """Each concept's relevance map on each image.
+
+    Attributes:
+        maps: The input's relevance through each concept, summed over the input's channels, (N, K, *size), signed.
+        relevance: Each concept's share of the score's relevance at the layer: its map's sum, (N, K).
+        layer: The layer conditioned.
+    """
+
+    maps: Tensor
+    relevance: Tensor
+    layer: str
+
+
+class _ConditionedLRP(LRP):
+    """LRP whose relevance at one layer is masked, copy by copy, by the concept each copy stands for."""
+
+    name = "crp"
+
+    def __init__(self, model: nn.Module, layer: LayerSpec, concepts: Tensor | ConceptBank, **options: Any) -> None:
+        super().__init__(model, **options)
+        self.condition, self.concepts = layer, concepts
+
+    @contextmanager
+    def backward_rule(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> Iterator[None]:
+        name, module = resolve_layer(self.model, self.condition, x, model_kwargs)
+        axis = channel_axis(self.model, name, x, model_kwargs, traced=False)
+        with super().backward_rule(x, model_kwargs), Hooks() as hooks:  # after the rules': the relevance arriving
+            hooks.forward(module, lambda m, i, output: _condition(output, self.concepts, axis))
+            yield
+
+
+def channel_axis(model: nn.Module, name: str, x: Tensor, model_kwargs: Mapping[str, Any], traced: bool = True) -> int:
+    """The channel axis of a layer's output, as the engine's trace lays it out (``traced``: traced now if it is not
+    known; else, inside a pass, as traced before it).
+
+    Raises:
+        LayerError: The output is no map of the input with channels.
+    """
+    if traced:
+        infos = traced_layers(model, x, model_kwargs)
+    else:
+        infos = model_context(model).traces.get(input_signature(x, model_kwargs), {})
+    info = infos.get(name)
+    if info is None or info.layout is None or info.layout.kind not in ("channels_first", "channels_last", "tokens"):
+        raise LayerError(f"layer {name!r} has no channels of a map of the input to condition relevance on")
+    return 1 if info.layout.kind == "channels_first" else -1
+
+
+def _condition(output: Any, concepts: Tensor | ConceptBank, axis: int) -> None:
+    """Mask the relevance arriving at ``output``: copy r's by concept r mod K, along the channel ``axis``."""
+    if not isinstance(output, Tensor) or not output.requires_grad:
+        raise LayerError("the conditioned layer's output is no tensor the relevance passes through")
+    weights = _weights(output.detach().movedim(axis, -1), concepts).movedim(-1, axis)
+    output.register_hook(lambda relevance: relevance * weights.to(relevance.dtype))
+
+
+def _weights(features: Tensor, concepts: Tensor | ConceptBank) -> Tensor:
+    """Each copy's weight on each channel at each position, shaped like ``features`` (copies, ..., C).
+
+    Raises:
+        LayerError: The concepts name more channels than the layer has.
+    """
+    copies, channels = len(features), features.shape[-1]
+    bank = concepts.bank if isinstance(concepts, ConceptBank) else concepts
+    if bank.shape[1] > channels or (isinstance(concepts, ConceptBank) and bank.shape[1] != channels):
+        raise LayerError(f"the concepts are of {bank.shape[1]} channels and the layer has {channels}")
+    own = torch.arange(copies, device=features.device) % len(bank)
+    spread = (copies, *(1,) * (features.dim() - 2), channels)
+    if not isinstance(concepts, ConceptBank):
+        rows = torch.nn.functional.pad(bank, (0, channels - bank.shape[1])).to(features.device)[own]
+        return rows.view(spread).expand_as(features)
+    bank = bank.to(features.device)
+    u = coefficients(features.reshape(-1, channels), bank).reshape(*features.shape[:-1], len(bank))
+    parts = u.movedim(-1, 1)[torch.arange(copies), own][..., None] * bank[own].view(spread)
+    whole = u @ bank
+    return torch.where(whole > 0, parts / whole.clamp_min(torch.finfo(whole.dtype).tiny), 1.0 / len(bank))
+
+
+def channel_weights(concepts: Concepts) -> Tensor | ConceptBank:
+    """Concepts as a (K, C) weight tensor (channel sets as 0/1 rows), or the bank as it is.
+
+    Raises:
+        ExplainError: No concepts, a channel out of range, a signed bank, or weights of the wrong shape.
+    """
+    if isinstance(concepts, ConceptBank):
+        if concepts.signed:
+            raise ExplainError("CRP conditions on a bank's shares of each activation, which a signed bank lacks")
+        return concepts
+    if isinstance(concepts, Tensor):
+        if concepts.dim() != 2 or len(concepts) == 0:
+            raise ExplainError(f"concept weights must be (concepts, channels), got {tuple(concepts.shape)}")
+        return concepts.detach().float()
+    sets = [list(s) for s in concepts]
+    if not sets or not all(sets):
+        raise ExplainError("give at least one concept, each at least one channel")
+    if min(min(s) for s in sets) < 0:
+        raise ExplainError("a concept's channel is negative")
+    width = 1 + max(max(s) for s in sets)
+    weights = torch.zeros(len(sets), width)
+    for row, channel_set in enumerate(sets):
+        weights[row, channel_set] = 1.0
+    return weights
+
+
+class ConceptRelevance:
+    """CRP: each concept's relevance map, K concepts in one pass.
+
+    Args:
+        model: A model LRP's composites rule (convolutions, linear layers).
+        layer: The layer conditioned (a bank's own layer if not given).
+        concepts: Channel sets, a (K, C) weight per concept and channel, or a non-negative concept bank.
+        composite: LRP's composite (see :class:`explain.methods.lrp.LRP`).
+        labels: Class names, to accept a class name as target.
+        **options: LRP's other options (``rules``, ``low``, ``high``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layer: LayerSpec = None,
+        concepts: Concepts = (),
+        *,
+        composite: str = "epsilon_plus",
+        labels: Sequence[str] | None = None,
+        **options: Any,
+    ) -> None:
+        layer = concepts.layer if layer is None and isinstance(concepts, ConceptBank) else layer
+        if layer is None:
+            raise LayerError("CRP conditions relevance at a layer: name it (explain --layers lists them)")
+        weights = channel_weights(concepts)
+        self.model, self.labels, self.layer = model, labels, layer
+        self.count = weights.concepts if isinstance(weights, ConceptBank) else len(weights)
+        self.lrp = _ConditionedLRP(model, layer, weights, composite=composite, labels=labels, **options)
+
+    def __call__(self, x: Tensor, target: TargetLike = None) -> ConceptMaps:
+        """Each concept's map of one target per image (the top class by default).
+
+        Raises:
+            TargetError: More than one target per image.
+        """
+        check_images(x)
+        with exclusive(self.model), untouched(self.model), torch.no_grad():
+            name = resolve_layer(self.model, self.layer, x, {})[0]
+            channel_axis(self.model, name, x, {})  # traced here, outside the passes, which read it
+            with running(self.model):
+                bound = bound_on(as_target(target), self.model(x), self.labels)
+        if bound.keeps_k or (bound.classes is not None and bound.classes.shape[1] != 1):
+            raise TargetError("CRP explains one target per image; run it once per target")
+        k = self.count
+        result = self.lrp(x.repeat_interleave(k, dim=0), bound.repeated(k), normalize=False)
+        relevance = result.raw.sum(dim=1)  # over the input's channels: (N K, *size)
+        maps = relevance.view(len(x), k, *relevance.shape[1:])
+        return ConceptMaps(maps, maps.flatten(2).sum(dim=2), name)

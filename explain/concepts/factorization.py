@@ -1,0 +1,235 @@
+"""Concept banks: activations (crops × channels) factorized into concepts, in torch on their device, streamed.
+
+The activations come in batches (:data:`Batches`: a fresh pass over them at each call), so that a data set larger
+than memory is factorized by passes over its shards: what is held is the bank (concepts × channels), each crop's
+coefficients (crops × concepts) and one batch. Two factorizations:
+
+- non-negative (:func:`factorize`, ``signed=False``), :math:`A \\approx U W` with :math:`U, W \\ge 0`: Lee &
+  Seung's multiplicative updates for the Frobenius norm from the NNDSVDa start (Boutsidis & Gallopoulos 2008),
+  U then W at each iteration, the same steps as scikit-learn's ``NMF(solver="mu", init="nndsvda")``;
+- semi-non-negative (``signed=True``) for signed activations (a vision transformer's tokens), :math:`A \\approx
+  U W` with :math:`U \\ge 0` and W of any sign: Ding, Li & Jordan, "Convex and Semi-Nonnegative Matrix
+  Factorizations", IEEE TPAMI 2010, W by least squares and U by their multiplicative rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..errors import ExplainError
+
+Batches = Callable[[], Iterable[Tensor]]
+"""A fresh pass over the activations at each call: batches (rows, channels), always in the same order."""
+
+TINY = torch.finfo(torch.float32).eps  # a denominator exactly 0 becomes this, as scikit-learn's
+ZERO_CUT = 1e-6  # NNDSVD's factors below this are zeros, as scikit-learn's
+
+
+@dataclass(frozen=True)
+class Factors:
+    """A factorization :math:`A \\approx U W` of activations A (crops × channels).
+
+    Attributes:
+        bank: The concepts W, (concepts, channels).
+        coefficients: Each crop's coefficients U, (crops, concepts), non-negative.
+        error: The reconstruction error :math:`\\lVert A - U W \\rVert_F`.
+        signed: Whether the bank may be negative (semi-NMF).
+    """
+
+    bank: Tensor
+    coefficients: Tensor
+    error: float
+    signed: bool
+
+
+def _safe(denominator: Tensor) -> Tensor:
+    return torch.where(denominator == 0, TINY, denominator)
+
+
+def _positive(m: Tensor) -> Tensor:
+    return (m.abs() + m) / 2
+
+
+def _negative(m: Tensor) -> Tensor:
+    return (m.abs() - m) / 2
+
+
+@dataclass
+class _Statistics:
+    """What one pass over the activations adds up: the Gram matrix AᵀA, the values' count, sum, sum of squares
+    and least one, and the rows."""
+
+    gram: Tensor | None = None
+    least: float = float("inf")
+    total: float = 0.0
+    squares: float = 0.0
+    count: int = 0
+    rows: int = 0
+
+    def add(self, a: Tensor) -> None:
+        self.gram = a.T @ a if self.gram is None else self.gram + a.T @ a
+        self.least = min(self.least, float(a.min()))
+        self.total += float(a.sum())
+        self.squares += float((a * a).sum())
+        self.count += a.numel()
+        self.rows += len(a)
+
+
+def _batches(batches: Batches, dtype: torch.dtype) -> Iterable[Tensor]:
+    """Each batch as a 2-D float tensor of ``dtype``, checked."""
+    for batch in batches():
+        if batch.dim() != 2:
+            raise ExplainError(f"activations must come as (rows, channels) batches, got shape {tuple(batch.shape)}")
+        yield batch.detach().to(dtype)
+
+
+def _svd_start(batches: Batches, concepts: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, _Statistics]:
+    """The top singular triplets of A from its Gram matrix, streamed: left vectors (crops, K), values (K,), right
+    vectors (K, channels), and the pass's statistics."""
+    stats = _Statistics()
+    for a in _batches(batches, dtype):
+        stats.add(a)
+    if stats.gram is None:
+        raise ExplainError("no activations to factorize: the crops gave none")
+    if concepts > min(stats.rows, stats.gram.shape[0]):
+        raise ExplainError(
+            f"{concepts} concepts asked of {stats.rows} crops with {stats.gram.shape[0]} channels: give at most "
+            f"{min(stats.rows, stats.gram.shape[0])} concepts, or more crops"
+        )
+    values, vectors = torch.linalg.eigh(stats.gram)
+    order = values.flip(0)[:concepts].clamp_min(0).sqrt()
+    right = vectors.flip(1)[:, :concepts].T  # (K, C)
+    left = torch.cat([a @ right.T for a in _batches(batches, dtype)]) / order.clamp_min(TINY)
+    return left, order, right, stats
+
+
+def _nndsvda(left: Tensor, values: Tensor, right: Tensor, mean: float) -> tuple[Tensor, Tensor]:
+    """NNDSVD's non-negative start from the singular triplets, its zeros filled with the data's mean (NNDSVDa)."""
+    u = torch.zeros_like(left)
+    w = torch.zeros_like(right)
+    u[:, 0], w[0] = values[0].sqrt() * left[:, 0].abs(), values[0].sqrt() * right[0].abs()
+    for j in range(1, len(values)):
+        x, y = left[:, j], right[j]
+        parts = [(x.clamp_min(0), y.clamp_min(0)), ((-x).clamp_min(0), (-y).clamp_min(0))]
+        (xs, ys), sizes = max(
+            ((p, torch.linalg.norm(p[0]) * torch.linalg.norm(p[1])) for p in parts), key=lambda found: found[1]
+        )
+        scale = (values[j] * sizes).sqrt()
+        u[:, j] = scale * xs / _safe(torch.linalg.norm(xs))
+        w[j] = scale * ys / _safe(torch.linalg.norm(ys))
+    u[u < ZERO_CUT], w[w < ZERO_CUT] = 0, 0
+    u[u == 0], w[w == 0] = mean, mean
+    return u, w
+
+
+def _semi_start(left: Tensor, values: Tensor) -> Tensor:
+    """Semi-NMF's non-negative start of U: the singular vectors' magnitudes, scaled, plus a little."""
+    u = left.abs() * values.sqrt()
+    return u + 0.2 * u.mean()
+
+
+def factorize(
+    batches: Batches,
+    concepts: int,
+    iterations: int = 200,
+    *,
+    signed: bool = False,
+    dtype: torch.dtype = torch.float64,
+) -> Factors:
+    """Factorize activations streamed in batches into ``concepts`` concepts.
+
+    Args:
+        batches: A fresh pass over the activations at each call (see :data:`Batches`); for the non-negative
+            factorization they must be non-negative.
+        concepts: K, how many concepts.
+        iterations: Multiplicative updates (each one pass over the activations).
+        signed: Semi-NMF, for activations of any sign; else NMF.
+        dtype: The arithmetic's float type (double by default: the updates divide small numbers).
+
+    Returns:
+        The bank, the coefficients and the reconstruction error.
+
+    Raises:
+        ExplainError: No activations, more concepts than crops or channels, or negative activations for NMF.
+    """
+    if concepts < 1 or iterations < 1:
+        raise ExplainError(f"concepts and iterations must be at least 1, got {concepts} and {iterations}")
+    left, values, right, stats = _svd_start(batches, concepts, dtype)
+    if not signed and stats.least < 0:
+        raise ExplainError(
+            "the activations have negative values, which a non-negative factorization cannot fit: "
+            "factorize them signed (semi-NMF)"
+        )
+    if signed:
+        u = _semi_start(left, values)
+        w, uta, utu = _least_squares(batches, u, dtype)
+    else:
+        u, w = _nndsvda(left, values, right, stats.total / stats.count)
+    for _ in range(iterations):
+        update = _semi_update if signed else _mu_update
+        uta, utu = _pass(batches, u, w, update, dtype)
+        w = torch.linalg.lstsq(utu, uta).solution if signed else w * uta / _safe(utu @ w)
+    error = stats.squares - 2 * float((uta * w).sum()) + float((utu * (w @ w.T)).sum())
+    return Factors(w, u, max(error, 0.0) ** 0.5, signed)
+
+
+def _mu_update(a: Tensor, u: Tensor, w: Tensor, wwt: Tensor) -> Tensor:
+    """NMF's multiplicative update of a batch's coefficients."""
+    return u * (a @ w.T) / _safe(u @ wwt)
+
+
+def _semi_update(a: Tensor, u: Tensor, w: Tensor, wwt: Tensor) -> Tensor:
+    """Semi-NMF's multiplicative update of a batch's coefficients (Ding, Li & Jordan's rule)."""
+    awt = a @ w.T
+    return u * ((_positive(awt) + u @ _negative(wwt)) / _safe(_negative(awt) + u @ _positive(wwt))).sqrt()
+
+
+def _pass(
+    batches: Batches, u: Tensor, w: Tensor, update: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], dtype
+) -> tuple[Tensor, Tensor]:
+    """One pass: each batch's coefficients updated in place, and UᵀA, UᵀU of the updated ones."""
+    wwt = w @ w.T
+    uta = torch.zeros_like(w)
+    utu = torch.zeros(len(w), len(w), dtype=w.dtype, device=w.device)
+    start = 0
+    for a in _batches(batches, dtype):
+        rows = slice(start, start + len(a))
+        u[rows] = update(a, u[rows], w, wwt)
+        uta += u[rows].T @ a
+        utu += u[rows].T @ u[rows]
+        start += len(a)
+    return uta, utu
+
+
+def _least_squares(batches: Batches, u: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """The bank of least squares for fixed coefficients, with the pass's UᵀA and UᵀU."""
+    uta = utu = None
+    start = 0
+    for a in _batches(batches, dtype):
+        part = u[start : start + len(a)]
+        uta = part.T @ a if uta is None else uta + part.T @ a
+        utu = part.T @ part if utu is None else utu + part.T @ part
+        start += len(a)
+    return torch.linalg.lstsq(utu, uta).solution, uta, utu
+
+
+def coefficients(activations: Tensor, bank: Tensor, iterations: int = 200, *, signed: bool = False) -> Tensor:
+    """Non-negative coefficients of activations (rows, channels) on a fixed bank (concepts, channels), rows × K:
+    the factorization's own multiplicative rule for U with the bank held fixed, from scikit-learn's start for a
+    fixed bank (every coefficient :math:`\\sqrt{\\bar A / K}`), or for a signed bank from the least-squares
+    coefficients' positive part."""
+    a = activations.detach().to(bank.dtype)
+    wwt = bank @ bank.T
+    if signed:
+        u = _positive(torch.linalg.lstsq(wwt, bank @ a.T).solution.T) + TINY
+    else:
+        u = torch.full((len(a), len(bank)), max(float(a.mean()), 0.0) ** 0.5 / len(bank) ** 0.5, dtype=a.dtype)
+        u = u.to(a.device)
+    update = _semi_update if signed else _mu_update
+    for _ in range(iterations):
+        u = update(a, u, bank, wwt)
+    return u

@@ -1,0 +1,128 @@
+"""A layer read and rewritten through the engine: its output laid out as maps (N, C, *grid) in the engine's own
+pass (the layer named, or the automatic one; a ViT's patch tokens on their grid), and the model run again with
+that output replaced, to score what a change of the layer's features does to a target."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..core.engine import CAM, Needs, check_images
+from ..core.hooks import Hooks, layer_entry
+from ..core.layers import LayerSpec
+from ..core.layouts import Layout
+from ..core.model_state import exclusive, running, untouched
+from ..core.runner import PassRunner
+from ..errors import LayerError
+from ..targets import BoundTarget, TargetLike, as_target
+
+
+class _LayerOutputs(CAM):
+    """The engine's pass at one layer, recording its output alone (no formula: concepts read the activations)."""
+
+    name = "layer-outputs"
+    needs = Needs(gradients=False)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One batch read at a layer.
+
+    Attributes:
+        activations: The layer's output as maps (N, C, *grid), float32.
+        layer: The layer's name.
+        module: The layer's module.
+        layout: How its output became the maps (and how maps become its output again, :meth:`Layout.placed`).
+        bound: The target bound on the batch's output.
+        scores: The target's score of each image, (N,).
+    """
+
+    activations: Tensor
+    layer: str
+    module: nn.Module
+    layout: Layout
+    bound: BoundTarget
+    scores: Tensor
+
+
+class LayerReader:
+    """Reads one layer of a model through the engine's pass, and reruns the model with that layer's output
+    replaced.
+
+    Args:
+        model: Any model explain explains.
+        layer: The layer: a name, a module, or None for the automatic one (found on the first batch read).
+        labels: Class names, to accept a class name as target.
+        model_kwargs: Further keyword arguments of the model's forward.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layer: LayerSpec = None,
+        *,
+        labels: Sequence[str] | None = None,
+        model_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if isinstance(layer, (list, tuple)):
+            raise LayerError("concepts are found at one layer; give one layer, not a list")
+        self.model, self.labels, self.model_kwargs = model, labels, dict(model_kwargs or {})
+        self._method = _LayerOutputs(model, layer, labels=labels)
+
+    def read(self, x: Tensor, target: TargetLike = None) -> Reading:
+        """The layer's output for a batch x, and the target bound on the batch's output (the top class by
+        default).
+
+        Raises:
+            LayerError: The layer's output is no map of the input, or the automatic layers are several (a detector's
+                levels): name one.
+        """
+        check_images(x)
+        goal = as_target(target)
+        with exclusive(self.model), untouched(self.model), torch.inference_mode(False), torch.no_grad():
+            runner = PassRunner(self._method, x, goal, self.model_kwargs, None)
+            if len(runner.layers) != 1:
+                raise LayerError(
+                    f"concepts are found at one layer, and the automatic layers are {len(runner.layers)}: name one "
+                    "(explain --layers lists them)"
+                )
+            recorded = runner.record(x.detach(), goal, plain=True)
+        name, module = runner.layers[0]
+        if layer_entry(name)[1] is not None:
+            raise LayerError(f"layer {name!r} is an entry of a module's output, which concepts cannot replace")
+        if self._method.requested is None:  # the automatic layer, found once, is kept for the next batches
+            self._method = _LayerOutputs(self.model, module, labels=self.labels)
+        return Reading(
+            recorded.activations[name], name, module, recorded.layouts[name], recorded.bound, recorded.scores[:, 0]
+        )
+
+    def rescored(self, x: Tensor, reading: Reading, maps: Tensor, images: Tensor, batch_size: int) -> Tensor:
+        """The bound target's score with the layer's output replaced by ``maps`` (B, C, *grid): row r runs image
+        ``images[r]`` of ``x``, its layer output replaced by ``maps[r]``; in batches of ``batch_size``. (B,)"""
+        scores = []
+        with exclusive(self.model), untouched(self.model), torch.inference_mode(False), torch.no_grad():
+            for start in range(0, len(maps), batch_size):
+                rows = slice(start, start + batch_size)
+                with _replaced(reading.module, reading.layout, maps[rows]), running(self.model):
+                    output = self.model(x[images[rows]], **self.model_kwargs)
+                    scores.append(reading.bound.score(output, images[rows])[:, 0].float())
+        return torch.cat(scores)
+
+
+@contextmanager
+def _replaced(module: nn.Module, layout: Layout, maps: Tensor) -> Iterator[None]:
+    """For the block, the module's output replaced by ``maps`` laid out as its output."""
+
+    def replace(module: nn.Module, inputs: Any, output: Any) -> Tensor:
+        if not isinstance(output, Tensor):
+            raise LayerError(f"the layer returns a {type(output).__name__}, which concepts cannot replace")
+        return layout.placed(output, maps.to(output.dtype))
+
+    with Hooks() as hooks:
+        hooks.forward(module, replace)
+        yield

@@ -1,0 +1,227 @@
+"""Concepts: the factorization against scikit-learn, Sobol indices against closed forms, CRAFT on planted concepts,
+and the layer read and rewritten through the engine on CNNs, ViTs and Swin."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from sklearn.decomposition import NMF
+from test_speedups import hf_swin, small_cnn, small_vit
+from torch import nn
+
+from explain.concepts import Craft, coefficients, factorize, jansen_total, sobol_design
+from explain.concepts.reading import LayerReader
+from explain.errors import ExplainError, LayerError
+
+
+def batches_of(a: torch.Tensor, size: int):
+    return lambda: iter(a.split(size))
+
+
+def test_sobol_total_indices_of_ishigami_match_closed_forms() -> None:
+    """Ishigami's function, f = sin x1 + a sin² x2 + b x3⁴ sin x1 on [-π, π]³: its total indices are known in
+    closed form (Sobol' & Levitan 1999; Saltelli et al. 2010)."""
+    a, b, designs = 7.0, 0.1, 2**13
+    points = -math.pi + 2 * math.pi * sobol_design(3, designs, seed=1)
+    x1, x2, x3 = points.unbind(dim=1)
+    f = torch.sin(x1) + a * torch.sin(x2) ** 2 + b * x3**4 * torch.sin(x1)
+    variance = a**2 / 8 + b * math.pi**4 / 5 + b**2 * math.pi**8 / 18 + 0.5
+    v1 = 0.5 * (1 + b * math.pi**4 / 5) ** 2
+    v13 = 8 * b**2 * math.pi**8 / 225
+    expected = torch.tensor([v1 + v13, a**2 / 8, v13], dtype=torch.float64) / variance
+    found = jansen_total(f, 3)
+    assert (found.indices - expected).abs().max() < 0.01, (found.indices, expected)
+    low, high = found.interval()
+    assert bool(((low <= expected + 0.01) & (expected - 0.01 <= high)).all())
+
+
+def test_nmf_matches_scikit_learn_and_streaming_changes_nothing() -> None:
+    """The same rank and iterations as scikit-learn's NMF (multiplicative updates from NNDSVDa): the reconstruction
+    error within 1%; the activations in batches of 7 rows or in one give the same factors."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.rand(120, 6, generator=generator, dtype=torch.float64) @ torch.rand(6, 40, generator=generator).double()
+    a = a + 0.05 * torch.rand(a.shape, generator=generator, dtype=torch.float64)
+    theirs = NMF(n_components=6, init="nndsvda", solver="mu", max_iter=100, tol=0.0).fit(a.numpy())
+    ours = factorize(batches_of(a, len(a)), 6, 100)
+    assert abs(ours.error - theirs.reconstruction_err_) <= 0.01 * theirs.reconstruction_err_
+    assert ours.error == pytest.approx(float((a - ours.coefficients @ ours.bank).norm()), rel=1e-9)
+    streamed = factorize(batches_of(a, 7), 6, 100)
+    torch.testing.assert_close(streamed.bank, ours.bank)
+    torch.testing.assert_close(streamed.coefficients, ours.coefficients)
+
+
+def test_semi_nmf_fits_signed_activations_and_nmf_refuses_them() -> None:
+    generator = torch.Generator().manual_seed(1)
+    u = torch.rand(200, 4, generator=generator, dtype=torch.float64)
+    w = torch.randn(4, 24, generator=generator, dtype=torch.float64)
+    a = u @ w
+    found = factorize(batches_of(a, 50), 4, 300, signed=True)
+    assert bool((found.coefficients >= 0).all()) and found.error / float(a.norm()) < 0.02
+    fitted = coefficients(a, found.bank, 300, signed=True)
+    assert float((a - fitted @ found.bank).norm() / a.norm()) < 0.02
+    with pytest.raises(ExplainError, match="semi-NMF"):
+        factorize(batches_of(a, 50), 4, 10)
+
+
+class Planted(nn.Module):
+    """A model whose layer ``mix`` sees a non-negative mixture of K planted directions: its input's K channels are
+    the mixture's coefficients at each position, ``mix`` a 1x1 convolution whose weights are the directions, and
+    the head scores class 0 as the coefficients' mean weighed by ``weights``."""
+
+    def __init__(self, directions: torch.Tensor, weights: torch.Tensor) -> None:
+        super().__init__()
+        k, c = directions.shape
+        self.mix = nn.Conv2d(k, c, 1, bias=False)
+        self.mix.weight.data = directions.T[..., None, None].float()
+        self.head = nn.Linear(c, 2, bias=False)
+        back = torch.linalg.pinv(directions.T.double())  # (K, C): from a position's features to its coefficients
+        self.head.weight.data = torch.stack([weights.double() @ back, -(weights.double() @ back)]).float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mix(x).mean(dim=(2, 3)))
+
+
+def planted_images(count: int, k: int, side: int, generator: torch.Generator) -> torch.Tensor:
+    """Images of K coefficient channels: a grid of 4x4 cells, each cell one concept's at a random strength."""
+    cells = side // 4
+    which = torch.randint(0, k, (count, cells, cells), generator=generator)
+    strength = 0.5 + torch.rand(count, cells, cells, generator=generator)
+    coarse = torch.nn.functional.one_hot(which, k).permute(0, 3, 1, 2).float() * strength[:, None]
+    return coarse.repeat_interleave(4, dim=2).repeat_interleave(4, dim=3)
+
+
+def test_craft_recovers_planted_concepts_and_ranks_them_as_the_classifier_weighs_them() -> None:
+    """The bank recovers each planted direction (cosine >= 0.95); the score is additive in the masked coefficients,
+    so each concept's total index is its share of the score's variance, w_k² ū_k² / Σ_j w_j² ū_j² per image (the
+    masks' variance cancels), averaged over the images."""
+    generator = torch.Generator().manual_seed(0)
+    k, channels = 4, 12
+    directions = torch.eye(k).repeat_interleave(3, dim=1) + 0.3 * torch.rand(k, channels, generator=generator)
+    weights = torch.tensor([3.0, 0.4, 1.5, 0.8])
+    model = Planted(directions, weights).eval()
+    images = planted_images(12, k, 32, generator)
+    craft = Craft(model, "mix", concepts=k, crop=4, iterations=300)
+    bank = craft.fit(images)
+    assert not bank.signed and bank.layer == "mix" and bank.error < 0.01
+    unit = torch.nn.functional.normalize
+    cosine = unit(bank.bank.float(), dim=1) @ unit(directions, dim=1).T
+    matched = cosine.argmax(dim=1)
+    assert sorted(matched.tolist()) == list(range(k)) and bool((cosine.amax(dim=1) >= 0.95).all()), cosine
+    importance = craft.importance(bank, images[:4], target=0, designs=64)
+    shares = (weights * images[:4].mean(dim=(2, 3))) ** 2
+    expected = (shares / shares.sum(dim=1, keepdim=True)).mean(dim=0)[matched].double()
+    assert (importance.indices - expected).abs().max() < 0.05, (importance.indices, expected)
+    assert matched[importance.ranking].tolist() == weights.argsort(descending=True).tolist()
+    assert bool((importance.low <= importance.indices).all() and (importance.indices <= importance.high).all())
+    maps = craft.maps(bank, images[:2], resize=False)  # each concept lies where its planted coefficient does
+    maps = maps / maps.amax(dim=(0, 2, 3), keepdim=True)
+    assert bool(((maps > 0.2) == (images[:2, matched] > 0)).float().mean() > 0.95)
+
+
+@pytest.mark.parametrize("family", ["cnn", "vit", "swin"])
+def test_a_layer_rewritten_with_its_own_output_scores_as_the_plain_pass(family: str) -> None:
+    """Reading a layer's output as maps and putting the maps back in its place (a ViT's prefix tokens kept, Swin's
+    channels last) changes nothing: the target's score is the plain pass's."""
+    model = {"cnn": small_cnn, "vit": small_vit, "swin": hf_swin}[family]()
+    x = torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(2))
+    reader = LayerReader(model)
+    reading = reader.read(x, 1)
+    again = reader.rescored(x, reading, reading.activations, torch.arange(3), batch_size=2)
+    torch.testing.assert_close(again, reading.scores, rtol=1e-4, atol=1e-5)
+    halved = reader.rescored(x, reading, reading.activations * 0.5, torch.arange(3), batch_size=2)
+    assert not torch.allclose(halved, reading.scores)
+
+
+def test_craft_on_a_vit_finds_signed_concepts_with_finite_importance() -> None:
+    model = small_vit()
+    images = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(3))
+    craft = Craft(model, "blocks.0", concepts=3, crop=32, iterations=50, batch_size=8)
+    bank = craft.fit(images)
+    assert bank.signed and bank.bank.shape == (3, 192)
+    importance = craft.importance(bank, images[:2], target=1, designs=8)
+    assert bool(torch.isfinite(importance.indices).all()) and importance.per_image.shape == (2, 3)
+    assert craft.maps(bank, images[:1]).shape == (1, 3, 64, 64)
+
+
+def test_bad_requests_are_one_line_errors() -> None:
+    model = small_cnn()
+    images = torch.rand(2, 3, 32, 32)
+    with pytest.raises(ExplainError, match="crops for 40 concepts"):
+        Craft(model, concepts=40, crop=16).fit(images)
+    with pytest.raises(ExplainError, match="does not fit"):
+        Craft(model, concepts=2, crop=64).fit(images)
+    with pytest.raises(LayerError):
+        Craft(model, "8", concepts=2, crop=None).fit(images)  # the head's linear layer: no map of the input
+
+
+def vgg_with_norms() -> nn.Module:
+    """VGG-11 with batch norms, random weights and statistics, in eval mode (as tests/test_lrp.py's)."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.vgg11_bn(num_classes=10).eval()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            nn.init.normal_(m.running_mean, std=0.3)
+            nn.init.uniform_(m.running_var, 0.5, 2.0)
+            nn.init.normal_(m.bias, std=0.3)
+            nn.init.uniform_(m.weight, 0.5, 1.5)
+    return model
+
+
+def zennit_conditioned(model: nn.Module, x: torch.Tensor, targets: list[int], layer: str, mask: torch.Tensor):
+    """CRP's definition with zennit: its EpsilonPlus composite with batch norms merged, the relevance arriving at
+    ``layer`` multiplied by ``mask`` (C,) by a hook registered after the composite's, as zennit-crp conditions it."""
+    from zennit.attribution import Gradient
+    from zennit.canonizers import SequentialMergeBatchNorm
+    from zennit.composites import EpsilonPlus
+
+    module = model.get_submodule(layer)
+    with Gradient(model=model, composite=EpsilonPlus(canonizers=[SequentialMergeBatchNorm()])) as attributor:
+        handle = module.register_forward_hook(
+            lambda m, i, o: o.register_hook(lambda g: g * mask.view(1, -1, 1, 1)) and None
+        )
+        try:
+            _, relevance = attributor(x, torch.eye(10)[targets])
+        finally:
+            handle.remove()
+    return relevance.sum(dim=1)
+
+
+def test_crp_is_zennit_s_lrp_with_the_layer_s_relevance_masked_and_its_concepts_sum_to_the_whole() -> None:
+    pytest.importorskip("zennit", reason="zennit: a test dependency (pip install -e '.[test]')")
+    from explain.concepts import ConceptRelevance
+    from explain.methods import LRP
+
+    model = vgg_with_norms()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    partition = [list(range(0, 40)), list(range(40, 90)), list(range(90, 128))]
+    found = ConceptRelevance(model, "features.4", [*partition, [5, 17]])(x, [1, 7])
+    assert found.maps.shape == (2, 4, 32, 32) and found.layer == "features.4"
+    for k, channels in enumerate([*partition, [5, 17]]):
+        mask = torch.zeros(128)
+        mask[channels] = 1.0
+        expected = zennit_conditioned(model, x, [1, 7], "features.4", mask)
+        assert expected.abs().max() > 0
+        torch.testing.assert_close(found.maps[:, k], expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
+    whole = LRP(model)(x, [1, 7], normalize=False).raw.sum(dim=1)
+    torch.testing.assert_close(found.maps[:, :3].sum(dim=1), whole, rtol=1e-4, atol=1e-5 * float(whole.abs().max()))
+    torch.testing.assert_close(found.relevance, found.maps.flatten(2).sum(dim=2))
+
+
+def test_crp_through_a_concept_bank_splits_the_relevance_whole() -> None:
+    from explain.concepts import ConceptRelevance
+    from explain.methods import LRP
+
+    model = small_cnn()
+    images = torch.rand(8, 3, 32, 32, generator=torch.Generator().manual_seed(4))
+    bank = Craft(model, "5", concepts=3, crop=None, iterations=100).fit(images)
+    assert not bank.signed
+    found = ConceptRelevance(model, concepts=bank)(images[:2], 1)
+    whole = LRP(model)(images[:2], 1, normalize=False).raw.sum(dim=1)
+    assert found.maps.shape == (2, 3, 32, 32) and found.layer == "5"
+    torch.testing.assert_close(found.maps.sum(dim=1), whole, rtol=1e-4, atol=1e-5 * float(whole.abs().max()))
+    with pytest.raises(ExplainError, match="signed"):
+        ConceptRelevance(model, concepts=Craft(model, "3", concepts=2, crop=None, iterations=20).fit(images))
