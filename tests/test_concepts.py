@@ -225,3 +225,93 @@ def test_crp_through_a_concept_bank_splits_the_relevance_whole() -> None:
     torch.testing.assert_close(found.maps.sum(dim=1), whole, rtol=1e-4, atol=1e-5 * float(whole.abs().max()))
     with pytest.raises(ExplainError, match="signed"):
         ConceptRelevance(model, concepts=Craft(model, "3", concepts=2, crop=None, iterations=20).fit(images))
+
+
+class Gated(nn.Module):
+    """A model whose layer ``mix`` holds planted concepts (each owns three channels), a gate that passes a channel
+    only where it is strong, so that the gradient at ``mix`` varies with the image, and a head that scores class 0
+    up on concept 0's channels and down on the others'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(5)
+        directions = torch.eye(4).repeat_interleave(3, dim=1) + 0.3 * torch.rand(4, 12, generator=generator)
+        self.mix = nn.Conv2d(4, 12, 1, bias=False)
+        self.mix.weight.data = directions.T[..., None, None]
+        self.head = nn.Linear(12, 2, bias=False)
+        up = torch.tensor([1.0] * 3 + [-0.3] * 9)
+        self.head.weight.data = torch.stack([up, -up])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mix(x) - 0.6).mean(dim=(2, 3)))
+
+
+def test_t_test_is_scipy_s() -> None:
+    stats = pytest.importorskip("scipy.stats")
+    from explain.concepts import t_test
+
+    generator = torch.Generator().manual_seed(0)
+    for shift, sizes in [(0.0, (10, 10)), (0.4, (12, 7)), (2.0, (5, 9)), (0.05, (40, 40))]:
+        a = torch.randn(sizes[0], generator=generator, dtype=torch.float64)
+        b = torch.randn(sizes[1], generator=generator, dtype=torch.float64) + shift
+        assert t_test(a, b) == pytest.approx(stats.ttest_ind(a.numpy(), b.numpy()).pvalue, rel=1e-9, abs=1e-15)
+
+
+@pytest.mark.parametrize("fit", ["linear", "mean"])
+def test_tcav_scores_a_planted_concept_near_1_and_a_random_one_near_half_not_significantly(fit: str) -> None:
+    from explain.concepts import TCAV
+
+    generator = torch.Generator().manual_seed(6)
+    model = Gated().eval()
+    images = planted_images(24, 4, 16, generator)
+    striped = planted_images(12, 4, 16, generator)
+    striped[:, 0] = striped.sum(dim=1)  # every cell concept 0's
+    striped[:, 1:] = 0
+    random = planted_images(24, 4, 16, generator)
+    tcav = TCAV(model, "mix", fit=fit, runs=12)
+    planted = tcav(images, striped, random, target=0)
+    assert planted.score >= 0.95 and planted.significant and planted.layer == "mix", planted
+    chance = tcav(images, random[:12], random[12:], target=0)
+    assert 0.2 <= float(chance.scores.mean()) <= 0.8 and not chance.significant, chance
+
+
+def test_tcav_is_captum_s_with_the_same_concept_vector(tmp_path) -> None:
+    """Captum's TCAV, given our CAV through its classifier interface, counts the same share of images."""
+    from captum.concept import TCAV as CaptumTCAV
+    from captum.concept import Concept
+    from captum.concept._utils.classifier import Classifier
+    from captum.concept._utils.data_iterator import dataset_to_dataloader
+
+    from explain.concepts import TCAV, cav
+
+    generator = torch.Generator().manual_seed(7)
+    model = small_cnn()
+    images, concept, random = (torch.rand(n, 3, 32, 32, generator=generator) for n in (16, 8, 8))
+    scale, shift = (torch.rand(16, 3, 1, 1, generator=generator) for _ in range(2))
+    images = images * 3 * scale - 1.5 * shift  # colours far apart: the images' gradients point apart
+    concept[:, 0] += 1.0  # redder
+    ours = TCAV(model, "3")
+    vector = cav(ours.activations(concept), ours.activations(random)).float()
+
+    class Given(Classifier):
+        def __init__(self) -> None:
+            pass
+
+        def train_and_eval(self, dataloader, **kwargs):
+            return {"accs": torch.tensor(1.0)}
+
+        def weights(self) -> torch.Tensor:
+            return torch.stack([vector, -vector])
+
+        def classes(self) -> list[int]:
+            return [0, 1]
+
+    def concept_of(index: int, name: str, data: torch.Tensor) -> Concept:
+        return Concept(index, name, dataset_to_dataloader(torch.utils.data.TensorDataset(data)))
+
+    sets = [[concept_of(0, "red", concept), concept_of(1, "random", random)]]
+    peer = CaptumTCAV(model, ["3"], classifier=Given(), save_path=str(tmp_path))
+    theirs = peer.interpret(images, sets, target=1)["0-1"]["3"]["sign_count"][0]
+    derivatives = ours.gradients(images, 1).double() @ vector.double()
+    assert float(theirs) == pytest.approx(float((derivatives > 0).double().mean()))
+    assert 0 < float(theirs) < 1, "the images must split, or the comparison would be trivially 0 or 1"

@@ -3,7 +3,8 @@
 - CRAFT (:mod:`explain.concepts.craft`): concepts found by factorizing a layer's activations over crops
   (:mod:`explain.concepts.factorization`), ranked for a target by Sobol total indices (:mod:`explain.concepts.sobol`),
   and mapped on any image;
-- CRP (:mod:`explain.concepts.crp`): the relevance of a target through each of K concepts at a layer, in one pass.
+- CRP (:mod:`explain.concepts.crp`): the relevance of a target through each of K concepts at a layer, in one pass;
+- TCAV (:mod:`explain.concepts.tcav`): whether a class's score rises along a user's concept, and how significantly.
 
 Every layer is read and rewritten through the engine's own pass (:mod:`explain.concepts.reading`), so any model and
 target explain explains has concepts too.
@@ -13,8 +14,9 @@ from .craft import ConceptBank, Craft, Importance, crop_boxes, cut
 from .crp import ConceptMaps, ConceptRelevance
 from .factorization import Factors, coefficients, factorize
 from .sobol import TotalIndices, jansen_total, sobol_design
+from .tcav import TCAV, TCAVResult, cav, t_test
 
 __all__ = [
-    "ConceptBank", "ConceptMaps", "ConceptRelevance", "Craft", "Factors", "Importance", "TotalIndices",
-    "coefficients", "crop_boxes", "cut", "factorize", "jansen_total", "sobol_design",
+    "TCAV", "ConceptBank", "ConceptMaps", "ConceptRelevance", "Craft", "Factors", "Importance", "TCAVResult",
+    "TotalIndices", "cav", "coefficients", "crop_boxes", "cut", "factorize", "jansen_total", "sobol_design", "t_test",
 ]  # fmt: skip

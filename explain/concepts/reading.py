@@ -29,6 +29,17 @@ class _LayerOutputs(CAM):
     needs = Needs(gradients=False)
 
 
+class _LayerGradients(CAM):
+    """The engine's pass at one layer, recording its output and the target's gradient there."""
+
+    name = "layer-gradients"
+
+
+def _readers(model: nn.Module, layer: LayerSpec, labels: Sequence[str] | None) -> dict[bool, CAM]:
+    """The passes a reader runs, by whether they take the gradient."""
+    return {False: _LayerOutputs(model, layer, labels=labels), True: _LayerGradients(model, layer, labels=labels)}
+
+
 @dataclass(frozen=True)
 class Reading:
     """One batch read at a layer.
@@ -40,6 +51,7 @@ class Reading:
         layout: How its output became the maps (and how maps become its output again, :meth:`Layout.placed`).
         bound: The target bound on the batch's output.
         scores: The target's score of each image, (N,).
+        gradients: The score's gradient at the layer, laid out as the activations, or None where not asked.
     """
 
     activations: Tensor
@@ -48,6 +60,7 @@ class Reading:
     layout: Layout
     bound: BoundTarget
     scores: Tensor
+    gradients: Tensor | None = None
 
 
 class LayerReader:
@@ -72,20 +85,20 @@ class LayerReader:
         if isinstance(layer, (list, tuple)):
             raise LayerError("concepts are found at one layer; give one layer, not a list")
         self.model, self.labels, self.model_kwargs = model, labels, dict(model_kwargs or {})
-        self._method = _LayerOutputs(model, layer, labels=labels)
+        self._methods = _readers(model, layer, labels)
 
-    def read(self, x: Tensor, target: TargetLike = None) -> Reading:
+    def read(self, x: Tensor, target: TargetLike = None, gradients: bool = False) -> Reading:
         """The layer's output for a batch x, and the target bound on the batch's output (the top class by
-        default).
+        default); with ``gradients``, the target score's gradient at the layer too.
 
         Raises:
             LayerError: The layer's output is no map of the input, or the automatic layers are several (a detector's
                 levels): name one.
         """
         check_images(x)
-        goal = as_target(target)
-        with exclusive(self.model), untouched(self.model), torch.inference_mode(False), torch.no_grad():
-            runner = PassRunner(self._method, x, goal, self.model_kwargs, None)
+        goal, method = as_target(target), self._methods[gradients]
+        with exclusive(self.model), untouched(self.model), torch.inference_mode(False):
+            runner = PassRunner(method, x, goal, self.model_kwargs, None)
             if len(runner.layers) != 1:
                 raise LayerError(
                     f"concepts are found at one layer, and the automatic layers are {len(runner.layers)}: name one "
@@ -95,11 +108,13 @@ class LayerReader:
         name, module = runner.layers[0]
         if layer_entry(name)[1] is not None:
             raise LayerError(f"layer {name!r} is an entry of a module's output, which concepts cannot replace")
-        if self._method.requested is None:  # the automatic layer, found once, is kept for the next batches
-            self._method = _LayerOutputs(self.model, module, labels=self.labels)
+        if method.requested is None:  # the automatic layer, found once, is kept for the next batches
+            self._methods = _readers(self.model, module, self.labels)
+        found = recorded.gradients[0][name].float() if gradients else None
         return Reading(
-            recorded.activations[name], name, module, recorded.layouts[name], recorded.bound, recorded.scores[:, 0]
-        )
+            recorded.activations[name], name, module, recorded.layouts[name], recorded.bound, recorded.scores[:, 0],
+            found,
+        )  # fmt: skip
 
     def rescored(self, x: Tensor, reading: Reading, maps: Tensor, images: Tensor, batch_size: int) -> Tensor:
         """The bound target's score with the layer's output replaced by ``maps`` (B, C, *grid): row r runs image
