@@ -705,6 +705,62 @@ def _evaluate(argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
+CONCEPTS, TCAV = "concepts", "tcav"  # ``explain concepts``: a folder's concept atlas; ``explain tcav``: a CAV's score
+
+
+def _image_paths(sources: Sequence[str], exclude: Path | None, what: str) -> list[Path]:
+    """The image files of files, folders and patterns.
+
+    Raises:
+        UsageError: One is missing, or none is an image.
+    """
+    inputs = collect_inputs(sources, exclude=exclude, kind="image")
+    missing = [item for item in inputs if item.path is None]
+    if missing:
+        raise UsageError(missing[0].error or f"{missing[0].name}: not found")
+    if not inputs:
+        raise UsageError(f"{what} {' '.join(map(str, sources))}: no images there")
+    return [item.path for item in inputs]
+
+
+def _concepts(argv: Sequence[str]) -> int:
+    """``explain concepts``: the concept atlas of a folder (CRAFT), written as a page, a sheet and a manifest."""
+    from .atlas import command
+    from .models.loaders import load_named
+
+    parser = _Parser(
+        prog="explain concepts",
+        description="What the model sees, not only where: the concepts a layer holds over your images' crops "
+        "(CRAFT), each with its importance for the class, its best crops and its map on every image.",
+    )
+    command.add_concepts_arguments(parser, BUNDLED_MODEL)
+    args = parser.parse_args(argv)
+    paths = _image_paths(args.inputs, args.out, "the images")
+    spec = load_named(args.model, args.weights, _device(args.device))
+    print(command.run_concepts(args, spec, paths))
+    return EXIT_OK
+
+
+def _tcav(argv: Sequence[str]) -> int:
+    """``explain tcav``: the TCAV score of a concept for a class, with its significance."""
+    from .atlas import command
+    from .models.loaders import load_named
+
+    parser = _Parser(
+        prog="explain tcav",
+        description="Does the class's score rise along your concept? The share of the images whose score does "
+        "(TCAV), against random counterexamples, with a t-test over random halves.",
+    )
+    command.add_tcav_arguments(parser, BUNDLED_MODEL)
+    args = parser.parse_args(argv)
+    paths = _image_paths(args.inputs, None, "the images")
+    concept = _image_paths(args.concept, None, "--concept")
+    random = _image_paths(args.random, None, "--random")
+    spec = load_named(args.model, args.weights, _device(args.device))
+    print(command.run_tcav(args, spec, paths, concept, random))
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status (0 all written, 1 some inputs failed, 2 usage error)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -714,6 +770,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _app(argv[1:])
         if argv[:1] == [EVALUATE]:
             return _evaluate(argv[1:])
+        if argv[:1] == [CONCEPTS]:
+            return _concepts(argv[1:])
+        if argv[:1] == [TCAV]:
+            return _tcav(argv[1:])
         args = build_parser().parse_args(argv)
         if args.method == "list":
             print(method_table())

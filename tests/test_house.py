@@ -92,7 +92,7 @@ def test_what_a_result_draws_with_reaches_no_engine_export_or_front_end() -> Non
 
 
 FRONT_ENDS = {"cli", "__main__", "explorer", "notebook"}  # what a user runs: the command line, the app, the widgets
-JOBS = {"export", "evaluation"}  # runs that write an output folder (its lock, its log): export and evaluate
+JOBS = {"export", "evaluation", "atlas"}  # runs that write an output folder: export, evaluate, concepts and tcav
 
 
 def test_only_the_front_ends_import_the_jobs_and_none_imports_them() -> None:

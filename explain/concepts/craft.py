@@ -15,8 +15,9 @@ factorized at an earlier layer (:meth:`Craft.refine`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,34 @@ from .reading import LayerReader, Reading
 from .sobol import TotalIndices, jansen_total, sobol_design
 
 CROP_OVERLAP = 0.8  # the crops' stride as a share of their side, as the authors' code
+
+Progress = Callable[[Sequence[int], str], Iterable[int]]
+"""Wraps the indices of a long step's parts, named by a few words (a progress bar)."""
+
+
+class Cache(Protocol):
+    """Where a long step's parts are kept and found again by key: a run that resumes."""
+
+    def get(self, key: str) -> Tensor | None:
+        """The part kept under ``key``, or None."""
+
+    def put(self, key: str, value: Tensor) -> None:
+        """Keep a part under ``key``."""
+
+
+def quietly(steps: Sequence[int], what: str) -> Iterable[int]:
+    """The steps as they are: no progress shown."""
+    return steps
+
+
+def _cached(cache: Cache | None, key: str, compute: Callable[[], Tensor], device: torch.device) -> Tensor:
+    """The part under ``key`` from the cache (on ``device``), else computed and kept there."""
+    found = None if cache is None else cache.get(key)
+    if found is None:
+        found = compute()
+        if cache is not None:
+            cache.put(key, found)
+    return found.to(device)
 
 
 def crop_boxes(images: Tensor, side: int | None) -> Tensor:
@@ -157,8 +186,13 @@ class Craft:
         self.concepts, self.crop, self.iterations = concepts, crop, iterations
         self.batch_size, self.signed = batch_size, signed
 
-    def fit(self, images: Tensor) -> ConceptBank:
+    def fit(self, images: Tensor, cache: Cache | None = None, progress: Progress = quietly) -> ConceptBank:
         """The concepts of the images' crops, read in batches.
+
+        Args:
+            images: The images, normalized as the model expects.
+            cache: Where each batch's activations are kept and found again (a run that resumes); None: nowhere.
+            progress: Wraps the batches' indices as they are read (a progress bar).
 
         Raises:
             ExplainError: Fewer crops than concepts.
@@ -168,15 +202,20 @@ class Craft:
             raise ExplainError(
                 f"{len(boxes)} crops for {self.concepts} concepts: give more images, smaller crops or fewer concepts"
             )
-        pooled, layer = [], ""
-        for start in range(0, len(boxes), self.batch_size):
-            reading = self.reader.read(cut(images, boxes[start : start + self.batch_size]))
-            pooled.append(reading.activations.flatten(2).mean(dim=2).double())
-            layer = reading.layer
+        starts, device = range(0, len(boxes), self.batch_size), images.device
+        pooled = [
+            _cached(cache, f"crops-{i}", lambda i=i: self._pooled(cut(images, boxes[i : i + self.batch_size])), device)
+            for i in progress(starts, "reading crops")
+        ]
+        layer = self.reader.read(cut(images, boxes[:1])).layer
         signed = self.signed if self.signed is not None else any(bool((a < 0).any()) for a in pooled)
         found: Factors = factorize(lambda: iter(pooled), self.concepts, self.iterations, signed=signed)
         norm = float(torch.cat(pooled).norm())
         return ConceptBank(found.bank, layer, signed, boxes, found.coefficients, found.error / norm)
+
+    def _pooled(self, crops: Tensor) -> Tensor:
+        """The crops' activations averaged over the layer's positions, (crops, C), float64."""
+        return self.reader.read(crops).activations.flatten(2).mean(dim=2).double()
 
     def maps(self, bank: ConceptBank, images: Tensor, resize: bool = True) -> Tensor:
         """Each concept's map on each image: its coefficient at every position of the layer, (N, K, *size),
@@ -185,31 +224,46 @@ class Craft:
         return upsample(found.float(), images.shape[2:]) if resize else found.float()
 
     def importance(
-        self, bank: ConceptBank, images: Tensor, target: TargetLike = None, designs: int = 32, seed: int = 0
+        self,
+        bank: ConceptBank,
+        images: Tensor,
+        target: TargetLike = None,
+        designs: int = 32,
+        seed: int = 0,
+        cache: Cache | None = None,
+        progress: Progress = quietly,
     ) -> Importance:
         """Each concept's Sobol total index for the target (each image's top class by default), over the images.
 
         Args:
             bank: The concepts (:meth:`fit`).
             images: The images the indices are averaged over.
-            target: What is explained, as for any explain call.
+            target: What is explained, as for any explain call: one target for every image.
             designs: N, the quasi-Monte Carlo designs per image: N (K + 2) forwards per image.
             seed: The scrambled Sobol sequence's seed.
+            cache: Where each image's estimator terms are kept and found again; None: nowhere.
+            progress: Wraps the images' indices as they are scored (a progress bar).
         """
-        masks = sobol_design(bank.concepts, designs, seed).to(images.device)
-        terms = []
-        for i in range(len(images)):
-            image = images[i : i + 1]
-            reading = self.reader.read(image, target)
-            u = bank.on(reading)  # (1, K, *grid)
-            perturbed = u * masks.view(*masks.shape, *(1,) * (u.dim() - 2))  # (designs (K + 2), K, *grid)
-            maps = torch.einsum("nk...,kc->nc...", perturbed, bank.bank)
-            rows = torch.zeros(len(maps), dtype=torch.long, device=images.device)
-            scores = self.reader.rescored(image, reading, maps.float(), rows, self.batch_size)
-            terms.append(jansen_total(scores, bank.concepts).terms)
+        device = images.device
+        masks = sobol_design(bank.concepts, designs, seed).to(device)
+        terms = [
+            _cached(cache, f"importance-{i}", lambda i=i: self._terms(bank, images[i : i + 1], target, masks), device)
+            for i in progress(range(len(images)), "scoring concepts")
+        ]
         total = TotalIndices(torch.cat(terms))
         low, high = total.interval()
         return Importance(total.indices, low, high, total.per_function)
+
+    def _terms(self, bank: ConceptBank, image: Tensor, target: TargetLike, masks: Tensor) -> Tensor:
+        """Jansen's terms of one image, (1, K, designs): its coefficients masked, put back in the layer's place and
+        scored."""
+        reading = self.reader.read(image, target)
+        u = bank.on(reading)  # (1, K, *grid)
+        perturbed = u * masks.view(*masks.shape, *(1,) * (u.dim() - 2))  # (designs (K + 2), K, *grid)
+        maps = torch.einsum("nk...,kc->nc...", perturbed, bank.bank)
+        rows = torch.zeros(len(maps), dtype=torch.long, device=image.device)
+        scores = self.reader.rescored(image, reading, maps.float(), rows, self.batch_size)
+        return jansen_total(scores, bank.concepts).terms
 
     def refine(
         self, bank: ConceptBank, images: Tensor, concept: int, layer: LayerSpec, concepts: int = 3

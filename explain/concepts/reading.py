@@ -99,12 +99,12 @@ class LayerReader:
         goal, method = as_target(target), self._methods[gradients]
         with exclusive(self.model), untouched(self.model), torch.inference_mode(False):
             runner = PassRunner(method, x, goal, self.model_kwargs, None)
+            recorded = runner.plain_pass(x.detach())
             if len(runner.layers) != 1:
                 raise LayerError(
                     f"concepts are found at one layer, and the automatic layers are {len(runner.layers)}: name one "
                     "(explain --layers lists them)"
                 )
-            recorded = runner.record(x.detach(), goal, plain=True)
         name, module = runner.layers[0]
         if layer_entry(name)[1] is not None:
             raise LayerError(f"layer {name!r} is an entry of a module's output, which concepts cannot replace")
