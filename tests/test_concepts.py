@@ -315,3 +315,46 @@ def test_tcav_is_captum_s_with_the_same_concept_vector(tmp_path) -> None:
     derivatives = ours.gradients(images, 1).double() @ vector.double()
     assert float(theirs) == pytest.approx(float((derivatives > 0).double().mean()))
     assert 0 < float(theirs) < 1, "the images must split, or the comparison would be trivially 0 or 1"
+
+
+class Batched(nn.Module):
+    """A model that reads its batch size off its input and reshapes by it after the layer ``mix``: a forward that
+    copies of one image cannot share (its tail sees one row where there are many)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Conv2d(3, 6, 3, padding=1)
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        return self.head(torch.relu(self.mix(x)).reshape(rows, 6, -1).mean(dim=2))
+
+
+@pytest.mark.parametrize("make", [small_cnn, Batched, small_vit])
+def test_copies_of_one_image_share_their_prefix_where_it_scores_the_same(make, monkeypatch) -> None:
+    """Copies of one image with their layer output replaced score the same whether they share the image's forward
+    up to the layer (the tails speedup) or run whole; the CNN and the ViT share it (their first layer sees the image
+    once), the model that reshapes by its input's batch size does not."""
+    model = make().eval()
+    layer = {"Batched": "mix", "Sequential": "3", "VisionTransformer": "blocks.0"}[type(model).__name__]
+    side = 64 if make is small_vit else 16
+    x = torch.randn(1, 3, side, side, generator=torch.Generator().manual_seed(8))
+    reader = LayerReader(model, layer)
+    reading = reader.read(x, 1)
+    noise = 1 + 0.3 * torch.randn(7, *reading.activations.shape[1:], generator=torch.Generator().manual_seed(9))
+    maps, images = reading.activations * noise, torch.zeros(7, dtype=torch.long)
+    seen: list[int] = []
+    first = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+    handle = first.register_forward_pre_hook(lambda m, args: seen.append(len(args[0])) and None)
+    try:
+        shared = reader.rescored(x, reading, maps, images, batch_size=4)
+        shared_batches = list(seen)
+        monkeypatch.setenv("EXPLAIN_SPEEDUPS", "0")
+        seen.clear()
+        whole = reader.rescored(x, reading, maps, images, batch_size=4)
+    finally:
+        handle.remove()
+    assert seen == [4, 3]
+    torch.testing.assert_close(shared, whole, rtol=1e-4, atol=1e-5)
+    assert shared_batches == ([1, 4, 3] if make is Batched else [1, 2, 1])  # Batched fails shared, runs whole

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ from ..core.layers import LayerSpec
 from ..core.layouts import Layout
 from ..core.model_state import exclusive, running, untouched
 from ..core.runner import PassRunner
+from ..core.speedups import enabled
+from ..core.speedups.tails import shared_prefix
 from ..errors import LayerError
 from ..targets import BoundTarget, TargetLike, as_target
 
@@ -118,15 +121,22 @@ class LayerReader:
 
     def rescored(self, x: Tensor, reading: Reading, maps: Tensor, images: Tensor, batch_size: int) -> Tensor:
         """The bound target's score with the layer's output replaced by ``maps`` (B, C, *grid): row r runs image
-        ``images[r]`` of ``x``, its layer output replaced by ``maps[r]``; in batches of ``batch_size``. (B,)"""
-        scores = []
+        ``images[r]`` of ``x``, its layer output replaced by ``maps[r]``; in batches of ``batch_size``. (B,) Copies
+        of one image share their forward up to the layer where they can (the ``tails`` speedup)."""
+        score = partial(self._scored, x, reading)
         with exclusive(self.model), untouched(self.model), torch.inference_mode(False), torch.no_grad():
-            for start in range(0, len(maps), batch_size):
-                rows = slice(start, start + batch_size)
-                with _replaced(reading.module, reading.layout, maps[rows]), running(self.model):
-                    output = self.model(x[images[rows]], **self.model_kwargs)
-                    scores.append(reading.bound.score(output, images[rows])[:, 0].float())
-        return torch.cat(scores)
+            found = shared_prefix(score, maps, images, batch_size) if enabled("tails") else None
+            if found is None:
+                starts = range(0, len(maps), batch_size)
+                found = torch.cat([score(maps[s : s + batch_size], images[s : s + batch_size], False) for s in starts])
+        return found
+
+    def _scored(self, x: Tensor, reading: Reading, maps: Tensor, images: Tensor, once: bool) -> Tensor:
+        """The rows' scores with the layer's output replaced by ``maps``; ``once``: the first row's image run once
+        (see :data:`explain.core.speedups.tails.Score`)."""
+        with _replaced(reading.module, reading.layout, maps), running(self.model):
+            output = self.model(x[images[:1]] if once else x[images], **self.model_kwargs)
+            return reading.bound.score(output, images)[:, 0].float()
 
 
 @contextmanager

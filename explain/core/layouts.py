@@ -109,7 +109,8 @@ class Layout:
             patches = maps.flatten(2).transpose(1, 2)  # (N, cells, C), the cells row-major
             if self.order is not None:
                 patches = patches.index_select(1, torch.tensor(self.order, device=maps.device))
-            return torch.cat([output[:, : self.prefix], patches], dim=1)
+            prefix = output[:, : self.prefix]  # one image's, for copies of it that share its forward: expanded
+            return torch.cat([prefix.expand(len(patches), *prefix.shape[1:]), patches], dim=1)
         raise LayerError(f"a layer laid out by {self.describe()} cannot be given maps in its place")
 
     @cached_property

@@ -23,6 +23,8 @@ SPEEDUPS = {
     "(explain.core.speedups.prefix)",
     "folding": "scoring forwards through a copy with its batch norms folded (explain.core.speedups.folding)",
     "channels_last": "scoring forwards on the CPU in channels-last memory (explain.core.speedups.folding)",
+    "tails": "copies of one image that differ only in a layer's output run the image once up to the layer "
+    "(explain.core.speedups.tails)",
     "layer_in_pass": "the automatic layer settled by the call's own pass among the last candidates, and on a model "
     "not seen before, by the trace's own forward as that pass, rather than by a search of its own "
     "(explain.core.speedups.settling)",
