@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from sklearn.decomposition import NMF
@@ -44,10 +45,10 @@ def test_nmf_matches_scikit_learn_and_streaming_changes_nothing() -> None:
     a = torch.rand(120, 6, generator=generator, dtype=torch.float64) @ torch.rand(6, 40, generator=generator).double()
     a = a + 0.05 * torch.rand(a.shape, generator=generator, dtype=torch.float64)
     theirs = NMF(n_components=6, init="nndsvda", solver="mu", max_iter=100, tol=0.0).fit(a.numpy())
-    ours = factorize(batches_of(a, len(a)), 6, 100)
+    ours = factorize(batches_of(a, len(a)), 6, 100, tol=0.0)
     assert abs(ours.error - theirs.reconstruction_err_) <= 0.01 * theirs.reconstruction_err_
     assert ours.error == pytest.approx(float((a - ours.coefficients @ ours.bank).norm()), rel=1e-9)
-    streamed = factorize(batches_of(a, 7), 6, 100)
+    streamed = factorize(batches_of(a, 7), 6, 100, tol=0.0)
     torch.testing.assert_close(streamed.bank, ours.bank)
     torch.testing.assert_close(streamed.coefficients, ours.coefficients)
 
@@ -357,4 +358,70 @@ def test_copies_of_one_image_share_their_prefix_where_it_scores_the_same(make, m
         handle.remove()
     assert seen == [4, 3]
     torch.testing.assert_close(shared, whole, rtol=1e-4, atol=1e-5)
-    assert shared_batches == ([1, 4, 3] if make is Batched else [1, 2, 1])  # Batched fails shared, runs whole
+    # Batched fails shared and runs whole; the ViT's layer output is a quarter of its image: 16 copies share a run
+    assert shared_batches == {Batched: [1, 4, 3], small_cnn: [1, 2, 1], small_vit: [1, 2]}[make]
+
+
+def test_the_linear_cav_is_scikit_learn_s_regularized_logistic_regression() -> None:
+    """Our Newton steps on the representer reach scikit-learn's optimum of the same objective: mean log-loss plus
+    λ‖w‖² on standardized features is its C Σ log-loss + ½‖w‖² with C = 1 / (2 λ n)."""
+    from sklearn.linear_model import LogisticRegression
+
+    from explain.concepts import cav
+
+    generator = torch.Generator().manual_seed(10)
+    concept = torch.randn(30, 200, generator=generator, dtype=torch.float64) + 0.3
+    counter = torch.randn(40, 200, generator=generator, dtype=torch.float64)
+    ours = cav(concept, counter, "linear", l2=0.01)
+    data = torch.cat([concept, counter])
+    standard = (data - data.mean(dim=0)) / data.std(dim=0)
+    labels = [1] * 30 + [0] * 40
+    theirs = LogisticRegression(C=1 / (2 * 0.01 * 70), tol=1e-10, max_iter=10_000).fit(standard.numpy(), labels)
+    expected = torch.from_numpy(theirs.coef_[0]) / data.std(dim=0)
+    assert float(ours @ expected / expected.norm()) > 0.9999
+
+
+@pytest.mark.parametrize("kind", ["pt", "npy", "safetensors", "object"])
+def test_a_dictionary_from_a_file_maps_its_concepts_where_they_lie(kind: str, tmp_path) -> None:
+    """The planted directions given as a dictionary (a file, or an object with get_dictionary as overcomplete's):
+    each concept's map lies where its planted coefficient does."""
+    from explain.concepts import dictionary_bank
+
+    generator = torch.Generator().manual_seed(11)
+    directions = torch.eye(4).repeat_interleave(3, dim=1) + 0.3 * torch.rand(4, 12, generator=generator)
+    model = Planted(directions, torch.ones(4)).eval()
+    images = planted_images(2, 4, 16, generator)
+    if kind == "object":
+        source = type("Dictionary", (), {"get_dictionary": lambda self: directions})()
+    elif kind == "npy":
+        source = tmp_path / "d.npy"
+        np.save(source, directions.numpy())
+    elif kind == "safetensors":
+        from safetensors.torch import save_file
+
+        source = tmp_path / "d.safetensors"
+        save_file({"dictionary": directions, "bias": torch.zeros(12)}, str(source))
+    else:
+        source = tmp_path / "d.pt"
+        torch.save({"weights": directions}, source)
+    bank = dictionary_bank(source, "mix")
+    maps = Craft(model, "mix").maps(bank, images, resize=False)
+    maps = maps / maps.amax(dim=(0, 2, 3), keepdim=True)
+    assert not bank.signed and bool(((maps > 0.2) == (images > 0)).float().mean() > 0.95)
+
+
+def test_a_dictionary_that_does_not_fit_is_refused_in_one_line(tmp_path) -> None:
+    from explain.concepts import dictionary_bank
+
+    with pytest.raises(ExplainError, match="no such dictionary file"):
+        dictionary_bank(tmp_path / "missing.pt", "mix")
+    (tmp_path / "two.pt").write_bytes(b"")
+    torch.save({"a": torch.ones(2, 3), "b": torch.ones(3, 4)}, tmp_path / "two.pt")
+    with pytest.raises(ExplainError, match="no single 2-D tensor"):
+        dictionary_bank(tmp_path / "two.pt", "mix")
+    with pytest.raises(ExplainError, match="negative entries"):
+        dictionary_bank(-torch.ones(2, 3), "mix", signed=False)
+    wrong = dictionary_bank(torch.rand(3, 5), "mix")
+    model = Planted(torch.rand(4, 12), torch.ones(4)).eval()
+    with pytest.raises(ExplainError, match="of 5 channels and layer mix has 12"):
+        Craft(model, "mix").maps(wrong, torch.rand(1, 4, 8, 8))

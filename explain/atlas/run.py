@@ -139,7 +139,7 @@ def _bars(steps: Sequence[int], what: str) -> Iterable[int]:
     """A progress bar over the steps."""
     from tqdm.auto import tqdm
 
-    return tqdm(steps, desc=what, unit="batch" if what.startswith("reading") else "image", leave=False)
+    return tqdm(steps, desc=what, unit="batch", leave=False)
 
 
 def tcav_score(

@@ -125,7 +125,7 @@ class ConceptBank:
         layer: The layer's name.
         signed: Whether the bank was found signed (semi-NMF, for activations of any sign).
         boxes: The crops it was found on, (crops, 4) (see :func:`crop_boxes`).
-        coefficients: Each crop's coefficients, (crops, K).
+        coefficients: Each crop's coefficients, (crops, K) (none for a dictionary learned elsewhere).
         error: The factorization's relative reconstruction error :math:`\lVert A - UW \rVert_F / \lVert A \rVert_F`.
     """
 
@@ -142,8 +142,17 @@ class ConceptBank:
         return len(self.bank)
 
     def on(self, reading: Reading, iterations: int = 200) -> Tensor:
-        """The coefficients of a reading's activations on the bank at every position, (N, K, *grid)."""
+        """The coefficients of a reading's activations on the bank at every position, (N, K, *grid).
+
+        Raises:
+            ExplainError: The bank's concepts are of another number of channels than the reading's layer has.
+        """
         activations = reading.activations
+        if activations.shape[1] != self.bank.shape[1]:
+            raise ExplainError(
+                f"the concepts are of {self.bank.shape[1]} channels and layer {reading.layer} has "
+                f"{activations.shape[1]}: read the layer they were found at"
+            )
         rows = activations.movedim(1, -1).reshape(-1, activations.shape[1])
         found = coefficients(rows, self.bank, iterations, signed=self.signed)
         return found.reshape(*activations.shape[:1], *activations.shape[2:], -1).movedim(-1, 1)
@@ -242,27 +251,37 @@ class Craft:
             designs: N, the quasi-Monte Carlo designs per image: N (K + 2) forwards per image.
             seed: The scrambled Sobol sequence's seed.
             cache: Where each image's estimator terms are kept and found again; None: nowhere.
-            progress: Wraps the images' indices as they are scored (a progress bar).
+            progress: Wraps the image batches' starts as they are scored (a progress bar).
         """
         device = images.device
         masks = sobol_design(bank.concepts, designs, seed).to(device)
-        terms = [
-            _cached(cache, f"importance-{i}", lambda i=i: self._terms(bank, images[i : i + 1], target, masks), device)
-            for i in progress(range(len(images)), "scoring concepts")
-        ]
+        terms: list[Tensor] = []
+        for start in progress(range(0, len(images), self.batch_size), "scoring concepts"):
+            part = images[start : start + self.batch_size]
+            keys = [f"importance-{start + j}" for j in range(len(part))]
+            found = [None if cache is None else cache.get(key) for key in keys]
+            if any(terms_of is None for terms_of in found):
+                reading = self.reader.read(part, target)  # the batch's layer outputs, once
+                coefficients_of = bank.on(reading)
+                for j, key in enumerate(keys):
+                    if found[j] is None:
+                        found[j] = self._terms(bank, part, reading, coefficients_of, j, masks)
+                        if cache is not None:
+                            cache.put(key, found[j])
+            terms += [t.to(device) for t in found]
         total = TotalIndices(torch.cat(terms))
         low, high = total.interval()
         return Importance(total.indices, low, high, total.per_function)
 
-    def _terms(self, bank: ConceptBank, image: Tensor, target: TargetLike, masks: Tensor) -> Tensor:
-        """Jansen's terms of one image, (1, K, designs): its coefficients masked, put back in the layer's place and
+    def _terms(self, bank: ConceptBank, x: Tensor, reading: Reading, u: Tensor, j: int, masks: Tensor) -> Tensor:
+        """Jansen's terms of image ``j`` of the batch ``x`` read as ``reading`` (its coefficients ``u``: all the
+        batch's, (N, K, *grid)), (1, K, designs): its coefficients masked, put back in the layer's place and
         scored."""
-        reading = self.reader.read(image, target)
-        u = bank.on(reading)  # (1, K, *grid)
-        perturbed = u * masks.view(*masks.shape, *(1,) * (u.dim() - 2))  # (designs (K + 2), K, *grid)
-        maps = torch.einsum("nk...,kc->nc...", perturbed, bank.bank)
-        rows = torch.zeros(len(maps), dtype=torch.long, device=image.device)
-        scores = self.reader.rescored(image, reading, maps.float(), rows, self.batch_size)
+        own = u[j : j + 1].movedim(1, -1).float()  # (1, *grid, K)
+        perturbed = own * masks.float().view(len(masks), *(1,) * (own.dim() - 2), -1)  # (designs (K + 2), *grid, K)
+        maps = (perturbed @ bank.bank.float()).movedim(-1, 1)  # (designs (K + 2), C, *grid)
+        rows = torch.full((len(maps),), j, dtype=torch.long, device=x.device)
+        scores = self.reader.rescored(x, reading, maps, rows, self.batch_size)
         return jansen_total(scores, bank.concepts).terms
 
     def refine(

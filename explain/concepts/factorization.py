@@ -27,6 +27,8 @@ Batches = Callable[[], Iterable[Tensor]]
 
 TINY = torch.finfo(torch.float32).eps  # a denominator exactly 0 becomes this, as scikit-learn's
 ZERO_CUT = 1e-6  # NNDSVD's factors below this are zeros, as scikit-learn's
+CHECK_EVERY = 10  # updates between checks of the error's fall, as scikit-learn's
+OVERSAMPLE, POWER_STEPS = 10, 7  # the randomized start's extra directions and power steps
 
 
 @dataclass(frozen=True)
@@ -100,11 +102,29 @@ def _svd_start(batches: Batches, concepts: int, dtype: torch.dtype) -> tuple[Ten
             f"{concepts} concepts asked of {stats.rows} crops with {stats.gram.shape[0]} channels: give at most "
             f"{min(stats.rows, stats.gram.shape[0])} concepts, or more crops"
         )
-    values, vectors = torch.linalg.eigh(stats.gram)
-    order = values.flip(0)[:concepts].clamp_min(0).sqrt()
-    right = vectors.flip(1)[:, :concepts].T  # (K, C)
+    values, vectors = _top_eigenpairs(stats.gram, concepts)
+    order = values.clamp_min(0).sqrt()
+    right = vectors.T  # (K, C)
     left = torch.cat([a @ right.T for a in _batches(batches, dtype)]) / order.clamp_min(TINY)
     return left, order, right, stats
+
+
+def _top_eigenpairs(gram: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """The ``count`` largest eigenvalues of a symmetric positive semi-definite matrix and their eigenvectors (as
+    columns), largest first: by randomized subspace iteration (Halko, Martinsson & Tropp 2011, as scikit-learn's
+    ``randomized_svd``: ``OVERSAMPLE`` extra directions, ``POWER_STEPS`` power steps, a fixed seed), or exactly where
+    the matrix is small."""
+    size = len(gram)
+    width = min(size, count + OVERSAMPLE)
+    if width >= size // 2:
+        values, vectors = torch.linalg.eigh(gram)
+        return values.flip(0)[:count], vectors.flip(1)[:, :count]
+    start = torch.randn(size, width, generator=torch.Generator().manual_seed(0), dtype=gram.dtype).to(gram.device)
+    basis = torch.linalg.qr(gram @ start).Q
+    for _ in range(POWER_STEPS):
+        basis = torch.linalg.qr(gram @ basis).Q
+    values, vectors = torch.linalg.eigh(basis.T @ gram @ basis)
+    return values.flip(0)[:count], (basis @ vectors.flip(1))[:, :count]
 
 
 def _nndsvda(left: Tensor, values: Tensor, right: Tensor, mean: float) -> tuple[Tensor, Tensor]:
@@ -138,6 +158,7 @@ def factorize(
     iterations: int = 200,
     *,
     signed: bool = False,
+    tol: float = 1e-4,
     dtype: torch.dtype = torch.float64,
 ) -> Factors:
     """Factorize activations streamed in batches into ``concepts`` concepts.
@@ -146,8 +167,10 @@ def factorize(
         batches: A fresh pass over the activations at each call (see :data:`Batches`); for the non-negative
             factorization they must be non-negative.
         concepts: K, how many concepts.
-        iterations: Multiplicative updates (each one pass over the activations).
+        iterations: Most multiplicative updates (each one pass over the activations).
         signed: Semi-NMF, for activations of any sign; else NMF.
+        tol: Stop when the error fell by less than this share of its first checked value over the last
+            ``CHECK_EVERY`` updates (scikit-learn's rule); 0: run every update.
         dtype: The arithmetic's float type (double by default: the updates divide small numbers).
 
     Returns:
@@ -169,12 +192,24 @@ def factorize(
         w, uta, utu = _least_squares(batches, u, dtype)
     else:
         u, w = _nndsvda(left, values, right, stats.total / stats.count)
-    for _ in range(iterations):
-        update = _semi_update if signed else _mu_update
+    update = _semi_update if signed else _mu_update
+    first = previous = None
+    for iteration in range(1, iterations + 1):
         uta, utu = _pass(batches, u, w, update, dtype)
         w = torch.linalg.lstsq(utu, uta).solution if signed else w * uta / _safe(utu @ w)
-    error = stats.squares - 2 * float((uta * w).sum()) + float((utu * (w @ w.T)).sum())
-    return Factors(w, u, max(error, 0.0) ** 0.5, signed)
+        if tol > 0 and iteration % CHECK_EVERY == 0:  # scikit-learn's rule: the error's fall since the last check
+            error = _error(stats, uta, utu, w)
+            first = error if first is None else first
+            if previous is not None and (previous - error) / first < tol:
+                break
+            previous = error
+    return Factors(w, u, _error(stats, uta, utu, w), signed)
+
+
+def _error(stats: _Statistics, uta: Tensor, utu: Tensor, w: Tensor) -> float:
+    r"""The reconstruction error :math:`\lVert A - U W \rVert_F` from the pass's UᵀA and UᵀU."""
+    squared = stats.squares - 2 * float((uta * w).sum()) + float((utu * (w @ w.T)).sum())
+    return max(squared, 0.0) ** 0.5
 
 
 def _mu_update(a: Tensor, u: Tensor, w: Tensor, wwt: Tensor) -> Tensor:

@@ -20,7 +20,7 @@ from ..core.layouts import Layout
 from ..core.model_state import exclusive, running, untouched
 from ..core.runner import PassRunner
 from ..core.speedups import enabled
-from ..core.speedups.tails import shared_prefix
+from ..core.speedups.tails import CHECKED, shared_prefix, shared_rows
 from ..errors import LayerError
 from ..targets import BoundTarget, TargetLike, as_target
 
@@ -89,6 +89,7 @@ class LayerReader:
             raise LayerError("concepts are found at one layer; give one layer, not a list")
         self.model, self.labels, self.model_kwargs = model, labels, dict(model_kwargs or {})
         self._methods = _readers(model, layer, labels)
+        self._shares: dict[str, bool] = {}  # by layer: whether copies of an image were checked to share its prefix
 
     def read(self, x: Tensor, target: TargetLike = None, gradients: bool = False) -> Reading:
         """The layer's output for a batch x, and the target bound on the batch's output (the top class by
@@ -122,14 +123,21 @@ class LayerReader:
     def rescored(self, x: Tensor, reading: Reading, maps: Tensor, images: Tensor, batch_size: int) -> Tensor:
         """The bound target's score with the layer's output replaced by ``maps`` (B, C, *grid): row r runs image
         ``images[r]`` of ``x``, its layer output replaced by ``maps[r]``; in batches of ``batch_size``. (B,) Copies
-        of one image share their forward up to the layer where they can (the ``tails`` speedup)."""
+        of one image share their forward up to the layer where they can (the ``tails`` speedup), checked once per
+        layer."""
         score = partial(self._scored, x, reading)
         with exclusive(self.model), untouched(self.model), torch.inference_mode(False), torch.no_grad():
-            found = shared_prefix(score, maps, images, batch_size) if enabled("tails") else None
+            found = None
+            if enabled("tails") and self._shares.get(reading.layer, True):
+                rows = shared_rows(batch_size, x, maps)
+                found = shared_prefix(score, maps, images, rows, checked=self._shares.get(reading.layer, False))
+                if found is None and len(images) > CHECKED and bool((images == images[0]).all()):
+                    self._shares[reading.layer] = False  # checked, and not shared: every later copy runs whole
             if found is None:
                 starts = range(0, len(maps), batch_size)
-                found = torch.cat([score(maps[s : s + batch_size], images[s : s + batch_size], False) for s in starts])
-        return found
+                return torch.cat([score(maps[s : s + batch_size], images[s : s + batch_size], False) for s in starts])
+        self._shares[reading.layer] = found[1]
+        return found[0]
 
     def _scored(self, x: Tensor, reading: Reading, maps: Tensor, images: Tensor, once: bool) -> Tensor:
         """The rows' scores with the layer's output replaced by ``maps``; ``once``: the first row's image run once

@@ -22,20 +22,32 @@ by ``maps``; ``once``: the first row's image run once, its layer output expanded
 CHECKED = 2  # copies scored both ways
 
 
-def shared_prefix(score: Score, maps: Tensor, images: Tensor, batch_size: int) -> Tensor | None:
+def shared_prefix(
+    score: Score, maps: Tensor, images: Tensor, rows: int, checked: bool = False
+) -> tuple[Tensor, bool] | None:
     """The scores of copies of one image (``images`` all one index) with the layer's output replaced by ``maps``,
-    each batch of copies running the image once up to the layer; None where the copies are of several images, or
-    where the first copies scored whole and shared disagree (or the shared forward fails)."""
+    ``rows`` copies at a time, each batch running the image once up to the layer; and whether the sharing was
+    checked. Unless ``checked`` already (on an earlier image at the same layer), the first copies are scored whole
+    too and must agree. None where the copies are of several images, or where the checked copies disagree (or the
+    shared forward fails)."""
     if len(images) <= CHECKED or bool((images != images[0]).any()):
         return None
-    starts = range(0, len(maps), batch_size)
+    starts = range(0, len(maps), rows)
     try:
-        found = [score(maps[s : s + batch_size], images[s : s + batch_size], True) for s in starts[:1]]
+        found = [score(maps[s : s + rows], images[s : s + rows], True) for s in starts[:1]]
     except RuntimeError:
         return None
-    whole = score(maps[:CHECKED], images[:CHECKED], False)
-    tolerance = 1e-4 * float(whole.abs().max().clamp_min(1e-6))
-    if found[0].shape != (min(batch_size, len(maps)),) or (found[0][:CHECKED] - whole).abs().max() > tolerance:
-        return None
-    found += [score(maps[s : s + batch_size], images[s : s + batch_size], True) for s in starts[1:]]
-    return torch.cat(found)
+    if not checked:
+        whole = score(maps[:CHECKED], images[:CHECKED], False)
+        tolerance = 1e-4 * float(whole.abs().max().clamp_min(1e-6))
+        if found[0].shape != (min(rows, len(maps)),) or (found[0][:CHECKED] - whole).abs().max() > tolerance:
+            return None
+    found += [score(maps[s : s + rows], images[s : s + rows], True) for s in starts[1:]]
+    return torch.cat(found), True
+
+
+def shared_rows(batch_size: int, image: Tensor, maps: Tensor) -> int:
+    """How many copies share one run of the image: ``batch_size`` copies' worth of the image's elements in layer
+    outputs (a layer's output smaller than its image runs more copies at once), all of them at most."""
+    scale = max(1, image[0].numel() // max(1, maps[0].numel()))
+    return min(len(maps), batch_size * scale)
