@@ -425,3 +425,38 @@ def test_a_dictionary_that_does_not_fit_is_refused_in_one_line(tmp_path) -> None
     model = Planted(torch.rand(4, 12), torch.ones(4)).eval()
     with pytest.raises(ExplainError, match="of 5 channels and layer mix has 12"):
         Craft(model, "mix").maps(wrong, torch.rand(1, 4, 8, 8))
+
+
+def test_craft_through_a_detector_finds_scores_and_maps_concepts() -> None:
+    """A Faster R-CNN's backbone layer: the crops are read with no target, the importance is of each image's first
+    detection (scored by its box's match in every masked forward), and the maps lie on the images."""
+    from conftest import random_detector
+
+    from explain.targets import DetectionTarget
+
+    detector = random_detector(
+        (128, 160), num_classes=5, min_size=128, max_size=192, box_score_thresh=0.3, box_detections_per_img=8
+    )
+    images = torch.rand(2, 3, 128, 160, generator=torch.Generator().manual_seed(12))
+    craft = Craft(detector, "backbone.body.12", concepts=3, crop=64, iterations=50, batch_size=4)
+    bank = craft.fit(images)
+    assert bank.layer == "backbone.body.12" and len(bank.boxes) == 2 * 4 and bank.bank.shape[0] == 3
+    importance = craft.importance(bank, images, DetectionTarget(score_threshold=0.3), designs=8)
+    assert bool(torch.isfinite(importance.indices).all()) and importance.per_image.shape == (2, 3)
+    assert float(importance.indices.max()) > 0
+    maps = craft.maps(bank, images)
+    assert maps.shape == (2, 3, 128, 160) and bool((maps >= 0).all()) and float(maps.amax()) > 0
+
+
+def test_crp_through_a_vit_splits_its_relevance_whole() -> None:
+    """CRP at a ViT block's tokens (channels on the last axis, the class token's too): channel sets that partition
+    the 192 channels give maps that sum to LRP's."""
+    from explain.concepts import ConceptRelevance
+    from explain.methods import LRP
+
+    model = small_vit()
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(13))
+    found = ConceptRelevance(model, "blocks.0", [list(range(0, 64)), list(range(64, 192))])(x, 2)
+    whole = LRP(model)(x, 2, normalize=False).raw.sum(dim=1)
+    assert found.maps.shape == (1, 2, 64, 64) and float(whole.abs().max()) > 0
+    torch.testing.assert_close(found.maps.sum(dim=1), whole, rtol=1e-4, atol=1e-5 * float(whole.abs().max()))

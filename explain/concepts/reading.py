@@ -22,7 +22,7 @@ from ..core.runner import PassRunner
 from ..core.speedups import enabled
 from ..core.speedups.tails import CHECKED, shared_prefix, shared_rows
 from ..errors import LayerError
-from ..targets import BoundTarget, TargetLike, as_target
+from ..targets import BoundTarget, Target, TargetLike, as_target
 
 
 class _LayerOutputs(CAM):
@@ -36,6 +36,17 @@ class _LayerGradients(CAM):
     """The engine's pass at one layer, recording its output and the target's gradient there."""
 
     name = "layer-gradients"
+
+
+class Unscored(Target):
+    """No target: a pass that reads a layer's outputs alone scores nothing (a detector's crops hold no detection to
+    explain, a classifier's no class)."""
+
+    def bind(self, output: Any, labels: Sequence[str] | None) -> BoundTarget:
+        return BoundTarget(score=lambda out, images: torch.zeros(len(images), 1, device=images.device))
+
+
+UNSCORED = Unscored()
 
 
 def _readers(model: nn.Module, layer: LayerSpec, labels: Sequence[str] | None) -> dict[bool, CAM]:
@@ -91,9 +102,9 @@ class LayerReader:
         self._methods = _readers(model, layer, labels)
         self._shares: dict[str, bool] = {}  # by layer: whether copies of an image were checked to share its prefix
 
-    def read(self, x: Tensor, target: TargetLike = None, gradients: bool = False) -> Reading:
-        """The layer's output for a batch x, and the target bound on the batch's output (the top class by
-        default); with ``gradients``, the target score's gradient at the layer too.
+    def read(self, x: Tensor, target: TargetLike = UNSCORED, gradients: bool = False) -> Reading:
+        """The layer's output for a batch x, and the target bound on the batch's output (none by default; None:
+        the top class); with ``gradients``, the target score's gradient at the layer too.
 
         Raises:
             LayerError: The layer's output is no map of the input, or the automatic layers are several (a detector's

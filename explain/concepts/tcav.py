@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from ..core.layers import LayerSpec
 from ..errors import ExplainError, TargetError
 from ..targets import TargetLike
-from .reading import LayerReader
+from .reading import UNSCORED, LayerReader
 
 Fit = Literal["linear", "mean"]
 SIGNIFICANCE = 0.05
@@ -191,7 +191,7 @@ class TCAV:
 
     def activations(self, images: Tensor) -> Tensor:
         """The layer's activations of the images, laid out as maps and flattened, (N, features)."""
-        return self._read(images, None, gradients=False)[0]
+        return self._read(images, UNSCORED, gradients=False)[0]
 
     def gradients(self, images: Tensor, target: TargetLike) -> Tensor:
         """The target score's gradient at the layer for each image, flattened like the activations, (N, features).
