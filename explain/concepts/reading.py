@@ -103,15 +103,18 @@ class LayerReader:
         self._shares: dict[str, bool] = {}  # by layer: whether copies of an image were checked to share its prefix
 
     def read(self, x: Tensor, target: TargetLike = UNSCORED, gradients: bool = False) -> Reading:
-        """The layer's output for a batch x, and the target bound on the batch's output (none by default; None:
-        the top class); with ``gradients``, the target score's gradient at the layer too.
+        """The layer's output for a batch x, and the target bound on the batch's output (none by default, except
+        the top class while the automatic layer is searched; None: the top class); with ``gradients``, the target
+        score's gradient at the layer too.
 
         Raises:
             LayerError: The layer's output is no map of the input, or the automatic layers are several (a detector's
                 levels): name one.
         """
         check_images(x)
-        goal, method = as_target(target), self._methods[gradients]
+        method = self._methods[gradients]
+        searched = target is UNSCORED and method.requested is None  # the automatic layer is searched for a score
+        goal = as_target(None if searched else target)
         with exclusive(self.model), untouched(self.model), torch.inference_mode(False):
             runner = PassRunner(method, x, goal, self.model_kwargs, None)
             recorded = runner.plain_pass(x.detach())
