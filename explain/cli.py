@@ -680,6 +680,21 @@ def _app(argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
+def _image_paths(sources: Sequence[str], exclude: Path | None, what: str) -> list[Path]:
+    """The image files of files, folders and patterns.
+
+    Raises:
+        UsageError: One is missing, or none is an image.
+    """
+    inputs = collect_inputs(sources, exclude=exclude, kind="image")
+    missing = [item for item in inputs if item.path is None]
+    if missing:
+        raise UsageError(missing[0].error or f"{missing[0].name}: not found")
+    if not inputs:
+        raise UsageError(f"{what} {' '.join(map(str, sources))}: no images there")
+    return [item.path for item in inputs]
+
+
 EVALUATE = "evaluate"  # ``explain evaluate ...``: which method to trust, measured on the user's images
 
 
@@ -696,31 +711,13 @@ def _evaluate(argv: Sequence[str]) -> int:
     command.add_arguments(parser, BUNDLED_MODEL)
     args = parser.parse_args(argv)
     command.check(args)  # named before the model loads
-    inputs = collect_inputs(args.inputs, exclude=args.out, kind="image")
-    missing = [item for item in inputs if item.path is None]
-    if missing:
-        raise UsageError(missing[0].error or f"{missing[0].name}: not found")
+    paths = _image_paths(args.inputs, args.out, "the images")
     spec = load_named(args.model, args.weights, _device(args.device))
-    print(command.run(args, spec, [item.path for item in inputs]))
+    print(command.run(args, spec, paths))
     return EXIT_OK
 
 
 CONCEPTS, TCAV = "concepts", "tcav"  # ``explain concepts``: a folder's concept atlas; ``explain tcav``: a CAV's score
-
-
-def _image_paths(sources: Sequence[str], exclude: Path | None, what: str) -> list[Path]:
-    """The image files of files, folders and patterns.
-
-    Raises:
-        UsageError: One is missing, or none is an image.
-    """
-    inputs = collect_inputs(sources, exclude=exclude, kind="image")
-    missing = [item for item in inputs if item.path is None]
-    if missing:
-        raise UsageError(missing[0].error or f"{missing[0].name}: not found")
-    if not inputs:
-        raise UsageError(f"{what} {' '.join(map(str, sources))}: no images there")
-    return [item.path for item in inputs]
 
 
 def _concepts(argv: Sequence[str]) -> int:

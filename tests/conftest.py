@@ -43,6 +43,20 @@ def random_segmenter(num_classes: int = 4) -> nn.Module:
     return model.eval()
 
 
+def vgg_with_norms() -> nn.Module:
+    """VGG-11 with batch norms, random weights and batch-norm statistics, in eval mode: what LRP's composites
+    merge and rule (tests/test_lrp.py, tests/test_concepts.py)."""
+    torch.manual_seed(0)
+    model = torchvision.models.vgg11_bn(num_classes=10).eval()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            nn.init.normal_(m.running_mean, std=0.3)
+            nn.init.uniform_(m.running_var, 0.5, 2.0)
+            nn.init.normal_(m.bias, std=0.3)
+            nn.init.uniform_(m.weight, 0.5, 1.5)
+    return model
+
+
 def random_detector(calibration: tuple[int, int], masks: bool = False, **options) -> nn.Module:
     """Faster R-CNN (MobileNetV3-FPN) with seeded random weights, in eval mode: BatchNorm calibrated on random
     images of the ``calibration`` size and the box head damped, so that the random network gives several

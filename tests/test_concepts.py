@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import vgg_with_norms
 from sklearn.decomposition import NMF
 from test_speedups import hf_swin, small_cnn, small_vit
 from torch import nn
@@ -155,21 +156,6 @@ def test_bad_requests_are_one_line_errors() -> None:
         Craft(model, concepts=2, crop=64).fit(images)
     with pytest.raises(LayerError):
         Craft(model, "8", concepts=2, crop=None).fit(images)  # the head's linear layer: no map of the input
-
-
-def vgg_with_norms() -> nn.Module:
-    """VGG-11 with batch norms, random weights and statistics, in eval mode (as tests/test_lrp.py's)."""
-    import torchvision
-
-    torch.manual_seed(0)
-    model = torchvision.models.vgg11_bn(num_classes=10).eval()
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            nn.init.normal_(m.running_mean, std=0.3)
-            nn.init.uniform_(m.running_var, 0.5, 2.0)
-            nn.init.normal_(m.bias, std=0.3)
-            nn.init.uniform_(m.weight, 0.5, 1.5)
-    return model
 
 
 def zennit_conditioned(model: nn.Module, x: torch.Tensor, targets: list[int], layer: str, mask: torch.Tensor):

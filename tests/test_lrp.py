@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torchvision
-from conftest import hook_count
+from conftest import hook_count, vgg_with_norms
 from torch import nn
 
 import explain
@@ -21,15 +20,7 @@ TARGETS = [1, 7]
 @pytest.fixture(scope="module")
 def vgg() -> nn.Module:
     """VGG-11 with batch norms, random weights and batch-norm statistics, in eval mode."""
-    torch.manual_seed(0)
-    model = torchvision.models.vgg11_bn(num_classes=10).eval()
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            nn.init.normal_(m.running_mean, std=0.3)
-            nn.init.uniform_(m.running_var, 0.5, 2.0)
-            nn.init.normal_(m.bias, std=0.3)
-            nn.init.uniform_(m.weight, 0.5, 1.5)
-    return model
+    return vgg_with_norms()
 
 
 @pytest.fixture(scope="module")
