@@ -250,18 +250,11 @@ def test_app_api_explains_a_bundled_photo(app_url) -> None:
 
 @pytest.mark.skipif(BROWSER is None or DRIVER is None, reason="chromium and chromedriver not installed")
 def test_app_page_in_a_browser(app_url, tmp_path) -> None:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import WebDriverWait
 
-    options = webdriver.ChromeOptions()
-    options.binary_location = BROWSER
-    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1000"):
-        options.add_argument(argument)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    browser = webdriver.Chrome(service=Service(DRIVER), options=options)
+    browser = chrome()
     wait = WebDriverWait(browser, 120)
 
     def caption() -> str:
@@ -304,6 +297,53 @@ def test_app_page_in_a_browser(app_url, tmp_path) -> None:
         assert not errors, errors
     finally:
         browser.quit()
+
+
+@pytest.mark.skipif(BROWSER is None or DRIVER is None, reason="chromium and chromedriver not installed")
+def test_app_page_finds_concepts_and_draws_the_one_clicked(app_url) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser = chrome()
+    wait = WebDriverWait(browser, 120)
+
+    def drawn() -> str | None:
+        found = browser.find_elements(By.CSS_SELECTOR, "#concept_map img")
+        return found[0].get_attribute("src") if found else None
+
+    try:
+        browser.get(app_url)
+        wait.until(lambda _: "Egyptian cat" in browser.find_element(By.ID, "caption").text, "the first photo explained")
+        opener = browser.find_element(By.CSS_SELECTOR, "#concepts_panel button")
+        browser.execute_script("arguments[0].scrollIntoView(); arguments[0].click();", opener)
+        wait.until(lambda _: browser.find_element(By.ID, "find_concepts").is_displayed(), "the panel opened")
+        browser.find_element(By.ID, "find_concepts").click()
+        said = lambda _: " ".join(browser.find_element(By.ID, "concepts_found").text.split())  # noqa: E731
+        wait.until(lambda _: "6 concepts at bn2 , from 12 crops of 3 photos" in said(_), "the concepts found")
+        labels = browser.find_elements(By.CSS_SELECTOR, "#concepts label")
+        assert len(labels) == 6 and all(" of the photo" in label.text for label in labels)
+        wait.until(lambda _: drawn(), "the first concept drawn")
+        first = drawn()
+        wait.until(lambda _: len(browser.find_elements(By.CSS_SELECTOR, "#concept_crops img")) == 6, "its crops")
+        labels[1].click()
+        wait.until(lambda _: drawn() not in (None, first), "the clicked concept drawn")
+        errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+        assert not errors, errors
+    finally:
+        browser.quit()
+
+
+def chrome():
+    """A headless chromium driven by selenium, its console logged."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = BROWSER
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1000"):
+        options.add_argument(argument)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(service=Service(DRIVER), options=options)
 
 
 def test_app_warns_when_open_to_the_network(monkeypatch, capsys) -> None:

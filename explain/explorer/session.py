@@ -44,6 +44,7 @@ from ..tasks.asked import Asked, texts_of
 from ..tasks.base import Task
 from ..tasks.language import Word, WordsRequest, WordsTask
 from ..tasks.registry import task_of
+from .concepts import ExplorerConcepts
 
 PHOTOS = Path(__file__).resolve().parent.parent / "data" / "photos"
 TOP_CLASSES = 5  # a classifier's classes listed per photo
@@ -283,7 +284,8 @@ class Explorer:
     """One model and the photos it is shown, with their maps and top classes kept; for a vision-language model,
     each photo's words, prompts or boxes of each question, kept.
 
-    Calls from several threads (a web server's) run the model one at a time.
+    Calls from several threads (a web server's) run the model one at a time. Its :attr:`concepts` are what the model
+    sees in the photos (see :class:`explain.explorer.concepts.ExplorerConcepts`).
 
     Args:
         spec: The model, its preprocessing and class names (see :func:`explain.load_model`), or a vision-language
@@ -310,6 +312,7 @@ class Explorer:
         self._pose_model: bool | None = None
         self._lock = threading.RLock()
         self.task: Task = task_of(spec)
+        self.concepts = ExplorerConcepts(self, self._lock)
 
     def add(self, source: str | Path | Image.Image | np.ndarray, name: str | None = None) -> Photo:
         """Take a photo: a file (read as :func:`explain.load_image` reads it), a PIL image or an RGB array; for a

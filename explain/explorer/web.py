@@ -28,6 +28,7 @@ from ..models import ModelSpec
 from ..models.loaders import load_named
 from ..models.text_image import TextImageSpec
 from ..targets import class_index
+from .concept_panel import build_concepts
 from .controls import ALPHA_STEP, CONTROLS, VIEW, Control
 from .session import Explorer, Shown, View, bundled_photos, prompt_of
 from .words import build_words, word_menu
@@ -405,6 +406,8 @@ def build(app: App) -> Any:
             download = gr.Button("Download overlay, map and record")
         curves, scores = gr.Plot(label="Deletion and insertion"), gr.Markdown()
         saved = gr.File(label="Files", file_count="multiple", interactive=False)
+        if explorer.spec.preprocessing.kind == "image":
+            build_concepts(app, c)
         problems = gr.Markdown(elem_id="problems")
         c["target"], c["drawn"] = gr.State(), gr.State()  # the entry explained; the frame or slice drawn
         c["prompt"], c["corner"] = gr.State([]), gr.State()  # the point or box clicked; a box's first corner
