@@ -446,3 +446,101 @@ def test_crp_through_a_vit_splits_its_relevance_whole() -> None:
     whole = LRP(model)(x, 2, normalize=False).raw.sum(dim=1)
     assert found.maps.shape == (1, 2, 64, 64) and float(whole.abs().max()) > 0
     torch.testing.assert_close(found.maps.sum(dim=1), whole, rtol=1e-4, atol=1e-5 * float(whole.abs().max()))
+
+
+def _analytic_box(i: int, j: int) -> list[int]:
+    """VGG-11's receptive field at ``features.10`` (conv 3x3, pool 2, conv 3x3, pool 2, conv 3x3, all padded by 1)
+    of grid position (i, j), on a 64 x 64 input: input rows 4i - 7 to 4i + 10, clipped, and the same for columns."""
+    low = [max(0, 4 * v - 7) for v in (i, j)]
+    high = [min(63, 4 * v + 10) for v in (i, j)]
+    return [low[0], low[1], high[0] - low[0] + 1, high[1] - low[1] + 1]
+
+
+def test_a_layer_position_s_receptive_field_is_its_analytic_one() -> None:
+    from explain.concepts.references import receptive_boxes
+
+    model = vgg_with_norms()
+    positions = torch.tensor([(i, j) for i in (0, 1, 7, 15) for j in (0, 5, 14, 15)])
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(2))
+    boxes = receptive_boxes(model, "features.10", x, positions, channels_last=False)
+    assert boxes.tolist() == [_analytic_box(i, j) for i, j in positions.tolist()]
+    assert all(not m._forward_hooks and not m._backward_hooks for m in model.modules())
+
+
+def zennit_layer_relevance(model: nn.Module, x: torch.Tensor, layer: str) -> torch.Tensor:
+    """The relevance arriving at ``layer`` for each image's top class, by zennit's EpsilonPlus with batch norms
+    merged (what zennit-crp ranks references by), (N, C, h, w)."""
+    from zennit.attribution import Gradient
+    from zennit.canonizers import SequentialMergeBatchNorm
+    from zennit.composites import EpsilonPlus
+
+    kept: list[torch.Tensor] = []
+    module = model.get_submodule(layer)
+    with torch.no_grad():
+        top = model(x).argmax(dim=1)
+    with Gradient(model=model, composite=EpsilonPlus(canonizers=[SequentialMergeBatchNorm()])) as attributor:
+        handle = module.register_forward_hook(lambda m, i, o: o.register_hook(lambda g: kept.append(g)) and None)
+        try:
+            attributor(x, torch.eye(10)[top])
+        finally:
+            handle.remove()
+    return kept[0]
+
+
+def test_references_by_relevance_are_the_images_of_most_relevance_at_the_layer_cut_to_their_peak() -> None:
+    pytest.importorskip("zennit", reason="zennit: a test dependency (pip install -e '.[test]')")
+    from explain.concepts import ConceptRelevance
+
+    model = vgg_with_norms()
+    x = torch.randn(12, 3, 64, 64, generator=torch.Generator().manual_seed(6))
+    concepts = [[0], [1, 2, 3], list(range(10, 40))]
+    found = ConceptRelevance(model, "features.10", concepts).references(x, count=4, batch_size=5)
+    relevance = zennit_layer_relevance(model, x, "features.10")
+    for k, channels in enumerate(concepts):
+        per_position = relevance[:, channels].sum(dim=1)  # (N, 16, 16)
+        values = per_position.flatten(1).sum(dim=1)
+        expected = values.topk(4)
+        assert found.samples[k].tolist() == expected.indices.tolist()
+        torch.testing.assert_close(found.values[k], expected.values, rtol=1e-3, atol=1e-4 * float(values.abs().max()))
+        peaks = per_position[expected.indices].flatten(1).argmax(dim=1)
+        assert found.boxes[k].tolist() == [_analytic_box(int(p) // 16, int(p) % 16) for p in peaks]
+    crops = found.crops(x)
+    top, left, height, width = found.boxes[2, 0].tolist()
+    assert torch.equal(crops[2][0], x[int(found.samples[2, 0]), :, top : top + height, left : left + width])
+
+
+def test_references_by_activation_are_the_images_of_highest_peak_and_a_bank_s_split_the_relevance() -> None:
+    from explain.concepts import ConceptRelevance
+
+    model = small_cnn()
+    images = torch.rand(10, 3, 32, 32, generator=torch.Generator().manual_seed(8))
+    kept: list[torch.Tensor] = []
+    handle = model[5].register_forward_hook(lambda m, i, o: kept.append(o.detach()))
+    with torch.no_grad():
+        model(images)
+    handle.remove()
+    crp = ConceptRelevance(model, "5", [[0, 1], [2]])
+    found = crp.references(images, count=3, by="activation", batch_size=4)
+    for k, channels in enumerate([[0, 1], [2]]):
+        peak = kept[0][:, channels].sum(dim=1).flatten(1).amax(dim=1)
+        assert found.samples[k].tolist() == peak.topk(3).indices.tolist()
+        torch.testing.assert_close(found.values[k], peak.topk(3).values)
+    bank = Craft(model, "5", concepts=3, crop=None, iterations=100).fit(images)
+    every = ConceptRelevance(model, concepts=bank).references(images, count=10)
+    total = ConceptRelevance(model, "5", [list(range(kept[0].shape[1]))]).references(images, count=10)
+    per_image = torch.zeros(10).index_add_(0, every.samples.flatten(), every.values.flatten())
+    torch.testing.assert_close(per_image[total.samples[0]], total.values[0], rtol=1e-4, atol=1e-6)
+
+
+def test_references_refuse_tokens_unknown_rankings_and_mixed_sizes_in_one_line() -> None:
+    from explain.concepts import ConceptRelevance
+
+    with pytest.raises(LayerError, match=r"^layer 'blocks.0' is no spatial map: .* name a convolutional layer$"):
+        ConceptRelevance(small_vit(), "blocks.0", [[0]]).references(torch.randn(2, 3, 64, 64))
+    crp = ConceptRelevance(small_cnn(), "5", [[0]])
+    with pytest.raises(ExplainError, match=r"^references by 'gradient': rank them by relevance or activation$"):
+        crp.references(torch.rand(2, 3, 32, 32), by="gradient")
+    with pytest.raises(ExplainError, match=r"^references need images of one size: \(3, 16, 16\) after \(3, 32, 32\)$"):
+        crp.references([torch.rand(2, 3, 32, 32), torch.rand(2, 3, 16, 16)])
+    with pytest.raises(ExplainError, match=r"^no images to rank"):
+        crp.references([])

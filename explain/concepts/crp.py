@@ -13,9 +13,10 @@ copy r conditioned on concept r mod K.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from ..methods.lrp import LRP
 from ..targets import TargetLike, as_target, bound_on
 from .craft import ConceptBank
 from .factorization import coefficients
+from .references import Ranking, References, as_batches, check_mode, concept_scores, map_layout, receptive_boxes
 
 Concepts = Sequence[Sequence[int]] | Tensor | ConceptBank
 """Channel sets (one list of channel indices per concept), a weight per concept and channel (K, C), or a bank."""
@@ -51,22 +53,36 @@ class ConceptMaps:
     layer: str
 
 
-class _ConditionedLRP(LRP):
-    """LRP whose relevance at one layer is masked, copy by copy, by the concept each copy stands for."""
+class _LayerLRP(LRP):
+    """LRP whose relevance arriving at one layer is handed over: ``at_layer(output, axis)`` is called with the
+    layer's output (and its channel axis) in the pass, and may hook the relevance that arrives there."""
 
     name = "crp"
 
-    def __init__(self, model: nn.Module, layer: LayerSpec, concepts: Tensor | ConceptBank, **options: Any) -> None:
+    def __init__(
+        self, model: nn.Module, layer: LayerSpec, at_layer: Callable[[Tensor, int], None], **options: Any
+    ) -> None:
         super().__init__(model, **options)
-        self.condition, self.concepts = layer, concepts
+        self.condition, self.at_layer = layer, at_layer
 
     @contextmanager
     def backward_rule(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> Iterator[None]:
         name, module = resolve_layer(self.model, self.condition, x, model_kwargs)
         axis = channel_axis(self.model, name, x, model_kwargs, traced=False)
         with super().backward_rule(x, model_kwargs), Hooks() as hooks:  # after the rules': the relevance arriving
-            hooks.forward(module, lambda m, i, output: _condition(output, self.concepts, axis))
+            hooks.forward(module, lambda m, i, output: self.at_layer(_relevant(output), axis))
             yield
+
+
+def _relevant(output: Any) -> Tensor:
+    """The layer's output, which relevance must pass through.
+
+    Raises:
+        LayerError: It is no tensor, or none that relevance passes through.
+    """
+    if not isinstance(output, Tensor) or not output.requires_grad:
+        raise LayerError("the conditioned layer's output is no tensor the relevance passes through")
+    return output
 
 
 def channel_axis(model: nn.Module, name: str, x: Tensor, model_kwargs: Mapping[str, Any], traced: bool = True) -> int:
@@ -86,10 +102,8 @@ def channel_axis(model: nn.Module, name: str, x: Tensor, model_kwargs: Mapping[s
     return 1 if info.layout.kind == "channels_first" else -1
 
 
-def _condition(output: Any, concepts: Tensor | ConceptBank, axis: int) -> None:
+def _condition(concepts: Tensor | ConceptBank, output: Tensor, axis: int) -> None:
     """Mask the relevance arriving at ``output``: copy r's by concept r mod K, along the channel ``axis``."""
-    if not isinstance(output, Tensor) or not output.requires_grad:
-        raise LayerError("the conditioned layer's output is no tensor the relevance passes through")
     weights = _weights(output.detach().movedim(axis, -1), concepts).movedim(-1, axis)
     output.register_hook(lambda relevance: relevance * weights.to(relevance.dtype))
 
@@ -167,10 +181,11 @@ class ConceptRelevance:
         layer = concepts.layer if layer is None and isinstance(concepts, ConceptBank) else layer
         if layer is None:
             raise LayerError("CRP conditions relevance at a layer: name it (explain --layers lists them)")
-        weights = channel_weights(concepts)
+        self.weights = channel_weights(concepts)
         self.model, self.labels, self.layer = model, labels, layer
-        self.count = weights.concepts if isinstance(weights, ConceptBank) else len(weights)
-        self.lrp = _ConditionedLRP(model, layer, weights, composite=composite, labels=labels, **options)
+        self.count = self.weights.concepts if isinstance(self.weights, ConceptBank) else len(self.weights)
+        self.options = {"composite": composite, "labels": labels, **options}
+        self.lrp = _LayerLRP(model, layer, partial(_condition, self.weights), **self.options)
 
     def __call__(self, x: Tensor, target: TargetLike = None) -> ConceptMaps:
         """Each concept's map of one target per image (the top class by default).
@@ -191,3 +206,69 @@ class ConceptRelevance:
         relevance = result.raw.sum(dim=1)  # over the input's channels: (N K, *size)
         maps = relevance.view(len(x), k, *relevance.shape[1:])
         return ConceptMaps(maps, maps.flatten(2).sum(dim=2), name)
+
+    def references(
+        self,
+        images: Tensor | Iterable[Tensor],
+        count: int = 8,
+        by: str = "relevance",
+        target: TargetLike = None,
+        batch_size: int = 32,
+    ) -> References:
+        """Each concept's reference samples over a data set, each cut to the receptive field of its peak (see
+        :mod:`explain.concepts.references`): one LRP pass per batch (none for ``by="activation"``), one
+        backward for all the crops.
+
+        Args:
+            images: The data set: a batch, or an iterable of batches (a folder read batch by batch), all of one
+                size.
+            count: The samples per concept.
+            by: ``"relevance"``: the concept's relevance for the target; ``"activation"``: its peak activation.
+            target: What relevance is of, as for any explain call (each image's top class by default).
+            batch_size: Most images per pass, where ``images`` is one tensor.
+
+        Raises:
+            ExplainError: An unknown ranking, no images, or images of several sizes.
+            LayerError: A layer that is no spatial map.
+        """
+        check_mode(by, count)
+        ranking, probe = Ranking(self.count, count), None
+        for x in as_batches(images, batch_size):
+            check_images(x)
+            if probe is not None and x.shape[1:] != probe[0].shape[1:]:
+                shapes = f"{tuple(x.shape[1:])} after {tuple(probe[0].shape[1:])}"
+                raise ExplainError(f"references need images of one size: {shapes}")
+            features, relevance, name, last = self._read(x, target, by == "relevance")
+            scores = concept_scores(features, relevance, self.weights).flatten(2)
+            ranking.add(scores.sum(dim=2) if by == "relevance" else scores.amax(dim=2), scores.argmax(dim=2))
+            probe = probe or (x[:1], features.shape[1:-1], name, last)
+        if probe is None:
+            raise ExplainError("no images to rank: give a batch or batches of images")
+        x, grid, name, last = probe
+        places, where = ranking.peaks.unique(return_inverse=True)
+        positions = torch.stack([places // grid[1], places % grid[1]], dim=1)
+        boxes = receptive_boxes(self.model, name, x, positions, last)[where]
+        return References(ranking.samples, ranking.values, boxes, name)
+
+    def _read(self, x: Tensor, target: TargetLike, relevant: bool) -> tuple[Tensor, Tensor | None, str, bool]:
+        """A batch's features at the layer, (N, *grid, C), its relevance there (or None), the layer's name, and
+        whether it is laid out channels last."""
+        with exclusive(self.model), untouched(self.model), torch.no_grad():
+            name = resolve_layer(self.model, self.layer, x, {})[0]
+            info = traced_layers(self.model, x, {}).get(name)
+        last = map_layout(None if info is None or info.layout is None else info.layout.kind, name)
+        kept: list[Tensor] = []
+
+        def keep(output: Tensor, axis: int) -> None:
+            kept.append(output.detach().movedim(axis, -1))
+            if relevant:
+                output.register_hook(lambda r: kept.append(r.detach().movedim(axis, -1)))
+
+        if relevant:
+            _LayerLRP(self.model, self.layer, keep, **self.options)(x, target, normalize=False)
+            return kept[0], kept[1], name, last
+        with exclusive(self.model), untouched(self.model), running(self.model), torch.no_grad(), Hooks() as hooks:
+            module = resolve_layer(self.model, self.layer, x, {})[1]
+            hooks.forward(module, lambda m, i, output: kept.append(output.detach().movedim(-1 if last else 1, -1)))
+            self.model(x)
+        return kept[0], None, name, last
