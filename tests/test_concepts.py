@@ -15,7 +15,7 @@ from torch import nn
 
 from explain.concepts import Craft, coefficients, factorize, jansen_total, sobol_design
 from explain.concepts.reading import LayerReader
-from explain.errors import ExplainError, LayerError
+from explain.errors import ExplainError, LayerError, TargetError
 
 
 def batches_of(a: torch.Tensor, size: int):
@@ -544,3 +544,30 @@ def test_references_refuse_tokens_unknown_rankings_and_mixed_sizes_in_one_line()
         crp.references([torch.rand(2, 3, 32, 32), torch.rand(2, 3, 16, 16)])
     with pytest.raises(ExplainError, match=r"^no images to rank"):
         crp.references([])
+
+
+def test_crp_through_a_detector_explains_one_box_and_its_concepts_sum_to_lrp_s_map() -> None:
+    """A Faster R-CNN's backbone layer, each image's first detection explained (one box per image): channel sets
+    that partition the layer's channels give maps that sum to LRP's map of that box; several boxes are refused."""
+    from conftest import random_detector
+
+    from explain.concepts import ConceptRelevance
+    from explain.methods import LRP
+    from explain.targets import DetectionTarget
+
+    detector = random_detector(
+        (128, 160), num_classes=5, min_size=128, max_size=192, box_score_thresh=0.3, box_detections_per_img=8
+    )
+    images = torch.rand(2, 3, 128, 160, generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        found = detector(images)
+    first = DetectionTarget(boxes=[f["boxes"][:1] for f in found], labels=[f["labels"][:1] for f in found])
+    crp = ConceptRelevance(detector, "backbone.body.12", [list(range(0, 40)), list(range(40, 112))])
+    maps = crp(images, first)
+    whole = LRP(detector)(images, first, normalize=False).raw[:, 0].sum(dim=1)
+    assert maps.maps.shape == (2, 2, 128, 160) and float(whole.abs().max()) > 0
+    scale = float(whole.abs().max())
+    torch.testing.assert_close(maps.maps.sum(dim=1), whole, rtol=1e-4, atol=1e-5 * scale)
+    assert not torch.allclose(maps.maps[:, 0], maps.maps[:, 1], atol=1e-3 * scale)
+    with pytest.raises(TargetError, match=r"^CRP explains one target per image \(of a detector, one box"):
+        crp(images, DetectionTarget(score_threshold=0.3))

@@ -199,11 +199,15 @@ class ConceptRelevance:
             channel_axis(self.model, name, x, {})  # traced here, outside the passes, which read it
             with running(self.model):
                 bound = bound_on(as_target(target), self.model(x), self.labels)
-        if bound.keeps_k or (bound.classes is not None and bound.classes.shape[1] != 1):
-            raise TargetError("CRP explains one target per image; run it once per target")
+        if bound.classes is not None and bound.classes.shape[1] != 1:
+            raise TargetError(
+                "CRP explains one target per image (of a detector, one box: DetectionTarget(boxes=..., labels=...)); "
+                "run it once per target"
+            )
         k = self.count
         result = self.lrp(x.repeat_interleave(k, dim=0), bound.repeated(k), normalize=False)
-        relevance = result.raw.sum(dim=1)  # over the input's channels: (N K, *size)
+        raw = result.raw[:, 0] if bound.keeps_k else result.raw  # a target's K axis of one map
+        relevance = raw.sum(dim=1)  # over the input's channels: (N K, *size)
         maps = relevance.view(len(x), k, *relevance.shape[1:])
         return ConceptMaps(maps, maps.flatten(2).sum(dim=2), name)
 
