@@ -723,6 +723,7 @@ CONCEPTS, TCAV = "concepts", "tcav"  # ``explain concepts``: a folder's concept 
 def _concepts(argv: Sequence[str]) -> int:
     """``explain concepts``: the concept atlas of a folder (CRAFT), written as a page, a sheet and a manifest."""
     from .atlas import command
+    from .export.distributed import this_process
     from .models.loaders import load_named
 
     parser = _Parser(
@@ -733,8 +734,10 @@ def _concepts(argv: Sequence[str]) -> int:
     command.add_concepts_arguments(parser, BUNDLED_MODEL)
     args = parser.parse_args(argv)
     paths = _image_paths(args.inputs, args.out, "the images")
-    spec = load_named(args.model, args.weights, _device(args.device))
-    print(command.run_concepts(args, spec, paths))
+    spec = load_named(args.model, args.weights, this_process().device(_device(args.device)))  # torchrun: a GPU each
+    said = command.run_concepts(args, spec, paths)
+    if said:
+        print(said)
     return EXIT_OK
 
 

@@ -127,3 +127,30 @@ def test_tcav_prints_and_writes_the_score(tmp_path, capsys) -> None:
     assert f"TCAV {record['score']:.3f} for Egyptian cat" in said
     assert main(["tcav", str(images), "--concept", str(concept), "--random", str(concept), "-o", str(out)]) == 2
     assert "4 random ones" in capsys.readouterr().err
+
+
+def test_torchrun_ranks_split_the_crops_and_images_and_write_what_one_process_does(photos: Path, tmp_path) -> None:
+    """Two processes (gloo) each read half the crops and score half the images (2 and 1: uneven), add up the
+    factorization's statistics, and the first writes the atlas one process writes."""
+    import os
+    import subprocess
+    import sys
+
+    cli = Path(__file__).resolve().parents[1] / "cli.py"
+    common = ["concepts", str(photos), *FAST, "--batch-size", "4"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(cli)]
+    alone = subprocess.run([sys.executable, str(cli), *common, "-o", str(tmp_path / "alone")], env=environment,
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    two = subprocess.run([*launch, *common, "-o", str(tmp_path / "two")], env=environment, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert alone.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    assert two.stdout.count("3 concepts of") == 1  # the first rank says what was found
+    one, both = (json.loads((tmp_path / name / "manifest.json").read_text()) for name in ("alone", "two"))
+    assert [c["concept"] for c in both["concepts"]] == [c["concept"] for c in one["concepts"]]
+    for mine, theirs in zip(both["concepts"], one["concepts"]):
+        assert mine["best_crops"] == theirs["best_crops"]
+        values = ("importance", "low", "high")
+        assert np.allclose([mine[k] for k in values], [theirs[k] for k in values], rtol=1e-6)
+    shards = sorted(path.name for path in (tmp_path / "two" / "cache" / "crops").iterdir())
+    assert any(name.startswith("crops-0-of-2-") for name in shards) and any("crops-1-of-2-" in n for n in shards)

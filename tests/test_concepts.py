@@ -571,3 +571,40 @@ def test_crp_through_a_detector_explains_one_box_and_its_concepts_sum_to_lrp_s_m
     assert not torch.allclose(maps.maps[:, 0], maps.maps[:, 1], atol=1e-3 * scale)
     with pytest.raises(TargetError, match=r"^CRP explains one target per image \(of a detector, one box"):
         crp(images, DetectionTarget(score_threshold=0.3))
+
+
+def _factorize_on_rank(rank: int, init: str, rows: torch.Tensor, out: str) -> None:
+    """One of two ranks (gloo): its half of the rows (every second one) factorized with the ranks' statistics."""
+    import torch.distributed as dist
+
+    from explain.concepts.ranks import Ranks
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        ranks = Ranks(rank, 2)
+        found = {}
+        for signed, data in ((False, rows.clamp_min(0)), (True, rows)):
+            mine = data[rank::2]
+            factors = factorize(lambda mine=mine: iter(mine.split(7)), 4, 60, signed=signed, ranks=ranks)
+            found[signed] = (factors.bank, ranks.gathered(factors.coefficients, len(data)), factors.error)
+        if rank == 0:
+            torch.save(found, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_factorize_what_one_process_does(tmp_path) -> None:
+    """NMF and semi-NMF of rows split between two processes: the same bank, coefficients and error as of all the
+    rows in one process (the ranks add up the Gram matrix, the start's norms and mean, UᵀA and UᵀU)."""
+    import torch.multiprocessing as mp
+
+    rows = torch.randn(45, 12, generator=torch.Generator().manual_seed(21), dtype=torch.float64)
+    out = tmp_path / "found.pt"
+    mp.spawn(_factorize_on_rank, args=(f"file://{tmp_path / 'rendezvous'}", rows, str(out)), nprocs=2)
+    found = torch.load(out)
+    for signed, data in ((False, rows.clamp_min(0)), (True, rows)):
+        alone = factorize(lambda data=data: iter(data.split(7)), 4, 60, signed=signed)
+        bank, coefficients, error = found[signed]  # the coefficients gathered into the rows' own order
+        torch.testing.assert_close(bank, alone.bank, rtol=1e-7, atol=1e-9)
+        torch.testing.assert_close(coefficients, alone.coefficients, rtol=1e-7, atol=1e-9)
+        assert abs(error - alone.error) < 1e-9 * alone.error

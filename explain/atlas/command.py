@@ -55,7 +55,9 @@ def add_tcav_arguments(parser: argparse.ArgumentParser, bundled: str) -> None:
 
 
 def run_concepts(args: argparse.Namespace, spec: Any, paths: list[Path]) -> str:
-    """Make and write the atlas; returns the line that says what was found."""
+    """Make and write the atlas; returns the line that says what was found. Under ``torchrun``, the ranks make it
+    together and the first writes it and says so (the others return an empty line)."""
+    from ..export.distributed import process_group, this_process
     from .page import write_atlas
     from .run import AtlasOptions, concept_atlas
 
@@ -65,7 +67,11 @@ def run_concepts(args: argparse.Namespace, spec: Any, paths: list[Path]) -> str:
         args.target, args.layer, args.concepts, args.crop or None, args.designs, args.batch_size, args.resume,
         not args.quiet, args.seed,
     )  # fmt: skip
-    atlas = concept_atlas(spec, paths, args.out, options)
+    process = this_process()
+    with process_group(process, spec.device):
+        atlas = concept_atlas(spec, paths, args.out, options)
+    if process.rank != 0:  # every rank has the atlas; the first writes it
+        return ""
     manifest = write_atlas(atlas, spec, args.out)
     first = manifest["concepts"][0]
     return (

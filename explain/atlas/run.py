@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ..concepts import TCAV, ConceptBank, Craft, Importance, TCAVResult
 from ..concepts.craft import quietly
+from ..concepts.ranks import current_ranks
 from ..errors import ExplainError
 from ..export.ownership import FolderLock
 from ..export.run import weights_digest
@@ -105,15 +106,19 @@ def class_of(spec: ModelSpec, images: Tensor, target: str | None, batch_size: in
 
 
 def concept_atlas(spec: ModelSpec, paths: Sequence[Path], out: Path, options: AtlasOptions) -> Atlas:
-    """The atlas of the images, its activations and scores kept in ``out``'s cache as they are computed.
+    """The atlas of the images, its activations and scores kept in ``out``'s cache as they are computed. Under
+``torch.distributed`` (``torchrun``), the ranks split the crops and the images (see :class:`explain.concepts.Craft`)
+    and each gets the whole atlas.
 
     Raises:
         ExplainError: Bad options or images, a folder that holds an earlier atlas without ``resume`` or one of other
             options, or what the concepts refuse (too few crops for the concepts, a layer without channels).
     """
     names, images = loaded_images(spec, paths)
+    ranks = current_ranks()
     if (out / CACHE).exists() and not options.resume:
         raise ExplainError(f"{out}: holds an earlier concept atlas; add --resume to go on with it, or give another -o")
+    ranks.wait()  # every rank has looked before any writes
     target = class_of(spec, images, options.target, options.batch_size)
     craft = Craft(
         spec.model, options.layer, concepts=options.concepts, crop=options.crop, batch_size=options.batch_size,
@@ -124,7 +129,7 @@ def concept_atlas(spec: ModelSpec, paths: Sequence[Path], out: Path, options: At
         "batch_size": options.batch_size, "images": names, "size": list(images.shape[1:]),
     }  # fmt: skip
     progress = _bars if options.progress else quietly
-    with FolderLock(out):
+    with FolderLock(out, last=ranks.rank == 0):
         bank = craft.fit(images, Shards(out / CACHE / "crops", key), progress)
         scored = {**key, "concepts": options.concepts, "target": target[0], "designs": options.designs,
                   "seed": options.seed}  # fmt: skip

@@ -28,6 +28,7 @@ from ..core.maps import upsample
 from ..errors import ExplainError
 from ..targets import TargetLike
 from .factorization import Factors, coefficients, factorize
+from .ranks import current_ranks
 from .reading import LayerReader, Reading
 from .sobol import TotalIndices, jansen_total, sobol_design
 
@@ -198,29 +199,38 @@ class Craft:
     def fit(self, images: Tensor, cache: Cache | None = None, progress: Progress = quietly) -> ConceptBank:
         """The concepts of the images' crops, read in batches.
 
+        Under ``torch.distributed`` (as ``torchrun`` launches it), each rank reads its share of the crops and the
+        ranks add up the factorization's statistics (see :mod:`explain.concepts.ranks`): every rank gets the same
+        bank, with every crop's coefficients.
+
         Args:
             images: The images, normalized as the model expects.
             cache: Where each batch's activations are kept and found again (a run that resumes); None: nowhere.
             progress: Wraps the batches' indices as they are read (a progress bar).
 
         Raises:
-            ExplainError: Fewer crops than concepts.
+            ExplainError: Fewer crops than concepts, or than ranks.
         """
-        boxes = crop_boxes(images, self.crop)
-        if len(boxes) < self.concepts:
+        boxes, ranks = crop_boxes(images, self.crop), current_ranks()
+        if len(boxes) < max(self.concepts, ranks.world):
             raise ExplainError(
-                f"{len(boxes)} crops for {self.concepts} concepts: give more images, smaller crops or fewer concepts"
+                f"{len(boxes)} crops for {self.concepts} concepts"
+                + (f" over {ranks.world} ranks" if ranks.world > 1 else "")
+                + ": give more images, smaller crops or fewer concepts"
             )
-        starts, device = range(0, len(boxes), self.batch_size), images.device
+        mine, device, size = boxes[list(ranks.share(len(boxes)))], images.device, self.batch_size
+        part = "" if ranks.world == 1 else f"{ranks.rank}-of-{ranks.world}-"  # a rank's shards apart from another's
         pooled = [
-            _cached(cache, f"crops-{i}", lambda i=i: self._pooled(cut(images, boxes[i : i + self.batch_size])), device)
-            for i in progress(starts, "reading crops")
+            _cached(cache, f"crops-{part}{i}", lambda i=i: self._pooled(cut(images, mine[i : i + size])), device)
+            for i in progress(range(0, len(mine), size), "reading crops")
         ]
         layer = self.reader.read(cut(images, boxes[:1])).layer
-        signed = self.signed if self.signed is not None else any(bool((a < 0).any()) for a in pooled)
-        found: Factors = factorize(lambda: iter(pooled), self.concepts, self.iterations, signed=signed)
-        norm = float(torch.cat(pooled).norm())
-        return ConceptBank(found.bank, layer, signed, boxes, found.coefficients, found.error / norm)
+        least = ranks.least(min(float(a.min()) for a in pooled))
+        signed = self.signed if self.signed is not None else least < 0
+        found: Factors = factorize(lambda: iter(pooled), self.concepts, self.iterations, signed=signed, ranks=ranks)
+        norm = float(ranks.sum(sum((a * a).sum() for a in pooled)).sqrt())
+        u = ranks.gathered(found.coefficients, len(boxes))
+        return ConceptBank(found.bank, layer, signed, boxes, u, found.error / norm)
 
     def _pooled(self, crops: Tensor) -> Tensor:
         """The crops' activations averaged over the layer's positions, (crops, C), float64."""
@@ -252,13 +262,21 @@ class Craft:
             seed: The scrambled Sobol sequence's seed.
             cache: Where each image's estimator terms are kept and found again; None: nowhere.
             progress: Wraps the image batches' starts as they are scored (a progress bar).
+
+        Under ``torch.distributed``, each rank scores its share of the images, and every rank gets every image's
+        indices.
+
+        Raises:
+            ExplainError: Fewer images than ranks.
         """
-        device = images.device
+        device, ranks = images.device, current_ranks()
+        if len(images) < ranks.world:
+            raise ExplainError(f"{len(images)} images for {ranks.world} ranks: give at least one image per rank")
         masks = sobol_design(bank.concepts, designs, seed).to(device)
-        terms: list[Tensor] = []
-        for start in progress(range(0, len(images), self.batch_size), "scoring concepts"):
-            part = images[start : start + self.batch_size]
-            keys = [f"importance-{start + j}" for j in range(len(part))]
+        mine, terms = list(ranks.share(len(images))), []
+        for start in progress(range(0, len(mine), self.batch_size), "scoring concepts"):
+            places = mine[start : start + self.batch_size]
+            part, keys = images[places], [f"importance-{i}" for i in places]
             found = [None if cache is None else cache.get(key) for key in keys]
             if any(terms_of is None for terms_of in found):
                 reading = self.reader.read(part, target)  # the batch's layer outputs, once
@@ -269,7 +287,7 @@ class Craft:
                         if cache is not None:
                             cache.put(key, found[j])
             terms += [t.to(device) for t in found]
-        total = TotalIndices(torch.cat(terms))
+        total = TotalIndices(ranks.gathered(torch.cat(terms), len(images)))
         low, high = total.interval()
         return Importance(total.indices, low, high, total.per_function)
 

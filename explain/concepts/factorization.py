@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ExplainError
+from .ranks import ALONE, Ranks
 
 Batches = Callable[[], Iterable[Tensor]]
 """A fresh pass over the activations at each call: batches (rows, channels), always in the same order."""
@@ -72,6 +73,15 @@ class _Statistics:
     count: int = 0
     rows: int = 0
 
+    def combined(self, ranks: Ranks) -> _Statistics:
+        """The statistics of every rank's rows."""
+        if ranks.world == 1 or self.gram is None:
+            return self
+        sums = ranks.sum(torch.tensor([self.total, self.squares, self.count, self.rows], dtype=torch.float64,
+                                      device=self.gram.device))  # fmt: skip
+        total, squares, count, rows = sums.tolist()
+        return _Statistics(ranks.sum(self.gram), ranks.least(self.least), total, squares, int(count), int(rows))
+
     def add(self, a: Tensor) -> None:
         self.gram = a.T @ a if self.gram is None else self.gram + a.T @ a
         self.least = min(self.least, float(a.min()))
@@ -89,14 +99,17 @@ def _batches(batches: Batches, dtype: torch.dtype) -> Iterable[Tensor]:
         yield batch.detach().to(dtype)
 
 
-def _svd_start(batches: Batches, concepts: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, _Statistics]:
-    """The top singular triplets of A from its Gram matrix, streamed: left vectors (crops, K), values (K,), right
-    vectors (K, channels), and the pass's statistics."""
+def _svd_start(
+    batches: Batches, concepts: int, dtype: torch.dtype, ranks: Ranks
+) -> tuple[Tensor, Tensor, Tensor, _Statistics]:
+    """The top singular triplets of A from its Gram matrix, streamed: left vectors (this rank's crops, K), values
+    (K,), right vectors (K, channels), and the pass's statistics (every rank's)."""
     stats = _Statistics()
     for a in _batches(batches, dtype):
         stats.add(a)
     if stats.gram is None:
         raise ExplainError("no activations to factorize: the crops gave none")
+    stats = stats.combined(ranks)
     if concepts > min(stats.rows, stats.gram.shape[0]):
         raise ExplainError(
             f"{concepts} concepts asked of {stats.rows} crops with {stats.gram.shape[0]} channels: give at most "
@@ -127,29 +140,31 @@ def _top_eigenpairs(gram: Tensor, count: int) -> tuple[Tensor, Tensor]:
     return values.flip(0)[:count], (basis @ vectors.flip(1))[:, :count]
 
 
-def _nndsvda(left: Tensor, values: Tensor, right: Tensor, mean: float) -> tuple[Tensor, Tensor]:
-    """NNDSVD's non-negative start from the singular triplets, its zeros filled with the data's mean (NNDSVDa)."""
-    u = torch.zeros_like(left)
-    w = torch.zeros_like(right)
+def _nndsvda(left: Tensor, values: Tensor, right: Tensor, mean: float, ranks: Ranks) -> tuple[Tensor, Tensor]:
+    """NNDSVD's non-negative start from the singular triplets, its zeros filled with the data's mean (NNDSVDa):
+    each component's larger of its positive and negative parts (by the product of their norms over every rank's
+    rows), scaled."""
+    norms = [ranks.sum(part.square().sum(dim=0)).sqrt() for part in (left.clamp_min(0), (-left).clamp_min(0))]
+    right_norms = [torch.linalg.norm(part, dim=1) for part in (right.clamp_min(0), (-right).clamp_min(0))]
+    positive = norms[0] * right_norms[0] >= norms[1] * right_norms[1]
+    sign = torch.where(positive, 1.0, -1.0).to(left.dtype)
+    size = torch.where(positive, norms[0] * right_norms[0], norms[1] * right_norms[1])
+    scale = (values * size).sqrt()
+    xs, ys = (left * sign).clamp_min(0), (right * sign[:, None]).clamp_min(0)
+    u = scale * xs / _safe(torch.where(positive, norms[0], norms[1]))
+    w = (scale / _safe(torch.where(positive, right_norms[0], right_norms[1])))[:, None] * ys
     u[:, 0], w[0] = values[0].sqrt() * left[:, 0].abs(), values[0].sqrt() * right[0].abs()
-    for j in range(1, len(values)):
-        x, y = left[:, j], right[j]
-        parts = [(x.clamp_min(0), y.clamp_min(0)), ((-x).clamp_min(0), (-y).clamp_min(0))]
-        (xs, ys), sizes = max(
-            ((p, torch.linalg.norm(p[0]) * torch.linalg.norm(p[1])) for p in parts), key=lambda found: found[1]
-        )
-        scale = (values[j] * sizes).sqrt()
-        u[:, j] = scale * xs / _safe(torch.linalg.norm(xs))
-        w[j] = scale * ys / _safe(torch.linalg.norm(ys))
     u[u < ZERO_CUT], w[w < ZERO_CUT] = 0, 0
     u[u == 0], w[w == 0] = mean, mean
     return u, w
 
 
-def _semi_start(left: Tensor, values: Tensor) -> Tensor:
-    """Semi-NMF's non-negative start of U: the singular vectors' magnitudes, scaled, plus a little."""
+def _semi_start(left: Tensor, values: Tensor, ranks: Ranks) -> Tensor:
+    """Semi-NMF's non-negative start of U: the singular vectors' magnitudes, scaled, plus a little (a fifth of
+    their mean over every rank's rows)."""
     u = left.abs() * values.sqrt()
-    return u + 0.2 * u.mean()
+    total = ranks.sum(torch.stack([u.sum(), u.new_tensor(float(u.numel()))]))
+    return u + 0.2 * total[0] / total[1]
 
 
 def factorize(
@@ -160,6 +175,7 @@ def factorize(
     signed: bool = False,
     tol: float = 1e-4,
     dtype: torch.dtype = torch.float64,
+    ranks: Ranks = ALONE,
 ) -> Factors:
     """Factorize activations streamed in batches into ``concepts`` concepts.
 
@@ -172,30 +188,32 @@ def factorize(
         tol: Stop when the error fell by less than this share of its first checked value over the last
             ``CHECK_EVERY`` updates (scikit-learn's rule); 0: run every update.
         dtype: The arithmetic's float type (double by default: the updates divide small numbers).
+        ranks: The processes the activations are split over (each passes its own batches; every one gets the same
+            bank); default: this one alone.
 
     Returns:
-        The bank, the coefficients and the reconstruction error.
+        The bank, this rank's coefficients and the reconstruction error (of every rank's activations).
 
     Raises:
         ExplainError: No activations, more concepts than crops or channels, or negative activations for NMF.
     """
     if concepts < 1 or iterations < 1:
         raise ExplainError(f"concepts and iterations must be at least 1, got {concepts} and {iterations}")
-    left, values, right, stats = _svd_start(batches, concepts, dtype)
+    left, values, right, stats = _svd_start(batches, concepts, dtype, ranks)
     if not signed and stats.least < 0:
         raise ExplainError(
             "the activations have negative values, which a non-negative factorization cannot fit: "
             "factorize them signed (semi-NMF)"
         )
     if signed:
-        u = _semi_start(left, values)
-        w, uta, utu = _least_squares(batches, u, dtype)
+        u = _semi_start(left, values, ranks)
+        w, uta, utu = _least_squares(batches, u, dtype, ranks)
     else:
-        u, w = _nndsvda(left, values, right, stats.total / stats.count)
+        u, w = _nndsvda(left, values, right, stats.total / stats.count, ranks)
     update = _semi_update if signed else _mu_update
     first = previous = None
     for iteration in range(1, iterations + 1):
-        uta, utu = _pass(batches, u, w, update, dtype)
+        uta, utu = _pass(batches, u, w, update, dtype, ranks)
         w = torch.linalg.lstsq(utu, uta).solution if signed else w * uta / _safe(utu @ w)
         if tol > 0 and iteration % CHECK_EVERY == 0:  # scikit-learn's rule: the error's fall since the last check
             error = _error(stats, uta, utu, w)
@@ -224,9 +242,14 @@ def _semi_update(a: Tensor, u: Tensor, w: Tensor, wwt: Tensor) -> Tensor:
 
 
 def _pass(
-    batches: Batches, u: Tensor, w: Tensor, update: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], dtype
+    batches: Batches,
+    u: Tensor,
+    w: Tensor,
+    update: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
+    dtype: torch.dtype,
+    ranks: Ranks,
 ) -> tuple[Tensor, Tensor]:
-    """One pass: each batch's coefficients updated in place, and UᵀA, UᵀU of the updated ones."""
+    """One pass: each batch's coefficients updated in place, and UᵀA, UᵀU of the updated ones, over every rank."""
     wwt = w @ w.T
     uta = torch.zeros_like(w)
     utu = torch.zeros(len(w), len(w), dtype=w.dtype, device=w.device)
@@ -237,11 +260,11 @@ def _pass(
         uta += u[rows].T @ a
         utu += u[rows].T @ u[rows]
         start += len(a)
-    return uta, utu
+    return ranks.sum(uta), ranks.sum(utu)
 
 
-def _least_squares(batches: Batches, u: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """The bank of least squares for fixed coefficients, with the pass's UᵀA and UᵀU."""
+def _least_squares(batches: Batches, u: Tensor, dtype: torch.dtype, ranks: Ranks) -> tuple[Tensor, Tensor, Tensor]:
+    """The bank of least squares for fixed coefficients, with the pass's UᵀA and UᵀU over every rank."""
     uta = utu = None
     start = 0
     for a in _batches(batches, dtype):
@@ -249,6 +272,7 @@ def _least_squares(batches: Batches, u: Tensor, dtype: torch.dtype) -> tuple[Ten
         uta = part.T @ a if uta is None else uta + part.T @ a
         utu = part.T @ part if utu is None else utu + part.T @ part
         start += len(a)
+    uta, utu = ranks.sum(uta), ranks.sum(utu)
     return torch.linalg.lstsq(utu, uta).solution, uta, utu
 
 
