@@ -20,6 +20,7 @@ Score = Callable[[Tensor, Tensor, bool], Tensor]
 by ``maps``; ``once``: the first row's image run once, its layer output expanded to the rows'."""
 
 CHECKED = 2  # copies scored both ways
+SHARED_ELEMENTS = 2**25  # the layer-output elements of the copies that share one run (128 MiB of float32)
 
 
 def shared_prefix(
@@ -47,7 +48,8 @@ def shared_prefix(
 
 
 def shared_rows(batch_size: int, image: Tensor, maps: Tensor) -> int:
-    """How many copies share one run of the image: ``batch_size`` copies' worth of the image's elements in layer
-    outputs (a layer's output smaller than its image runs more copies at once), all of them at most."""
-    scale = max(1, image[0].numel() // max(1, maps[0].numel()))
-    return min(len(maps), batch_size * scale)
+    """How many copies share one run of the image: as many as fit in ``SHARED_ELEMENTS`` layer-output elements, or
+    ``batch_size`` copies' worth of the image's elements where that is more; all of them at most."""
+    copy = max(1, maps[0].numel())
+    scale = max(1, image[0].numel() // copy)
+    return min(len(maps), max(batch_size * scale, SHARED_ELEMENTS // copy))
