@@ -41,7 +41,7 @@ class MethodEntry:
 
 # The modules of explain.methods, in the order the catalog lists their methods (a test holds every module here).
 METHOD_MODULES = ("gradient", "activation", "factorization", "scales", "guided", "perturbation", "rollout", "chefer",
-                  "legrad", "attribution", "lrp", "masking", "superpixels")  # fmt: skip
+                  "legrad", "attribution", "lrp", "attnlrp", "masking", "superpixels")  # fmt: skip
 _FIELDS = ("name", "title", "fast", "cost")
 
 

@@ -117,7 +117,7 @@ def test_every_method_leaves_model_unchanged_on_success_and_failure(method: str,
     assert any(m.inplace for m in model.modules() if isinstance(m, nn.ReLU))
     layer = "layer4" if method in ("cam", "dff") else "layer2"  # CAM and DFF need the layer the classifier reads
     before = snapshot(model)
-    if method in ("fullgrad", "lrp"):  # a batch norm in training mode (one is, either way): no fixed bias, refused
+    if method in ("fullgrad", "lrp", "attnlrp", "cplrp"):  # a batch norm in training mode (one is, either way): refused
         with pytest.raises(explain.LayerError, match=r"call model\.eval"):
             explain.cam(model, torch.randn(2, 3, 32, 32), method, layer, [1, 2])
         assert_unchanged(model, before)

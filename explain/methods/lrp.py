@@ -223,7 +223,23 @@ def composite_rules(
 COMPOSITES = ("epsilon_plus", "epsilon_alpha2_beta1", "epsilon_gamma_box", "epsilon")
 
 
-class LRP(InputAttribution):
+class Propagation(InputAttribution):
+    """Base of the relevance propagations: the input's gradient, under the method's backward rules, is its
+    relevance; ``raw`` is it per channel, signed, and the map its positive part summed over the channels."""
+
+    needs = Needs(gradients=False, input_gradient=True, whole_backward=True, map_of_input=True)
+
+    def attribution(self, capture: Capture) -> Tensor:
+        return capture.gradients
+
+    def combined(self, attribution: Tensor, rank: int) -> Tensor:
+        return attribution.sum(dim=-rank - 1)
+
+    def finish(self, raw: Tensor, rank: int, size: Sequence[int] | None, normalize: bool) -> Tensor:
+        return postprocess(self.combined(raw, rank).clamp(min=0), rank, size, normalize)
+
+
+class LRP(Propagation):
     r"""Layer-wise relevance propagation with a composite of rules by module type (see this module's notes).
 
     The relevance of the explained output is its score's gradient, 1 (as zennit's with a one-hot output), so the
@@ -248,7 +264,6 @@ class LRP(InputAttribution):
 
     name = "lrp"
     title = "Layer-wise relevance propagation, zennit's composites (Bach et al. 2015)"
-    needs = Needs(gradients=False, input_gradient=True, whole_backward=True, map_of_input=True)
 
     def __init__(
         self,
@@ -293,12 +308,3 @@ class LRP(InputAttribution):
             if not ruled:
                 raise LayerError("LRP found no module its composite has a rule for (convolutions, linear layers)")
             yield
-
-    def attribution(self, capture: Capture) -> Tensor:
-        return capture.gradients
-
-    def combined(self, attribution: Tensor, rank: int) -> Tensor:
-        return attribution.sum(dim=-rank - 1)
-
-    def finish(self, raw: Tensor, rank: int, size: Sequence[int] | None, normalize: bool) -> Tensor:
-        return postprocess(self.combined(raw, rank).clamp(min=0), rank, size, normalize)

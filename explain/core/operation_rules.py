@@ -1,0 +1,444 @@
+r"""Relevance rules by operation, not by module: for the block, every torch operation the model's forward runs on a
+tensor that relevance passes through is swapped for one whose backward hands relevance to its inputs by its rule
+(AttnLRP's, Achtibat et al., "AttnLRP: Attention-Aware Layer-Wise Relevance Propagation for Transformers", ICML
+2024). Any model built of these operations gets the rules, whatever its family; an operation without a rule is
+refused in one line that names it, never passed as a gradient.
+
+The rules (R: the relevance at an operation's output, z its output, :math:`z' = z + \epsilon\,\mathrm{sign}(z)`):
+
+- **ε** for an affine map of one input (linear layers, convolutions, batch norms in eval, average pools, means and
+  sums, resizing, a sum with a constant): :math:`R_x = x \odot J^\top (R / z')`.
+- **ε** for the sum of two inputs: :math:`R_a = a \odot R / z'`, :math:`R_b = b \odot R / z'`.
+- **Layer norm**: ε through the layer with its standard deviation held constant (its centring is linear).
+- **Identity** through element-wise activations (GELU, SiLU, ...), RMS norms, a product with a constant, a division
+  by one, and a negation: :math:`R_x = R`.
+- **Uniform** for the product of two inputs (a gate): each gets half, :math:`R_a = R_b = R / 2`.
+- **Uniform and ε** for a matrix product of two inputs: :math:`R_a = a \odot ((R / 2z') b^\top)`,
+  :math:`R_b = b \odot (a^\top (R / 2z'))`; with one constant, the other gets it all, :math:`R / z'`.
+- **Softmax** (Deep Taylor at its input): :math:`R_x = x \odot (R - s \odot \sum R)`, or, with the attention held
+  constant (CP-LRP), none: the softmax's output is a constant and the values get all the relevance.
+- Fused attention (``scaled_dot_product_attention``) runs as its parts, :math:`\mathrm{softmax}(q k^\top s) v`.
+- Layout (views, permutations, concatenation, indexing), dropout in eval and max pooling pass relevance as the
+  gradient does: they move values, or pick one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode, resolve_name
+from torch.utils._pytree import tree_flatten
+
+from ..errors import LayerError
+
+EPSILON = 1e-6
+T = torch.Tensor
+
+
+def _stable(z: Tensor) -> Tensor:
+    return z + EPSILON * torch.where(z >= 0, 1.0, -1.0).to(z.dtype)
+
+
+def _grad(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.requires_grad
+
+
+class _Affine(torch.autograd.Function):
+    """ε for ``fn``, affine in its one input x: the backward runs ``fn`` again on x and gives :math:`x \\odot
+    J^\\top (R / z')`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
+        ctx.fn = fn
+        ctx.save_for_backward(x)
+        return fn(x)
+
+    @staticmethod
+    def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, None]:
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = x.detach().requires_grad_(True)
+            z = ctx.fn(leaf)
+            found = torch.autograd.grad(z, leaf, relevance / _stable(z.detach()))[0]
+        return leaf.detach() * found, None
+
+
+class _Identity(torch.autograd.Function):
+    """The identity rule for ``fn`` of one input: its output, the relevance passed on unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
+        return fn(x)
+
+    @staticmethod
+    def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, None]:
+        return relevance, None
+
+
+class _Sum(torch.autograd.Function):
+    """ε for ``a + b`` (both inputs relevant), broadcast as the sum is."""
+
+    @staticmethod
+    def forward(ctx: Any, a: Tensor, b: Tensor) -> Tensor:
+        ctx.save_for_backward(a, b)
+        return a + b
+
+    @staticmethod
+    def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, Tensor]:
+        a, b = ctx.saved_tensors
+        ratio = relevance / _stable(a + b)
+        return _unbroadcast(a * ratio, a.shape), _unbroadcast(b * ratio, b.shape)
+
+
+class _Product(torch.autograd.Function):
+    """The uniform rule for ``a * b`` (both inputs relevant): half each."""
+
+    @staticmethod
+    def forward(ctx: Any, a: Tensor, b: Tensor) -> Tensor:
+        ctx.shapes = a.shape, b.shape
+        return a * b
+
+    @staticmethod
+    def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, Tensor]:
+        return tuple(_unbroadcast(relevance / 2, shape) for shape in ctx.shapes)  # type: ignore[return-value]
+
+
+class _Bilinear(torch.autograd.Function):
+    """The uniform and ε rules for ``fn(a, b)``, bilinear in its two relevant inputs (a matrix product, a
+    two-operand einsum): each input gets its input times the gradient of ``fn`` weighted by R / 2z'."""
+
+    @staticmethod
+    def forward(ctx: Any, a: Tensor, b: Tensor, fn: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+        ctx.fn = fn
+        ctx.save_for_backward(a, b)
+        return fn(a, b)
+
+    @staticmethod
+    def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, Tensor, None]:
+        a, b = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = a.detach().requires_grad_(True), b.detach().requires_grad_(True)
+            z = ctx.fn(*leaves)
+            found = torch.autograd.grad(z, leaves, relevance / _stable(2 * z.detach()))
+        return leaves[0].detach() * found[0], leaves[1].detach() * found[1], None
+
+
+class _Softmax(torch.autograd.Function):
+    """AttnLRP's softmax rule, :math:`R_x = x \\odot (R - s \\odot \\sum R)` (masked inputs, -inf, as 0)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, dim: int) -> Tensor:
+        s = torch.softmax(x, dim=dim)
+        ctx.dim = dim
+        ctx.save_for_backward(x, s)
+        return s
+
+    @staticmethod
+    def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, None]:
+        x, s = ctx.saved_tensors
+        x = torch.where(torch.isneginf(x), 0.0, x)
+        return x * (relevance - s * relevance.sum(dim=ctx.dim, keepdim=True)), None
+
+
+def _unbroadcast(value: Tensor, shape: torch.Size) -> Tensor:
+    """A broadcast operand's relevance summed back to its own shape."""
+    while value.dim() > len(shape):
+        value = value.sum(dim=0)
+    axes = [i for i, (have, want) in enumerate(zip(value.shape, shape)) if want == 1 and have != 1]
+    return value.sum(dim=axes, keepdim=True) if axes else value
+
+
+def affine(x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """``fn(x)`` under the ε rule."""
+    return _Affine.apply(x, fn)
+
+
+def identity(x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """``fn(x)`` under the identity rule."""
+    return _Identity.apply(x, fn)
+
+
+Handler = Callable[["OperationRules", Callable[..., Any], tuple, dict], Any]
+
+
+def _affine_first(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """ε through an operation affine in its first argument (its others constants)."""
+    return affine(args[0], lambda t: func(t, *args[1:], **kwargs))
+
+
+def _identity_first(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """The identity rule through an element-wise operation of its first argument (run out of place)."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "inplace"}
+    return identity(args[0], lambda t: func(t, *args[1:], **kwargs))
+
+
+def _plus(a: Any, b: Any) -> Tensor:
+    """``a + b`` under ε: both relevant, or one a constant that keeps its share (a bias)."""
+    if _grad(a) and _grad(b):
+        return _Sum.apply(a, b)
+    x, other = (a, b) if _grad(a) else (b, a)
+    return affine(x, lambda t: t + other)
+
+
+def _add(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    a, b = args[0], args[1]
+    if kwargs.get("alpha", 1) != 1:
+        b = _times(b, kwargs["alpha"])
+    return _plus(a, b)
+
+
+def _sub(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    a, b = args[0], args[1]
+    return _plus(a, _times(b, -kwargs.get("alpha", 1)))
+
+
+def _rsub(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    return _plus(args[1], _times(args[0], -1))
+
+
+def _times(a: Any, b: Any) -> Any:
+    """``a * b``: the uniform rule where both are relevant, the identity where one is a constant."""
+    if _grad(a) and _grad(b):
+        return _Product.apply(a, b)
+    if not (_grad(a) or _grad(b)):
+        return a * b
+    x, other = (a, b) if _grad(a) else (b, a)
+    return identity(x, lambda t: t * other)
+
+
+def _mul(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    return _times(args[0], args[1])
+
+
+def _div(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    a, b = args[0], args[1]
+    if _grad(b):
+        raise LayerError(f"{mode.method} has no relevance rule for a division by a tensor relevance passes through")
+    return identity(a, lambda t: func(t, b, **kwargs))
+
+
+def _neg(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    return identity(args[0], torch.neg)
+
+
+def _matmul(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    return _bilinear(args[0], args[1], torch.matmul)
+
+
+def _einsum(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """A two-operand einsum, bilinear: as a matrix product.
+
+    Raises:
+        LayerError: Another number of operands.
+    """
+    equation, *operands = args
+    operands = operands[0] if len(operands) == 1 and isinstance(operands[0], (list, tuple)) else operands
+    if len(operands) != 2:
+        raise LayerError(f"{mode.method} rules an einsum of two operands, not {len(operands)}")
+    return _bilinear(operands[0], operands[1], lambda a, b: torch.einsum(equation, a, b))
+
+
+def _bilinear(a: Tensor, b: Tensor, fn: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """``fn(a, b)``: uniform and ε where both are relevant, ε to the one that is where the other is a constant."""
+    if _grad(a) and _grad(b):
+        return _Bilinear.apply(a, b, fn)
+    if _grad(a):
+        return affine(a, lambda t: fn(t, b))
+    return affine(b, lambda t: fn(a, t))
+
+
+def _softmax(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    x = args[0]
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if dim is None:
+        raise LayerError(f"{mode.method}: a softmax without its dim (give it one)")
+    if kwargs.get("dtype") is not None:
+        x = identity(x, lambda t: t.to(kwargs["dtype"]))
+    return mode.softmax(x, dim)
+
+
+def _attention(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Tensor:
+    """Fused attention run as its parts, each under its rule: softmax(q kᵀ s + mask) v."""
+    q, k, v = args[:3]
+    options = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale"), args[3:]), **kwargs)
+    if options.get("enable_gqa"):
+        repeats = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(repeats, dim=-3), v.repeat_interleave(repeats, dim=-3)
+    scale = options.get("scale") or q.shape[-1] ** -0.5
+    scores = identity(_bilinear(q, k.transpose(-1, -2), torch.matmul), lambda t: t * scale)
+    mask = options.get("attn_mask")
+    if options.get("is_causal"):
+        size = scores.shape[-2:]
+        mask = torch.ones(size, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        bias = _additive(mask, scores)
+        scores = identity(scores, lambda t: t + bias)  # a mask: what it lets through keeps its relevance
+    return _bilinear(mode.softmax(scores, -1), v, torch.matmul)
+
+
+def _layer_norm(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    x, shape = args[0], args[1]
+    weight, bias, eps = (list(args[2:]) + [kwargs.get(n) for n in ("weight", "bias", "eps")][len(args) - 2 :])[:3]
+    dims = tuple(range(-len(shape), 0))
+
+    def normalized(t: Tensor) -> Tensor:  # the standard deviation held constant: affine in t
+        spread = (t.detach().var(dim=dims, unbiased=False, keepdim=True) + (eps or 1e-5)).sqrt()
+        y = (t - t.mean(dim=dims, keepdim=True)) / spread
+        y = y if weight is None else y * weight
+        return y if bias is None else y + bias
+
+    return affine(x, normalized)
+
+
+def _batch_norm(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    training = kwargs.get("training", args[5] if len(args) > 5 else False)
+    if training:
+        raise LayerError(f"{mode.method} rules a batch norm with its running statistics: call model.eval() first")
+    return _affine_first(mode, func, args, kwargs)
+
+
+MHA_ARGUMENTS = (
+    "query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias", "bias_k", "bias_v",
+    "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias", "training", "key_padding_mask", "need_weights",
+    "attn_mask", "use_separate_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "static_k",
+    "static_v", "average_attn_weights", "is_causal",
+)  # fmt: skip
+
+
+def _multi_head(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """PyTorch's multi-head attention (``nn.MultiheadAttention``, torchvision's ViT) run as its parts: the
+    projections under ε, the attention under its rules.
+
+    Raises:
+        LayerError: An option the parts do not cover (added key or value biases, a padding mask, static keys).
+    """
+    o = {**dict(zip(MHA_ARGUMENTS, args)), **kwargs}
+    if any(o.get(n) is not None for n in ("bias_k", "bias_v", "key_padding_mask", "static_k", "static_v")) or o.get(
+        "add_zero_attn"
+    ):
+        raise LayerError(f"{mode.method} rules multi-head attention without added biases, padding masks or static keys")
+    length, batch, width = o["query"].shape
+    heads = o["num_heads"]
+    if o.get("use_separate_proj_weight"):
+        weights = (o["q_proj_weight"], o["k_proj_weight"], o["v_proj_weight"])
+    else:
+        weights = o["in_proj_weight"].chunk(3)
+    biases = o["in_proj_bias"].chunk(3) if o.get("in_proj_bias") is not None else (None,) * 3
+
+    def heads_of(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        projected = affine(x, lambda t: F.linear(t, weight, bias))
+        return projected.reshape(len(x), batch, heads, -1).permute(1, 2, 0, 3)  # (N, H, L, d)
+
+    q, k, v = (heads_of(o[n], w, b) for n, w, b in zip(("query", "key", "value"), weights, biases))
+    mask = o.get("attn_mask")
+    if mask is not None and mask.dim() == 3:
+        mask = mask.reshape(batch, heads, *mask.shape[1:])
+    merged = _attention(mode, func, (q, k, v), {"attn_mask": mask, "is_causal": bool(o.get("is_causal"))})
+    merged = merged.permute(2, 0, 1, 3).reshape(length, batch, width)
+    out = affine(merged, lambda t: F.linear(t, o["out_proj_weight"], o["out_proj_bias"]))
+    if not o.get("need_weights", True):
+        return out, None
+    scores = (q @ k.transpose(-1, -2)).detach() * q.shape[-1] ** -0.5
+    weights_of = torch.softmax(scores if mask is None else scores + _additive(mask, scores), dim=-1)
+    return out, weights_of.mean(dim=1) if o.get("average_attn_weights", True) else weights_of
+
+
+def _additive(mask: Tensor, like: Tensor) -> Tensor:
+    """An attention mask as what is added to the scores: a boolean one's False as -inf."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill(~mask, -torch.inf)
+
+
+def _in_place(handler: Handler) -> Handler:
+    """An in-place operation run out of place under ``handler``, its result written back into its first argument
+    too (for a call whose result is not assigned)."""
+
+    def run(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        result = handler(mode, func, (args[0].clone(), *args[1:]), kwargs)
+        args[0].data.copy_(result.detach())
+        return result
+
+    return run
+
+
+AFFINE = (
+    F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
+    F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
+    torch.mean, T.mean, torch.sum, T.sum, F.interpolate,
+)  # fmt: skip
+ELEMENTWISE = (
+    F.relu, torch.relu, T.relu, F.relu6, F.gelu, F.silu, F.hardswish, F.leaky_relu, F.elu, F.mish, F.softplus,
+    F.hardtanh, F.hardsigmoid, torch.sigmoid, T.sigmoid, F.sigmoid, torch.tanh, T.tanh, F.tanh, F.rms_norm,
+    F.normalize, F.dropout, F.dropout1d, F.dropout2d, F.dropout3d,
+)  # fmt: skip
+PASSED = {
+    T.__getitem__, T.view, T.reshape, torch.reshape, T.permute, torch.permute, T.transpose, torch.transpose,
+    T.flatten, torch.flatten, T.unflatten, T.squeeze, torch.squeeze, T.unsqueeze, torch.unsqueeze, T.contiguous,
+    T.expand, T.expand_as, T.clone, T.detach, T.to, T.type, T.type_as, T.float, T.double, T.half, T.bfloat16, T.unbind,
+    torch.unbind, T.split, torch.split, T.chunk, torch.chunk, torch.cat, torch.concat, torch.stack, T.movedim,
+    torch.movedim, T.narrow, T.select, T.flip, T.roll, T.repeat, T.repeat_interleave, T.view_as, T.reshape_as,
+    F.pad, F.max_pool1d, F.max_pool2d, F.max_pool3d, F.adaptive_max_pool1d, F.adaptive_max_pool2d,
+    F.max_pool1d_with_indices, F.max_pool2d_with_indices, F.max_pool3d_with_indices, T.T.__get__, T.mT.__get__,
+    F.dropout, F.alpha_dropout,
+}  # fmt: skip
+TABLE: dict[Callable[..., Any], Handler] = {
+    **dict.fromkeys(AFFINE, _affine_first),
+    **dict.fromkeys(ELEMENTWISE, _identity_first),
+    **dict.fromkeys((T.add, torch.add, T.__add__, T.__radd__), _add),
+    **dict.fromkeys((T.add_, T.__iadd__), _in_place(_add)),
+    **dict.fromkeys((T.sub, torch.sub, T.__sub__), _sub),
+    **dict.fromkeys((T.sub_, T.__isub__), _in_place(_sub)),
+    T.__rsub__: _rsub,
+    **dict.fromkeys((T.mul, torch.mul, T.__mul__, T.__rmul__), _mul),
+    **dict.fromkeys((T.mul_, T.__imul__), _in_place(_mul)),
+    **dict.fromkeys((T.div, torch.div, T.__truediv__), _div),
+    **dict.fromkeys((T.div_, T.__itruediv__), _in_place(_div)),
+    **dict.fromkeys((T.neg, torch.neg, T.__neg__), _neg),
+    **dict.fromkeys((T.matmul, torch.matmul, T.__matmul__, torch.bmm, T.bmm), _matmul),
+    **dict.fromkeys((F.softmax, torch.softmax, T.softmax), _softmax),
+    F.scaled_dot_product_attention: _attention,
+    F.layer_norm: _layer_norm,
+    F.batch_norm: _batch_norm,
+    F.multi_head_attention_forward: _multi_head,
+    torch.einsum: _einsum,
+    **dict.fromkeys((F.relu_, torch.relu_, T.relu_), _in_place(_identity_first)),
+}
+
+
+class OperationRules(TorchFunctionMode):
+    """For the block, the torch operations relevance passes through run under their rules (see the module's
+    notes); an operation on a relevant tensor without a rule is refused.
+
+    Args:
+        method: The method's name, for the refusals.
+        attention: ``"attnlrp"``: the softmax rule; ``"constant"``: the attention held constant (CP-LRP).
+    """
+
+    def __init__(self, method: str, attention: str = "attnlrp") -> None:
+        super().__init__()
+        self.method, self.attention = method, attention
+
+    def softmax(self, x: Tensor, dim: int) -> Tensor:
+        """A softmax under the method's rule."""
+        if self.attention == "constant":
+            return torch.softmax(x.detach(), dim=dim)
+        return _Softmax.apply(x, dim)
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None):
+        kwargs = kwargs or {}
+        handler = TABLE.get(func)
+        if handler is not None and any(_grad(v) for v in tree_flatten((args, kwargs))[0]):
+            return handler(self, func, args, kwargs)
+        result = func(*args, **kwargs)
+        if func in PASSED or handler is not None or not any(_grad(v) for v in tree_flatten(result)[0]):
+            return result
+        name = resolve_name(func) or getattr(func, "__name__", repr(func))
+        raise LayerError(
+            f"{self.method} has no relevance rule for {name}, which the model runs on a tensor relevance passes "
+            "through; use lrp or a gradient method for this model"
+        )
