@@ -3,7 +3,8 @@
 - **The cost of the rules**: ``explain.METHODS["attnlrp"]`` and ``["cplrp"]`` on a ViT-Small-shaped timm ViT
   (random weights, 224 pixels, patches of 16, 12 blocks of width 384, batch of 4), against the same model's forward
   and backward of the same scores through plain autograd (``torch.autograd.grad`` of the summed class scores with
-  respect to the input), and against ``lrp``. Target: AttnLRP at most 1.3x the forward and backward.
+  respect to the input), and against ``lrp`` and the engine's own plain gradient (``saliency``: what any call of
+  the engine costs over bare autograd). Target: AttnLRP at most 1.3x the forward and backward.
 - **Memory**: each call's peak resident memory over the process's, beside the forward and backward's.
 
 LXT's own AttnLRP is not timed: LXT 2.1 does not import beside current ``transformers`` (its BERT patch imports a
@@ -34,7 +35,7 @@ def vit_small() -> torch.nn.Module:
 
 def runs(model: torch.nn.Module, x: torch.Tensor) -> dict[str, Callable[[], object]]:
     """The plain forward and backward, AttnLRP, CP-LRP and LRP on the same model, images and classes."""
-    methods = {name: explain.METHODS[name](model) for name in ("attnlrp", "cplrp", "lrp")}
+    methods = {name: explain.METHODS[name](model) for name in ("saliency", "attnlrp", "cplrp", "lrp")}
 
     def plain() -> object:
         leaf = x.clone().requires_grad_(True)

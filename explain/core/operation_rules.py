@@ -40,7 +40,7 @@ T = torch.Tensor
 
 
 def _stable(z: Tensor) -> Tensor:
-    return z + EPSILON * torch.where(z >= 0, 1.0, -1.0).to(z.dtype)
+    return z + torch.copysign(z.new_full((), EPSILON), z)  # +ε at 0 (and -ε at -0)
 
 
 def _grad(value: Any) -> bool:
@@ -67,6 +67,44 @@ class _Affine(torch.autograd.Function):
         return leaf.detach() * found, None
 
 
+class _Linear(torch.autograd.Function):
+    r"""ε for a linear layer, from its saved output: :math:`R_x = x \odot ((R / z') W)`, no forward again."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        z = F.linear(x, weight, bias)
+        ctx.save_for_backward(x, weight, z)
+        return z
+
+    @staticmethod
+    def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, None, None]:
+        x, weight, z = ctx.saved_tensors
+        return x * ((relevance / _stable(z)) @ weight), None, None
+
+
+class _LayerNorm(torch.autograd.Function):
+    r"""ε through a layer norm with its spread σ held constant, from its saved output:
+    :math:`R_x = x \odot (w \odot r - \overline{w \odot r}) / \sigma` with :math:`r = R / z'` (the mean over the
+    normalized axes)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, dims: tuple[int, ...], weight: Tensor | None, bias: Tensor | None, eps: float):
+        spread = (x.var(dim=dims, unbiased=False, keepdim=True) + eps).sqrt()
+        z = (x - x.mean(dim=dims, keepdim=True)) / spread
+        z = z if weight is None else z * weight
+        z = z if bias is None else z + bias
+        ctx.dims, ctx.weighted = dims, weight is not None
+        ctx.save_for_backward(x, spread, z, *([weight] if weight is not None else []))
+        return z
+
+    @staticmethod
+    def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor | None, ...]:
+        x, spread, z, *weight = ctx.saved_tensors
+        r = relevance / _stable(z)
+        r = r * weight[0] if ctx.weighted else r
+        return x * (r - r.mean(dim=ctx.dims, keepdim=True)) / spread, None, None, None, None
+
+
 class _Identity(torch.autograd.Function):
     """The identity rule for ``fn`` of one input: its output, the relevance passed on unchanged."""
 
@@ -84,13 +122,14 @@ class _Sum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, a: Tensor, b: Tensor) -> Tensor:
-        ctx.save_for_backward(a, b)
-        return a + b
+        z = a + b
+        ctx.save_for_backward(a, b, z)
+        return z
 
     @staticmethod
     def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, Tensor]:
-        a, b = ctx.saved_tensors
-        ratio = relevance / _stable(a + b)
+        a, b, z = ctx.saved_tensors
+        ratio = relevance / _stable(z)
         return _unbroadcast(a * ratio, a.shape), _unbroadcast(b * ratio, b.shape)
 
 
@@ -109,21 +148,29 @@ class _Product(torch.autograd.Function):
 
 class _Bilinear(torch.autograd.Function):
     """The uniform and ε rules for ``fn(a, b)``, bilinear in its two relevant inputs (a matrix product, a
-    two-operand einsum): each input gets its input times the gradient of ``fn`` weighted by R / 2z'."""
+    two-operand einsum): each input gets its input times the gradient of ``fn`` weighted by R / 2z'; a matrix
+    product's from its saved output, as its own backward would."""
 
     @staticmethod
     def forward(ctx: Any, a: Tensor, b: Tensor, fn: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+        z = fn(a, b)
         ctx.fn = fn
-        ctx.save_for_backward(a, b)
-        return fn(a, b)
+        ctx.save_for_backward(a, b, z)
+        return z
 
     @staticmethod
     def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, Tensor, None]:
-        a, b = ctx.saved_tensors
+        a, b, z = ctx.saved_tensors
+        ratio = relevance / _stable(2 * z)
+        if ctx.fn is torch.matmul and a.dim() >= 2 and b.dim() >= 2:
+            return (
+                a * _unbroadcast(ratio @ b.transpose(-1, -2), a.shape),
+                b * _unbroadcast(a.transpose(-1, -2) @ ratio, b.shape),
+                None,
+            )
         with torch.enable_grad():
             leaves = a.detach().requires_grad_(True), b.detach().requires_grad_(True)
-            z = ctx.fn(*leaves)
-            found = torch.autograd.grad(z, leaves, relevance / _stable(2 * z.detach()))
+            found = torch.autograd.grad(ctx.fn(*leaves), leaves, ratio)
         return leaves[0].detach() * found[0], leaves[1].detach() * found[1], None
 
 
@@ -140,7 +187,7 @@ class _Softmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, None]:
         x, s = ctx.saved_tensors
-        x = torch.where(torch.isneginf(x), 0.0, x)
+        x = x.nan_to_num(neginf=0.0)  # a masked score
         return x * (relevance - s * relevance.sum(dim=ctx.dim, keepdim=True)), None
 
 
@@ -167,6 +214,9 @@ Handler = Callable[["OperationRules", Callable[..., Any], tuple, dict], Any]
 
 def _affine_first(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """ε through an operation affine in its first argument (its others constants)."""
+    if func is F.linear and _grad(args[0]):
+        weight, bias = (list(args[1:]) + [kwargs.get("weight"), kwargs.get("bias")][len(args) - 1 :])[:2]
+        return _Linear.apply(args[0], weight.detach(), None if bias is None else bias.detach())
     return affine(args[0], lambda t: func(t, *args[1:], **kwargs))
 
 
@@ -283,15 +333,8 @@ def _attention(mode: OperationRules, func: Callable[..., Any], args: tuple, kwar
 def _layer_norm(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     x, shape = args[0], args[1]
     weight, bias, eps = (list(args[2:]) + [kwargs.get(n) for n in ("weight", "bias", "eps")][len(args) - 2 :])[:3]
-    dims = tuple(range(-len(shape), 0))
-
-    def normalized(t: Tensor) -> Tensor:  # the standard deviation held constant: affine in t
-        spread = (t.detach().var(dim=dims, unbiased=False, keepdim=True) + (eps or 1e-5)).sqrt()
-        y = (t - t.mean(dim=dims, keepdim=True)) / spread
-        y = y if weight is None else y * weight
-        return y if bias is None else y + bias
-
-    return affine(x, normalized)
+    weight, bias = (None if v is None else v.detach() for v in (weight, bias))
+    return _LayerNorm.apply(x, tuple(range(-len(shape), 0)), weight, bias, 1e-5 if eps is None else eps)
 
 
 def _batch_norm(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
