@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_vision_language import llava_folder  # noqa: F401  (a fixture: the LLaVA folder the command line reads)
 from torch import nn
 
 import explain
@@ -193,3 +194,37 @@ def planted_vit() -> nn.Module:
     with torch.no_grad():
         assert float((model(images).argmax(dim=1) == classes).float().mean()) > 0.95
     return model
+
+
+@pytest.mark.parametrize("method", ["attnlrp", "cplrp"])
+def test_each_word_of_a_llava_answer_gets_relevance_and_the_model_is_left_as_it_was(method: str) -> None:
+    """A tiny LLaVA (CLIP tower, LLaMA with its RMS norms, rotary embeddings and SiLU gates): each word's relevance
+    reaches the pixels through the language model and the vision tower, and the model keeps no hook or flag."""
+    pytest.importorskip("transformers")
+    from test_vision_language import PROMPT, image, tiny_llava
+
+    model, x = tiny_llava(), image()
+    flags = [p.requires_grad for p in model.parameters()]
+    found = explain.explain_answer(model, {"pixel_values": x, "input_ids": PROMPT}, answer=[10, 11], method=method)
+    relevance = found.result.raw.flatten(2).sum(dim=-1)  # each word's input relevance
+    assert found.maps.shape == (2, 32, 32) and bool(torch.isfinite(found.result.raw).all())
+    assert bool((relevance.abs() > 1e-6).all())
+    assert [p.requires_grad for p in model.parameters()] == flags and all(p.grad is None for p in model.parameters())
+    assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+def test_the_command_line_explains_a_prompt_s_answer_with_attnlrp(llava_folder, tmp_path) -> None:  # noqa: F811
+    """``--method attnlrp`` with ``--prompt`` on a LLaVA folder: one overlay per word of the answer."""
+    import json
+
+    from conftest import CAT
+
+    from explain.cli import main
+
+    out = tmp_path / "out"
+    code = main([str(CAT), "--model", str(llava_folder), "--prompt", "what is on the table?", "--max-new-tokens", "2",
+                 "--method", "attnlrp", "-o", str(out), "--quiet"])  # fmt: skip
+    assert code == 0
+    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines() if '"input"' in line]
+    (record,) = [r for r in records if r.get("method") == "attnlrp"]
+    assert len(record["targets"]) >= 1 and all((out / t["output"]).is_file() for t in record["targets"])

@@ -29,11 +29,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_flatten
 
 from ..errors import LayerError
+from .hooks import Hooks
 
 EPSILON = 1e-6
 T = torch.Tensor
@@ -427,7 +428,7 @@ PASSED = {
     torch.movedim, T.narrow, T.select, T.flip, T.roll, T.repeat, T.repeat_interleave, T.view_as, T.reshape_as,
     F.pad, F.max_pool1d, F.max_pool2d, F.max_pool3d, F.adaptive_max_pool1d, F.adaptive_max_pool2d,
     F.max_pool1d_with_indices, F.max_pool2d_with_indices, F.max_pool3d_with_indices, T.T.__get__, T.mT.__get__,
-    F.dropout, F.alpha_dropout,
+    F.dropout, F.alpha_dropout, T.masked_scatter, T.masked_fill,
 }  # fmt: skip
 TABLE: dict[Callable[..., Any], Handler] = {
     **dict.fromkeys(AFFINE, _affine_first),
@@ -465,6 +466,26 @@ class OperationRules(TorchFunctionMode):
     def __init__(self, method: str, attention: str = "attnlrp") -> None:
         super().__init__()
         self.method, self.attention = method, attention
+        self.whole = 0  # inside a module ruled whole (see :meth:`rule_whole`): its operations run as they are
+
+    def rule_whole(self, model: nn.Module, hooks: Hooks) -> None:
+        """Rule the model's RMS norms written as modules of their own (``transformers``' ``LlamaRMSNorm`` and its
+        kin, by the type's name) whole, by the identity rule: their operations inside run as they are."""
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm"):
+                hooks.forward_pre(module, lambda m, args: self._enter_whole())
+                hooks.forward(module, self._identity_whole, always_call=True)
+
+    def _enter_whole(self) -> None:
+        self.whole += 1
+
+    def _identity_whole(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        self.whole -= 1
+        x = args[0] if args else None
+        if not (_grad(x) and isinstance(output, Tensor)):
+            return None
+        kept = output.detach()
+        return identity(x, lambda t: kept)
 
     def softmax(self, x: Tensor, dim: int) -> Tensor:
         """A softmax under the method's rule."""
@@ -474,6 +495,8 @@ class OperationRules(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None):
         kwargs = kwargs or {}
+        if self.whole:
+            return func(*args, **kwargs)
         handler = TABLE.get(func)
         if handler is not None and any(_grad(v) for v in tree_flatten((args, kwargs))[0]):
             return handler(self, func, args, kwargs)
