@@ -112,6 +112,7 @@ def test_cplrp_conserves_the_score_on_a_vit_without_biases_and_attnlrp_reports_i
     found = explain.METHODS["cplrp"](model)(x, [0, 1, 2], normalize=False)
     totals = found.raw.flatten(1).sum(dim=1)
     torch.testing.assert_close(totals, torch.ones(3), atol=1e-3, rtol=0)
+    torch.testing.assert_close(found.completeness, totals - 1)  # what the result reports
     assert found.cams.shape == (3, 32, 32)
     attn = explain.METHODS["attnlrp"](model)(x, [0, 1, 2], normalize=False).raw.flatten(1).sum(dim=1)
     assert bool(torch.isfinite(attn).all()) and not torch.allclose(attn, totals)  # the softmax rule is not conserving
@@ -228,3 +229,9 @@ def test_the_command_line_explains_a_prompt_s_answer_with_attnlrp(llava_folder, 
     records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines() if '"input"' in line]
     (record,) = [r for r in records if r.get("method") == "attnlrp"]
     assert len(record["targets"]) >= 1 and all((out / t["output"]).is_file() for t in record["targets"])
+
+
+def test_attention_with_dropout_is_refused_in_one_line() -> None:
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    with OperationRules("attnlrp"), pytest.raises(LayerError, match=r"^attnlrp rules attention without dropout"):
+        F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)

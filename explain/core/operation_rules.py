@@ -316,6 +316,8 @@ def _attention(mode: OperationRules, func: Callable[..., Any], args: tuple, kwar
     """Fused attention run as its parts, each under its rule: softmax(q kᵀ s + mask) v."""
     q, k, v = args[:3]
     options = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale"), args[3:]), **kwargs)
+    if options.get("dropout_p"):
+        raise LayerError(f"{mode.method} rules attention without dropout: call model.eval() first")
     if options.get("enable_gqa"):
         repeats = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(repeats, dim=-3), v.repeat_interleave(repeats, dim=-3)

@@ -39,7 +39,9 @@ class CAMResult:
         method: Name of the CAM method.
         target: The target as bound on the call's plain pass (it scores any output of the call's images).
         completeness: For Integrated Gradients and DeepLift, how far the attributions' sum is from the score's
-            change from the baseline, per image (and target): sum(R) - (S(x) - S(baseline)); None for other methods.
+            change from the baseline, per image (and target): sum(R) - (S(x) - S(baseline)); for the relevance
+            propagations (LRP, AttnLRP, CP-LRP), how far the input's relevance is from the 1 it starts from at the
+            score: sum(R) - 1; None for other methods.
         inputs: The call's inputs, what the maps are drawn on when the result shows itself; None when unknown.
         labels: The class names the method was given, for the captions; None: class numbers.
     """

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 from ..core.engine import Capture, Needs
 from ..core.layers import LayerSpec
 from ..core.maps import postprocess
+from ..core.result import CAMResult
 from ..core.rules import ELEMENTWISE, BatchNorm, Rule, RuledLayer, passed, relevance_rules
 from ..errors import ExplainError, LayerError
 from .attribution import InputAttribution
@@ -224,10 +226,17 @@ COMPOSITES = ("epsilon_plus", "epsilon_alpha2_beta1", "epsilon_gamma_box", "epsi
 
 
 class Propagation(InputAttribution):
-    """Base of the relevance propagations: the input's gradient, under the method's backward rules, is its
-    relevance; ``raw`` is it per channel, signed, and the map its positive part summed over the channels."""
+    r"""Base of the relevance propagations: the input's gradient, under the method's backward rules, is its
+    relevance; ``raw`` is it per channel, signed, and the map its positive part summed over the channels. The
+    relevance starts as 1 at the explained score; the result's ``completeness`` is how far the input's falls from
+    it, :math:`\sum R - 1` per image (and target), 0 where every rule conserves."""
 
     needs = Needs(gradients=False, input_gradient=True, whole_backward=True, map_of_input=True)
+
+    def completed(self, result: CAMResult, x: Tensor, model_kwargs: Mapping[str, Any]) -> CAMResult:
+        raw = result.raw if result.target.keeps_k else result.raw[:, None]
+        gap = (raw.flatten(2).double().sum(dim=2) - 1).float()
+        return replace(result, completeness=gap if result.target.keeps_k else gap[:, 0])
 
     def attribution(self, capture: Capture) -> Tensor:
         return capture.gradients
