@@ -235,3 +235,14 @@ def test_attention_with_dropout_is_refused_in_one_line() -> None:
     q = torch.randn(1, 2, 4, 8, requires_grad=True)
     with OperationRules("attnlrp"), pytest.raises(LayerError, match=r"^attnlrp rules attention without dropout"):
         F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+
+
+def test_a_softmax_s_dtype_is_honoured_given_by_name_or_place() -> None:
+    x = torch.randn(2, 5, generator=GENERATOR)
+    for fn in (lambda t: t.softmax(-1, torch.float64), lambda t: torch.softmax(t, -1, torch.float64),
+               lambda t: F.softmax(t, dim=-1, dtype=torch.float64)):  # fmt: skip
+        leaf = x.clone().requires_grad_(True)
+        with OperationRules("attnlrp"):
+            found = fn(leaf)
+        assert found.dtype == torch.float64
+        torch.testing.assert_close(found, torch.softmax(x.double(), -1))

@@ -53,8 +53,10 @@ def test_a_photo_lists_its_concepts_by_their_share_of_its_positions(explored) ->
         sums = coefficients(rows, explored.concepts.bank.bank).sum(dim=0)
         expected = (sums / sums.sum()).float()
         entries = explored.concepts.entries(photo)
-        assert [e.index for e in entries] == expected.argsort(descending=True).tolist()
-        torch.testing.assert_close(torch.tensor([e.share for e in entries]), expected[[e.index for e in entries]])
+        shares = torch.tensor([e.share for e in entries])
+        assert sorted(e.index for e in entries) == list(range(5)) and bool((shares[:-1] >= shares[1:]).all())
+        torch.testing.assert_close(shares, expected[[e.index for e in entries]], rtol=1e-4, atol=1e-5)
+        assert entries[0].index == int(expected.argmax())  # the most present, far ahead of the rest
         assert entries[0].label.startswith(f"concept {entries[0].index} · ")
 
 

@@ -92,14 +92,23 @@ def channel_axis(model: nn.Module, name: str, x: Tensor, model_kwargs: Mapping[s
     Raises:
         LayerError: The output is no map of the input with channels.
     """
+    kind = layout_kind(model, name, x, model_kwargs, traced)
+    if kind not in ("channels_first", "channels_last", "tokens"):
+        raise LayerError(f"layer {name!r} has no channels of a map of the input to condition relevance on")
+    return 1 if kind == "channels_first" else -1
+
+
+def layout_kind(
+    model: nn.Module, name: str, x: Tensor, model_kwargs: Mapping[str, Any], traced: bool = True
+) -> str | None:
+    """How the engine's trace lays out a layer's output (``"channels_first"``, ``"tokens"``, ...), or None where
+    it is no map; ``traced``: traced now if it is not known, else as traced before."""
     if traced:
         infos = traced_layers(model, x, model_kwargs)
     else:
         infos = model_context(model).traces.get(input_signature(x, model_kwargs), {})
     info = infos.get(name)
-    if info is None or info.layout is None or info.layout.kind not in ("channels_first", "channels_last", "tokens"):
-        raise LayerError(f"layer {name!r} has no channels of a map of the input to condition relevance on")
-    return 1 if info.layout.kind == "channels_first" else -1
+    return None if info is None or info.layout is None else info.layout.kind
 
 
 def _condition(concepts: Tensor | ConceptBank, output: Tensor, axis: int) -> None:
@@ -236,13 +245,16 @@ class ConceptRelevance:
             LayerError: A layer that is no spatial map.
         """
         check_mode(by, count)
-        ranking, probe = Ranking(self.count, count), None
+        ranking, probe, kept = Ranking(self.count, count), None, []
+        reader = _LayerLRP(self.model, self.layer, partial(_kept, kept), **self.options) if by == "relevance" else None
         for x in as_batches(images, batch_size):
             check_images(x)
             if probe is not None and x.shape[1:] != probe[0].shape[1:]:
                 shapes = f"{tuple(x.shape[1:])} after {tuple(probe[0].shape[1:])}"
                 raise ExplainError(f"references need images of one size: {shapes}")
-            features, relevance, name, last = self._read(x, target, by == "relevance")
+            kept.clear()
+            name, last = self._read(x, target, reader, kept)
+            features, relevance = kept[0], kept[1] if reader is not None else None
             scores = concept_scores(features, relevance, self.weights).flatten(2)
             ranking.add(scores.sum(dim=2) if by == "relevance" else scores.amax(dim=2), scores.argmax(dim=2))
             probe = probe or (x[:1], features.shape[1:-1], name, last)
@@ -254,25 +266,23 @@ class ConceptRelevance:
         boxes = receptive_boxes(self.model, name, x, positions, last)[where]
         return References(ranking.samples, ranking.values, boxes, name)
 
-    def _read(self, x: Tensor, target: TargetLike, relevant: bool) -> tuple[Tensor, Tensor | None, str, bool]:
-        """A batch's features at the layer, (N, *grid, C), its relevance there (or None), the layer's name, and
-        whether it is laid out channels last."""
+    def _read(self, x: Tensor, target: TargetLike, reader: _LayerLRP | None, kept: list[Tensor]) -> tuple[str, bool]:
+        """Keep a batch's features at the layer, (N, *grid, C), and with a ``reader`` its relevance there, in
+        ``kept``; returns the layer's name and whether it is laid out channels last."""
         with exclusive(self.model), untouched(self.model), torch.no_grad():
-            name = resolve_layer(self.model, self.layer, x, {})[0]
-            info = traced_layers(self.model, x, {}).get(name)
-        last = map_layout(None if info is None or info.layout is None else info.layout.kind, name)
-        kept: list[Tensor] = []
-
-        def keep(output: Tensor, axis: int) -> None:
-            kept.append(output.detach().movedim(axis, -1))
-            if relevant:
-                output.register_hook(lambda r: kept.append(r.detach().movedim(axis, -1)))
-
-        if relevant:
-            _LayerLRP(self.model, self.layer, keep, **self.options)(x, target, normalize=False)
-            return kept[0], kept[1], name, last
+            name, module = resolve_layer(self.model, self.layer, x, {})
+            last = map_layout(layout_kind(self.model, name, x, {}), name)
+        if reader is not None:
+            reader(x, target, normalize=False)
+            return name, last
         with exclusive(self.model), untouched(self.model), running(self.model), torch.no_grad(), Hooks() as hooks:
-            module = resolve_layer(self.model, self.layer, x, {})[1]
-            hooks.forward(module, lambda m, i, output: kept.append(output.detach().movedim(-1 if last else 1, -1)))
+            hooks.forward(module, lambda m, i, output: _kept(kept, output.detach(), -1 if last else 1))
             self.model(x)
-        return kept[0], None, name, last
+        return name, last
+
+
+def _kept(kept: list[Tensor], output: Tensor, axis: int) -> None:
+    """Keep a layer's output with its channels last, and the relevance that arrives at it, if any will."""
+    kept.append(output.detach().movedim(axis, -1))
+    if output.requires_grad:
+        output.register_hook(lambda relevance: kept.append(relevance.detach().movedim(axis, -1)) and None)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from ..core.hooks import Hooks
 from ..core.layers import resolve_layer
 from ..core.model_state import exclusive, running, untouched
-from ..core.rules import ELEMENTWISE, BatchNorm, RuledLayer, passed, relevance_rules
+from ..core.rules import ELEMENTWISE, BatchNorm, Rule, RuledLayer, passed, relevance_rules
 from ..errors import ExplainError, LayerError
 from ..methods.lrp import CONVOLUTIONS, POOLS, Flat
 from .craft import ConceptBank
@@ -100,7 +100,7 @@ class Ranking:
         self.values, self.samples, self.peaks = values.gather(1, top), samples.gather(1, top), peaks.gather(1, top)
 
 
-def flat_rules() -> Callable[[str, nn.Module], object]:
+def flat_rules() -> Callable[[str, nn.Module], Rule | None]:
     """LRP-flat everywhere weights or pools are, relevance passed through element-wise modules: its support from
     one position is that position's receptive field."""
     flat = Flat()

@@ -213,11 +213,17 @@ def identity(x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
 Handler = Callable[["OperationRules", Callable[..., Any], tuple, dict], Any]
 
 
+def _named(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A call's arguments by name, its positional ones named in order."""
+    return {**dict(zip(names, args)), **kwargs}
+
+
 def _affine_first(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """ε through an operation affine in its first argument (its others constants)."""
     if func is F.linear and _grad(args[0]):
-        weight, bias = (list(args[1:]) + [kwargs.get("weight"), kwargs.get("bias")][len(args) - 1 :])[:2]
-        return _Linear.apply(args[0], weight.detach(), None if bias is None else bias.detach())
+        o = _named(("input", "weight", "bias"), args, kwargs)
+        bias = o.get("bias")
+        return _Linear.apply(o["input"], o["weight"].detach(), None if bias is None else bias.detach())
     return affine(args[0], lambda t: func(t, *args[1:], **kwargs))
 
 
@@ -303,19 +309,20 @@ def _bilinear(a: Tensor, b: Tensor, fn: Callable[[Tensor, Tensor], Tensor]) -> T
 
 
 def _softmax(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    x = args[0]
-    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-    if dim is None:
+    names = ("input", "dim", "_stacklevel", "dtype") if func is F.softmax else ("input", "dim", "dtype")
+    o = _named(names, args, kwargs)
+    if o.get("dim") is None:
         raise LayerError(f"{mode.method}: a softmax without its dim (give it one)")
-    if kwargs.get("dtype") is not None:
-        x = identity(x, lambda t: t.to(kwargs["dtype"]))
-    return mode.softmax(x, dim)
+    x, dtype = o["input"], o.get("dtype")
+    if dtype is not None:
+        x = identity(x, lambda t: t.to(dtype))
+    return mode.softmax(x, o["dim"])
 
 
 def _attention(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Tensor:
     """Fused attention run as its parts, each under its rule: softmax(q kᵀ s + mask) v."""
-    q, k, v = args[:3]
-    options = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale"), args[3:]), **kwargs)
+    options = _named(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), args, kwargs)
+    q, k, v = options["query"], options["key"], options["value"]
     if options.get("dropout_p"):
         raise LayerError(f"{mode.method} rules attention without dropout: call model.eval() first")
     if options.get("enable_gqa"):
@@ -334,10 +341,10 @@ def _attention(mode: OperationRules, func: Callable[..., Any], args: tuple, kwar
 
 
 def _layer_norm(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    x, shape = args[0], args[1]
-    weight, bias, eps = (list(args[2:]) + [kwargs.get(n) for n in ("weight", "bias", "eps")][len(args) - 2 :])[:3]
-    weight, bias = (None if v is None else v.detach() for v in (weight, bias))
-    return _LayerNorm.apply(x, tuple(range(-len(shape), 0)), weight, bias, 1e-5 if eps is None else eps)
+    o = _named(("input", "normalized_shape", "weight", "bias", "eps"), args, kwargs)
+    weight, bias = (None if o.get(n) is None else o[n].detach() for n in ("weight", "bias"))
+    dims = tuple(range(-len(o["normalized_shape"]), 0))
+    return _LayerNorm.apply(o["input"], dims, weight, bias, o.get("eps", 1e-5))
 
 
 def _batch_norm(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -362,7 +369,7 @@ def _multi_head(mode: OperationRules, func: Callable[..., Any], args: tuple, kwa
     Raises:
         LayerError: An option the parts do not cover (added key or value biases, a padding mask, static keys).
     """
-    o = {**dict(zip(MHA_ARGUMENTS, args)), **kwargs}
+    o = _named(MHA_ARGUMENTS, args, kwargs)
     if any(o.get(n) is not None for n in ("bias_k", "bias_v", "key_padding_mask", "static_k", "static_v")) or o.get(
         "add_zero_attn"
     ):
