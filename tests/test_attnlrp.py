@@ -118,6 +118,24 @@ def test_cplrp_conserves_the_score_on_a_vit_without_biases_and_attnlrp_reports_i
     assert bool(torch.isfinite(attn).all()) and not torch.allclose(attn, totals)  # the softmax rule is not conserving
 
 
+@pytest.mark.parametrize("method", ["attnlrp", "cplrp"])
+def test_relevance_at_a_named_layer_is_what_its_patches_hand_to_their_pixels(method: str) -> None:
+    """``layer="patch_embed"`` (the patch tokens, laid out on their 4 x 4 grid): a bias-free patch embedding hands
+    each token's relevance to its own 8 x 8 pixels alone, so the layer's map is the input's summed per patch; with
+    the attention constant, it also sums to 1."""
+    model = _zero_bias_vit()
+    x = torch.randn(2, 3, 32, 32, generator=GENERATOR)
+    at_input = explain.METHODS[method](model)(x, [0, 1], normalize=False).raw.sum(dim=1)
+    at_layer = explain.METHODS[method](model, "patch_embed")(x, [0, 1], normalize=False)
+    assert at_layer.layer == "patch_embed" and at_layer.raw.shape == (2, 192, 4, 4)
+    per_patch = at_input.reshape(2, 4, 8, 4, 8).sum(dim=(2, 4))
+    torch.testing.assert_close(at_layer.raw.sum(dim=1), per_patch, rtol=1e-4, atol=1e-5)
+    if method == "cplrp":
+        torch.testing.assert_close(at_layer.completeness, torch.zeros(2), atol=1e-3, rtol=0)
+    with pytest.raises(LayerError, match="zero at every position"):  # the head reads the class token alone
+        explain.METHODS[method](model, "blocks.1")(x, [0, 1])
+
+
 def test_torchvision_s_multi_head_attention_runs_as_its_parts_under_the_rules() -> None:
     import torchvision
 
@@ -246,3 +264,216 @@ def test_a_softmax_s_dtype_is_honoured_given_by_name_or_place() -> None:
             found = fn(leaf)
         assert found.dtype == torch.float64
         torch.testing.assert_close(found, torch.softmax(x.double(), -1))
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_cplrp_conserves_a_prompts_score_through_a_contrastive_model_without_biases(kind: str) -> None:
+    """CLIP's and SigLIP's logit of an image against a prompt, every bias, position and class embedding zero: both
+    towers' embeddings divided by their norms (held constant, as a layer norm's spread), SigLIP's attention-pooling
+    head; CP-LRP's pixels get the whole logit's relevance, 1, and AttnLRP's softmax rule reports its share."""
+    pytest.importorskip("transformers")
+    from test_vision_language import tiny_contrastive
+
+    model = tiny_contrastive(kind)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "position_embedding" in name or "class_embedding" in name:
+                parameter.zero_()
+    x, prompts = torch.randn(2, 3, 32, 32, generator=GENERATOR), torch.tensor([[1, 5, 6, 2], [1, 7, 8, 2]])
+    found = explain.explain_prompts(model, x, prompts, method="cplrp")
+    torch.testing.assert_close(found.raw.flatten(2).sum(dim=2), torch.ones(2, 2), atol=1e-3, rtol=0)
+    torch.testing.assert_close(found.completeness, torch.zeros(2, 2), atol=1e-3, rtol=0)
+    softmax = explain.explain_prompts(model, x, prompts, method="attnlrp").completeness
+    assert bool(torch.isfinite(softmax).all()) and float(softmax.abs().min()) > 1e-2
+
+
+def _passing(layers) -> list:
+    """Hooks that make each of a tower's encoder layers pass its input on: tokens no longer mix."""
+    return [layer.register_forward_hook(lambda m, args, out: (args[0], *out[1:]) if isinstance(out, tuple) else args[0])
+            for layer in layers]  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["attnlrp", "cplrp"])
+@pytest.mark.parametrize("family", ["llava", "paligemma"])
+def test_a_planted_vision_token_lands_on_its_own_pixels_and_at_the_projector_on_its_cell(family: str, method: str):
+    """One vision token alone left at the projector, the tower's layers passing their input on: a word's relevance
+    reaches that token's 8 x 8 pixels and no other, and read at the projector (``layer=``) its 4 x 4 cell."""
+    pytest.importorskip("transformers")
+    from test_vision_language import PROMPT, image, tiny_llava, tiny_paligemma
+
+    from explain.models import VisionLanguage
+    from explain.targets import TokenTarget
+
+    model, x, token = (tiny_llava() if family == "llava" else tiny_paligemma()), image(), 6  # row 1, column 2
+    text = {"input_ids": PROMPT} if family == "llava" else {"input_ids": PROMPT, "token_type_ids": 0 * PROMPT}
+    keep = torch.zeros(1, 16, 1)
+    keep[0, token] = 1
+    handles = _passing(model.model.vision_tower.encoder.layers)
+    handles.append(model.model.multi_modal_projector.register_forward_hook(lambda m, i, o: o * keep))
+    try:
+        found = explain.explain_answer(model, {"pixel_values": x, **text}, answer=[20], method=method)
+        at_layer = explain.METHODS[method](VisionLanguage(model, text), "model.model.multi_modal_projector")(
+            x, TokenTarget(PROMPT[0], [PROMPT.shape[1] - 1]), normalize=False
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    where = torch.zeros(32, 32, dtype=torch.bool)
+    where[8:16, 16:24] = True
+    reached = found.result.raw[0, 0].abs().sum(dim=0)
+    assert bool((reached[~where] == 0).all()) and bool((reached[where] > 0).any())
+    cells = at_layer.raw[0, 0].abs().sum(dim=0)
+    assert cells.shape == (4, 4) and cells[1, 2] > 0 and torch.count_nonzero(cells) == 1
+
+
+def test_a_norm_divides_as_a_constant_and_a_statistic_used_as_a_feature_is_refused() -> None:
+    """x / ‖x‖, an RMS norm written out (pow, mean, rsqrt) and a layer norm written out hold their statistics
+    constant: the identity, and ε through the centring; a power added to its input is a feature, refused by name."""
+    x, r = torch.randn(4, 8, generator=GENERATOR), torch.randn(4, 8, generator=GENERATOR)
+    for fn in (lambda t: t / t.norm(dim=-1, keepdim=True), lambda t: t / torch.linalg.vector_norm(t, dim=-1)[:, None],
+               lambda t: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6)):  # fmt: skip
+        (found,) = _relevance(fn, (x,), r)
+        torch.testing.assert_close(found, r)
+    written = lambda t: (t - t.mean(-1, keepdim=True)) / torch.sqrt(t.var(-1, keepdim=True) + 1e-5)  # noqa: E731
+    (found,) = _relevance(written, (x,), r)
+    mean = x.mean(-1, keepdim=True)
+    ratio = r / _stable(x - mean)  # ε through x - mean: x's share, and the mean's, handed to x by ε through the mean
+    through_mean = (-mean * ratio).sum(-1, keepdim=True)
+    torch.testing.assert_close(found, x * ratio + x * (through_mean / _stable(mean)) / 8)
+    with pytest.raises(LayerError, match=r"holds torch\.Tensor\.pow's result constant, .* uses it otherwise"):
+        _relevance(lambda t: t + 0.1 * t.pow(3), (x,), r)
+
+
+@pytest.mark.parametrize("kind", ["owlvit", "owlv2"])
+def test_each_box_of_a_text_query_gets_relevance_on_its_own_patch_alone(kind: str) -> None:
+    """OWL-ViT's and OWLv2's boxes of a text query, the tower's layers passing their input on: each box's score
+    is read from its own patch's token, so its relevance (AttnLRP's) lies on that patch's 8 x 8 pixels alone."""
+    pytest.importorskip("transformers")
+    from test_vision_language import image, tiny_owl
+
+    model, x, queries = tiny_owl(kind), image(), torch.tensor([[1, 5, 6, 2], [1, 7, 8, 2]])
+    handles = _passing(model.owlvit.vision_model.encoder.layers if kind == "owlvit" else
+                       model.owlv2.vision_model.encoder.layers)  # fmt: skip
+    try:
+        found = explain.explain_queries(model, x, queries, score_threshold=0.4, method="attnlrp")
+        with torch.no_grad():
+            best = model(input_ids=queries, pixel_values=x).logits[0].sigmoid().amax(dim=-1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    patches = (best >= 0.4).nonzero()[:, 0].tolist()
+    assert len(patches) > 1 and found.raw.shape[:2] == (1, len(patches))
+    for k, patch in enumerate(patches):
+        where = torch.zeros(32, 32, dtype=torch.bool)
+        row, column = divmod(patch, 4)
+        where[row * 8 : row * 8 + 8, column * 8 : column * 8 + 8] = True
+        reached = found.raw[0, k].abs().sum(dim=0)
+        assert bool((reached[~where] == 0).all()) and bool((reached[where] > 0).any()), patch
+
+
+def _two_layers(in_place: bool):
+    """Two linear layers with a ReLU and a residual sum between, in place (results not assigned) or not, and a branch
+    without a rule (``grid_sample``) that the output does not read."""
+    weights = torch.randn(6, 6, generator=GENERATOR), torch.randn(3, 6, generator=GENERATOR)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, weights[0])
+        if in_place:
+            h.relu_()
+            h.add_(x)
+        else:
+            h = torch.relu(h) + x
+        F.grid_sample(h[:, None, None, :2], torch.zeros(len(x), 1, 1, 2), align_corners=False)  # unread
+        return F.linear(h, weights[1])
+
+    return forward
+
+
+def test_in_place_operations_keep_their_rules_and_an_unread_operation_without_one_is_not_refused() -> None:
+    """``h.relu_()`` and ``h.add_(x)`` as statements hand relevance on as ``relu(h) + x`` does (what the rules saved
+    of ``h`` before is not overwritten); the unread ``grid_sample`` is refused only where relevance reaches it."""
+    x, r = torch.randn(4, 6, generator=GENERATOR), torch.randn(4, 3, generator=GENERATOR)
+    state = GENERATOR.get_state()
+    (found,) = _relevance(_two_layers(True), (x,), r)
+    GENERATOR.set_state(state)
+    (expected,) = _relevance(_two_layers(False), (x,), r)
+    torch.testing.assert_close(found, expected)
+    assert found.abs().sum() > 0
+
+
+LXT_CP_LRP = """
+import importlib.util, sys, types, torch
+from torchvision.models import vision_transformer
+root = importlib.util.find_spec("lxt").submodule_search_locations[0]
+for name, folder in (("lxt", ""), ("lxt.efficient", "/efficient"), ("lxt.efficient.models", "/efficient/models")):
+    package = types.ModuleType(name)  # LXT's packages without their __init__: its BERT patch does not import
+    package.__path__ = [root + folder]
+    sys.modules[name] = package
+from lxt.efficient.models.vit_torch import cp_LRP
+for module, patch in cp_LRP.items():
+    patch(module)
+model = vision_transformer.VisionTransformer(32, 8, 2, 2, 16, 32, num_classes=5).eval()
+model.load_state_dict(torch.load(sys.argv[1]))
+model.requires_grad_(False)
+x = torch.load(sys.argv[2]).requires_grad_(True)
+logits = model(x)[torch.arange(len(x)), torch.tensor([1, 3])]
+logits.sum().backward()
+torch.save({"relevance": (x * x.grad).detach(), "logits": logits.detach()}, sys.argv[3])
+"""
+
+
+def test_cplrp_is_lxt_s_on_torchvision_s_vit(tmp_path) -> None:
+    """LXT 2.1's own CP-LRP for torchvision's ViT (its vision patch, run unchanged in a process of its own; LXT's
+    package as a whole does not import beside current ``transformers``): Gradient x Input with the query and key
+    held constant, GELU and layer norms by the identity, which starts from the logit; explain's, from 1 at the
+    logit, times the logit equals it within 5e-4 of its largest value (explain's ε = 1e-6, LXT's 0)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("lxt", reason="lxt: a test dependency (pip install -e '.[test]')")
+    import torchvision
+
+    torch.manual_seed(1)
+    model = torchvision.models.VisionTransformer(32, 8, 2, 2, 16, 32, num_classes=5).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "head" in name or name == "class_token":
+                parameter.normal_(0, 0.5)  # torchvision starts them at zero
+    x = torch.randn(2, 3, 32, 32, generator=GENERATOR)
+    torch.save(model.state_dict(), tmp_path / "vit.pt")
+    torch.save(x, tmp_path / "x.pt")
+    argv = [str(tmp_path / name) for name in ("vit.pt", "x.pt", "lxt.pt")]
+    subprocess.run([sys.executable, "-c", LXT_CP_LRP, *argv], check=True, capture_output=True, timeout=300)
+    lxt = torch.load(tmp_path / "lxt.pt")
+    found = explain.METHODS["cplrp"](model)(x, [1, 3], normalize=False)
+    torch.testing.assert_close(found.scores, lxt["logits"])
+    scaled = found.raw * lxt["logits"][:, None, None, None]
+    peak = float(lxt["relevance"].abs().max())
+    assert peak > 0
+    torch.testing.assert_close(scaled, lxt["relevance"], rtol=0, atol=5e-4 * peak)
+
+
+def test_the_explorer_and_evaluate_take_attnlrp_on_the_bundled_model(lite0, tmp_path) -> None:
+    """The explorer's view of a photo with ``attnlrp`` is the direct call's map (at the input, and at a named layer
+    its relevance there); ``explain evaluate`` scores its map with the metric's own value on it."""
+    import json
+
+    from conftest import COFFEE
+
+    from explain import metrics
+    from explain.cli import main
+    from explain.explorer import Explorer, View
+
+    explorer = Explorer(lite0)
+    photo = explorer.add(COFFEE)
+    x = lite0.preprocess(COFFEE)
+    for layer in (None, "blocks.5"):
+        shown = explorer.show(photo.name, View("attnlrp", (layer,) if layer else (), 967))
+        direct = explain.METHODS["attnlrp"](lite0.model, layer)(x, 967)
+        torch.testing.assert_close(shown.cam, direct.cams[0].cpu(), atol=1e-5, rtol=0)
+    out = tmp_path / "evaluation"
+    assert main(["evaluate", str(COFFEE), "--methods", "attnlrp", "--metrics", "sparseness", "-o", str(out),
+                 "--quiet"]) == 0  # fmt: skip
+    (record,) = [json.loads(line) for line in (out / "scores.jsonl").read_text().splitlines()]
+    expected = metrics.sparseness(explain.METHODS["attnlrp"](lite0.model)(x).cams)
+    assert record["configuration"] == "attnlrp" and record["value"] == pytest.approx(float(expected), rel=1e-4)

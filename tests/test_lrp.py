@@ -106,3 +106,35 @@ def test_lrp_leaves_the_model_as_it_was_when_a_rule_raises_or_a_norm_trains(vgg,
     assert all(torch.equal(v, vgg.state_dict()[k]) for k, v in before.items()) and hook_count(vgg) == 0
     with pytest.raises(explain.ExplainError, match="unknown LRP composite"):
         explain.LRP(vgg, composite="epsilon_minus")
+
+
+def test_relevance_at_a_named_layer_is_zennit_s_arriving_there(vgg, x) -> None:
+    """``layer=``: the relevance arriving at the layer's output, zennit's gradient there under its EpsilonPlus with
+    batch norms merged; the map its positive part summed over channels, upsampled; completeness its sum minus 1."""
+    from zennit.attribution import Gradient
+    from zennit.canonizers import SequentialMergeBatchNorm
+    from zennit.composites import EpsilonPlus
+
+    kept: list[torch.Tensor] = []
+    hooked = vgg.get_submodule("features.10").register_forward_hook(
+        lambda m, i, o: o.register_hook(lambda g: kept.append(g)) and None
+    )
+    try:
+        with Gradient(model=vgg, composite=EpsilonPlus(canonizers=[SequentialMergeBatchNorm()])) as attributor:
+            attributor(x, torch.eye(10)[TARGETS])
+    finally:
+        hooked.remove()
+    expected = kept[0]
+    result = explain.LRP(vgg, "features.10")(x, TARGETS, normalize=False)
+    assert result.layer == "features.10" and result.raw.shape == expected.shape
+    torch.testing.assert_close(result.raw, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
+    summed = expected.sum(dim=1, keepdim=True).clamp(min=0)
+    upsampled = torch.nn.functional.interpolate(summed, size=x.shape[2:], mode="bilinear", align_corners=False)
+    torch.testing.assert_close(result.cams, upsampled[:, 0], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(result.completeness, expected.flatten(1).sum(1) - 1, rtol=1e-4, atol=1e-5)
+    assert hook_count(vgg) == 0
+
+
+def test_relevance_is_read_at_one_layer() -> None:
+    with pytest.raises(explain.LayerError, match="one layer; 2 were given"):
+        explain.LRP(nn.Sequential(nn.Conv2d(3, 4, 3)), ["0", "0"])

@@ -205,6 +205,7 @@ OPTIONS = {
     "--figure": ["--figure"],
     "--gallery": ["--gallery"],
     "--method": ["--method", "layercam"],
+    "--method attnlrp": ["--method", "attnlrp"],
     "--topk": ["--topk", "2"],
     "--metrics": ["--metrics", "deletion"],
     "--device": ["--device", "cpu"],
@@ -212,6 +213,8 @@ OPTIONS = {
     "--score-threshold": ["--score-threshold", "0.3"],
     "--workers": ["--workers", "1"],
 }
+# Besides the option: the random detector's few most confident boxes alone, each a backward through the whole network.
+EXTRA = {("box", "--method attnlrp"): ["--score-threshold", "0.995"]}
 KINDS = ("class", "segment", "box", "keypoint", "oriented box", "depth region", "SAM mask", "signal", "volume", "clip",
          "answer words", "prompts", "query boxes")  # fmt: skip
 
@@ -225,7 +228,7 @@ def test_each_option_is_honoured_or_refused_in_one_line(kinds, name, option, tmp
     workers: list[int] = []  # what the export's loader was asked to start
     load = export_run.load_batches
     monkeypatch.setattr(export_run, "load_batches", lambda *a: workers.append(a[3]) or load(*a))
-    code = run(kind, out, *OPTIONS[option])
+    code = run(kind, out, *OPTIONS[option], *EXTRA.get((name, option), []))
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("explain", "Traceback"))]
     if (name, option) in REFUSED:
         assert code == 2 and len(errors) == 1, errors

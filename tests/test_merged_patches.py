@@ -122,12 +122,13 @@ def test_each_words_map_is_grad_cam_at_the_merged_tokens(kind: str) -> None:
         assert torch.corrcoef(torch.stack([found.maps[k].flatten(), expected.flatten()]))[0, 1] > 0.999
 
 
+@pytest.mark.parametrize("method", ["saliency", "attnlrp", "cplrp"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_vision_token_planted_alone_lands_on_its_own_pixels(kind: str) -> None:
+def test_a_vision_token_planted_alone_lands_on_its_own_pixels(kind: str, method: str) -> None:
     """Blocks that pass their input on and one merged token alone left at the tower's output: the gradient of a
-    word reaches the 8 x 8 pixels of that token's cell (row-major on the 5 x 7 grid of the config) and no other,
-    through the patches' cutting, Qwen2.5-VL's windows and their undoing; the map at the tokens has that cell
-    alone."""
+    word (or its relevance, AttnLRP's and CP-LRP's) reaches the 8 x 8 pixels of that token's cell (row-major on
+    the 5 x 7 grid of the config) and no other, through the patches' cutting, Qwen2.5-VL's windows and their
+    undoing; the map at the tokens has that cell alone."""
     model, given = tiny_qwen(kind), inputs()
     token, columns, side = 12, WIDTH // PATCH // MERGE, PATCH * MERGE  # row 1, column 5
     keep = torch.zeros(35, 1)
@@ -140,7 +141,7 @@ def test_a_vision_token_planted_alone_lands_on_its_own_pixels(kind: str) -> None
     handles = [block.register_forward_hook(lambda m, args, out: args[0]) for block in model.model.visual.blocks]
     handles.append(model.model.visual.register_forward_hook(planted))
     try:
-        saliency = explain.explain_answer(model, given, answer=[20], method="saliency")
+        found = explain.explain_answer(model, given, answer=[20], method=method)
         method = explain.GradCAM(
             VisionLanguage(model, text_inputs(given), image_reading(model, given)), "reading.tokens"
         )
@@ -154,7 +155,8 @@ def test_a_vision_token_planted_alone_lands_on_its_own_pixels(kind: str) -> None
     row, column = divmod(token, columns)
     where = torch.zeros(HEIGHT, WIDTH, dtype=torch.bool)
     where[row * side : (row + 1) * side, column * side : (column + 1) * side] = True
-    assert bool((saliency.maps[0][~where] == 0).all()) and bool((saliency.maps[0][where] > 0).any())
+    reached = found.result.raw[0, 0].abs().sum(dim=0)  # the pixels' gradient, or relevance, in any channel
+    assert bool((reached[~where] == 0).all()) and bool((reached[where] > 0).any())
     assert cams.shape == (5, 7) and cams[row, column] != 0 and torch.count_nonzero(cams) == 1
 
 

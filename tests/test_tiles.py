@@ -111,10 +111,11 @@ def test_the_picture_is_the_image_on_its_tiles_and_is_cut_into_them_again() -> N
     assert torch.equal(again["image_sizes"], given["image_sizes"])
 
 
-def test_a_vision_token_planted_alone_lands_on_its_own_pixels() -> None:
+@pytest.mark.parametrize("method", ["saliency", "attnlrp", "cplrp"])
+def test_a_vision_token_planted_alone_lands_on_its_own_pixels(method: str) -> None:
     """Encoder layers that pass their input on, and one token of the second tile alone left at the projector: the
-    gradient of a word reaches that token's 4 x 4 pixels of the canvas, moved by the padding onto the picture, and
-    no other."""
+    gradient of a word (or its relevance, AttnLRP's and CP-LRP's) reaches that token's 4 x 4 pixels of the canvas,
+    moved by the padding onto the picture, and no other."""
     model, given = tiny_llava_next(), inputs()
     tile, cell = 2, 5  # the middle tile; its row 1, column 1
     keep = torch.zeros(1 + 3, G * G, 1)
@@ -123,7 +124,7 @@ def test_a_vision_token_planted_alone_lands_on_its_own_pixels() -> None:
                model.model.vision_tower.encoder.layers]  # fmt: skip
     handles.append(model.model.multi_modal_projector.register_forward_hook(lambda m, i, o: o * keep))
     try:
-        saliency = explain.explain_answer(model, given, answer=[20], method="saliency")
+        found = explain.explain_answer(model, given, answer=[20], method=method)
     finally:
         for handle in handles:
             handle.remove()
@@ -132,7 +133,8 @@ def test_a_vision_token_planted_alone_lands_on_its_own_pixels() -> None:
     left = (tile - 1) * SIDE + column * PATCH - BOX[1]
     where = torch.zeros(BOX[2:], dtype=torch.bool)
     where[top : top + PATCH, left : left + PATCH] = True
-    assert bool((saliency.maps[0][~where] == 0).all()) and bool((saliency.maps[0][where] > 0).any())
+    reached = found.result.raw[0, 0].abs().sum(dim=0)  # the pixels' gradient, or relevance, in any channel
+    assert bool((reached[~where] == 0).all()) and bool((reached[where] > 0).any())
 
 
 def test_tiles_that_are_not_the_processors_are_refused() -> None:
@@ -273,9 +275,11 @@ def test_each_words_map_of_a_split_image_is_grad_cam_of_its_tiles_fused_with_the
         assert torch.corrcoef(torch.stack([found.maps[k].flatten(), expected.flatten()]))[0, 1] > 0.999
 
 
-def test_a_token_of_a_split_image_planted_alone_lands_on_its_own_pixels() -> None:
+@pytest.mark.parametrize("method", ["saliency", "attnlrp", "cplrp"])
+def test_a_token_of_a_split_image_planted_alone_lands_on_its_own_pixels(method: str) -> None:
     """Encoder layers that pass their input on, and one token of the second tile alone left at the connector: a
-    word's gradient reaches the 8 x 8 pixels (2 x 2 patches shuffled into it) of that token, and no other."""
+    word's gradient (or relevance) reaches the 8 x 8 pixels (2 x 2 patches shuffled into it) of that token, and no
+    other."""
     model, given = tiny_idefics3(), split_inputs()
     tile, cell = 1, 2  # the second tile; its token at row 1, column 0
     keep = torch.zeros(3, SEQ, 1)
@@ -284,7 +288,7 @@ def test_a_token_of_a_split_image_planted_alone_lands_on_its_own_pixels() -> Non
                model.model.vision_model.encoder.layers]  # fmt: skip
     handles.append(model.model.connector.register_forward_hook(lambda m, i, o: o * keep))
     try:
-        saliency = explain.explain_answer(model, given, answer=[20], method="saliency")
+        found = explain.explain_answer(model, given, answer=[20], method=method)
     finally:
         for handle in handles:
             handle.remove()
@@ -292,7 +296,8 @@ def test_a_token_of_a_split_image_planted_alone_lands_on_its_own_pixels() -> Non
     row, column = divmod(cell, SIDE // side)
     where = torch.zeros(SIDE, 2 * SIDE, dtype=torch.bool)
     where[row * side : (row + 1) * side, tile * SIDE + column * side : tile * SIDE + (column + 1) * side] = True
-    assert bool((saliency.maps[0][~where] == 0).all()) and bool((saliency.maps[0][where] > 0).any())
+    reached = found.result.raw[0, 0].abs().sum(dim=0)  # the pixels' gradient, or relevance, in any channel
+    assert bool((reached[~where] == 0).all()) and bool((reached[where] > 0).any())
 
 
 def test_a_split_image_without_its_rows_and_columns_is_refused() -> None:

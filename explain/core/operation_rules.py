@@ -18,23 +18,31 @@ The rules (R: the relevance at an operation's output, z its output, :math:`z' = 
 - **Softmax** (Deep Taylor at its input): :math:`R_x = x \odot (R - s \odot \sum R)`, or, with the attention held
   constant (CP-LRP), none: the softmax's output is a constant and the values get all the relevance.
 - Fused attention (``scaled_dot_product_attention``) runs as its parts, :math:`\mathrm{softmax}(q k^\top s) v`.
-- Layout (views, permutations, concatenation, indexing), dropout in eval and max pooling pass relevance as the
-  gradient does: they move values, or pick one.
+- Layout (views, permutations, concatenation, indexing, writing values in), dropout in eval, selections (``where``,
+  ``max``) and max pooling pass relevance as the gradient does: they move values, or pick one.
+- **Statistics** of a relevant tensor (``pow``, ``norm``, ``var``, ``std``, and what is computed from them alone) are
+  held constant, as a layer norm's spread: a tensor they scale or divide keeps its relevance (an RMS norm or an L2
+  normalization written out), and relevance arriving at one used otherwise (a feature) is refused.
+- An in-place operation runs under its rule on a copy, which the tensor then becomes: what a rule saved of the
+  tensor before keeps its values.
+
+An operation without a rule runs as it is, its result barred: the refusal, which names it, comes in the backward,
+where relevance reaches it, so that a branch the explained score does not read (a detector's box decoding) runs.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_flatten
 
 from ..errors import LayerError
-from .hooks import Hooks
 
 EPSILON = 1e-6
 T = torch.Tensor
@@ -42,6 +50,12 @@ T = torch.Tensor
 
 def _stable(z: Tensor) -> Tensor:
     return z + torch.copysign(z.new_full((), EPSILON), z)  # +ε at 0 (and -ε at -0)
+
+
+def _own(z: Tensor) -> Tensor:
+    """A rule's output as a tensor of its own, not a view (of a tensor inside the rule, or of its input), so that the
+    model may change it in place."""
+    return torch.ops.aten._unsafe_view(z, z.shape)  # an alias autograd does not take for a view
 
 
 def _grad(value: Any) -> bool:
@@ -56,7 +70,7 @@ class _Affine(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
         ctx.fn = fn
         ctx.save_for_backward(x)
-        return fn(x)
+        return _own(fn(x))
 
     @staticmethod
     def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, None]:
@@ -73,14 +87,15 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        z = F.linear(x, weight, bias)
-        ctx.save_for_backward(x, weight, z)
+        z = _own(F.linear(x, weight, bias))
+        ctx.save_for_backward(x, weight)
+        ctx.z = z.detach()  # kept apart from the output, which an in-place operation may make another tensor
         return z
 
     @staticmethod
     def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, None, None]:
-        x, weight, z = ctx.saved_tensors
-        return x * ((relevance / _stable(z)) @ weight), None, None
+        x, weight = ctx.saved_tensors
+        return x * ((relevance / _stable(ctx.z)) @ weight), None, None
 
 
 class _LayerNorm(torch.autograd.Function):
@@ -93,15 +108,15 @@ class _LayerNorm(torch.autograd.Function):
         spread = (x.var(dim=dims, unbiased=False, keepdim=True) + eps).sqrt()
         z = (x - x.mean(dim=dims, keepdim=True)) / spread
         z = z if weight is None else z * weight
-        z = z if bias is None else z + bias
-        ctx.dims, ctx.weighted = dims, weight is not None
-        ctx.save_for_backward(x, spread, z, *([weight] if weight is not None else []))
+        z = (z if bias is None else z + bias).contiguous()  # as F.layer_norm gives it, whatever x's strides
+        ctx.dims, ctx.weighted, ctx.z = dims, weight is not None, z.detach()
+        ctx.save_for_backward(x, spread, *([weight] if weight is not None else []))
         return z
 
     @staticmethod
     def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor | None, ...]:
-        x, spread, z, *weight = ctx.saved_tensors
-        r = relevance / _stable(z)
+        x, spread, *weight = ctx.saved_tensors
+        r = relevance / _stable(ctx.z)
         r = r * weight[0] if ctx.weighted else r
         return x * (r - r.mean(dim=ctx.dims, keepdim=True)) / spread, None, None, None, None
 
@@ -111,11 +126,62 @@ class _Identity(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
-        return fn(x)
+        return _own(fn(x))
 
     @staticmethod
     def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, None]:
         return relevance, None
+
+
+class _Barred(torch.autograd.Function):
+    """A value relevance may not pass through (a held statistic, an operation without a rule): ``value`` (computed
+    without a graph) tied to ``source``, so that relevance arriving at it is seen and refused with ``refusal``;
+    none arriving, it hands none on."""
+
+    @staticmethod
+    def forward(ctx: Any, source: Tensor, value: Tensor, refusal: str) -> Tensor:
+        ctx.refusal = refusal
+        return _own(value)
+
+    @staticmethod
+    def backward(ctx: Any, relevance: Tensor) -> tuple[None, None, None]:
+        _refuse_arriving(relevance, ctx.refusal)
+        return None, None, None
+
+
+class _BarredInPlace(torch.autograd.Function):
+    """An in-place change of ``x`` that relevance may not pass through: x's history from here on is refused."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, refusal: str) -> Tensor:
+        ctx.mark_dirty(x)
+        ctx.refusal = refusal
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, relevance: Tensor) -> tuple[None, None]:
+        _refuse_arriving(relevance, ctx.refusal)
+        return None, None
+
+
+def _refuse_arriving(relevance: Tensor | None, refusal: str) -> None:
+    if relevance is not None and bool(relevance.ne(0).any()):
+        raise LayerError(refusal)
+
+
+def barred(func: Callable[..., Any], args: tuple, kwargs: dict, source: Tensor, refusal: str) -> Any:
+    """``func``, each tensor it gives that relevance would pass through barred to it (see :class:`_Barred`); in
+    place, its first argument's history barred from here on."""
+    result = func(*args, **kwargs)
+    if args and result is args[0] and _grad(result):  # in place: it gave back its first argument, changed
+        return _BarredInPlace.apply(result, refusal)
+
+    def bar(value: Any) -> Any:
+        return _Barred.apply(source, value.detach(), refusal) if _grad(value) else value
+
+    if isinstance(result, (tuple, list)):
+        return type(result)([bar(v) for v in result])
+    return bar(result)
 
 
 class _Sum(torch.autograd.Function):
@@ -124,13 +190,14 @@ class _Sum(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, a: Tensor, b: Tensor) -> Tensor:
         z = a + b
-        ctx.save_for_backward(a, b, z)
+        ctx.save_for_backward(a, b)
+        ctx.z = z.detach()
         return z
 
     @staticmethod
     def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, Tensor]:
-        a, b, z = ctx.saved_tensors
-        ratio = relevance / _stable(z)
+        a, b = ctx.saved_tensors
+        ratio = relevance / _stable(ctx.z)
         return _unbroadcast(a * ratio, a.shape), _unbroadcast(b * ratio, b.shape)
 
 
@@ -154,15 +221,15 @@ class _Bilinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, a: Tensor, b: Tensor, fn: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
-        z = fn(a, b)
-        ctx.fn = fn
-        ctx.save_for_backward(a, b, z)
+        z = _own(fn(a, b))
+        ctx.fn, ctx.z = fn, z.detach()
+        ctx.save_for_backward(a, b)
         return z
 
     @staticmethod
     def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, Tensor, None]:
-        a, b, z = ctx.saved_tensors
-        ratio = relevance / _stable(2 * z)
+        a, b = ctx.saved_tensors
+        ratio = relevance / _stable(2 * ctx.z)
         if ctx.fn is torch.matmul and a.dim() >= 2 and b.dim() >= 2:
             return (
                 a * _unbroadcast(ratio @ b.transpose(-1, -2), a.shape),
@@ -181,13 +248,14 @@ class _Softmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, dim: int) -> Tensor:
         s = torch.softmax(x, dim=dim)
-        ctx.dim = dim
-        ctx.save_for_backward(x, s)
+        ctx.dim, ctx.s = dim, s.detach()
+        ctx.save_for_backward(x)
         return s
 
     @staticmethod
     def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, None]:
-        x, s = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
+        s = ctx.s
         x = x.nan_to_num(neginf=0.0)  # a masked score
         return x * (relevance - s * relevance.sum(dim=ctx.dim, keepdim=True)), None
 
@@ -268,11 +336,11 @@ def _times(a: Any, b: Any) -> Any:
 
 
 def _mul(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    return _times(args[0], args[1])
+    return _times(mode.held(args[0]), mode.held(args[1]))
 
 
 def _div(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    a, b = args[0], args[1]
+    a, b = mode.held(args[0]), mode.held(args[1])
     if _grad(b):
         raise LayerError(f"{mode.method} has no relevance rule for a division by a tensor relevance passes through")
     return identity(a, lambda t: func(t, b, **kwargs))
@@ -407,16 +475,42 @@ def _additive(mask: Tensor, like: Tensor) -> Tensor:
     return torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill(~mask, -torch.inf)
 
 
+class _Become(torch.autograd.Function):
+    """``target`` made ``value`` in place: its values (new storage, so that what was saved of it before keeps its
+    own) and its history, through which relevance passes to ``value``."""
+
+    @staticmethod
+    def forward(ctx: Any, target: Tensor, value: Tensor) -> Tensor:
+        target.data = value
+        ctx.mark_dirty(target)
+        return target
+
+    @staticmethod
+    def backward(ctx: Any, relevance: Tensor) -> tuple[None, Tensor]:
+        return None, relevance
+
+
 def _in_place(handler: Handler) -> Handler:
-    """An in-place operation run out of place under ``handler``, its result written back into its first argument
-    too (for a call whose result is not assigned)."""
+    """An in-place operation run out of place under ``handler``, on a copy of its first argument, which then becomes
+    the result (for a call whose result is not assigned). On a view, which must write through to the tensor it views,
+    it runs in place as it is: values moved there pass relevance as the gradient, any other rule is refused."""
 
     def run(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        result = handler(mode, func, (args[0].clone(), *args[1:]), kwargs)
-        args[0].data.copy_(result.detach())
-        return result
+        target = args[0]
+        if target._base is not None and handler is _moved:  # values written through to the viewed tensor
+            return _moved(mode, func, args, kwargs)
+        if target._base is not None:
+            refusal = f"{mode.method} has no relevance rule for {_name(func)} in place on a view of a tensor"
+            return barred(func, args, kwargs, next(v for v in tree_flatten((args, kwargs))[0] if _grad(v)), refusal)
+        return _Become.apply(target, handler(mode, func, (target.clone(), *args[1:]), kwargs))
 
     return run
+
+
+def _moved(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """An operation that writes values into its first argument (``copy_``, ``__setitem__``): as the gradient."""
+    func(*args, **kwargs)
+    return args[0]
 
 
 AFFINE = (
@@ -437,8 +531,15 @@ PASSED = {
     torch.movedim, T.narrow, T.select, T.flip, T.roll, T.repeat, T.repeat_interleave, T.view_as, T.reshape_as,
     F.pad, F.max_pool1d, F.max_pool2d, F.max_pool3d, F.adaptive_max_pool1d, F.adaptive_max_pool2d,
     F.max_pool1d_with_indices, F.max_pool2d_with_indices, F.max_pool3d_with_indices, T.T.__get__, T.mT.__get__,
-    F.dropout, F.alpha_dropout, T.masked_scatter, T.masked_fill,
+    F.dropout, F.alpha_dropout, T.masked_scatter, T.masked_fill, T.requires_grad_, T.t, torch.t, T.swapaxes,
+    torch.swapaxes, T.swapdims, torch.swapdims, torch.broadcast_to, T.broadcast_to, torch.where, T.where,
+    torch.max, T.max, torch.amax, T.amax, torch.min, T.min, torch.amin, T.amin,
 }  # fmt: skip
+STATISTICS = {
+    torch.pow, T.pow, T.__pow__, torch.square, T.square, torch.norm, T.norm, torch.linalg.norm,
+    torch.linalg.vector_norm, torch.var, T.var, torch.std, T.std, torch.var_mean, torch.std_mean,
+}  # fmt: skip
+KEPT = {T.detach, T.requires_grad_, T.register_hook}  # what a statistic's caller does to it as to any tensor
 TABLE: dict[Callable[..., Any], Handler] = {
     **dict.fromkeys(AFFINE, _affine_first),
     **dict.fromkeys(ELEMENTWISE, _identity_first),
@@ -460,7 +561,10 @@ TABLE: dict[Callable[..., Any], Handler] = {
     F.multi_head_attention_forward: _multi_head,
     torch.einsum: _einsum,
     **dict.fromkeys((F.relu_, torch.relu_, T.relu_), _in_place(_identity_first)),
+    **dict.fromkeys((T.copy_, T.__setitem__), _in_place(_moved)),
 }
+
+BY_NAME: dict[str, Handler] = {"torchvision.roi_align": _affine_first}  # optional libraries' operations, by name
 
 
 class OperationRules(TorchFunctionMode):
@@ -475,26 +579,7 @@ class OperationRules(TorchFunctionMode):
     def __init__(self, method: str, attention: str = "attnlrp") -> None:
         super().__init__()
         self.method, self.attention = method, attention
-        self.whole = 0  # inside a module ruled whole (see :meth:`rule_whole`): its operations run as they are
-
-    def rule_whole(self, model: nn.Module, hooks: Hooks) -> None:
-        """Rule the model's RMS norms written as modules of their own (``transformers``' ``LlamaRMSNorm`` and its
-        kin, by the type's name) whole, by the identity rule: their operations inside run as they are."""
-        for module in model.modules():
-            if type(module).__name__.endswith("RMSNorm"):
-                hooks.forward_pre(module, lambda m, args: self._enter_whole())
-                hooks.forward(module, self._identity_whole, always_call=True)
-
-    def _enter_whole(self) -> None:
-        self.whole += 1
-
-    def _identity_whole(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        self.whole -= 1
-        x = args[0] if args else None
-        if not (_grad(x) and isinstance(output, Tensor)):
-            return None
-        kept = output.detach()
-        return identity(x, lambda t: kept)
+        self.statistics: dict[int, tuple[weakref.ref, str]] = {}  # held statistics by id: (the tensor, its origin)
 
     def softmax(self, x: Tensor, dim: int) -> Tensor:
         """A softmax under the method's rule."""
@@ -502,18 +587,46 @@ class OperationRules(TorchFunctionMode):
             return torch.softmax(x.detach(), dim=dim)
         return _Softmax.apply(x, dim)
 
+    def origin(self, value: Any) -> str | None:
+        """The operation a held statistic comes from, or None where ``value`` is none."""
+        entry = self.statistics.get(id(value)) if isinstance(value, Tensor) else None
+        return entry[1] if entry is not None and entry[0]() is value else None
+
+    def held(self, value: Any) -> Any:
+        """``value`` as a constant where it is a held statistic (a tensor it scales keeps its relevance)."""
+        return value.detach() if self.origin(value) is not None else value
+
+    def statistic(self, func: Callable[..., Any], args: tuple, kwargs: dict, relevant: list[Tensor]) -> Any:
+        """``func`` of a relevant tensor's statistic (or of statistics alone), run as a held statistic."""
+        origin = next((o for o in map(self.origin, relevant) if o is not None), None) or _name(func)
+        refusal = (
+            f"{self.method} holds {origin}'s result constant, as a layer norm's spread, where it scales a tensor; "
+            "this model uses it otherwise (as a feature); use lrp or a gradient method for this model"
+        )
+        value = barred(func, args, kwargs, relevant[0], refusal)
+        for t in tree_flatten(value)[0]:
+            if isinstance(t, Tensor):
+                self.statistics[id(t)] = (weakref.ref(t), origin)
+        return value
+
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None):
         kwargs = kwargs or {}
-        if self.whole:
+        relevant = [v for v in tree_flatten((args, kwargs))[0] if _grad(v)]
+        if not relevant or func in KEPT:
             return func(*args, **kwargs)
-        handler = TABLE.get(func)
-        if handler is not None and any(_grad(v) for v in tree_flatten((args, kwargs))[0]):
+        if func in STATISTICS or all(self.origin(v) for v in relevant):
+            return self.statistic(func, args, kwargs, relevant)
+        if func in PASSED:
+            return func(*args, **kwargs)
+        handler = TABLE.get(func) or BY_NAME.get(_name(func))
+        if handler is not None:
             return handler(self, func, args, kwargs)
-        result = func(*args, **kwargs)
-        if func in PASSED or handler is not None or not any(_grad(v) for v in tree_flatten(result)[0]):
-            return result
-        name = resolve_name(func) or getattr(func, "__name__", repr(func))
-        raise LayerError(
-            f"{self.method} has no relevance rule for {name}, which the model runs on a tensor relevance passes "
-            "through; use lrp or a gradient method for this model"
+        refusal = (
+            f"{self.method} has no relevance rule for {_name(func)}, which the model runs on a tensor relevance "
+            "passes through; use lrp or a gradient method for this model"
         )
+        return barred(func, args, kwargs, relevant[0], refusal)  # refused where relevance reaches it
+
+
+def _name(func: Callable[..., Any]) -> str:
+    return resolve_name(func) or getattr(func, "__name__", repr(func))

@@ -34,7 +34,6 @@ class AttnLRP(Propagation):
     def backward_rule(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> Iterator[None]:
         mode = OperationRules(self.name, self.attention)
         with Hooks() as hooks:  # the rules hold inside the model's forward alone, not in the target's scoring
-            mode.rule_whole(self.model, hooks)
             hooks.forward_pre(self.model, lambda module, args: mode.__enter__() and None)
             hooks.forward(self.model, lambda module, args, output: mode.__exit__(None, None, None), always_call=True)
             yield

@@ -26,6 +26,7 @@ from ..core.maps import postprocess
 from ..core.result import CAMResult
 from ..core.rules import ELEMENTWISE, BatchNorm, Rule, RuledLayer, passed, relevance_rules
 from ..errors import ExplainError, LayerError
+from ..targets import BoundTarget, Target, TargetLike
 from .attribution import InputAttribution
 
 Parameters = dict[str, Tensor]
@@ -229,9 +230,38 @@ class Propagation(InputAttribution):
     r"""Base of the relevance propagations: the input's gradient, under the method's backward rules, is its
     relevance; ``raw`` is it per channel, signed, and the map its positive part summed over the channels. The
     relevance starts as 1 at the explained score; the result's ``completeness`` is how far the input's falls from
-    it, :math:`\sum R - 1` per image (and target), 0 where every rule conserves."""
+    it, :math:`\sum R - 1` per image (and target), 0 where every rule conserves.
+
+    With a ``layer``, the relevance is read where it arrives at that layer's output instead (the gradient there,
+    under the rules), laid out as the engine lays the layer out (a transformer's patch tokens on their grid, a
+    class token left out): ``raw`` is it per channel at the layer's resolution, the map its positive part summed
+    over the channels and upsampled, ``completeness`` its sum minus 1.
+
+    Args:
+        model: Any model explain explains; left as it was.
+        layer: One layer (a dotted name or a module) whose relevance to read; None: the input's.
+        **options: As for :class:`InputAttribution`.
+
+    Raises:
+        LayerError: Several layers are given (relevance is read at one).
+    """
 
     needs = Needs(gradients=False, input_gradient=True, whole_backward=True, map_of_input=True)
+    at_layer = Needs(gradients=True, whole_backward=True)
+
+    def __init__(self, model: nn.Module, layer: LayerSpec | Sequence[str | nn.Module] = None, **options: Any) -> None:
+        super().__init__(model, **options)
+        if isinstance(layer, (list, tuple)) and len(layer) != 1:
+            raise LayerError(f"{self.name} reads relevance at one layer; {len(layer)} were given: name one")
+        layer = layer[0] if isinstance(layer, (list, tuple)) else layer
+        if layer is not None:
+            self.requested, self.needs = [layer], self.at_layer
+
+    def target_for(self, target: TargetLike, topk: int | None) -> Target | BoundTarget:
+        """The call's target, scored by the model's own output (a token's logit, not its log-probability): the
+        relevance starts there, as 1."""
+        goal = super().target_for(target, topk)
+        return goal.from_logits() if isinstance(goal, Target) else goal
 
     def completed(self, result: CAMResult, x: Tensor, model_kwargs: Mapping[str, Any]) -> CAMResult:
         raw = result.raw if result.target.keeps_k else result.raw[:, None]
@@ -259,7 +289,7 @@ class LRP(Propagation):
 
     Args:
         model: Any model explain explains; left as it was (batch norms are merged for the call, not in the model).
-        layer: Not used.
+        layer: One layer whose relevance to read (see :class:`Propagation`); None: the input's.
         labels: Class names, to accept a class name as target.
         composite: ``"epsilon_plus"`` (default), ``"epsilon_alpha2_beta1"``, ``"epsilon_gamma_box"`` or
             ``"epsilon"`` (see :func:`composite_rules`).
@@ -286,7 +316,7 @@ class LRP(Propagation):
         high: float | Tensor | None = None,
         **options: Any,
     ) -> None:
-        super().__init__(model, labels=labels, **options)
+        super().__init__(model, layer, labels=labels, **options)
         composite_rules(composite)  # an unknown name fails here
         self.composite, self.rules, self.low, self.high = composite, dict(rules or {}), low, high
 

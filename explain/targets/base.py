@@ -226,6 +226,11 @@ class Target:
         """Fix the target on the plain pass's output (N images)."""
         raise NotImplementedError
 
+    def from_logits(self) -> Target:
+        """The target scored by the model's own output, before any normalization of its own (where a relevance
+        propagation starts: the score's relevance is the output's); by default it is already."""
+        return self
+
 
 def ragged(per_image_values: Sequence[Tensor], fill: float = 0) -> tuple[Tensor, Tensor]:
     """Stack per-image tensors (M_i, ...) into (N, K, ...), K the largest M_i, padded with ``fill``;

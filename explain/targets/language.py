@@ -18,8 +18,9 @@ class TokenTarget(Target):
 
     The score of the token :math:`y_p` at position :math:`p` is its log-probability given everything before it,
     :math:`\log \mathrm{softmax}(z_{p-1})_{y_p}`, where :math:`z_{p-1}` are the output's logits at position
-    :math:`p - 1` (the model predicts position :math:`p` there). One forward over the whole sequence scores every
-    token at once.
+    :math:`p - 1` (the model predicts position :math:`p` there), or with ``score="logit"`` the logit itself,
+    :math:`z_{p-1, y_p}` (what a relevance propagation explains). One forward over the whole sequence scores every
+    token at once; the probabilities reported are the tokens' either way.
 
     Args:
         tokens: The token ids of the sequence the model reads (prompt and answer), (T,) or (1, T).
@@ -28,10 +29,11 @@ class TokenTarget(Target):
             map of their summed log-probabilities (the whole answer, or a span of words); or the lengths of
             consecutive runs of the positions, one map per run of its summed log-probabilities (a word of several
             tokens is one run).
+        score: What is differentiated: the token's ``"log_probability"`` or its ``"logit"``.
         output: See :class:`Target` (default: the output's ``logits``).
 
     Raises:
-        TargetError: No position, or a position outside the sequence or at its first token.
+        TargetError: No position, or a position outside the sequence or at its first token, or an unknown score.
     """
 
     def __init__(
@@ -40,9 +42,13 @@ class TokenTarget(Target):
         positions: Sequence[int],
         combine: Literal["each", "sum"] | Sequence[int] = "each",
         *,
+        score: Literal["log_probability", "logit"] = "log_probability",
         output: OutputPicker = None,
     ) -> None:
         super().__init__(output)
+        if score not in ("log_probability", "logit"):
+            raise TargetError(f"score must be 'log_probability' or 'logit', got {score!r}")
+        self.score, self.combine = score, combine
         self.tokens = torch.as_tensor(tokens).reshape(-1)
         self.positions = [int(p) for p in positions]
         runs = (
@@ -63,8 +69,11 @@ class TokenTarget(Target):
         self.runs = torch.repeat_interleave(torch.arange(len(runs)), torch.tensor(runs))  # each position's run
         self.keeps_k = combine != "sum"
 
-    def log_probabilities(self, output: Any) -> Tensor:
-        """Each explained token's log-probability in every row of an output (rows, K), K tokens."""
+    def from_logits(self) -> TokenTarget:
+        return TokenTarget(self.tokens, self.positions, self.combine, score="logit", output=self.output)
+
+    def log_probabilities(self, output: Any, logits_only: bool = False) -> Tensor:
+        """Each explained token's log-probability in every row of an output (rows, K), K tokens; or its logit."""
         logits = self.read(output)
         if logits.dim() != 3 or logits.shape[1] != len(self.tokens):
             raise TargetError(
@@ -73,14 +82,17 @@ class TokenTarget(Target):
             )
         before = torch.tensor([p - 1 for p in self.positions], device=logits.device)
         tokens = self.tokens.to(logits.device)[torch.tensor(self.positions, device=logits.device)]
-        read = logits[:, before].float().log_softmax(dim=-1)  # (rows, K, vocabulary)
+        read = logits[:, before].float()  # (rows, K, vocabulary)
+        read = read if logits_only else read.log_softmax(dim=-1)
         return read.gather(2, tokens.view(1, -1, 1).expand(len(read), -1, 1))[..., 0]
 
     def bind(self, output: Any, labels: Sequence[str] | None) -> BoundTarget:
-        def score(out: Any, images: Tensor) -> Tensor:
-            values = self.log_probabilities(out)
-            summed = values.new_zeros(len(values), int(self.runs[-1]) + 1)
-            return summed.index_add(1, self.runs.to(values.device), values)
+        def summed(values: Tensor) -> Tensor:
+            runs = self.runs.to(values.device)
+            return values.new_zeros(len(values), int(self.runs[-1]) + 1).index_add(1, runs, values)
 
-        probabilities = score(output, torch.arange(1)).detach().exp()
+        def score(out: Any, images: Tensor) -> Tensor:
+            return summed(self.log_probabilities(out, logits_only=self.score == "logit"))
+
+        probabilities = summed(self.log_probabilities(output)).detach().exp()
         return BoundTarget(score=score, probabilities=probabilities, keeps_k=self.keeps_k)
