@@ -422,16 +422,20 @@ torch.save({"relevance": (x * x.grad).detach(), "logits": logits.detach()}, sys.
 """
 
 
-def test_cplrp_is_lxt_s_on_torchvision_s_vit(tmp_path) -> None:
+def test_cplrp_is_lxt_s_on_torchvision_s_vit(tmp_path, monkeypatch) -> None:
     """LXT 2.1's own CP-LRP for torchvision's ViT (its vision patch, run unchanged in a process of its own; LXT's
     package as a whole does not import beside current ``transformers``): Gradient x Input with the query and key
-    held constant, GELU and layer norms by the identity, which starts from the logit; explain's, from 1 at the
-    logit, times the logit equals it within 5e-4 of its largest value (explain's ε = 1e-6, LXT's 0)."""
+    held constant, GELU and layer norms by the identity, which starts from the logit. explain's, from 1 at the
+    logit, times the logit: with its stabilizer ε made as small as LXT's (none), equal within 1e-4 of the largest
+    value; at its own ε = 1e-6, which moves the relevance of outputs near zero, correlated above 0.999 (the input
+    is one where ε matters most among 25 tried)."""
     import subprocess
     import sys
 
     pytest.importorskip("lxt", reason="lxt: a test dependency (pip install -e '.[test]')")
     import torchvision
+
+    from explain.core import operation_rules
 
     torch.manual_seed(1)
     model = torchvision.models.VisionTransformer(32, 8, 2, 2, 16, 32, num_classes=5).eval()
@@ -439,18 +443,20 @@ def test_cplrp_is_lxt_s_on_torchvision_s_vit(tmp_path) -> None:
         for name, parameter in model.named_parameters():
             if name.endswith("bias") or "head" in name or name == "class_token":
                 parameter.normal_(0, 0.5)  # torchvision starts them at zero
-    x = torch.randn(2, 3, 32, 32, generator=GENERATOR)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(20))
     torch.save(model.state_dict(), tmp_path / "vit.pt")
     torch.save(x, tmp_path / "x.pt")
     argv = [str(tmp_path / name) for name in ("vit.pt", "x.pt", "lxt.pt")]
     subprocess.run([sys.executable, "-c", LXT_CP_LRP, *argv], check=True, capture_output=True, timeout=300)
     lxt = torch.load(tmp_path / "lxt.pt")
+    peak = float(lxt["relevance"].abs().max())
     found = explain.METHODS["cplrp"](model)(x, [1, 3], normalize=False)
     torch.testing.assert_close(found.scores, lxt["logits"])
     scaled = found.raw * lxt["logits"][:, None, None, None]
-    peak = float(lxt["relevance"].abs().max())
-    assert peak > 0
-    torch.testing.assert_close(scaled, lxt["relevance"], rtol=0, atol=5e-4 * peak)
+    assert peak > 0 and torch.corrcoef(torch.stack([scaled.flatten(), lxt["relevance"].flatten()]))[0, 1] > 0.999
+    monkeypatch.setattr(operation_rules, "EPSILON", 1e-12)
+    scaled = explain.METHODS["cplrp"](model)(x, [1, 3], normalize=False).raw * lxt["logits"][:, None, None, None]
+    torch.testing.assert_close(scaled, lxt["relevance"], rtol=0, atol=1e-4 * peak)
 
 
 def test_the_explorer_and_evaluate_take_attnlrp_on_the_bundled_model(lite0, tmp_path) -> None:

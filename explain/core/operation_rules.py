@@ -48,8 +48,12 @@ EPSILON = 1e-6
 T = torch.Tensor
 
 
-def _stable(z: Tensor) -> Tensor:
-    return z + torch.copysign(z.new_full((), EPSILON), z)  # +ε at 0 (and -ε at -0)
+def _ratio(relevance: Tensor, z: Tensor, scale: float = 1.0) -> Tensor:
+    """:math:`R / (s z)'`, the stabilized ratio (+ε at 0, -ε at -0), in one new tensor (its steps in place: the
+    tensors are large)."""
+    denominator = torch.copysign(z.new_full((), EPSILON), z)
+    denominator.add_(z, alpha=scale) if scale != 1.0 else denominator.add_(z)
+    return torch.div(relevance, denominator, out=denominator)
 
 
 def _own(z: Tensor) -> Tensor:
@@ -78,7 +82,7 @@ class _Affine(torch.autograd.Function):
         with torch.enable_grad():
             leaf = x.detach().requires_grad_(True)
             z = ctx.fn(leaf)
-            found = torch.autograd.grad(z, leaf, relevance / _stable(z.detach()))[0]
+            found = torch.autograd.grad(z, leaf, _ratio(relevance, z.detach()))[0]
         return leaf.detach() * found, None
 
 
@@ -95,7 +99,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, None, None]:
         x, weight = ctx.saved_tensors
-        return x * ((relevance / _stable(ctx.z)) @ weight), None, None
+        return x * (_ratio(relevance, ctx.z) @ weight), None, None
 
 
 class _LayerNorm(torch.autograd.Function):
@@ -116,7 +120,7 @@ class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor | None, ...]:
         x, spread, *weight = ctx.saved_tensors
-        r = relevance / _stable(ctx.z)
+        r = _ratio(relevance, ctx.z)
         r = r * weight[0] if ctx.weighted else r
         return x * (r - r.mean(dim=ctx.dims, keepdim=True)) / spread, None, None, None, None
 
@@ -197,7 +201,7 @@ class _Sum(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, Tensor]:
         a, b = ctx.saved_tensors
-        ratio = relevance / _stable(ctx.z)
+        ratio = _ratio(relevance, ctx.z)
         return _unbroadcast(a * ratio, a.shape), _unbroadcast(b * ratio, b.shape)
 
 
@@ -229,7 +233,7 @@ class _Bilinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, Tensor, None]:
         a, b = ctx.saved_tensors
-        ratio = relevance / _stable(2 * ctx.z)
+        ratio = _ratio(relevance, ctx.z, 2.0)
         if ctx.fn is torch.matmul and a.dim() >= 2 and b.dim() >= 2:
             return (
                 a * _unbroadcast(ratio @ b.transpose(-1, -2), a.shape),
@@ -273,6 +277,11 @@ def affine(x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
     return _Affine.apply(x, fn)
 
 
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear(x, weight, bias)`` under the ε rule, the weights constants."""
+    return _Linear.apply(x, weight.detach(), None if bias is None else bias.detach())
+
+
 def identity(x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
     """``fn(x)`` under the identity rule."""
     return _Identity.apply(x, fn)
@@ -290,8 +299,7 @@ def _affine_first(mode: OperationRules, func: Callable[..., Any], args: tuple, k
     """ε through an operation affine in its first argument (its others constants)."""
     if func is F.linear and _grad(args[0]):
         o = _named(("input", "weight", "bias"), args, kwargs)
-        bias = o.get("bias")
-        return _Linear.apply(o["input"], o["weight"].detach(), None if bias is None else bias.detach())
+        return linear(o["input"], o["weight"], o.get("bias"))
     return affine(args[0], lambda t: func(t, *args[1:], **kwargs))
 
 
@@ -451,7 +459,7 @@ def _multi_head(mode: OperationRules, func: Callable[..., Any], args: tuple, kwa
     biases = o["in_proj_bias"].chunk(3) if o.get("in_proj_bias") is not None else (None,) * 3
 
     def heads_of(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        projected = affine(x, lambda t: F.linear(t, weight, bias))
+        projected = linear(x, weight, bias)
         return projected.reshape(len(x), batch, heads, -1).permute(1, 2, 0, 3)  # (N, H, L, d)
 
     q, k, v = (heads_of(o[n], w, b) for n, w, b in zip(("query", "key", "value"), weights, biases))
@@ -460,7 +468,7 @@ def _multi_head(mode: OperationRules, func: Callable[..., Any], args: tuple, kwa
         mask = mask.reshape(batch, heads, *mask.shape[1:])
     merged = _attention(mode, func, (q, k, v), {"attn_mask": mask, "is_causal": bool(o.get("is_causal"))})
     merged = merged.permute(2, 0, 1, 3).reshape(length, batch, width)
-    out = affine(merged, lambda t: F.linear(t, o["out_proj_weight"], o["out_proj_bias"]))
+    out = linear(merged, o["out_proj_weight"], o["out_proj_bias"])
     if not o.get("need_weights", True):
         return out, None
     scores = (q @ k.transpose(-1, -2)).detach() * q.shape[-1] ** -0.5
