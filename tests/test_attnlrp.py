@@ -483,3 +483,52 @@ def test_the_explorer_and_evaluate_take_attnlrp_on_the_bundled_model(lite0, tmp_
     (record,) = [json.loads(line) for line in (out / "scores.jsonl").read_text().splitlines()]
     expected = metrics.sparseness(explain.METHODS["attnlrp"](lite0.model)(x).cams)
     assert record["configuration"] == "attnlrp" and record["value"] == pytest.approx(float(expected), rel=1e-4)
+
+
+ZEROED = ("bias", "pos_embed", "position_embedding", "cls_token", "dist_token", "class_embedding", "mask_token",
+          "relative_position_bias_table")  # fmt: skip
+
+
+def _sweep_model(name: str) -> tuple[nn.Module, int]:
+    """A small random config of a family, and its input size."""
+    timm = pytest.importorskip("timm")
+    transformers = pytest.importorskip("transformers")
+    small = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_labels": 5}
+    if name == "deit":
+        return timm.create_model(
+            "deit_tiny_distilled_patch16_224", img_size=32, patch_size=8, num_classes=5, depth=2
+        ), 32
+    if name == "eva02":  # rotary embeddings, SwiGLU
+        return timm.create_model("eva02_tiny_patch14_224", img_size=28, num_classes=5, depth=2), 28
+    if name == "swin":
+        return timm.create_model("swin_tiny_patch4_window7_224", img_size=56, num_classes=5, depths=(1, 1),
+                                 num_heads=(1, 2), embed_dim=16, window_size=7), 56  # fmt: skip
+    if name == "hf_vit":
+        config = transformers.ViTConfig(intermediate_size=64, image_size=32, patch_size=8, **small)
+        return transformers.ViTForImageClassification(config), 32
+    if name == "dinov2":  # layer scale
+        return transformers.Dinov2ForImageClassification(
+            transformers.Dinov2Config(image_size=32, patch_size=8, **small)
+        ), 32
+    config = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[1, 2],
+                                     window_size=4, num_labels=5)  # fmt: skip
+    return transformers.SwinForImageClassification(config), 32
+
+
+@pytest.mark.parametrize("name", ["deit", "eva02", "swin", "hf_vit", "dinov2", "hf_swin"])
+def test_cplrp_conserves_the_score_across_vision_transformer_families(name: str) -> None:
+    """timm's DeiT (distilled), EVA-02 and Swin, HuggingFace's ViT, DINOv2 and Swin, random small configs with every
+    bias, position embedding, class and distillation token and relative position bias zero: CP-LRP's input relevance
+    sums to 1 within 2e-3."""
+    torch.manual_seed(0)
+    model, size = _sweep_model(name)
+    model.eval()
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            if any(part in parameter_name for part in ZEROED):
+                parameter.zero_()
+            elif "head" in parameter_name or "classifier" in parameter_name:
+                parameter.normal_(0, 0.5)
+    x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))
+    found = explain.METHODS["cplrp"](model)(x, [1, 3], normalize=False)
+    torch.testing.assert_close(found.raw.flatten(1).sum(dim=1), torch.ones(2), atol=2e-3, rtol=0)
