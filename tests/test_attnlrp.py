@@ -532,3 +532,34 @@ def test_cplrp_conserves_the_score_across_vision_transformer_families(name: str)
     x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))
     found = explain.METHODS["cplrp"](model)(x, [1, 3], normalize=False)
     torch.testing.assert_close(found.raw.flatten(1).sum(dim=1), torch.ones(2), atol=2e-3, rtol=0)
+
+
+def test_an_answer_s_relevance_starts_at_its_tokens_logits() -> None:
+    """The relevance propagations score a word by its tokens' logits (the model's own output), not their
+    log-probabilities; the probabilities reported are the tokens' either way; an unknown score is refused."""
+    pytest.importorskip("transformers")
+    from test_vision_language import PROMPT, image, tiny_llava
+
+    from explain.errors import TargetError
+    from explain.models import VisionLanguage
+    from explain.targets import TokenTarget
+
+    model, x = tiny_llava(), image()
+    sequence = torch.cat([PROMPT[0], torch.tensor([10, 11])])
+    positions = [PROMPT.shape[1], PROMPT.shape[1] + 1]
+    reader = VisionLanguage(model, {"input_ids": sequence[None]})
+    with torch.no_grad():
+        logits = model(input_ids=sequence[None], pixel_values=x).logits[0]
+    expected = torch.stack([logits[p - 1, sequence[p]] for p in positions])
+    for method in ("attnlrp", "lrp", "saliency"):
+        found = explain.METHODS[method](reader)(x, TokenTarget(sequence, positions), normalize=False)
+        wanted = (
+            expected
+            if method != "saliency"
+            else torch.stack([logits[p - 1].log_softmax(-1)[sequence[p]] for p in positions])
+        )
+        torch.testing.assert_close(found.scores[0], wanted, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(found.probabilities[0], torch.stack(
+            [logits[p - 1].softmax(-1)[sequence[p]] for p in positions]), rtol=1e-4, atol=1e-6)  # fmt: skip
+    with pytest.raises(TargetError, match="score must be"):
+        TokenTarget(sequence, positions, score="probability")
