@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_flatten
 
@@ -501,16 +501,17 @@ class _Become(torch.autograd.Function):
 def _in_place(handler: Handler) -> Handler:
     """An in-place operation run out of place under ``handler``, on a copy of its first argument, which then becomes
     the result (for a call whose result is not assigned). On a view, which must write through to the tensor it views,
-    it runs in place as it is: values moved there pass relevance as the gradient, any other rule is refused."""
+    or on one of the model's parameters or buffers, which must stay the model's own, it runs in place as it is:
+    values moved there pass relevance as the gradient, any other rule is refused."""
 
     def run(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         target = args[0]
-        if target._base is not None and handler is _moved:  # values written through to the viewed tensor
+        if target._base is None and id(target) not in mode.own:
+            return _Become.apply(target, handler(mode, func, (target.clone(), *args[1:]), kwargs))
+        if handler is _moved:  # values written through to the viewed tensor, or into the model's own
             return _moved(mode, func, args, kwargs)
-        if target._base is not None:
-            refusal = f"{mode.method} has no relevance rule for {_name(func)} in place on a view of a tensor"
-            return barred(func, args, kwargs, next(v for v in tree_flatten((args, kwargs))[0] if _grad(v)), refusal)
-        return _Become.apply(target, handler(mode, func, (target.clone(), *args[1:]), kwargs))
+        refusal = f"{mode.method} has no relevance rule for {_name(func)} in place on a view or a model's tensor"
+        return barred(func, args, kwargs, next(v for v in tree_flatten((args, kwargs))[0] if _grad(v)), refusal)
 
     return run
 
@@ -582,11 +583,15 @@ class OperationRules(TorchFunctionMode):
     Args:
         method: The method's name, for the refusals.
         attention: ``"attnlrp"``: the softmax rule; ``"constant"``: the attention held constant (CP-LRP).
+        model: The model whose forward runs under the rules: its parameters and buffers are changed in place, if its
+            forward does, as they are, never replaced.
     """
 
-    def __init__(self, method: str, attention: str = "attnlrp") -> None:
+    def __init__(self, method: str, attention: str = "attnlrp", model: nn.Module | None = None) -> None:
         super().__init__()
         self.method, self.attention = method, attention
+        tensors = [*model.parameters(), *model.buffers()] if model is not None else []
+        self.own = {id(t) for t in tensors}  # the model's parameters and buffers
         self.statistics: dict[int, tuple[weakref.ref, str]] = {}  # held statistics by id: (the tensor, its origin)
 
     def softmax(self, x: Tensor, dim: int) -> Tensor:

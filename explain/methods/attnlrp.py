@@ -32,7 +32,7 @@ class AttnLRP(Propagation):
 
     @contextmanager
     def backward_rule(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> Iterator[None]:
-        mode = OperationRules(self.name, self.attention)
+        mode = OperationRules(self.name, self.attention, self.model)
         with Hooks() as hooks:  # the rules hold inside the model's forward alone, not in the target's scoring
             hooks.forward_pre(self.model, lambda module, args: mode.__enter__() and None)
             hooks.forward(self.model, lambda module, args, output: mode.__exit__(None, None, None), always_call=True)
