@@ -166,6 +166,11 @@ class _Resized(nn.Module):
 def test_an_operation_without_a_rule_is_refused_by_name() -> None:
     with pytest.raises(LayerError, match=r"^attnlrp has no relevance rule for torch\.nn\.functional\.grid_sample, "):
         explain.METHODS["attnlrp"](_Resized().eval())(torch.randn(1, 3, 16, 16), 1)
+    x, r = torch.randn(3, 4, generator=GENERATOR), torch.randn(3, 4, generator=GENERATOR)
+    with pytest.raises(LayerError, match=r"^attnlrp has no relevance rule for a division by a tensor relevance"):
+        _relevance(lambda t: t / (t.abs() + 1), (x,), r)
+    with pytest.raises(LayerError, match=r"^attnlrp has no relevance rule for an einsum of 3 operands"):
+        _relevance(lambda t: torch.einsum("ij,ij,ij->ij", t, t, t), (x,), r)
 
 
 def _planted(count: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -32,6 +32,7 @@ where relevance reaches it, so that a branch the explained score does not read (
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -348,9 +349,10 @@ def _mul(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: di
 
 
 def _div(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """A division by a constant (or a held statistic): the identity; by a relevant tensor: no rule, barred."""
     a, b = mode.held(args[0]), mode.held(args[1])
     if _grad(b):
-        raise LayerError(f"{mode.method} has no relevance rule for a division by a tensor relevance passes through")
+        return barred(func, (a, b), kwargs, b, mode.refusal("a division by a tensor relevance passes through"))
     return identity(a, lambda t: func(t, b, **kwargs))
 
 
@@ -363,15 +365,12 @@ def _matmul(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs:
 
 
 def _einsum(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """A two-operand einsum, bilinear: as a matrix product.
-
-    Raises:
-        LayerError: Another number of operands.
-    """
+    """A two-operand einsum, bilinear: as a matrix product; one of another number of operands has no rule, barred."""
     equation, *operands = args
     operands = operands[0] if len(operands) == 1 and isinstance(operands[0], (list, tuple)) else operands
     if len(operands) != 2:
-        raise LayerError(f"{mode.method} rules an einsum of two operands, not {len(operands)}")
+        relevant = next(v for v in operands if _grad(v))
+        return barred(func, args, kwargs, relevant, mode.refusal(f"an einsum of {len(operands)} operands"))
     return _bilinear(operands[0], operands[1], lambda a, b: torch.einsum(equation, a, b))
 
 
@@ -471,7 +470,7 @@ def _multi_head(mode: OperationRules, func: Callable[..., Any], args: tuple, kwa
     out = linear(merged, o["out_proj_weight"], o["out_proj_bias"])
     if not o.get("need_weights", True):
         return out, None
-    scores = (q @ k.transpose(-1, -2)).detach() * q.shape[-1] ** -0.5
+    scores = (q.detach() @ k.detach().transpose(-1, -2)) * q.shape[-1] ** -0.5  # what it returns, no graph
     weights_of = torch.softmax(scores if mask is None else scores + _additive(mask, scores), dim=-1)
     return out, weights_of.mean(dim=1) if o.get("average_attn_weights", True) else weights_of
 
@@ -510,7 +509,7 @@ def _in_place(handler: Handler) -> Handler:
             return _Become.apply(target, handler(mode, func, (target.clone(), *args[1:]), kwargs))
         if handler is _moved:  # values written through to the viewed tensor, or into the model's own
             return _moved(mode, func, args, kwargs)
-        refusal = f"{mode.method} has no relevance rule for {_name(func)} in place on a view or a model's tensor"
+        refusal = mode.refusal(f"{_name(func)} in place on a view or a model's tensor")
         return barred(func, args, kwargs, next(v for v in tree_flatten((args, kwargs))[0] if _grad(v)), refusal)
 
     return run
@@ -540,7 +539,7 @@ PASSED = {
     torch.movedim, T.narrow, T.select, T.flip, T.roll, T.repeat, T.repeat_interleave, T.view_as, T.reshape_as,
     F.pad, F.max_pool1d, F.max_pool2d, F.max_pool3d, F.adaptive_max_pool1d, F.adaptive_max_pool2d,
     F.max_pool1d_with_indices, F.max_pool2d_with_indices, F.max_pool3d_with_indices, T.T.__get__, T.mT.__get__,
-    F.dropout, F.alpha_dropout, T.masked_scatter, T.masked_fill, T.requires_grad_, T.t, torch.t, T.swapaxes,
+    F.dropout, F.alpha_dropout, T.masked_scatter, T.masked_fill, T.t, torch.t, T.swapaxes,
     torch.swapaxes, T.swapdims, torch.swapdims, torch.broadcast_to, T.broadcast_to, torch.where, T.where,
     torch.max, T.max, torch.amax, T.amax, torch.min, T.min, torch.amin, T.amin,
 }  # fmt: skip
@@ -634,12 +633,14 @@ class OperationRules(TorchFunctionMode):
         handler = TABLE.get(func) or BY_NAME.get(_name(func))
         if handler is not None:
             return handler(self, func, args, kwargs)
-        refusal = (
-            f"{self.method} has no relevance rule for {_name(func)}, which the model runs on a tensor relevance "
-            "passes through; use lrp or a gradient method for this model"
-        )
+        refusal = self.refusal(f"{_name(func)}, which the model runs on a tensor relevance passes through")
         return barred(func, args, kwargs, relevant[0], refusal)  # refused where relevance reaches it
 
+    def refusal(self, what: str) -> str:
+        """The line that refuses an operation without a rule, once relevance reaches it."""
+        return f"{self.method} has no relevance rule for {what}; use lrp or a gradient method for this model"
 
+
+@functools.cache
 def _name(func: Callable[..., Any]) -> str:
     return resolve_name(func) or getattr(func, "__name__", repr(func))
