@@ -31,6 +31,19 @@ def seeded(name: str, **kwargs) -> nn.Module:
     return torchvision.models.get_model(name, **kwargs).eval()
 
 
+def smoothed(model: nn.Module) -> nn.Module:
+    """The model with its kinks taken out, in place: every ReLU a GELU, every max pool an average pool of the same
+    window. Its gradients are then smooth functions of the input, so two computations of them (batched otherwise,
+    another CPU's convolution kernels) agree to rounding, where a ReLU network's may fall on either side of a kink."""
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, (nn.ReLU, nn.ReLU6)):
+                setattr(parent, name, nn.GELU())
+            elif isinstance(child, nn.MaxPool2d):
+                setattr(parent, name, nn.AvgPool2d(child.kernel_size, child.stride, child.padding))
+    return model
+
+
 def random_segmenter(num_classes: int = 4) -> nn.Module:
     """LR-ASPP with seeded random weights, in eval mode; without the heads' biases no class wins everywhere."""
     torch.manual_seed(0)

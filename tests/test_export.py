@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -323,6 +324,64 @@ def test_torchrun_shards_merges_and_resumes_after_a_rank_is_killed(dataset, tmp_
     three = torchrun(3, *common, "-o", str(out), "--resume")
     assert three.wait(timeout=300) == 0, three.stderr.read()
     assert files(out) == files(tmp_path / "alone")
+
+
+@dataclass(frozen=True)
+class ThreadRank(Process):
+    """A rank of a run whose processes are threads, meeting at a threading barrier."""
+
+    meeting: threading.Barrier | None = None
+
+    def barrier(self) -> None:
+        self.meeting.wait(timeout=30)
+
+
+def test_a_resumed_run_s_ranks_write_nothing_while_the_first_clears_the_folder(tmp_path, monkeypatch) -> None:
+    """Three ranks prepare a folder a killed run left (a writer's part file, a rank's lock draft): the first clears
+    it slowly on purpose, and no other rank takes the lock (writing its draft) before the clearing has ended."""
+    out = tmp_path / "killed"
+    out.mkdir()
+    leftovers = [out / ".photo.gradcam.jpg.0123456789ab.part", out / ".explain-lock.ba9876543210.part"]
+    for path in leftovers:
+        path.write_text("killed mid-write")
+    events: list[tuple[str, int, float]] = []
+    clearing = export.remove_temporary_files
+    taking = export.FolderLock.take
+
+    def slow_clearing(folder: Path) -> None:
+        events.append(("clearing", 0, time.monotonic()))
+        time.sleep(0.3)  # long enough that a rank not held back would write inside it
+        clearing(folder)
+        events.append(("cleared", 0, time.monotonic()))
+
+    def take(lock) -> None:
+        events.append(("take", int(threading.current_thread().name), time.monotonic()))
+        taking(lock)
+
+    monkeypatch.setattr(export, "remove_temporary_files", slow_clearing)
+    monkeypatch.setattr(export.FolderLock, "take", take)
+    meeting, errors = threading.Barrier(3), []
+    head = {"header": {"model": "m"}, "cwd": str(tmp_path)}
+
+    def prepare(rank: int) -> None:
+        try:
+            process = ThreadRank(rank, 3, rank, meeting)
+            lock = export.FolderLock(out, last=rank == 0)
+            export._folder_prepared(process, out, export.ExportOptions(resume=True), head, [], lock)
+            assert lock.held
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    ranks = [threading.Thread(target=prepare, args=(rank,), name=str(rank)) for rank in range(3)]
+    for thread in ranks:
+        thread.start()
+    for thread in ranks:
+        thread.join(timeout=60)
+    assert not errors, errors
+    cleared = next(t for kind, _, t in events if kind == "cleared")
+    others = [t for kind, rank, t in events if kind == "take" and rank != 0]
+    assert len(others) == 2 and min(others) > cleared
+    assert not any(path.exists() for path in leftovers) and (out / ".explain-lock").exists()
 
 
 def test_each_process_takes_its_share_and_its_own_device() -> None:

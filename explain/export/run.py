@@ -426,16 +426,20 @@ def _folder_prepared(
 ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """The output folder made ready for this run: an earlier run refused, cleared (``overwrite``) or checked and
     renamed to this run's input names (``resume``); killed writers' files removed; the folder, if it exists,
-    held by this run (its preflight refused an earlier run's without resume or overwrite). Returns the earlier
-    run's header (or None) and its records."""
-    if out_dir.is_dir():
-        lock.take()
-    if process.rank == 0:
+    held by this run (its preflight refused an earlier run's without resume or overwrite). The first process takes
+    the lock and clears the folder alone; the others write nothing, their lock's draft included, until it has.
+    Returns the earlier run's header (or None) and its records."""
+    existed = out_dir.is_dir()
+    if process.rank == 0:  # alone: no other process writes while it clears (a lock's draft is a killed writer's file)
+        if existed:
+            lock.take()
         if options.overwrite:
             remove_run(out_dir)
             remove_gallery(out_dir)
         remove_temporary_files(out_dir)
-    process.barrier()  # the first process has cleared the folder (killed writers' files, --overwrite's run)
+    process.barrier()  # the first process holds the folder and has cleared it (killed writers' files, --overwrite's)
+    if existed:
+        lock.take()  # the others join their launch's lock
     previous, records = previous_run(out_dir)
     check_settings(out_dir, previous, head["header"])
     if previous is not None:

@@ -1,0 +1,116 @@
+"""Stress run of a killed multi-process export resumed by more processes (not a benchmark: a count of failures).
+
+Each round launches ``torchrun`` with two ranks on a folder of JPEGs, kills rank 1 once it has written a few records,
+then resumes the run with three or four ranks, while a second process keeps the cores busy. A round fails when the
+resume exits non-zero or its outputs differ from a single process's. The result goes to ``results_stress_resume.md``.
+
+    python benchmarks/stress_resume.py --rounds 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = ["--model", "efficientnet_lite0", "--batch-size", "1", "--quiet"]
+LOAD = "import itertools\nfor i in itertools.count(): sum(j * j for j in range(10000))"
+
+
+def dataset(root: Path) -> Path:
+    """Sixteen 160x120 crops of the bundled photos."""
+    folder = root / "photos"
+    folder.mkdir()
+    for photo in sorted((ROOT / "assets").glob("*.png")) + sorted((ROOT / "assets").glob("*.jpg")):
+        image = Image.open(photo).convert("RGB")
+        width, height = image.size
+        for k in range(4):
+            box = (k * width // 10, k * height // 10, width - (3 - k) * width // 10, height - (3 - k) * height // 10)
+            image.crop(box).resize((160, 120)).save(folder / f"{photo.stem}-{k}.jpg", quality=90)
+    return folder
+
+
+def torchrun(processes: int, *args: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    return subprocess.Popen(
+        [*command, str(ROOT / "cli.py"), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def rank_process(launcher: subprocess.Popen, rank: int) -> int | None:
+    """The process id of one rank of a launch."""
+    for child in Path("/proc").glob("[0-9]*"):
+        try:
+            status = (child / "status").read_text()
+            environment = (child / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        parent = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
+        if parent == launcher.pid and f"RANK={rank}".encode() in environment:
+            return int(child.name)
+    return None
+
+
+def files(out: Path) -> dict[str, bytes]:
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+
+def one_round(photos: Path, out: Path, ranks: int, expected: dict[str, bytes]) -> str | None:
+    """Kill rank 1 of two, resume with ``ranks``: None, or what went wrong."""
+    killed = torchrun(2, str(photos), *COMMON, "-o", str(out))
+    part = out / "manifest.rank1.jsonl"
+    while killed.poll() is None and not (part.exists() and part.read_text().count("\n") >= 3):
+        time.sleep(0.005)
+    pid = rank_process(killed, 1)
+    if pid is not None:
+        os.kill(pid, signal.SIGKILL)
+    killed.wait(timeout=300)
+    resumed = torchrun(ranks, str(photos), *COMMON, "-o", str(out), "--resume")
+    if resumed.wait(timeout=600) != 0:
+        return resumed.stderr.read().strip().splitlines()[-1]
+    return None if files(out) == expected else "outputs differ from a single process's"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=20, help="rounds per number of resuming ranks")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as temp:
+        root = Path(temp)
+        photos = dataset(root)
+        alone = root / "alone"
+        subprocess.run([sys.executable, str(ROOT / "cli.py"), str(photos), *COMMON, "-o", str(alone)], check=True)
+        expected = files(alone)
+        load = subprocess.Popen([sys.executable, "-c", LOAD])
+        rows = []
+        try:
+            for ranks in (3, 4):
+                failures = []
+                for k in range(args.rounds):
+                    failure = one_round(photos, root / f"out-{ranks}-{k}", ranks, expected)
+                    failures += [failure] if failure else []
+                    print(f"{ranks} ranks, round {k + 1}: {failure or 'ok'}", flush=True)
+                rows.append((ranks, args.rounds, failures))
+        finally:
+            load.kill()
+    lines = ["| resuming ranks | rounds | failed | first failure |", "|---|---|---|---|"]
+    lines += [f"| {r} | {n} | {len(f)} | {f[0] if f else ''} |" for r, n, f in rows]
+    report = "\n".join(["# Kill and resume under load", "", *lines, ""])
+    (Path(__file__).parent / "results_stress_resume.md").write_text(report)
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
