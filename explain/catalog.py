@@ -25,7 +25,7 @@ class MethodEntry:
     Attributes:
         name: The name the API and the CLI take (``method="gradcampp"``): the class's ``name``.
         cls: Its class's name.
-        module: The module of :mod:`explain.methods` that defines it.
+        module: The module that defines it, relative to the package (``methods.gradient``).
         title: What it is, in a few words, with its paper: the class's ``title``.
         fast: One forward and at most one backward per target: part of ``--method all`` (the class's ``fast``).
         cost: What makes a call slow, for a method of many passes (the explorer shows it); None for the others.
@@ -39,9 +39,13 @@ class MethodEntry:
     cost: str | None = None
 
 
-# The modules of explain.methods, in the order the catalog lists their methods (a test holds every module here).
-METHOD_MODULES = ("gradient", "activation", "factorization", "scales", "guided", "perturbation", "rollout", "chefer",
-                  "legrad", "attribution", "lrp", "attnlrp", "masking", "superpixels")  # fmt: skip
+# The modules that define methods, relative to the package, in the order the catalog lists their methods (a test
+# holds every module of explain.methods and explain.relevance.propagation here).
+METHOD_MODULES = (
+    "methods.gradient", "methods.activation", "methods.factorization", "methods.scales", "methods.guided",
+    "methods.perturbation", "methods.rollout", "methods.chefer", "methods.legrad", "methods.attribution",
+    "relevance.propagation", "methods.masking", "methods.superpixels",
+)  # fmt: skip
 _FIELDS = ("name", "title", "fast", "cost")
 
 
@@ -50,10 +54,10 @@ _FIELD = re.compile(r"    (name|title|fast|cost) = (.+)$")  # a class's own attr
 
 
 def _entries(module: str) -> list[MethodEntry]:
-    """The methods a module of :mod:`explain.methods` defines: each class that sets its ``name`` and ``title``,
+    """The methods a module (relative to the package) defines: each class that sets its ``name`` and ``title``,
     read from its source line by line (without importing it: no torch, and a tenth of a parse's time), in the
     order the module defines them. A test holds each entry equal to what the imported class says."""
-    source = Path(__file__).parent.joinpath("methods", f"{module}.py").read_text(encoding="utf-8")
+    source = Path(__file__).parent.joinpath(*module.split(".")).with_suffix(".py").read_text(encoding="utf-8")
     classes: list[tuple[str, dict[str, object]]] = []
     for line in source.splitlines():
         opened, field = _CLASS.match(line), _FIELD.match(line)

@@ -11,7 +11,8 @@ from test_vision_language import llava_folder  # noqa: F401  (a fixture: the LLa
 from torch import nn
 
 import explain
-from explain.core.operation_rules import EPSILON, OperationRules
+from explain.relevance.epsilon import EPSILON
+from explain.relevance.operations import OperationRules
 from explain.errors import LayerError
 
 GENERATOR = torch.Generator().manual_seed(0)
@@ -427,7 +428,7 @@ torch.save({"relevance": (x * x.grad).detach(), "logits": logits.detach()}, sys.
 """
 
 
-def test_cplrp_is_lxt_s_on_torchvision_s_vit(tmp_path, monkeypatch) -> None:
+def test_cplrp_is_lxt_s_on_torchvision_s_vit(tmp_path) -> None:
     """LXT 2.1's own CP-LRP for torchvision's ViT (its vision patch, run unchanged in a process of its own; LXT's
     package as a whole does not import beside current ``transformers``): Gradient x Input with the query and key
     held constant, GELU and layer norms by the identity, which starts from the logit. explain's, from 1 at the
@@ -439,8 +440,6 @@ def test_cplrp_is_lxt_s_on_torchvision_s_vit(tmp_path, monkeypatch) -> None:
 
     pytest.importorskip("lxt", reason="lxt: a test dependency (pip install -e '.[test]')")
     import torchvision
-
-    from explain.core import operation_rules
 
     torch.manual_seed(1)
     model = torchvision.models.VisionTransformer(32, 8, 2, 2, 16, 32, num_classes=5).eval()
@@ -459,8 +458,8 @@ def test_cplrp_is_lxt_s_on_torchvision_s_vit(tmp_path, monkeypatch) -> None:
     torch.testing.assert_close(found.scores, lxt["logits"])
     scaled = found.raw * lxt["logits"][:, None, None, None]
     assert peak > 0 and torch.corrcoef(torch.stack([scaled.flatten(), lxt["relevance"].flatten()]))[0, 1] > 0.999
-    monkeypatch.setattr(operation_rules, "EPSILON", 1e-12)
-    scaled = explain.METHODS["cplrp"](model)(x, [1, 3], normalize=False).raw * lxt["logits"][:, None, None, None]
+    scaled = explain.METHODS["cplrp"](model, epsilon=1e-12)(x, [1, 3], normalize=False).raw
+    scaled = scaled * lxt["logits"][:, None, None, None]
     torch.testing.assert_close(scaled, lxt["relevance"], rtol=0, atol=1e-4 * peak)
 
 

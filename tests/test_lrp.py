@@ -1,4 +1,4 @@
-"""Layer-wise relevance propagation (explain.methods.lrp) against zennit, the peer that has it: its three standard
+"""Layer-wise relevance propagation (explain.relevance) against zennit, the peer that has it: its three standard
 composites with batch norms merged (zennit's SequentialMergeBatchNorm), a rule given for the first layer; and the
 guarantees: relevance conserved where the rules conserve it, the model untouched after success and failure."""
 
@@ -10,7 +10,7 @@ from conftest import hook_count, vgg_with_norms
 from torch import nn
 
 import explain
-from explain.methods.lrp import Flat, Gamma
+from explain.relevance.rules import Flat, Gamma
 
 zennit = pytest.importorskip("zennit", reason="zennit: a test dependency (pip install -e '.[test]')")
 

@@ -430,7 +430,7 @@ def test_catalogue_names_every_method_class_once() -> None:
     files = [
         importlib.import_module(f"explain.methods.{info.name}")
         for info in pkgutil.iter_modules(explain.methods.__path__)
-    ]
+    ] + [importlib.import_module("explain.relevance.propagation")]
     classes = {
         cls
         for module in files
@@ -447,7 +447,7 @@ def test_catalogue_names_every_method_class_once() -> None:
         assert cls.title and getattr(explain, entry.cls) is cls and entry.cls in explain.methods.__all__
     from explain.catalog import METHOD_MODULES
 
-    assert sorted(METHOD_MODULES) == sorted(module.__name__.rpartition(".")[2] for module in files)
+    assert sorted(METHOD_MODULES) == sorted(module.__name__.removeprefix("explain.") for module in files)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,8 +1,8 @@
 r"""CRP: Achtibat et al., "From attribution maps to human-understandable explanations through Concept Relevance
 Propagation", Nature Machine Intelligence 2023 (arXiv:2206.03208).
 
-The relevance of a target passing through a concept: LRP's backward (:class:`explain.methods.lrp.LRP`, zennit's
-composites), the relevance arriving at one layer kept where the concept is and passed on to the input,
+The relevance of a target passing through a concept: LRP's backward (:class:`explain.relevance.propagation.LRP`,
+zennit's composites), the relevance arriving at one layer kept where the concept is and passed on to the input,
 :math:`R(x \mid \theta)`. A concept is a set of channels (a weight per channel, 1 on the set), or a direction of a
 concept bank (:class:`explain.concepts.craft.ConceptBank`): at each position, its share of the activation's
 reconstruction, :math:`u_k w_{kc} / \sum_j u_j w_{jc}`, on each channel c. Relevance is linear in the relevance it
@@ -28,7 +28,7 @@ from ..core.hooks import Hooks
 from ..core.layers import LayerSpec, resolve_layer, traced_layers
 from ..core.model_state import exclusive, model_context, running, untouched
 from ..errors import ExplainError, LayerError, TargetError
-from ..methods.lrp import LRP
+from ..relevance.propagation import LRP
 from ..targets import TargetLike, as_target, bound_on
 from .craft import ConceptBank
 from .factorization import coefficients
@@ -172,7 +172,7 @@ class ConceptRelevance:
         model: A model LRP's composites rule (convolutions, linear layers).
         layer: The layer conditioned (a bank's own layer if not given).
         concepts: Channel sets, a (K, C) weight per concept and channel, or a non-negative concept bank.
-        composite: LRP's composite (see :class:`explain.methods.lrp.LRP`).
+        composite: LRP's composite (see :class:`explain.relevance.propagation.LRP`).
         labels: Class names, to accept a class name as target.
         **options: LRP's other options (``rules``, ``low``, ``high``).
     """

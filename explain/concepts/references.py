@@ -12,7 +12,7 @@ positions the references peak at, the same for every image of a size.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -22,13 +22,12 @@ from torch import Tensor, nn
 from ..core.hooks import Hooks
 from ..core.layers import resolve_layer
 from ..core.model_state import exclusive, running, untouched
-from ..core.rules import ELEMENTWISE, BatchNorm, Rule, RuledLayer, passed, relevance_rules
 from ..errors import ExplainError, LayerError
-from ..methods.lrp import CONVOLUTIONS, POOLS, Flat
+from ..relevance.composites import FLAT, LayerRules
+from ..relevance.operations import OperationRules, in_forward
 from .craft import ConceptBank
 from .factorization import coefficients
 
-MAX_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d)
 MODES = ("relevance", "activation")
 
 
@@ -100,29 +99,6 @@ class Ranking:
         self.values, self.samples, self.peaks = values.gather(1, top), samples.gather(1, top), peaks.gather(1, top)
 
 
-def flat_rules() -> Callable[[str, nn.Module], Rule | None]:
-    """LRP-flat everywhere weights or pools are, relevance passed through element-wise modules: its support from
-    one position is that position's receptive field."""
-    flat = Flat()
-    rules = {
-        CONVOLUTIONS: flat, nn.Linear: flat, POOLS: flat, MAX_POOLS: _spread, ELEMENTWISE: passed, BatchNorm: passed,
-    }  # fmt: skip
-    return lambda name, module: next((rule for types, rule in rules.items() if isinstance(module, types)), None)
-
-
-def _spread(layer: RuledLayer, x: Tensor, relevance: Tensor) -> Tensor:
-    """A max pool's relevance spread evenly over each output's window, as an average pool of its shape would."""
-    module, leaf = layer.module, torch.ones_like(x, requires_grad=True)
-    rank = x.dim() - 2
-    if isinstance(module, (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d)):
-        pooled = getattr(F, f"adaptive_avg_pool{rank}d")(leaf, module.output_size)
-    else:
-        pooled = getattr(F, f"avg_pool{rank}d")(
-            leaf, module.kernel_size, module.stride, module.padding, module.ceil_mode, count_include_pad=False
-        )
-    return torch.autograd.grad(pooled, leaf, relevance / pooled.detach())[0]
-
-
 def receptive_boxes(model: nn.Module, layer: str, x: Tensor, positions: Tensor, channels_last: bool) -> Tensor:
     """The receptive field of each of a layer's positions as a box (top, left, height, width) in ``x``'s pixels.
 
@@ -136,7 +112,8 @@ def receptive_boxes(model: nn.Module, layer: str, x: Tensor, positions: Tensor, 
     module = resolve_layer(model, layer, x)[1]
     kept: list[Tensor] = []
     xs = x.detach().expand(len(positions), *x.shape[1:]).clone().requires_grad_(True)
-    with exclusive(model), untouched(model), running(model), relevance_rules(model, flat_rules()), Hooks() as hooks:
+    flat = OperationRules("CRP's receptive fields", model=model, layers=LayerRules(model, FLAT))
+    with exclusive(model), untouched(model), running(model), in_forward(model, flat), Hooks() as hooks:
         hooks.forward(module, lambda m, i, output: kept.append(output))
         model(xs)
         seed = torch.zeros_like(kept[0])

@@ -3,10 +3,11 @@
 Files: ``gradient.py`` (maps from activations and gradients), ``activation.py`` (activations alone),
 ``factorization.py`` (concepts factorized out of a layer), ``perturbation.py`` (scores of masked or ablated
 inputs), ``guided.py`` (input-resolution guided gradients), ``attribution.py`` (pixel attributions of the input's
-gradient), ``lrp.py`` (relevance propagated back by rules), ``masking.py`` (the scores of the input with parts of it
+gradient), ``masking.py`` (the scores of the input with parts of it
 masked), ``superpixels.py`` (the scores of the input with superpixels left out), ``rollout.py`` (vision
 transformers' attention rolled out through the layers), ``legrad.py`` (each block's read-out at its attention),
 ``chefer.py`` (relevance through a transformer's blocks), ``scales.py`` (a method over rescaled, slid windows).
+The relevance propagations (LRP, AttnLRP, CP-LRP) live with their engine, in :mod:`explain.relevance`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ Method = CAM  # every method, the guided ones included, is a CAM subclass called
 
 # Each method's name to its class: the catalog's, read from the classes themselves (see explain.catalog).
 METHODS: dict[str, type[CAM]] = {
-    entry.name: getattr(import_module(f".{entry.module}", __name__), entry.cls) for entry in METHOD_CATALOG
+    entry.name: getattr(import_module(f"..{entry.module}", __name__), entry.cls) for entry in METHOD_CATALOG
 }
 globals().update({cls.__name__: cls for cls in METHODS.values()})  # explain.methods.GradCAM, ...
 

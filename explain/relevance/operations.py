@@ -1,18 +1,24 @@
-r"""Relevance rules by operation, not by module: for the block, every torch operation the model's forward runs on a
-tensor that relevance passes through is swapped for one whose backward hands relevance to its inputs by its rule
-(AttnLRP's, Achtibat et al., "AttnLRP: Attention-Aware Layer-Wise Relevance Propagation for Transformers", ICML
-2024). Any model built of these operations gets the rules, whatever its family; an operation without a rule is
-refused in one line that names it, never passed as a gradient.
+r"""The relevance engine: for the block, every torch operation the model's forward runs on a tensor that relevance
+passes through is swapped for one whose backward hands relevance to its inputs by its rule. LRP, AttnLRP and
+CP-LRP (Achtibat et al., "AttnLRP: Attention-Aware Layer-Wise Relevance Propagation for Transformers", ICML 2024)
+and CRP all run here; any model built of these operations gets the rules, whatever its family, and an operation
+without a rule is refused in one line that names it, never passed as a gradient.
 
 The rules (R: the relevance at an operation's output, z its output, :math:`z' = z + \epsilon\,\mathrm{sign}(z)`):
 
-- **ε** for an affine map of one input (linear layers, convolutions, batch norms in eval, average pools, means and
-  sums, resizing, a sum with a constant): :math:`R_x = x \odot J^\top (R / z')`.
-- **ε** for the sum of two inputs: :math:`R_a = a \odot R / z'`, :math:`R_b = b \odot R / z'`.
+- **A composite's rule** (LRP, :mod:`explain.relevance.composites`) for the convolutions, linear layers and pools
+  it names: z⁺, αβ, γ, z^B, flat (:mod:`explain.relevance.rules`), a batch norm in eval that reads such a layer's
+  output merged into the layer for the call (as zennit's canonizers merge them).
+- **ε** for an affine map of one input (linear layers and convolutions no composite names, batch norms in eval,
+  average pools, means and sums, resizing, a sum with a constant): :math:`R_x = x \odot J^\top (R / z')`.
+- **ε** for the sum of two inputs (a residual connection): :math:`R_a = a \odot R / z'`, :math:`R_b = b \odot R / z'`.
 - **Layer norm**: ε through the layer with its standard deviation held constant (its centring is linear).
 - **Identity** through element-wise activations (GELU, SiLU, ...), RMS norms, a product with a constant, a division
   by one, and a negation: :math:`R_x = R`.
-- **Uniform** for the product of two inputs (a gate): each gets half, :math:`R_a = R_b = R / 2`.
+- **Gate** for the product of two inputs: a factor spread over the other's positions or channels (a
+  squeeze-excitation) is held constant, the signal getting all (Pahde et al., "Optimizing Explanations by Network
+  Canonization and Hyperparameter Search", CVPR workshops 2023); factors of one shape each get half (uniform),
+  :math:`R_a = R_b = R / 2`; ``gate="uniform"`` halves everywhere.
 - **Uniform and ε** for a matrix product of two inputs: :math:`R_a = a \odot ((R / 2z') b^\top)`,
   :math:`R_b = b \odot (a^\top (R / 2z'))`; with one constant, the other gets it all, :math:`R / z'`.
 - **Softmax** (Deep Taylor at its input): :math:`R_x = x \odot (R - s \odot \sum R)`, or, with the attention held
@@ -34,7 +40,9 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -43,18 +51,12 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_flatten
 
+from ..core.hooks import Hooks
 from ..errors import LayerError
+from .epsilon import EPSILON, ratio
+from .rules import Layer, MergedNorm, Rule
 
-EPSILON = 1e-6
 T = torch.Tensor
-
-
-def _ratio(relevance: Tensor, z: Tensor, scale: float = 1.0) -> Tensor:
-    """:math:`R / (s z)'`, the stabilized ratio (+ε at 0, -ε at -0), in one new tensor (its steps in place: the
-    tensors are large)."""
-    denominator = torch.copysign(z.new_full((), EPSILON), z)
-    denominator.add_(z, alpha=scale) if scale != 1.0 else denominator.add_(z)
-    return torch.div(relevance, denominator, out=denominator)
 
 
 def _own(z: Tensor) -> Tensor:
@@ -72,35 +74,35 @@ class _Affine(torch.autograd.Function):
     J^\\top (R / z')`."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
-        ctx.fn = fn
+    def forward(ctx: Any, x: Tensor, fn: Callable[[Tensor], Tensor], epsilon: float) -> Tensor:
+        ctx.fn, ctx.epsilon = fn, epsilon
         ctx.save_for_backward(x)
         return _own(fn(x))
 
     @staticmethod
-    def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, None]:
+    def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, None, None]:
         (x,) = ctx.saved_tensors
         with torch.enable_grad():
             leaf = x.detach().requires_grad_(True)
             z = ctx.fn(leaf)
-            found = torch.autograd.grad(z, leaf, _ratio(relevance, z.detach()))[0]
-        return leaf.detach() * found, None
+            found = torch.autograd.grad(z, leaf, ratio(relevance, z.detach(), ctx.epsilon))[0]
+        return leaf.detach() * found, None, None
 
 
 class _Linear(torch.autograd.Function):
     r"""ε for a linear layer, from its saved output: :math:`R_x = x \odot ((R / z') W)`, no forward again."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, epsilon: float) -> Tensor:
         z = _own(F.linear(x, weight, bias))
         ctx.save_for_backward(x, weight)
-        ctx.z = z.detach()  # kept apart from the output, which an in-place operation may make another tensor
+        ctx.z, ctx.epsilon = z.detach(), epsilon  # z kept apart from the output, which may be changed in place
         return z
 
     @staticmethod
-    def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, None, None, None]:
         x, weight = ctx.saved_tensors
-        return x * (_ratio(relevance, ctx.z) @ weight), None, None
+        return x * (ratio(relevance, ctx.z, ctx.epsilon) @ weight), None, None, None
 
 
 class _LayerNorm(torch.autograd.Function):
@@ -109,21 +111,29 @@ class _LayerNorm(torch.autograd.Function):
     normalized axes)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, dims: tuple[int, ...], weight: Tensor | None, bias: Tensor | None, eps: float):
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        dims: tuple[int, ...],
+        weight: Tensor | None,
+        bias: Tensor | None,
+        eps: float,
+        epsilon: float,
+    ) -> Tensor:
         spread = (x.var(dim=dims, unbiased=False, keepdim=True) + eps).sqrt()
         z = (x - x.mean(dim=dims, keepdim=True)) / spread
         z = z if weight is None else z * weight
         z = (z if bias is None else z + bias).contiguous()  # as F.layer_norm gives it, whatever x's strides
-        ctx.dims, ctx.weighted, ctx.z = dims, weight is not None, z.detach()
+        ctx.dims, ctx.weighted, ctx.z, ctx.epsilon = dims, weight is not None, z.detach(), epsilon
         ctx.save_for_backward(x, spread, *([weight] if weight is not None else []))
         return z
 
     @staticmethod
     def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor | None, ...]:
         x, spread, *weight = ctx.saved_tensors
-        r = _ratio(relevance, ctx.z)
+        r = ratio(relevance, ctx.z, ctx.epsilon)
         r = r * weight[0] if ctx.weighted else r
-        return x * (r - r.mean(dim=ctx.dims, keepdim=True)) / spread, None, None, None, None
+        return x * (r - r.mean(dim=ctx.dims, keepdim=True)) / spread, None, None, None, None, None
 
 
 class _Identity(torch.autograd.Function):
@@ -193,17 +203,17 @@ class _Sum(torch.autograd.Function):
     """ε for ``a + b`` (both inputs relevant), broadcast as the sum is."""
 
     @staticmethod
-    def forward(ctx: Any, a: Tensor, b: Tensor) -> Tensor:
+    def forward(ctx: Any, a: Tensor, b: Tensor, epsilon: float) -> Tensor:
         z = a + b
         ctx.save_for_backward(a, b)
-        ctx.z = z.detach()
+        ctx.z, ctx.epsilon = z.detach(), epsilon
         return z
 
     @staticmethod
-    def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, Tensor]:
+    def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, Tensor, None]:
         a, b = ctx.saved_tensors
-        ratio = _ratio(relevance, ctx.z)
-        return _unbroadcast(a * ratio, a.shape), _unbroadcast(b * ratio, b.shape)
+        shared = ratio(relevance, ctx.z, ctx.epsilon)
+        return _unbroadcast(a * shared, a.shape), _unbroadcast(b * shared, b.shape), None
 
 
 class _Product(torch.autograd.Function):
@@ -225,26 +235,27 @@ class _Bilinear(torch.autograd.Function):
     product's from its saved output, as its own backward would."""
 
     @staticmethod
-    def forward(ctx: Any, a: Tensor, b: Tensor, fn: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    def forward(ctx: Any, a: Tensor, b: Tensor, fn: Callable[[Tensor, Tensor], Tensor], epsilon: float) -> Tensor:
         z = _own(fn(a, b))
-        ctx.fn, ctx.z = fn, z.detach()
+        ctx.fn, ctx.z, ctx.epsilon = fn, z.detach(), epsilon
         ctx.save_for_backward(a, b)
         return z
 
     @staticmethod
-    def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, Tensor, None]:
+    def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, Tensor, None, None]:
         a, b = ctx.saved_tensors
-        ratio = _ratio(relevance, ctx.z, 2.0)
+        shared = ratio(relevance, ctx.z, ctx.epsilon, 2.0)
         if ctx.fn is torch.matmul and a.dim() >= 2 and b.dim() >= 2:
             return (
-                a * _unbroadcast(ratio @ b.transpose(-1, -2), a.shape),
-                b * _unbroadcast(a.transpose(-1, -2) @ ratio, b.shape),
+                a * _unbroadcast(shared @ b.transpose(-1, -2), a.shape),
+                b * _unbroadcast(a.transpose(-1, -2) @ shared, b.shape),
+                None,
                 None,
             )
         with torch.enable_grad():
             leaves = a.detach().requires_grad_(True), b.detach().requires_grad_(True)
-            found = torch.autograd.grad(ctx.fn(*leaves), leaves, ratio)
-        return leaves[0].detach() * found[0], leaves[1].detach() * found[1], None
+            found = torch.autograd.grad(ctx.fn(*leaves), leaves, shared)
+        return leaves[0].detach() * found[0], leaves[1].detach() * found[1], None, None
 
 
 class _Softmax(torch.autograd.Function):
@@ -273,19 +284,44 @@ def _unbroadcast(value: Tensor, shape: torch.Size) -> Tensor:
     return value.sum(dim=axes, keepdim=True) if axes else value
 
 
-def affine(x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
+def affine(x: Tensor, fn: Callable[[Tensor], Tensor], epsilon: float = EPSILON) -> Tensor:
     """``fn(x)`` under the ε rule."""
-    return _Affine.apply(x, fn)
+    return _Affine.apply(x, fn, epsilon)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, epsilon: float = EPSILON) -> Tensor:
     """``F.linear(x, weight, bias)`` under the ε rule, the weights constants."""
-    return _Linear.apply(x, weight.detach(), None if bias is None else bias.detach())
+    return _Linear.apply(x, weight.detach(), None if bias is None else bias.detach(), epsilon)
 
 
 def identity(x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
     """``fn(x)`` under the identity rule."""
     return _Identity.apply(x, fn)
+
+
+@dataclass
+class RuledCall:
+    """One call of a layer operation under a composite's rule; a batch norm reading its output merges into it."""
+
+    rule: Rule
+    layer: Layer
+
+
+class _Ruled(torch.autograd.Function):
+    """A layer operation under a composite's rule: its output ``value`` (the model's own), the backward the rule's
+    relevance of the layer's input (the layer as the forward left it: a batch norm after it merged)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, value: Tensor, call: RuledCall) -> Tensor:
+        ctx.call = call
+        ctx.save_for_backward(x)
+        return _own(value)
+
+    @staticmethod
+    def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, None, None]:
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            return ctx.call.rule(ctx.call.layer, x.detach(), relevance), None, None
 
 
 Handler = Callable[["OperationRules", Callable[..., Any], tuple, dict], Any]
@@ -300,8 +336,32 @@ def _affine_first(mode: OperationRules, func: Callable[..., Any], args: tuple, k
     """ε through an operation affine in its first argument (its others constants)."""
     if func is F.linear and _grad(args[0]):
         o = _named(("input", "weight", "bias"), args, kwargs)
-        return linear(o["input"], o["weight"], o.get("bias"))
-    return affine(args[0], lambda t: func(t, *args[1:], **kwargs))
+        return linear(o["input"], o["weight"], o.get("bias"), mode.epsilon)
+    return affine(args[0], lambda t: func(t, *args[1:], **kwargs), mode.epsilon)
+
+
+def _layer(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """A convolution, linear layer or pool under the rule the method's composite gives it, else under ε (a max pool
+    as the gradient)."""
+    kind = "weighted" if func in WEIGHTED else "max_pool" if func in MAX_POOLS else "pool"
+    names = ("input", "weight", "bias") if kind == "weighted" else ("input",)
+    o = _named(names, args, kwargs)
+    x = o["input"]
+    rule = mode.layers(kind, o.get("weight")) if mode.layers is not None and _grad(x) else None
+    if rule is None:
+        return func(*args, **kwargs) if kind == "max_pool" else _affine_first(mode, func, args, kwargs)
+    constant = {n: None if o.get(n) is None else o[n].detach() for n in ("weight", "bias")}
+    rest = {k: v for k, v in kwargs.items() if k not in names}
+    layer = Layer(func, constant["weight"], constant["bias"], tuple(args[len(names) :]), rest)
+    with torch.no_grad():
+        value = func(*args, **kwargs)
+    if not isinstance(value, Tensor):  # a max pool's indices too: as the gradient
+        return func(*args, **kwargs)
+    call = RuledCall(rule, layer)
+    output = _Ruled.apply(x, value, call)
+    if func in MERGING:
+        mode.remember(output, call)
+    return output
 
 
 def _identity_first(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -310,32 +370,36 @@ def _identity_first(mode: OperationRules, func: Callable[..., Any], args: tuple,
     return identity(args[0], lambda t: func(t, *args[1:], **kwargs))
 
 
-def _plus(a: Any, b: Any) -> Tensor:
+def _plus(a: Any, b: Any, epsilon: float) -> Tensor:
     """``a + b`` under ε: both relevant, or one a constant that keeps its share (a bias)."""
     if _grad(a) and _grad(b):
-        return _Sum.apply(a, b)
+        return _Sum.apply(a, b, epsilon)
     x, other = (a, b) if _grad(a) else (b, a)
-    return affine(x, lambda t: t + other)
+    return affine(x, lambda t: t + other, epsilon)
 
 
 def _add(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     a, b = args[0], args[1]
     if kwargs.get("alpha", 1) != 1:
         b = _times(b, kwargs["alpha"])
-    return _plus(a, b)
+    return _plus(a, b, mode.epsilon)
 
 
 def _sub(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     a, b = args[0], args[1]
-    return _plus(a, _times(b, -kwargs.get("alpha", 1)))
+    return _plus(a, _times(b, -kwargs.get("alpha", 1)), mode.epsilon)
 
 
 def _rsub(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    return _plus(args[1], _times(args[0], -1))
+    return _plus(args[1], _times(args[0], -1), mode.epsilon)
 
 
-def _times(a: Any, b: Any) -> Any:
-    """``a * b``: the uniform rule where both are relevant, the identity where one is a constant."""
+def _times(a: Any, b: Any, gate: str = "signal") -> Any:
+    """``a * b``: the gate rule where both are relevant (see :class:`OperationRules`), the identity where one is a
+    constant."""
+    if gate == "signal" and _grad(a) and _grad(b) and a.shape != b.shape:
+        a_gates = torch.broadcast_shapes(a.shape, b.shape) != a.shape  # a is spread over b's positions or channels
+        a, b = (a.detach(), b) if a_gates else (a, b.detach())
     if _grad(a) and _grad(b):
         return _Product.apply(a, b)
     if not (_grad(a) or _grad(b)):
@@ -345,7 +409,7 @@ def _times(a: Any, b: Any) -> Any:
 
 
 def _mul(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    return _times(mode.held(args[0]), mode.held(args[1]))
+    return _times(mode.held(args[0]), mode.held(args[1]), mode.gate)
 
 
 def _div(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -361,7 +425,7 @@ def _neg(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: di
 
 
 def _matmul(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    return _bilinear(args[0], args[1], torch.matmul)
+    return _bilinear(args[0], args[1], torch.matmul, mode.epsilon)
 
 
 def _einsum(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -371,16 +435,16 @@ def _einsum(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs:
     if len(operands) != 2:
         relevant = next(v for v in operands if _grad(v))
         return barred(func, args, kwargs, relevant, mode.refusal(f"an einsum of {len(operands)} operands"))
-    return _bilinear(operands[0], operands[1], lambda a, b: torch.einsum(equation, a, b))
+    return _bilinear(operands[0], operands[1], lambda a, b: torch.einsum(equation, a, b), mode.epsilon)
 
 
-def _bilinear(a: Tensor, b: Tensor, fn: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+def _bilinear(a: Tensor, b: Tensor, fn: Callable[[Tensor, Tensor], Tensor], epsilon: float) -> Tensor:
     """``fn(a, b)``: uniform and ε where both are relevant, ε to the one that is where the other is a constant."""
     if _grad(a) and _grad(b):
-        return _Bilinear.apply(a, b, fn)
+        return _Bilinear.apply(a, b, fn, epsilon)
     if _grad(a):
-        return affine(a, lambda t: fn(t, b))
-    return affine(b, lambda t: fn(a, t))
+        return affine(a, lambda t: fn(t, b), epsilon)
+    return affine(b, lambda t: fn(a, t), epsilon)
 
 
 def _softmax(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -404,7 +468,7 @@ def _attention(mode: OperationRules, func: Callable[..., Any], args: tuple, kwar
         repeats = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(repeats, dim=-3), v.repeat_interleave(repeats, dim=-3)
     scale = options.get("scale") or q.shape[-1] ** -0.5
-    scores = identity(_bilinear(q, k.transpose(-1, -2), torch.matmul), lambda t: t * scale)
+    scores = identity(_bilinear(q, k.transpose(-1, -2), torch.matmul, mode.epsilon), lambda t: t * scale)
     mask = options.get("attn_mask")
     if options.get("is_causal"):
         size = scores.shape[-2:]
@@ -412,21 +476,35 @@ def _attention(mode: OperationRules, func: Callable[..., Any], args: tuple, kwar
     if mask is not None:
         bias = _additive(mask, scores)
         scores = identity(scores, lambda t: t + bias)  # a mask: what it lets through keeps its relevance
-    return _bilinear(mode.softmax(scores, -1), v, torch.matmul)
+    return _bilinear(mode.softmax(scores, -1), v, torch.matmul, mode.epsilon)
 
 
 def _layer_norm(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     o = _named(("input", "normalized_shape", "weight", "bias", "eps"), args, kwargs)
     weight, bias = (None if o.get(n) is None else o[n].detach() for n in ("weight", "bias"))
     dims = tuple(range(-len(o["normalized_shape"]), 0))
-    return _LayerNorm.apply(o["input"], dims, weight, bias, o.get("eps", 1e-5))
+    return _LayerNorm.apply(o["input"], dims, weight, bias, o.get("eps", 1e-5), mode.epsilon)
+
+
+BATCH_NORM_ARGUMENTS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
 
 
 def _batch_norm(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    training = kwargs.get("training", args[5] if len(args) > 5 else False)
-    if training:
+    """A batch norm in eval mode: merged into the ruled layer whose output it reads (the layer's rule then takes the
+    folded weights, and the norm passes relevance on unchanged), else under ε.
+
+    Raises:
+        LayerError: It is in training mode (its statistics are the batch's).
+    """
+    o = _named(BATCH_NORM_ARGUMENTS, args, kwargs)
+    if o.get("training") or o.get("running_mean") is None:
         raise LayerError(f"{mode.method} rules a batch norm with its running statistics: call model.eval() first")
-    return _affine_first(mode, func, args, kwargs)
+    call = mode.ruled_call(o["input"])
+    if call is None:
+        return _affine_first(mode, func, args, kwargs)
+    constant = [None if o.get(n) is None else o[n].detach() for n in ("running_mean", "running_var", "weight", "bias")]
+    call.layer = replace(call.layer, norm=MergedNorm(*constant, o.get("eps", 1e-5)))
+    return _identity_first(mode, func, args, kwargs)
 
 
 MHA_ARGUMENTS = (
@@ -458,16 +536,16 @@ def _multi_head(mode: OperationRules, func: Callable[..., Any], args: tuple, kwa
     biases = o["in_proj_bias"].chunk(3) if o.get("in_proj_bias") is not None else (None,) * 3
 
     def heads_of(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        projected = linear(x, weight, bias)
+        projected = linear(x, weight, bias, mode.epsilon)
         return projected.reshape(len(x), batch, heads, -1).permute(1, 2, 0, 3)  # (N, H, L, d)
 
     q, k, v = (heads_of(o[n], w, b) for n, w, b in zip(("query", "key", "value"), weights, biases))
     mask = o.get("attn_mask")
     if mask is not None and mask.dim() == 3:
         mask = mask.reshape(batch, heads, *mask.shape[1:])
-    merged = _attention(mode, func, (q, k, v), {"attn_mask": mask, "is_causal": bool(o.get("is_causal"))})
-    merged = merged.permute(2, 0, 1, 3).reshape(length, batch, width)
-    out = linear(merged, o["out_proj_weight"], o["out_proj_bias"])
+    attended = _attention(mode, func, (q, k, v), {"attn_mask": mask, "is_causal": bool(o.get("is_causal"))})
+    attended = attended.permute(2, 0, 1, 3).reshape(length, batch, width)
+    out = linear(attended, o["out_proj_weight"], o["out_proj_bias"], mode.epsilon)
     if not o.get("need_weights", True):
         return out, None
     scores = (q.detach() @ k.detach().transpose(-1, -2)) * q.shape[-1] ** -0.5  # what it returns, no graph
@@ -521,15 +599,16 @@ def _moved(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: 
     return args[0]
 
 
-AFFINE = (
-    F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
-    F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
-    torch.mean, T.mean, torch.sum, T.sum, F.interpolate,
-)  # fmt: skip
+MERGING = (F.linear, F.conv1d, F.conv2d, F.conv3d)  # layers a batch norm reading their output merges into
+WEIGHTED = (*MERGING, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)
+POOLS = (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d)
+MAX_POOLS = (F.max_pool1d, F.max_pool2d, F.max_pool3d, F.adaptive_max_pool1d, F.adaptive_max_pool2d,
+             F.adaptive_max_pool3d)  # fmt: skip
+AFFINE = (torch.mean, T.mean, torch.sum, T.sum, F.interpolate)
 ELEMENTWISE = (
     F.relu, torch.relu, T.relu, F.relu6, F.gelu, F.silu, F.hardswish, F.leaky_relu, F.elu, F.mish, F.softplus,
     F.hardtanh, F.hardsigmoid, torch.sigmoid, T.sigmoid, F.sigmoid, torch.tanh, T.tanh, F.tanh, F.rms_norm,
-    F.normalize, F.dropout, F.dropout1d, F.dropout2d, F.dropout3d,
+    F.normalize, F.dropout1d, F.dropout2d, F.dropout3d,
 )  # fmt: skip
 PASSED = {
     T.__getitem__, T.view, T.reshape, torch.reshape, T.permute, torch.permute, T.transpose, torch.transpose,
@@ -537,8 +616,7 @@ PASSED = {
     T.expand, T.expand_as, T.clone, T.detach, T.to, T.type, T.type_as, T.float, T.double, T.half, T.bfloat16, T.unbind,
     torch.unbind, T.split, torch.split, T.chunk, torch.chunk, torch.cat, torch.concat, torch.stack, T.movedim,
     torch.movedim, T.narrow, T.select, T.flip, T.roll, T.repeat, T.repeat_interleave, T.view_as, T.reshape_as,
-    F.pad, F.max_pool1d, F.max_pool2d, F.max_pool3d, F.adaptive_max_pool1d, F.adaptive_max_pool2d,
-    F.max_pool1d_with_indices, F.max_pool2d_with_indices, F.max_pool3d_with_indices, T.T.__get__, T.mT.__get__,
+    F.pad, F.max_pool1d_with_indices, F.max_pool2d_with_indices, F.max_pool3d_with_indices, T.T.__get__, T.mT.__get__,
     F.dropout, F.alpha_dropout, T.masked_scatter, T.masked_fill, T.t, torch.t, T.swapaxes,
     torch.swapaxes, T.swapdims, torch.swapdims, torch.broadcast_to, T.broadcast_to, torch.where, T.where,
     torch.max, T.max, torch.amax, T.amax, torch.min, T.min, torch.amin, T.amin,
@@ -549,6 +627,7 @@ STATISTICS = {
 }  # fmt: skip
 KEPT = {T.detach, T.requires_grad_, T.register_hook}  # what a statistic's caller does to it as to any tensor
 TABLE: dict[Callable[..., Any], Handler] = {
+    **dict.fromkeys((*WEIGHTED, *POOLS, *MAX_POOLS), _layer),
     **dict.fromkeys(AFFINE, _affine_first),
     **dict.fromkeys(ELEMENTWISE, _identity_first),
     **dict.fromkeys((T.add, torch.add, T.__add__, T.__radd__), _add),
@@ -573,6 +652,7 @@ TABLE: dict[Callable[..., Any], Handler] = {
 }
 
 BY_NAME: dict[str, Handler] = {"torchvision.roi_align": _affine_first}  # optional libraries' operations, by name
+GATES = ("signal", "uniform")
 
 
 class OperationRules(TorchFunctionMode):
@@ -584,14 +664,45 @@ class OperationRules(TorchFunctionMode):
         attention: ``"attnlrp"``: the softmax rule; ``"constant"``: the attention held constant (CP-LRP).
         model: The model whose forward runs under the rules: its parameters and buffers are changed in place, if its
             forward does, as they are, never replaced.
+        epsilon: The ε of the ε rule (:mod:`explain.relevance.epsilon`).
+        gate: The rule of a product of two relevant factors. ``"signal"``: a factor spread over the other's positions
+            or channels (a squeeze-excitation's or a spatial attention's gate) is held constant and the signal it
+            scales gets all the relevance (Pahde et al. 2023's signal-only gate); factors of one shape (a gated MLP)
+            share it uniformly. ``"uniform"``: every product shares it uniformly (AttnLRP's rule everywhere; through
+            a sigmoid gate's pre-activations near 0 the ε rule then meets small denominators, and relevance grows
+            far past the score).
+        layers: A composite resolved for the model (:class:`explain.relevance.composites.LayerRules`): the rule
+            of each convolution, linear layer or pool it names (a batch norm reading a ruled layer's output merged
+            into it); None: ε in every layer.
     """
 
-    def __init__(self, method: str, attention: str = "attnlrp", model: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        method: str,
+        attention: str = "attnlrp",
+        model: nn.Module | None = None,
+        *,
+        epsilon: float = EPSILON,
+        gate: str = "signal",
+        layers: Callable[[str, Tensor | None], Rule | None] | None = None,
+    ) -> None:
         super().__init__()
-        self.method, self.attention = method, attention
+        if gate not in GATES:
+            raise LayerError(f"gate must be one of {', '.join(GATES)}, got {gate!r}")
+        self.method, self.attention, self.epsilon, self.gate, self.layers = method, attention, epsilon, gate, layers
         tensors = [*model.parameters(), *model.buffers()] if model is not None else []
         self.own = {id(t) for t in tensors}  # the model's parameters and buffers
         self.statistics: dict[int, tuple[weakref.ref, str]] = {}  # held statistics by id: (the tensor, its origin)
+        self.ruled: dict[int, tuple[weakref.ref, RuledCall]] = {}  # ruled layers' outputs by id
+
+    def remember(self, output: Tensor, call: RuledCall) -> None:
+        """A ruled layer's output, which a batch norm reading it merges into the layer."""
+        self.ruled[id(output)] = (weakref.ref(output), call)
+
+    def ruled_call(self, value: Tensor) -> RuledCall | None:
+        """The ruled layer call whose output ``value`` is, or None."""
+        entry = self.ruled.get(id(value))
+        return entry[1] if entry is not None and entry[0]() is value else None
 
     def softmax(self, x: Tensor, dim: int) -> Tensor:
         """A softmax under the method's rule."""
@@ -639,6 +750,16 @@ class OperationRules(TorchFunctionMode):
     def refusal(self, what: str) -> str:
         """The line that refuses an operation without a rule, once relevance reaches it."""
         return f"{self.method} has no relevance rule for {what}; use lrp or a gradient method for this model"
+
+
+@contextmanager
+def in_forward(model: nn.Module, mode: OperationRules) -> Iterator[None]:
+    """For the block, ``mode`` holds inside the model's forwards alone: not in what the caller computes from the
+    outputs (a target's scoring), nor in the backward."""
+    with Hooks() as hooks:
+        hooks.forward_pre(model, lambda module, args: mode.__enter__() and None)
+        hooks.forward(model, lambda module, args, output: mode.__exit__(None, None, None), always_call=True)
+        yield
 
 
 @functools.cache
