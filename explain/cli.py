@@ -191,6 +191,13 @@ def _how_to_explain(add: Callable[..., Any]) -> None:
     add("--smooth-samples", type=int, help="SmoothGrad-style: average the maps of N noisy copies")
     add("--smooth-sigma", type=float, help="noise of --smooth-samples, a fraction of the value range (default 0.15)")
     add("--seed", type=int, help="seed of the random numbers (noise, SS-CAM, the random baseline)")
+    add("--epsilon", type=float, help="the ε of the ε rule of lrp, attnlrp and cplrp (default 1e-6)")
+    add(
+        "--gate",
+        choices=("signal", "uniform"),
+        help="lrp, attnlrp and cplrp through a product of two relevant tensors: signal (default: a gate spread over "
+        "the signal's positions or channels, as a squeeze-excitation's, held constant) or uniform (half each)",
+    )
     add(
         "--target",
         help="class index or class name to explain; default: each image's top-1 class "
@@ -306,6 +313,8 @@ def export_options(args: argparse.Namespace) -> ExportOptions:
         "smooth_samples": args.smooth_samples,
         "smooth_sigma": args.smooth_sigma,
         "seed": args.seed,
+        "epsilon": args.epsilon,
+        "gate": args.gate,
     }
     target = args.target
     if target is not None and target.lstrip("-").isdigit():

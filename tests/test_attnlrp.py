@@ -11,9 +11,9 @@ from test_vision_language import llava_folder  # noqa: F401  (a fixture: the LLa
 from torch import nn
 
 import explain
+from explain.errors import LayerError
 from explain.relevance.epsilon import EPSILON
 from explain.relevance.operations import OperationRules
-from explain.errors import LayerError
 
 GENERATOR = torch.Generator().manual_seed(0)
 

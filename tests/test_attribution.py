@@ -231,9 +231,11 @@ def test_rise_is_the_papers_score_weighted_sum_of_its_masks(model, x) -> None:
     assert hook_count(model) == 0
 
 
-def test_deconvolution_is_captum_s(model, x) -> None:
-    """Deconvolution against Captum's: every ReLU passes back the positive part of the gradient it receives; the
-    model's in-place ReLUs are restored after."""
+def test_deconvolution_is_captum_s(x) -> None:
+    """Deconvolution against Captum's, on a ResNet-18 with its ReLUs (both take the gradient of the whole batch at
+    once): every ReLU passes back the positive part of the gradient it receives; the model's in-place ReLUs are
+    restored after."""
+    model = seeded("resnet18", num_classes=10)
     result = explain.Deconvolution(model)(x, TARGETS, normalize=False)
     theirs = captum.Deconvolution(model).attribute(x.clone().requires_grad_(True), target=TARGETS)
     guided = explain.GuidedBackprop(model)(x, TARGETS, normalize=False)
@@ -284,3 +286,35 @@ def test_deeplift_is_captum_s_and_sums_to_the_score_s_change() -> None:
     torch.testing.assert_close(result.raw.sum(dim=(1, 2, 3)), change, rtol=1e-4, atol=1e-5)
     assert result.completeness.abs().max() <= 1e-4 * change.abs().max()
     assert model.relu.inplace and hook_count(model) == 0
+
+
+INPUT_METHODS = ["saliency", "input_x_gradient", "integrated_gradients", "gradient_shap", "deeplift", "sobel",
+                 "occlusion", "rise", "feature_ablation", "lime", "kernel_shap", "guided_backprop", "deconvolution",
+                 "fullgrad"]  # fmt: skip
+
+
+@pytest.mark.parametrize("method", INPUT_METHODS)
+def test_a_method_that_reads_no_layer_refuses_one_in_one_line(method: str) -> None:
+    """A pixel attribution given a layer refuses it, naming the methods that read one; without, it runs."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(4, 3)).eval()  # fmt: skip
+    with pytest.raises(explain.LayerError, match=r"reads no layer; drop layer= \(--layer\).*\(lrp, attnlrp and cplrp"):
+        explain.create_method(method, model, "0")
+    assert not explain.METHODS[method].reads_layer and explain.METHODS["lrp"].reads_layer
+
+
+def test_the_command_line_gives_a_layer_to_the_methods_of_a_list_that_read_one(tmp_path) -> None:
+    """``--layer`` with a lone method that reads none: refused, exit 2, nothing written; with a list, the methods
+    that read a layer get it (Grad-CAM's map is that layer's) and the others explain the input."""
+    import json
+
+    from explain.cli import main
+
+    photo, lite0 = str(ASSETS / "chelsea.png"), ["--model", "efficientnet_lite0", "--quiet"]
+    assert main([photo, *lite0, "--method", "saliency", "--layer", "blocks.5", "-o", str(tmp_path / "a")]) == 2
+    assert not (tmp_path / "a").exists()
+    out = tmp_path / "b"
+    assert main([photo, *lite0, "--method", "saliency,gradcam", "--layer", "blocks.5", "-o", str(out)]) == 0
+    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()[1:]]
+    assert {r["method"]: r["error"] for r in records} == {"saliency": None, "gradcam": None}
+    assert {r["method"]: r["layer"] for r in records}["gradcam"] == "blocks.5"

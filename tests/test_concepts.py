@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import vgg_with_norms
+from conftest import seeded, vgg_with_norms
 from sklearn.decomposition import NMF
 from test_speedups import hf_swin, small_cnn, small_vit
 from torch import nn
@@ -609,3 +609,20 @@ def test_two_ranks_factorize_what_one_process_does(tmp_path) -> None:
         torch.testing.assert_close(bank, alone.bank, rtol=1e-7, atol=1e-9)
         torch.testing.assert_close(coefficients, alone.coefficients, rtol=1e-7, atol=1e-9)
         assert abs(error - alone.error) < 1e-9 * alone.error
+
+
+def test_crp_s_concepts_that_partition_a_resnet_layer_sum_to_its_lrp_map() -> None:
+    """On a ResNet-18 (residual sums, merged batch norms): channel sets that partition ``layer3``'s 256 channels give
+    maps that sum to LRP's map, and their relevances to LRP's relevance arriving at the layer."""
+    from explain.concepts import ConceptRelevance
+    from explain.methods import LRP
+
+    model = seeded("resnet18", num_classes=10)
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(4))
+    partition = [list(range(0, 100)), list(range(100, 180)), list(range(180, 256))]
+    found = ConceptRelevance(model, "layer3", partition)(x, [1, 7])
+    whole = LRP(model)(x, [1, 7], normalize=False).raw.sum(dim=1)
+    assert whole.abs().max() > 0 and found.maps.abs().amax(dim=(0, 2, 3)).min() > 0
+    torch.testing.assert_close(found.maps.sum(dim=1), whole, rtol=1e-4, atol=1e-4 * float(whole.abs().max()))
+    at_layer = LRP(model, "layer3")(x, [1, 7], normalize=False).raw
+    torch.testing.assert_close(found.relevance.sum(dim=1), at_layer.flatten(1).sum(1), rtol=1e-3, atol=1e-5)

@@ -652,7 +652,7 @@ def test_fullgrad_is_the_paper_s_sum_and_pytorch_grad_cam_s_with_channel_scaling
         flat = term.flatten(1)
         scaled = (flat - flat.amin(1, keepdim=True)) / (flat.amax(1, keepdim=True) - flat.amin(1, keepdim=True))
         expected = expected + F.interpolate(scaled.view_as(term).sum(1, keepdim=True), size=(64, 64), mode="bilinear")
-    result = explain.METHODS["fullgrad"](model, "layer4")(x, TARGETS, normalize=False)
+    result = explain.METHODS["fullgrad"](model)(x, TARGETS, normalize=False)
     norms = sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())  # its convolutions have no bias
     assert result.layer == f"input+{norms} bias layers"  # the linear head's bias is no map: left out
     torch.testing.assert_close(result.cams.double(), expected[:, 0], rtol=0, atol=1e-4)

@@ -116,8 +116,8 @@ def test_every_method_leaves_model_unchanged_on_success_and_failure(method: str,
     model = prepared("resnet18", train)  # in-place ReLUs, which Guided Backpropagation switches for its call
     assert any(m.inplace for m in model.modules() if isinstance(m, nn.ReLU))
     layer = "layer4" if method in ("cam", "dff") else "layer2"  # CAM and DFF need the layer the classifier reads
-    if method in ("lrp", "attnlrp", "cplrp"):
-        layer = None  # their relevance at the input, through every batch norm (one reads it at a layer if named)
+    if method in ("lrp", "attnlrp", "cplrp") or not explain.METHODS[method].reads_layer:
+        layer = None  # the relevance at the input, through every batch norm; the others read no layer
     before = snapshot(model)
     if method in ("fullgrad", "lrp", "attnlrp", "cplrp"):  # a batch norm in training mode (one is, either way): refused
         with pytest.raises(explain.LayerError, match=r"call model\.eval"):

@@ -130,6 +130,7 @@ class CAM:
     fast = True  # one forward and at most one backward per target: part of ``--method all``
     cost: str | None = None  # what makes a call slow, for a method of many passes (the explorer shows it)
     needs = Needs()  # what the formula needs from each pass: by default, the layers' outputs and gradients
+    reads_layer = True  # whether the method reads a layer; one that attributes the input alone refuses one
     relu = True
     smooth_statistic = "mean"  # what the passes' maps become: their "mean", mean "square" or "variance" (VarGrad)
 
@@ -152,6 +153,11 @@ class CAM:
             raise ExplainError(f"fuse must be one of {', '.join(map(repr, FUSIONS))}, got {fuse!r}")
         if smooth_samples < 0 or smooth_sigma < 0 or batch_size < 1:
             raise ExplainError("smooth_samples and smooth_sigma must be >= 0 and batch_size >= 1")
+        if layer is not None and not self.reads_layer:
+            raise LayerError(
+                f"{self.name} attributes the input and reads no layer; drop layer= (--layer), or use a method that "
+                "reads one (lrp, attnlrp and cplrp read the relevance arriving at a layer)"
+            )
         self.model = model
         self.labels = list(labels) if labels is not None else None
         self.fused = isinstance(layer, (list, tuple))

@@ -76,12 +76,17 @@ def check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace, spec: object, images: Sequence[Path]) -> str:
     """Evaluate as the arguments say, write the report, and return the line that says what was found."""
+    from ..methods import METHODS
     from .report import MARKDOWN, write_report
     from .run import Configuration, evaluate
 
     methods = _names(args.methods) or ["gradcam"]
     layers: list[str | None] = _names(args.layers) or [None]
-    grid = [Configuration(method, layer) for method in methods for layer in layers]
+    grid = [
+        Configuration(method, layer)
+        for method in methods
+        for layer in (layers if method not in METHODS or METHODS[method].reads_layer else [None])
+    ]  # a method that reads no layer once, at the input
     found = evaluate(
         spec, images, args.out, configurations=grid, metric_names=_names(args.metrics), masks=args.masks,
         boxes=args.boxes, budget=budget_seconds(args.budget), resume=args.resume, progress=not args.quiet,

@@ -47,12 +47,12 @@ class Explained:
 
 @dataclass(frozen=True)
 class Explanation:
-    """What the model step gives an image that it explained: its targets, its raw maps by method, the layer, and
+    """What the model step gives an image that it explained: its targets, its raw maps and layers by method, and
     the answer whose words the targets are (a vision-language model's)."""
 
     targets: list[Explained]
     raws: dict[str, np.ndarray]
-    layer: str
+    layers: dict[str, str]
     answer: str | None = None
 
 
@@ -163,7 +163,7 @@ class OutputWriter:
     def _write_method(
         self, item: Input, image: np.ndarray, base: Path, explanation: Explanation, method: str
     ) -> dict[str, Any]:
-        explained, raw, layer = explanation.targets, explanation.raws.get(method), explanation.layer
+        explained, raw, layer = explanation.targets, explanation.raws.get(method), explanation.layers.get(method)
         tags = [self.tag(e.k, e.class_name, method) for e in explained]
         outputs, figures, pictures, raw_path = self.paths(base, tags, method)
         targets, style = [], self.render

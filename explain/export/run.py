@@ -173,7 +173,11 @@ class _Explainer:
         selection = options.methods
         self.methods: dict[str, Method] = {
             name: create_method(
-                name, spec.model, options.layer, labels=spec.labels, **selection.options_for(name, options.batch_size)
+                name,
+                spec.model,
+                selection.layer_for(name, options.layer),
+                labels=spec.labels,
+                **selection.options_for(name, options.batch_size),
             )
             for name in selection.names
         }
@@ -242,7 +246,7 @@ class _Explainer:
                 for k in valid[i].nonzero()[:, 0].tolist()
             ]
             raw = {name: (r[i][valid[i]] if bound.keeps_k else r[i, 0]).numpy() for name, r in raws.items()}
-            explained.append(Explanation(targets, raw, first.layer))
+            explained.append(Explanation(targets, raw, {name: result.layer for name, result in results.items()}))
         return explained
 
     def explain_windows(self, x: torch.Tensor) -> list[Explanation]:
@@ -263,7 +267,7 @@ class _Explainer:
             chosen = class_index(self.options.target, self.spec.labels, len(self.spec.labels))
             classes = torch.full((len(x),), chosen, device=x.device)
         rows = classes.repeat_interleave(len(starts)).tolist()
-        maps, scores, layer = {}, None, ""
+        maps, scores, layers = {}, None, {}
         for name, method in self.methods.items():
             results = [
                 method(part, ClassTarget(rows[i * chunk : i * chunk + len(part)]), normalize=False)
@@ -272,12 +276,12 @@ class _Explainer:
             cams = torch.cat([r.cams for r in results]).view(len(x), len(starts), *results[0].cams.shape[1:])
             maps[name] = windowed_maps(cams, starts, x.shape[2]).cpu()
             scores = torch.cat([r.probabilities for r in results]).view(len(x), len(starts)).mean(dim=1)
-            layer = results[0].layer
+            layers[name] = results[0].layer
         explained = []
         for i, class_ in enumerate(classes.tolist()):
             cams = {name: normalize_maps(m[i], m.dim() - 1) for name, m in maps.items()}
             target = Explained(0, cams, class_, self.spec.labels[class_], float(scores[i]), None, None)
-            explained.append(Explanation([target], {name: m[i].numpy() for name, m in maps.items()}, layer))
+            explained.append(Explanation([target], {name: m[i].numpy() for name, m in maps.items()}, layers))
         return explained
 
     def measured(self, x: torch.Tensor, result: CAMResult) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -60,6 +60,13 @@ class MethodSelection:
         """The methods whose outputs are written apart: each one, or ``"all"`` for the grid."""
         return [ALL_METHODS] if self.grid else list(self.names)
 
+    def layer_for(self, method: str, layer: Any) -> Any:
+        """The layer ``method`` gets: a lone method the one given (a method that reads none then refuses it); of
+        several, the methods that read a layer."""
+        from ..methods import METHODS
+
+        return layer if (not self.grid and len(self.names) == 1) or METHODS[method].reads_layer else None
+
     def options_for(self, method: str, batch_size: int | None = None) -> dict[str, Any]:
         """The options ``method`` gets: a lone method all of them (one it does not take is then an error); of
         several, each those it takes. ``batch_size`` goes to a method that takes one."""

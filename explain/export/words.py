@@ -45,7 +45,7 @@ class WordsExplainer:
         method = self.request.method
         targets = [_target(k, word, method) for k, word in enumerate(words)]
         raw = torch.stack([word.cam for word in words]).float().numpy().astype(np.float32)  # (words, H, W)
-        return Explanation(targets, {method: raw}, said["layer"], said.get("answer"))
+        return Explanation(targets, {method: raw}, {method: said["layer"]}, said.get("answer"))
 
 
 def _target(k: int, word: Word, method: str) -> Explained:

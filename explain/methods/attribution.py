@@ -13,7 +13,7 @@ et al. 2019), as Captum's ``NoiseTunnel`` names them. Sobel-CAM, a baseline, is 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any, Literal
@@ -23,89 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.engine import CAM, CAMResult, Capture, Needs
+from ..core.engine import CAMResult, Capture, Needs
+from ..core.input_attribution import InputAttribution
 from ..core.layers import LayerSpec
-from ..core.maps import postprocess
 from ..core.model_state import running, untouched
 from ..core.rules import rescale_rule
 from ..errors import ExplainError
-
-SmoothType = Literal["smoothgrad", "smoothgrad_sq", "vargrad"]
-SMOOTH_STATISTICS = {"smoothgrad": "mean", "smoothgrad_sq": "square", "vargrad": "variance"}
-
-
-class InputAttribution(CAM):
-    """Base of the pixel attributions: a signed attribution per input channel from the input's gradient
-    (:meth:`attribution`), and how the channels become one map (:meth:`combined`).
-
-    Args:
-        model: Any model explain explains; left as it was.
-        layer: Not used (the map is at the input); accepted so every method takes the same arguments.
-        labels: Class names, to accept a class name as target.
-        smooth_samples: SmoothGrad: average the attributions of this many noisy copies of the input (0: off).
-        smooth_sigma: The noise's standard deviation, as a fraction of each input's value range.
-        smooth_type: What the noisy copies' attributions become: ``"smoothgrad"`` (their mean),
-            ``"smoothgrad_sq"`` (the mean of their squares) or ``"vargrad"`` (their variance).
-        seed: Seed of the noise (and of a method's own random draws): a generator on the input's device, from
-            which each noisy copy takes one ``torch.randn`` of the input's shape, in turn.
-        batch_size: Most inputs per extra forward pass (Integrated Gradients' steps).
-    """
-
-    needs = Needs(gradients=False, input_gradient=True, map_of_input=True)  # no layer's gradient: the input's
-    relu = False
-
-    def __init__(
-        self,
-        model: nn.Module,
-        layer: LayerSpec = None,
-        *,
-        labels: Sequence[str] | None = None,
-        smooth_samples: int = 0,
-        smooth_sigma: float = 0.15,
-        smooth_type: SmoothType = "smoothgrad",
-        seed: int | None = None,
-        batch_size: int = 16,
-    ) -> None:
-        super().__init__(
-            model,
-            None,
-            labels=labels,
-            smooth_samples=smooth_samples,
-            smooth_sigma=smooth_sigma,
-            seed=seed,
-            batch_size=batch_size,
-        )
-        if smooth_type not in SMOOTH_STATISTICS:
-            raise ExplainError(f"smooth_type must be one of {', '.join(SMOOTH_STATISTICS)}, got {smooth_type!r}")
-        self.smooth_statistic = SMOOTH_STATISTICS[smooth_type]
-
-    def attribution(self, capture: Capture) -> Tensor:
-        """The signed attribution of each input channel, (N, C, *spatial)."""
-        raise NotImplementedError
-
-    def combined(self, attribution: Tensor, rank: int) -> Tensor:
-        """One map from the channels (axis ``-rank - 1``): by default the absolute value of their sum."""
-        return attribution.sum(dim=-rank - 1).abs()
-
-    def gradient_sum(self, capture: Capture, count: int, point: PointMaker) -> Tensor:
-        r""":math:`\sum_r f_r \odot \partial S(p_r) / \partial p_r` per image, over ``count`` points p_r scored in
-        forwards of ``batch_size``, with the call's bound target: ``point(rows)`` gives the rows' points, the image
-        each stands for, and the factors f_r."""
-        total = torch.zeros_like(capture.x)
-        with torch.enable_grad(), running(self.model):
-            for start in range(0, count, self.batch_size):
-                points, images, factors = point(slice(start, start + self.batch_size))
-                points = points.detach().requires_grad_(True)
-                score = capture.score_rows(self.model(points, **capture.model_kwargs), images)
-                (gradient,) = torch.autograd.grad(score.sum(), points)
-                total.index_add_(0, images, gradient * factors)
-        return total
-
-    def compute(self, capture: Capture) -> Tensor:
-        return self.attribution(capture)
-
-    def finish(self, raw: Tensor, rank: int, size: Sequence[int] | None, normalize: bool) -> Tensor:
-        return postprocess(self.combined(raw, rank), rank, size, normalize)
 
 
 class Saliency(InputAttribution):
@@ -141,7 +64,6 @@ class InputXGradient(InputAttribution):
         return capture.x * capture.gradients
 
 
-PointMaker = Callable[[slice], tuple[Tensor, Tensor, Tensor]]  # rows -> points, their images, their factors
 
 
 def along_rows(values: Tensor, like: Tensor) -> Tensor:
@@ -210,7 +132,7 @@ class IntegratedGradients(FromBaseline):
 
     Args:
         model: Any model explain explains; left as it was.
-        layer: Not used.
+        layer: None (a layer given is refused).
         labels: Class names, to accept a class name as target.
         steps: Points of the quadrature.
         rule: ``"gausslegendre"`` (Captum's default), ``"riemann_left"``, ``"riemann_right"``, ``"riemann_middle"``
@@ -238,7 +160,7 @@ class IntegratedGradients(FromBaseline):
         baseline: float | Tensor = 0.0,
         **options: Any,
     ) -> None:
-        super().__init__(model, labels=labels, **options)
+        super().__init__(model, layer, labels=labels, **options)
         if rule not in RULES:
             raise ExplainError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
         if steps < 1:
@@ -279,7 +201,7 @@ class GradientSHAP(InputAttribution):
 
     Args:
         model: Any model explain explains; left as it was.
-        layer: Not used.
+        layer: None (a layer given is refused).
         labels: Class names, to accept a class name as target.
         baselines: The baseline distribution: a number, or a tensor of baselines (B, C, *spatial), or one input
             (C, *spatial).
@@ -305,7 +227,7 @@ class GradientSHAP(InputAttribution):
         stdev: float = 0.0,
         **options: Any,
     ) -> None:
-        super().__init__(model, labels=labels, **options)
+        super().__init__(model, layer, labels=labels, **options)
         if samples < 1 or stdev < 0:
             raise ExplainError(f"samples must be at least 1 and stdev at least 0, got {samples} and {stdev}")
         self.baselines, self.samples, self.stdev = baselines, samples, stdev
@@ -397,7 +319,7 @@ class DeepLift(FromBaseline):
 
     Args:
         model: Any model explain explains; left as it was.
-        layer: Not used.
+        layer: None (a layer given is refused).
         labels: Class names, to accept a class name as target.
         baseline: The reference: a number or a tensor broadcast to the input.
         **options: ``smooth_samples``, ``smooth_sigma``, ``seed``, as for :class:`InputAttribution`.
@@ -418,7 +340,7 @@ class DeepLift(FromBaseline):
         baseline: float | Tensor = 0.0,
         **options: Any,
     ) -> None:
-        super().__init__(model, labels=labels, **options)
+        super().__init__(model, layer, labels=labels, **options)
         self.baseline = baseline
 
     def backward_rule(self, x: Tensor, model_kwargs: Mapping[str, Any]) -> AbstractContextManager[Any]:

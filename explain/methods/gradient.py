@@ -245,14 +245,14 @@ class FullGrad(CAM):
     .. math:: \mathrm{FullGrad} = \psi(\nabla_x S \odot x) + \sum_l \sum_c \psi(b_{l,c}\, \nabla_{z_l} S_c).
 
     The layers are its own: every convolution and batch norm of the model's rank with a bias (an eval-mode batch
-    norm's bias is :math:`\beta - \gamma\mu / \sqrt{\sigma^2 + \epsilon}`); ``layer`` is not used. A batch norm
+    norm's bias is :math:`\beta - \gamma\mu / \sqrt{\sigma^2 + \epsilon}`); a ``layer`` given is refused. A batch norm
     in training mode has no fixed bias (its statistics are the batch's): refused. ``scaling="map"`` rescales each
     term over all its channels at once, as the paper's code does; ``"channel"`` rescales each channel alone, as
     pytorch-grad-cam does. Upsampling is linear with half-pixel centres (the paper's code aligns corners).
 
     Args:
         model: Any model explain explains; left as it was.
-        layer: Not used.
+        layer: None (a layer given is refused: the layers are its own).
         labels: Class names, to accept a class name as target.
         scaling: ``"map"`` or ``"channel"``, as above.
         **options: As for :class:`explain.core.engine.CAM` (``smooth_samples``, ``aug_smooth``, ...).
@@ -262,6 +262,7 @@ class FullGrad(CAM):
     title = "FullGrad, input and bias gradients (Srinivas & Fleuret 2019)"
     fast = False
     needs = Needs(input_gradient=True, map_of_input=True, records=BiasedLayers())
+    reads_layer = False
 
     def __init__(
         self,
@@ -272,7 +273,7 @@ class FullGrad(CAM):
         scaling: Scaling = "map",
         **options: Any,
     ) -> None:
-        super().__init__(model, None, labels=labels, **options)
+        super().__init__(model, layer, labels=labels, **options)
         if scaling not in ("map", "channel"):
             raise ExplainError(f"scaling must be 'map' or 'channel', got {scaling!r}")
         self.scaling = scaling

@@ -50,16 +50,17 @@ class GuidedBackprop(CAM):
 
     Args:
         model: A classifier with ``nn.ReLU`` or ``nn.ReLU6`` modules; left as it was.
-        layer: Not used (the map is at the input); accepted so every method takes the same arguments.
+        layer: None: the map is at the input (a layer given is refused in one line).
         labels: Class names, to accept a class name as target.
     """
 
     name = "guided_backprop"
     title = "Guided Backprop (Springenberg et al. 2015)"
     needs = Needs(gradients=False, input_gradient=True, map_of_input=True)  # no layer's gradient: the input's
+    reads_layer = False
 
     def __init__(self, model: nn.Module, layer: LayerSpec = None, *, labels: Sequence[str] | None = None) -> None:
-        super().__init__(model, None, labels=labels)
+        super().__init__(model, layer, labels=labels)
 
     rule = "guided"  # how the ReLUs pass gradients back (see relu_rule)
 
@@ -94,6 +95,7 @@ class GuidedGradCAM(GuidedBackprop):
 
     name = "guided_gradcam"
     title = "Guided Grad-CAM (Selvaraju et al. 2017)"
+    reads_layer = True  # Grad-CAM's
 
     def __init__(self, model: nn.Module, layer: LayerSpec = None, *, labels: Sequence[str] | None = None) -> None:
         super().__init__(model, labels=labels)
@@ -123,7 +125,7 @@ class Deconvolution(GuidedBackprop):
 
     Args:
         model: A classifier with ``nn.ReLU`` or ``nn.ReLU6`` modules; left as it was.
-        layer: Not used (the map is at the input).
+        layer: None: the map is at the input (a layer given is refused in one line).
         labels: Class names, to accept a class name as target.
     """
 

@@ -60,7 +60,7 @@ class MaskedCopies(CAM):
 
     Args:
         model: Any model explain explains; left as it was.
-        layer: Not used (the map is at the input); accepted so every method takes the same arguments.
+        layer: None: the map is at the input (a layer given is refused in one line).
         labels: Class names, to accept a class name as target.
         baseline: The value a masked position takes (in the normalized input's units).
         batch_size: Masked copies per forward.
@@ -68,6 +68,7 @@ class MaskedCopies(CAM):
     """
 
     needs = Needs(gradients=False, map_of_input=True)
+    reads_layer = False
 
     def __init__(
         self,
@@ -79,7 +80,7 @@ class MaskedCopies(CAM):
         batch_size: int = 16,
         seed: int | None = None,
     ) -> None:
-        super().__init__(model, None, labels=labels, batch_size=batch_size, seed=seed)
+        super().__init__(model, layer, labels=labels, batch_size=batch_size, seed=seed)
         self.baseline = baseline
 
     def score_copies(
@@ -295,7 +296,7 @@ class Occlusion(Masking):
 
     Args:
         model: Any model explain explains; left as it was.
-        layer: Not used (the map is at the input); accepted so every method takes the same arguments.
+        layer: None: the map is at the input (a layer given is refused in one line).
         labels: Class names, to accept a class name as target.
         window: The window's side, one for all spatial axes or one per axis.
         stride: How far the window moves, likewise; at most the window.
@@ -319,7 +320,7 @@ class Occlusion(Masking):
         baseline: float = 0.0,
         batch_size: int = 16,
     ) -> None:
-        super().__init__(model, labels=labels, baseline=baseline, batch_size=batch_size)
+        super().__init__(model, layer, labels=labels, baseline=baseline, batch_size=batch_size)
         self.window, self.stride = window, stride
 
     def masks(self, capture: Capture) -> Windows:
@@ -403,7 +404,7 @@ class RISE(Masking):
         batch_size: int = 16,
         seed: int | None = None,
     ) -> None:
-        super().__init__(model, labels=labels, baseline=baseline, batch_size=batch_size, seed=seed)
+        super().__init__(model, layer, labels=labels, baseline=baseline, batch_size=batch_size, seed=seed)
         if masks < 1 or cells < 1 or not 0 < p <= 1:
             raise ExplainError(f"RISE needs masks >= 1, cells >= 1 and 0 < p <= 1; got {masks}, {cells}, {p}")
         self.count, self.cells, self.p = masks, cells, p

@@ -78,7 +78,7 @@ class Superpixels(MaskedCopies):
         batch_size: int = 16,
         seed: int | None = None,
     ) -> None:
-        super().__init__(model, labels=labels, baseline=baseline, batch_size=batch_size, seed=seed)
+        super().__init__(model, layer, labels=labels, baseline=baseline, batch_size=batch_size, seed=seed)
         if isinstance(segments, int) and segments < 1:
             raise ExplainError(f"segments must be at least 1, got {segments}")
         self.segments, self.compactness = segments, compactness
@@ -199,7 +199,7 @@ class LIME(Superpixels):
         alpha: float = 1.0,
         **options: object,
     ) -> None:
-        super().__init__(model, labels=labels, **options)
+        super().__init__(model, layer, labels=labels, **options)
         if samples < 2 or kernel_width <= 0 or alpha < 0:
             raise ExplainError("LIME needs samples >= 2, kernel_width > 0 and alpha >= 0")
         self.samples, self.kernel_width, self.alpha = samples, kernel_width, alpha
@@ -244,7 +244,7 @@ class KernelSHAP(Superpixels):
         self, model: nn.Module, layer: LayerSpec = None, *, labels: Sequence[str] | None = None, samples: int = 500,
         **options: object,
     ) -> None:  # fmt: skip
-        super().__init__(model, labels=labels, **options)
+        super().__init__(model, layer, labels=labels, **options)
         if samples < 1:
             raise ExplainError(f"samples must be at least 1, got {samples}")
         self.samples = samples

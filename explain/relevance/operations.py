@@ -425,7 +425,7 @@ def _neg(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: di
 
 
 def _matmul(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    return _bilinear(args[0], args[1], torch.matmul, mode.epsilon)
+    return _bilinear(mode.held(args[0]), mode.held(args[1]), torch.matmul, mode.epsilon)
 
 
 def _einsum(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -435,7 +435,8 @@ def _einsum(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs:
     if len(operands) != 2:
         relevant = next(v for v in operands if _grad(v))
         return barred(func, args, kwargs, relevant, mode.refusal(f"an einsum of {len(operands)} operands"))
-    return _bilinear(operands[0], operands[1], lambda a, b: torch.einsum(equation, a, b), mode.epsilon)
+    a, b = mode.held(operands[0]), mode.held(operands[1])
+    return _bilinear(a, b, lambda a, b: torch.einsum(equation, a, b), mode.epsilon)
 
 
 def _bilinear(a: Tensor, b: Tensor, fn: Callable[[Tensor, Tensor], Tensor], epsilon: float) -> Tensor:
@@ -476,7 +477,7 @@ def _attention(mode: OperationRules, func: Callable[..., Any], args: tuple, kwar
     if mask is not None:
         bias = _additive(mask, scores)
         scores = identity(scores, lambda t: t + bias)  # a mask: what it lets through keeps its relevance
-    return _bilinear(mode.softmax(scores, -1), v, torch.matmul, mode.epsilon)
+    return _bilinear(mode.held(mode.softmax(scores, -1)), v, torch.matmul, mode.epsilon)
 
 
 def _layer_norm(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -661,7 +662,9 @@ class OperationRules(TorchFunctionMode):
 
     Args:
         method: The method's name, for the refusals.
-        attention: ``"attnlrp"``: the softmax rule; ``"constant"``: the attention held constant (CP-LRP).
+        attention: ``"attnlrp"``: the softmax rule; ``"constant"``: the attention held constant (CP-LRP): a softmax's
+            output, in a product with a relevant tensor (the values), is a constant there; used otherwise (a
+            detector's class probabilities as the score), it keeps the softmax rule.
         model: The model whose forward runs under the rules: its parameters and buffers are changed in place, if its
             forward does, as they are, never replaced.
         epsilon: The ε of the ε rule (:mod:`explain.relevance.epsilon`).
@@ -694,6 +697,7 @@ class OperationRules(TorchFunctionMode):
         self.own = {id(t) for t in tensors}  # the model's parameters and buffers
         self.statistics: dict[int, tuple[weakref.ref, str]] = {}  # held statistics by id: (the tensor, its origin)
         self.ruled: dict[int, tuple[weakref.ref, RuledCall]] = {}  # ruled layers' outputs by id
+        self.weights: dict[int, weakref.ref] = {}  # softmax outputs, and what layout made of them alone, by id
 
     def remember(self, output: Tensor, call: RuledCall) -> None:
         """A ruled layer's output, which a batch norm reading it merges into the layer."""
@@ -705,10 +709,26 @@ class OperationRules(TorchFunctionMode):
         return entry[1] if entry is not None and entry[0]() is value else None
 
     def softmax(self, x: Tensor, dim: int) -> Tensor:
-        """A softmax under the method's rule."""
+        """A softmax under AttnLRP's rule; with the attention held constant, its output remembered as attention
+        weights, which a product with a relevant tensor (the values) then holds constant."""
+        weights = _Softmax.apply(x, dim)
         if self.attention == "constant":
-            return torch.softmax(x.detach(), dim=dim)
-        return _Softmax.apply(x, dim)
+            self.weights[id(weights)] = weakref.ref(weights)
+        return weights
+
+    def attention_weights(self, value: Any) -> bool:
+        """Whether ``value`` is attention weights the method holds constant in a product."""
+        entry = self.weights.get(id(value)) if isinstance(value, Tensor) else None
+        return entry is not None and entry() is value
+
+    def moved(self, func: Callable[..., Any], args: tuple, kwargs: dict, relevant: list[Tensor]) -> Any:
+        """A layout operation (as the gradient); what it makes of attention weights alone stays attention weights."""
+        result = func(*args, **kwargs)
+        if self.weights and all(map(self.attention_weights, relevant)):
+            for t in tree_flatten(result)[0]:
+                if isinstance(t, Tensor):
+                    self.weights[id(t)] = weakref.ref(t)
+        return result
 
     def origin(self, value: Any) -> str | None:
         """The operation a held statistic comes from, or None where ``value`` is none."""
@@ -716,8 +736,9 @@ class OperationRules(TorchFunctionMode):
         return entry[1] if entry is not None and entry[0]() is value else None
 
     def held(self, value: Any) -> Any:
-        """``value`` as a constant where it is a held statistic (a tensor it scales keeps its relevance)."""
-        return value.detach() if self.origin(value) is not None else value
+        """``value`` as a constant where it is a held statistic (a tensor it scales keeps its relevance) or attention
+        weights held constant (CP-LRP: the values keep the relevance)."""
+        return value.detach() if self.origin(value) is not None or self.attention_weights(value) else value
 
     def statistic(self, func: Callable[..., Any], args: tuple, kwargs: dict, relevant: list[Tensor]) -> Any:
         """``func`` of a relevant tensor's statistic (or of statistics alone), run as a held statistic."""
@@ -740,7 +761,7 @@ class OperationRules(TorchFunctionMode):
         if func in STATISTICS or all(self.origin(v) for v in relevant):
             return self.statistic(func, args, kwargs, relevant)
         if func in PASSED:
-            return func(*args, **kwargs)
+            return self.moved(func, args, kwargs, relevant)
         handler = TABLE.get(func) or BY_NAME.get(_name(func))
         if handler is not None:
             return handler(self, func, args, kwargs)

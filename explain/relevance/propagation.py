@@ -14,11 +14,11 @@ from typing import Any
 from torch import Tensor, nn
 
 from ..core.engine import Capture, Needs
+from ..core.input_attribution import InputAttribution
 from ..core.layers import LayerSpec
 from ..core.maps import postprocess
 from ..core.result import CAMResult
 from ..errors import LayerError
-from ..methods.attribution import InputAttribution
 from ..targets import BoundTarget, Target, TargetLike
 from .composites import LayerRules, composite_rules
 from .epsilon import EPSILON
@@ -51,6 +51,7 @@ class Propagation(InputAttribution):
 
     needs = Needs(gradients=False, input_gradient=True, whole_backward=True, map_of_input=True)
     at_layer = Needs(gradients=True, whole_backward=True)
+    reads_layer = True  # the relevance arriving there
     attention = "attnlrp"
 
     def __init__(
@@ -109,8 +110,10 @@ class LRP(Propagation):
     and linear layer the composite names gets its rule (:mod:`explain.relevance.rules`), a batch norm after it merged
     into it for the call; every other operation its operation rule (ε through residual sums, as zennit's ResNet
     canonizer; the identity through activations; the gate rule through a squeeze-excitation's product; layer norms
-    and attention as AttnLRP's). The relevance of the explained output is 1 (as zennit's with a one-hot output), so
-    the input's sums to 1 where the rules conserve it. ``raw`` is the input's relevance per channel, signed; the map
+    as AttnLRP's; attention held constant, relevance through its values, as the conservative propagation of Ali et
+    al., "XAI for Transformers: Better Explanations through Conservative Propagation", ICML 2022). The relevance of
+    the explained output is 1 (as zennit's with a one-hot output), so the input's sums to 1 where the rules conserve
+    it. ``raw`` is the input's relevance per channel, signed; the map
     is its positive part summed over the channels.
 
     Args:
@@ -130,6 +133,7 @@ class LRP(Propagation):
 
     name = "lrp"
     title = "Layer-wise relevance propagation, zennit's composites (Bach et al. 2015)"
+    attention = "constant"
 
     def __init__(
         self,
