@@ -2,7 +2,7 @@
 
 - **The cost of the rules**: ``explain.METHODS["attnlrp"]`` and ``["cplrp"]`` on a ViT-Small-shaped timm ViT
   (random weights, 224 pixels, patches of 16, 12 blocks of width 384, batch of 4), against the same model's forward
-  and backward of the same scores through plain autograd (``torch.autograd.grad`` of the summed class scores with
+  and backward of the same scores through plain autograd, its parameters frozen (``torch.autograd.grad`` of the summed class scores with
   respect to the input), and against ``lrp`` and the engine's own plain gradient (``saliency``: what any call of
   the engine costs over bare autograd). Target: AttnLRP at most 1.15x the forward and backward.
 - **Memory**: each call's peak resident memory over the process's, beside the forward and backward's.
@@ -41,11 +41,12 @@ CLASSES = [1, 2, 3, 4]
 
 
 def vit_small() -> torch.nn.Module:
-    """A ViT-Small-shaped timm ViT with seeded random weights, in eval mode."""
+    """A ViT-Small-shaped timm ViT with seeded random weights, in eval mode, its parameters frozen: the plain
+    backward computes the input's gradient alone, as the methods' do (and LXT's process)."""
     import timm
 
     torch.manual_seed(0)
-    return timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=10).eval()
+    return timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=10).eval().requires_grad_(False)
 
 
 def runs(model: torch.nn.Module, x: torch.Tensor) -> dict[str, Callable[[], object]]:
@@ -105,6 +106,7 @@ def against_lxt(rounds: int) -> list[str]:
     lxt = json.loads(found.stdout.strip().splitlines()[-1])
     torch.manual_seed(0)
     model = torchvision.models.VisionTransformer(224, 16, 12, 6, 384, 1536, num_classes=10).eval()
+    model.requires_grad_(False)  # as LXT's process holds it
     x = torch.randn(len(CLASSES), 3, 224, 224, generator=torch.Generator().manual_seed(1))
     ours = interleaved_medians(
         {k: v for k, v in runs(model, x).items() if k in ("forward + backward", "cplrp")}, rounds

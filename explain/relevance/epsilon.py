@@ -11,9 +11,9 @@ EPSILON = 1e-6  # the ε of the ε rule where a method is not given another (zen
 
 
 def ratio(relevance: Tensor, z: Tensor, epsilon: float = EPSILON, scale: float = 1.0) -> Tensor:
-    """:math:`R / (s z)'`, the stabilized ratio (+ε where sz is 0 or -0), in one new tensor (its steps in place:
-    the tensors are large)."""
-    denominator = (z >= 0).to(z.dtype).mul_(2 * epsilon).sub_(epsilon)  # +ε or -ε by z's sign
+    """:math:`R / (s z)'`, the stabilized ratio (+ε at 0, -ε at -0), in one new tensor (its steps in place: the
+    tensors are large)."""
+    denominator = torch.copysign(z.new_full((), epsilon), z)  # +ε or -ε by z's sign
     denominator.add_(z, alpha=scale) if scale != 1.0 else denominator.add_(z)
     if relevance.shape == z.shape and relevance.dtype == z.dtype:
         return torch.div(relevance, denominator, out=denominator)

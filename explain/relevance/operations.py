@@ -21,8 +21,8 @@ The rules (R: the relevance at an operation's output, z its output, :math:`z' = 
   :math:`R_a = R_b = R / 2`; ``gate="uniform"`` halves everywhere.
 - **Uniform and ε** for a matrix product of two inputs: :math:`R_a = a \odot ((R / 2z') b^\top)`,
   :math:`R_b = b \odot (a^\top (R / 2z'))`; with one constant, the other gets it all, :math:`R / z'`.
-- **Softmax** (Deep Taylor at its input): :math:`R_x = x \odot (R - s \odot \sum R)`, or, with the attention held
-  constant (CP-LRP), none: the softmax's output is a constant and the values get all the relevance.
+- **Softmax** (Deep Taylor at its input): :math:`R_x = x \odot (R - s \odot \sum R)`; with the attention held
+  constant (CP-LRP, and LRP), its output is a constant in its product with the values, which get all the relevance.
 - Fused attention (``scaled_dot_product_attention``) runs as its parts, :math:`\mathrm{softmax}(q k^\top s) v`.
 - Layout (views, permutations, concatenation, indexing, writing values in), dropout in eval, selections (``where``,
   ``max``) and max pooling pass relevance as the gradient does: they move values, or pick one.
@@ -70,22 +70,21 @@ def _grad(value: Any) -> bool:
 
 
 class _Affine(torch.autograd.Function):
-    """ε for ``fn``, affine in its one input x: the backward runs ``fn`` again on x and gives :math:`x \\odot
-    J^\\top (R / z')`."""
+    """ε for ``fn``, affine in its one input x: :math:`x \\odot J^\\top (R / z')`, the Jacobian product through
+    the graph ``fn`` recorded in the forward (not run again; kept for every backward of the outer graph)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, fn: Callable[[Tensor], Tensor], epsilon: float) -> Tensor:
-        ctx.fn, ctx.epsilon = fn, epsilon
-        ctx.save_for_backward(x)
-        return _own(fn(x))
+        with torch.enable_grad():
+            leaf = x.detach().requires_grad_(True)
+            z = fn(leaf)
+        ctx.leaf, ctx.z, ctx.epsilon = leaf, z, epsilon
+        return _own(z.detach())
 
     @staticmethod
     def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, None, None]:
-        (x,) = ctx.saved_tensors
-        with torch.enable_grad():
-            leaf = x.detach().requires_grad_(True)
-            z = ctx.fn(leaf)
-            found = torch.autograd.grad(z, leaf, ratio(relevance, z.detach(), ctx.epsilon))[0]
+        leaf, z = ctx.leaf, ctx.z
+        found = torch.autograd.grad(z, leaf, ratio(relevance, z.detach(), ctx.epsilon), retain_graph=True)[0]
         return leaf.detach() * found, None, None
 
 
@@ -114,26 +113,23 @@ class _LayerNorm(torch.autograd.Function):
     def forward(
         ctx: Any,
         x: Tensor,
-        dims: tuple[int, ...],
+        shape: tuple[int, ...],
         weight: Tensor | None,
         bias: Tensor | None,
         eps: float,
         epsilon: float,
     ) -> Tensor:
-        spread = (x.var(dim=dims, unbiased=False, keepdim=True) + eps).sqrt()
-        z = (x - x.mean(dim=dims, keepdim=True)) / spread
-        z = z if weight is None else z * weight
-        z = (z if bias is None else z + bias).contiguous()  # as F.layer_norm gives it, whatever x's strides
-        ctx.dims, ctx.weighted, ctx.z, ctx.epsilon = dims, weight is not None, z.detach(), epsilon
-        ctx.save_for_backward(x, spread, *([weight] if weight is not None else []))
-        return z
+        z, _, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)  # 1 / σ with the output, fused
+        ctx.dims, ctx.weighted, ctx.z, ctx.epsilon = tuple(range(-len(shape), 0)), weight is not None, z, epsilon
+        ctx.save_for_backward(x, rstd, *([weight] if weight is not None else []))
+        return _own(z)
 
     @staticmethod
     def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor | None, ...]:
-        x, spread, *weight = ctx.saved_tensors
+        x, rstd, *weight = ctx.saved_tensors
         r = ratio(relevance, ctx.z, ctx.epsilon)
         r = r * weight[0] if ctx.weighted else r
-        return x * (r - r.mean(dim=ctx.dims, keepdim=True)) / spread, None, None, None, None, None
+        return x * (r - r.mean(dim=ctx.dims, keepdim=True)) * rstd, None, None, None, None, None
 
 
 class _Identity(torch.autograd.Function):
@@ -230,9 +226,9 @@ class _Product(torch.autograd.Function):
 
 
 class _Bilinear(torch.autograd.Function):
-    """The uniform and ε rules for ``fn(a, b)``, bilinear in its two relevant inputs (a matrix product, a
-    two-operand einsum): each input gets its input times the gradient of ``fn`` weighted by R / 2z'; a matrix
-    product's from its saved output, as its own backward would."""
+    """The uniform and ε rules for ``fn(a, b)``, bilinear in its inputs (a matrix product, a two-operand einsum):
+    each relevant input gets its input times the gradient of ``fn`` weighted by R / 2z' (R / z' where the other is
+    a constant); a matrix product's from its saved output, as its own backward would."""
 
     @staticmethod
     def forward(ctx: Any, a: Tensor, b: Tensor, fn: Callable[[Tensor, Tensor], Tensor], epsilon: float) -> Tensor:
@@ -242,20 +238,20 @@ class _Bilinear(torch.autograd.Function):
         return z
 
     @staticmethod
-    def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor, Tensor, None, None]:
+    def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
         a, b = ctx.saved_tensors
-        shared = ratio(relevance, ctx.z, ctx.epsilon, 2.0)
+        to_a, to_b = ctx.needs_input_grad[:2]
+        shared = ratio(relevance, ctx.z, ctx.epsilon, 2.0 if to_a and to_b else 1.0)
         if ctx.fn is torch.matmul and a.dim() >= 2 and b.dim() >= 2:
-            return (
-                a * _unbroadcast(shared @ b.transpose(-1, -2), a.shape),
-                b * _unbroadcast(a.transpose(-1, -2) @ shared, b.shape),
-                None,
-                None,
-            )
+            found_a = a * _unbroadcast(shared @ b.transpose(-1, -2), a.shape) if to_a else None
+            found_b = b * _unbroadcast(a.transpose(-1, -2) @ shared, b.shape) if to_b else None
+            return found_a, found_b, None, None
         with torch.enable_grad():
-            leaves = a.detach().requires_grad_(True), b.detach().requires_grad_(True)
-            found = torch.autograd.grad(ctx.fn(*leaves), leaves, shared)
-        return leaves[0].detach() * found[0], leaves[1].detach() * found[1], None, None
+            leaves = a.detach().requires_grad_(to_a), b.detach().requires_grad_(to_b)
+            wanted = [leaf for leaf in leaves if leaf.requires_grad]
+            found = iter(torch.autograd.grad(ctx.fn(*leaves), wanted, shared))
+        found_a, found_b = (leaf.detach() * next(found) if leaf.requires_grad else None for leaf in leaves)
+        return found_a, found_b, None, None
 
 
 class _Softmax(torch.autograd.Function):
@@ -441,11 +437,7 @@ def _einsum(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs:
 
 def _bilinear(a: Tensor, b: Tensor, fn: Callable[[Tensor, Tensor], Tensor], epsilon: float) -> Tensor:
     """``fn(a, b)``: uniform and ε where both are relevant, ε to the one that is where the other is a constant."""
-    if _grad(a) and _grad(b):
-        return _Bilinear.apply(a, b, fn, epsilon)
-    if _grad(a):
-        return affine(a, lambda t: fn(t, b), epsilon)
-    return affine(b, lambda t: fn(a, t), epsilon)
+    return _Bilinear.apply(a, b, fn, epsilon)
 
 
 def _softmax(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -483,8 +475,8 @@ def _attention(mode: OperationRules, func: Callable[..., Any], args: tuple, kwar
 def _layer_norm(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     o = _named(("input", "normalized_shape", "weight", "bias", "eps"), args, kwargs)
     weight, bias = (None if o.get(n) is None else o[n].detach() for n in ("weight", "bias"))
-    dims = tuple(range(-len(o["normalized_shape"]), 0))
-    return _LayerNorm.apply(o["input"], dims, weight, bias, o.get("eps", 1e-5), mode.epsilon)
+    shape = tuple(o["normalized_shape"])
+    return _LayerNorm.apply(o["input"], shape, weight, bias, o.get("eps", 1e-5), mode.epsilon)
 
 
 BATCH_NORM_ARGUMENTS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
