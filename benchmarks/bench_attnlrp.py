@@ -2,9 +2,10 @@
 
 - **The cost of the rules**: ``explain.METHODS["attnlrp"]`` and ``["cplrp"]`` on a ViT-Small-shaped timm ViT
   (random weights, 224 pixels, patches of 16, 12 blocks of width 384, batch of 4), against the same model's forward
-  and backward of the same scores through plain autograd, its parameters frozen (``torch.autograd.grad`` of the summed class scores with
-  respect to the input), and against ``lrp`` and the engine's own plain gradient (``saliency``: what any call of
-  the engine costs over bare autograd). Target: AttnLRP at most 1.15x the forward and backward.
+  and backward of the same scores through plain autograd, its parameters frozen (``torch.autograd.grad`` of the
+  summed class scores with respect to the input), and against ``lrp`` and the engine's own plain gradient
+  (``saliency``: what any call of the engine costs over bare autograd). Target: AttnLRP at most 1.15x the forward
+  and backward.
 - **Memory**: each call's peak resident memory over the process's, beside the forward and backward's.
 - **Per word of an answer**: AttnLRP of a small random LLaVA-style model's 16-token answer (the model of
   ``bench_vision_language.py``: a CLIP tower of 4 layers at 224 pixels, a Llama of 4 layers), every word in one call
