@@ -38,6 +38,9 @@ def dataset(root: Path) -> Path:
     return folder
 
 
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}  # every run's arithmetic the same, alone or in a rank
+
+
 def torchrun(processes: int, *args: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
     return subprocess.Popen(
@@ -45,7 +48,7 @@ def torchrun(processes: int, *args: str) -> subprocess.Popen:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=ONE_THREAD,
     )
 
 
@@ -91,7 +94,8 @@ def main() -> None:
         root = Path(temp)
         photos = dataset(root)
         alone = root / "alone"
-        subprocess.run([sys.executable, str(ROOT / "cli.py"), str(photos), *COMMON, "-o", str(alone)], check=True)
+        alone_run = [sys.executable, str(ROOT / "cli.py"), str(photos), *COMMON, "-o", str(alone)]
+        subprocess.run(alone_run, check=True, env=ONE_THREAD)
         expected = files(alone)
         load = subprocess.Popen([sys.executable, "-c", LOAD])
         rows = []
