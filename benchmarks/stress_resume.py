@@ -21,6 +21,9 @@ from pathlib import Path
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from ranks import ONE_THREAD, rank_process, torchrun  # noqa: E402  (the tests' launcher)
+
 COMMON = ["--model", "efficientnet_lite0", "--batch-size", "1", "--quiet"]
 LOAD = "import itertools\nfor i in itertools.count(): sum(j * j for j in range(10000))"
 
@@ -36,34 +39,6 @@ def dataset(root: Path) -> Path:
             box = (k * width // 10, k * height // 10, width - (3 - k) * width // 10, height - (3 - k) * height // 10)
             image.crop(box).resize((160, 120)).save(folder / f"{photo.stem}-{k}.jpg", quality=90)
     return folder
-
-
-ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}  # every run's arithmetic the same, alone or in a rank
-
-
-def torchrun(processes: int, *args: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    return subprocess.Popen(
-        [*command, str(ROOT / "cli.py"), *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=ONE_THREAD,
-    )
-
-
-def rank_process(launcher: subprocess.Popen, rank: int) -> int | None:
-    """The process id of one rank of a launch."""
-    for child in Path("/proc").glob("[0-9]*"):
-        try:
-            status = (child / "status").read_text()
-            environment = (child / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        parent = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
-        if parent == launcher.pid and f"RANK={rank}".encode() in environment:
-            return int(child.name)
-    return None
 
 
 def files(out: Path) -> dict[str, bytes]:

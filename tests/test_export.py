@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import ASSETS, manifest
 from PIL import Image
+from ranks import ONE_THREAD, rank_process, torchrun
 
 import explain
 from explain.cli import main
@@ -265,40 +266,13 @@ def test_records_chosen_over_runs() -> None:
     assert chosen_records([rec("d", "gradcam,layercam", "unreadable")], ["d"], ["gradcam", "layercam"])[0]["error"]
 
 
-def torchrun(processes: int, *args: str) -> subprocess.Popen:
-    """``torchrun --standalone --nproc_per_node=K cli.py ARGS``, one thread per process."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [*command, str(ROOT / "cli.py"), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=environment,
-    )
-
-
-def rank_process(launcher: subprocess.Popen, rank: int) -> int | None:
-    """The process id of one rank of a torchrun launch, once it runs."""
-    for child in Path("/proc").glob("[0-9]*"):
-        try:
-            status = (child / "status").read_text()
-            environment = (child / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        parent = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
-        if parent == launcher.pid and f"RANK={rank}".encode() in environment:
-            return int(child.name)
-    return None
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds a rank's process through /proc")
 def test_torchrun_shards_merges_and_resumes_after_a_rank_is_killed(dataset, tmp_path) -> None:
     """Two processes (gloo) write what one does; a rank killed mid-run, resumed by three, loses nothing."""
     common = [str(dataset), *LITE0, "--batch-size", "1", "--quiet"]  # batches of one: the same arithmetic in any rank
     alone = subprocess.run(
         [sys.executable, str(ROOT / "cli.py"), *common, "-o", str(tmp_path / "alone")],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=ONE_THREAD,
         capture_output=True,
         text=True,
     )
