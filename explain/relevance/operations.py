@@ -648,6 +648,16 @@ BY_NAME: dict[str, Handler] = {"torchvision.roi_align": _affine_first}  # option
 GATES = ("signal", "uniform")
 
 
+def check_gate(gate: str) -> None:
+    """Refuse an unknown gate rule, naming the known ones.
+
+    Raises:
+        LayerError: ``gate`` is none of :data:`GATES`.
+    """
+    if gate not in GATES:
+        raise LayerError(f"gate must be one of {', '.join(GATES)}, got {gate!r}")
+
+
 class OperationRules(TorchFunctionMode):
     """For the block, the torch operations relevance passes through run under their rules (see the module's
     notes); an operation on a relevant tensor without a rule is refused.
@@ -682,8 +692,7 @@ class OperationRules(TorchFunctionMode):
         layers: Callable[[str, Tensor | None], Rule | None] | None = None,
     ) -> None:
         super().__init__()
-        if gate not in GATES:
-            raise LayerError(f"gate must be one of {', '.join(GATES)}, got {gate!r}")
+        check_gate(gate)
         self.method, self.attention, self.epsilon, self.gate, self.layers = method, attention, epsilon, gate, layers
         tensors = [*model.parameters(), *model.buffers()] if model is not None else []
         self.own = {id(t) for t in tensors}  # the model's parameters and buffers

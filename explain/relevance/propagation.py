@@ -22,7 +22,7 @@ from ..errors import LayerError
 from ..targets import BoundTarget, Target, TargetLike
 from .composites import LayerRules, composite_rules
 from .epsilon import EPSILON
-from .operations import OperationRules, in_forward
+from .operations import OperationRules, check_gate, in_forward
 from .rules import Rule
 
 
@@ -69,7 +69,7 @@ class Propagation(InputAttribution):
         layer = layer[0] if isinstance(layer, (list, tuple)) else layer
         if layer is not None:
             self.requested, self.needs = [layer], self.at_layer
-        OperationRules(self.name, gate=gate)  # an unknown gate fails here
+        check_gate(gate)
         self.epsilon, self.gate = epsilon, gate
 
     def layer_rules(self, x: Tensor) -> LayerRules | None:
