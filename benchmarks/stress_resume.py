@@ -1,8 +1,9 @@
 """Stress run of a killed multi-process export resumed by more processes (not a benchmark: a count of failures).
 
-Each round launches ``torchrun`` with two ranks on a folder of JPEGs, kills rank 1 once it has written a few records,
-then resumes the run with three or four ranks, while a second process keeps the cores busy. A round fails when the
-resume exits non-zero or its outputs differ from a single process's. The result goes to ``results_stress_resume.md``.
+Each round launches ``torchrun`` with two ranks on a folder of JPEGs (four crops of each of two bundled photos by
+default), kills rank 1 once it has written two records, then resumes the run with three or four ranks, while a
+second process keeps the cores busy. A round fails when the resume exits non-zero or its outputs differ from a single
+process's (each with one thread: the same arithmetic). The result goes to ``results_stress_resume.md``.
 
     python benchmarks/stress_resume.py --rounds 20
 """
@@ -28,11 +29,11 @@ COMMON = ["--model", "efficientnet_lite0", "--batch-size", "1", "--quiet"]
 LOAD = "import itertools\nfor i in itertools.count(): sum(j * j for j in range(10000))"
 
 
-def dataset(root: Path) -> Path:
-    """Sixteen 160x120 crops of the bundled photos."""
+def dataset(root: Path, photos: int) -> Path:
+    """Four 160x120 crops of each of the first ``photos`` bundled photos."""
     folder = root / "photos"
     folder.mkdir()
-    for photo in sorted((ROOT / "assets").glob("*.png")) + sorted((ROOT / "assets").glob("*.jpg")):
+    for photo in sorted((ROOT / "assets").glob("*.png"))[:photos]:
         image = Image.open(photo).convert("RGB")
         width, height = image.size
         for k in range(4):
@@ -64,10 +65,11 @@ def one_round(photos: Path, out: Path, ranks: int, expected: dict[str, bytes]) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20, help="rounds per number of resuming ranks")
+    parser.add_argument("--photos", type=int, default=2, help="bundled photos whose four crops make the data set")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as temp:
         root = Path(temp)
-        photos = dataset(root)
+        photos = dataset(root, args.photos)
         alone = root / "alone"
         alone_run = [sys.executable, str(ROOT / "cli.py"), str(photos), *COMMON, "-o", str(alone)]
         subprocess.run(alone_run, check=True, env=ONE_THREAD)
