@@ -46,8 +46,9 @@ def files(out: Path) -> dict[str, bytes]:
     return {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
 
 
-def one_round(photos: Path, out: Path, ranks: int, expected: dict[str, bytes]) -> str | None:
-    """Kill rank 1 of two, resume with ``ranks``: None, or what went wrong."""
+def one_round(photos: Path, out: Path, ranks: int, expected: dict[str, bytes]) -> tuple[bool, str | None]:
+    """Kill rank 1 of two, resume with ``ranks``: whether rank 1 was killed before it ended, and None or what went
+    wrong."""
     killed = torchrun(2, str(photos), *COMMON, "-o", str(out))
     part = out / "manifest.rank1.jsonl"
     while killed.poll() is None and not (part.exists() and part.read_text().count("\n") >= 3):
@@ -55,11 +56,11 @@ def one_round(photos: Path, out: Path, ranks: int, expected: dict[str, bytes]) -
     pid = rank_process(killed, 1)
     if pid is not None:
         os.kill(pid, signal.SIGKILL)
-    killed.wait(timeout=300)
+    was_killed = killed.wait(timeout=300) != 0
     resumed = torchrun(ranks, str(photos), *COMMON, "-o", str(out), "--resume")
     if resumed.wait(timeout=600) != 0:
-        return resumed.stderr.read().strip().splitlines()[-1]
-    return None if files(out) == expected else "outputs differ from a single process's"
+        return was_killed, resumed.stderr.read().strip().splitlines()[-1]
+    return was_killed, None if files(out) == expected else "outputs differ from a single process's"
 
 
 def main() -> None:
@@ -78,16 +79,17 @@ def main() -> None:
         rows = []
         try:
             for ranks in (3, 4):
-                failures = []
+                failures, kills = [], 0
                 for k in range(args.rounds):
-                    failure = one_round(photos, root / f"out-{ranks}-{k}", ranks, expected)
+                    was_killed, failure = one_round(photos, root / f"out-{ranks}-{k}", ranks, expected)
                     failures += [failure] if failure else []
-                    print(f"{ranks} ranks, round {k + 1}: {failure or 'ok'}", flush=True)
-                rows.append((ranks, args.rounds, failures))
+                    kills += was_killed
+                    print(f"{ranks} ranks, round {k + 1}: killed {was_killed}, {failure or 'ok'}", flush=True)
+                rows.append((ranks, args.rounds, kills, failures))
         finally:
             load.kill()
-    lines = ["| resuming ranks | rounds | failed | first failure |", "|---|---|---|---|"]
-    lines += [f"| {r} | {n} | {len(f)} | {f[0] if f else ''} |" for r, n, f in rows]
+    lines = ["| resuming ranks | rounds | rank 1 killed mid-run | failed | first failure |", "|---|---|---|---|---|"]
+    lines += [f"| {r} | {n} | {k} | {len(f)} | {f[0] if f else ''} |" for r, n, k, f in rows]
     report = "\n".join(["# Kill and resume under load", "", *lines, ""])
     (Path(__file__).parent / "results_stress_resume.md").write_text(report)
     print(report)
