@@ -567,3 +567,26 @@ def test_an_answer_s_relevance_starts_at_its_tokens_logits() -> None:
             [logits[p - 1].softmax(-1)[sequence[p]] for p in positions]), rtol=1e-4, atol=1e-6)  # fmt: skip
     with pytest.raises(TargetError, match="score must be"):
         TokenTarget(sequence, positions, score="probability")
+
+
+def test_the_group_norm_rule_is_epsilon_with_each_group_s_spread_held_constant() -> None:
+    """A group norm under the rules against the ε rule written out with autograd: each group's mean subtracted, its
+    spread a constant, the channel's weight and bias applied; a bias-free convolution, group norm and pool chain
+    conserves the score."""
+    x, r = torch.randn(2, 6, 3, 4, generator=GENERATOR), torch.randn(2, 6, 3, 4, generator=GENERATOR)
+    weight, bias = torch.randn(6, generator=GENERATOR), torch.randn(6, generator=GENERATOR)
+    (found,) = _relevance(lambda t: F.group_norm(t, 3, weight, bias, 1e-5), (x,), r)
+    leaf = x.clone().requires_grad_(True)
+    grouped = leaf.view(2, 3, -1)
+    spread = (grouped.detach().var(dim=2, unbiased=False, keepdim=True) + 1e-5).sqrt()
+    z = ((grouped - grouped.mean(dim=2, keepdim=True)) / spread).view_as(x) * weight.view(-1, 1, 1) + bias.view(
+        -1, 1, 1
+    )
+    expected = x * torch.autograd.grad(z, leaf, r / _stable(z.detach()))[0]
+    torch.testing.assert_close(found, expected, rtol=1e-4, atol=1e-5)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.GroupNorm(2, 8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                        nn.Flatten(), nn.Linear(8, 3, bias=False)).double().eval()  # fmt: skip
+    nn.init.zeros_(net[1].bias)
+    images = torch.randn(2, 3, 12, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    result = explain.METHODS["attnlrp"](net)(images, [0, 2], normalize=False)
+    torch.testing.assert_close(result.completeness, torch.zeros(2), atol=1e-4, rtol=0)

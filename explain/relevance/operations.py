@@ -12,7 +12,8 @@ The rules (R: the relevance at an operation's output, z its output, :math:`z' = 
 - **ε** for an affine map of one input (linear layers and convolutions no composite names, batch norms in eval,
   average pools, means and sums, resizing, a sum with a constant): :math:`R_x = x \odot J^\top (R / z')`.
 - **ε** for the sum of two inputs (a residual connection): :math:`R_a = a \odot R / z'`, :math:`R_b = b \odot R / z'`.
-- **Layer norm**: ε through the layer with its standard deviation held constant (its centring is linear).
+- **Layer and group norms**: ε through the norm with each standard deviation held constant (its centring is
+  linear).
 - **Identity** through element-wise activations (GELU, SiLU, ...), RMS norms, a product with a constant, a division
   by one, and a negation: :math:`R_x = R`.
 - **Gate** for the product of two inputs: a factor spread over the other's positions or channels (a
@@ -130,6 +131,30 @@ class _LayerNorm(torch.autograd.Function):
         r = ratio(relevance, ctx.z, ctx.epsilon)
         r = r * weight[0] if ctx.weighted else r
         return x * (r - r.mean(dim=ctx.dims, keepdim=True)) * rstd, None, None, None, None, None
+
+
+class _GroupNorm(torch.autograd.Function):
+    r"""ε through a group norm with each group's spread held constant, from its saved output: a layer norm's rule
+    over each group of channels (and positions), the weight and bias per channel."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, groups: int, weight: Tensor | None, bias: Tensor | None, eps: float, epsilon: float
+    ) -> Tensor:
+        n, c = x.shape[:2]
+        z, _, rstd = torch.native_group_norm(x, weight, bias, n, c, x[0, 0].numel(), groups, eps)
+        ctx.groups, ctx.weighted, ctx.z, ctx.epsilon = groups, weight is not None, z, epsilon
+        ctx.save_for_backward(x, rstd, *([weight] if weight is not None else []))
+        return _own(z)
+
+    @staticmethod
+    def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor | None, ...]:
+        x, rstd, *weight = ctx.saved_tensors
+        r = ratio(relevance, ctx.z, ctx.epsilon)
+        r = r * weight[0].view(-1, *(1,) * (x.dim() - 2)) if ctx.weighted else r
+        grouped = r.reshape(len(x), ctx.groups, -1)
+        centred = (grouped - grouped.mean(dim=2, keepdim=True)) * rstd[:, :, None]
+        return x * centred.view_as(x), None, None, None, None, None
 
 
 class _Identity(torch.autograd.Function):
@@ -479,6 +504,13 @@ def _layer_norm(mode: OperationRules, func: Callable[..., Any], args: tuple, kwa
     return _LayerNorm.apply(o["input"], shape, weight, bias, o.get("eps", 1e-5), mode.epsilon)
 
 
+def _group_norm(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    o = _named(("input", "num_groups", "weight", "bias", "eps"), args, kwargs)
+    weight, bias = (None if o.get(n) is None else o[n].detach() for n in ("weight", "bias"))
+    x = o["input"].contiguous()
+    return _GroupNorm.apply(x, o["num_groups"], weight, bias, o.get("eps", 1e-5), mode.epsilon)
+
+
 BATCH_NORM_ARGUMENTS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
 
 
@@ -637,6 +669,7 @@ TABLE: dict[Callable[..., Any], Handler] = {
     **dict.fromkeys((F.softmax, torch.softmax, T.softmax), _softmax),
     F.scaled_dot_product_attention: _attention,
     F.layer_norm: _layer_norm,
+    F.group_norm: _group_norm,
     F.batch_norm: _batch_norm,
     F.multi_head_attention_forward: _multi_head,
     torch.einsum: _einsum,
