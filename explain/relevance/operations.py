@@ -105,23 +105,23 @@ class _Linear(torch.autograd.Function):
         return x * (ratio(relevance, ctx.z, ctx.epsilon) @ weight), None, None, None
 
 
-class _LayerNorm(torch.autograd.Function):
-    r"""ε through a layer norm with its spread σ held constant, from its saved output:
-    :math:`R_x = x \odot (w \odot r - \overline{w \odot r}) / \sigma` with :math:`r = R / z'` (the mean over the
-    normalized axes)."""
+class _Normalized(torch.autograd.Function):
+    r"""ε through a layer or group norm with each spread σ held constant, from its saved output (its centring is
+    linear): :math:`R_x = x \odot (w \odot r - \overline{w \odot r}) / \sigma` with :math:`r = R / z'`, the mean
+    over each normalized block (a layer norm's last axes, a group norm's group of channels and positions).
+    ``normalized(x)`` gives the norm's output and each block's 1 / σ, from the fused kernel; ``weight`` is the
+    norm's weight as it broadcasts to x."""
 
     @staticmethod
     def forward(
         ctx: Any,
         x: Tensor,
-        shape: tuple[int, ...],
+        normalized: Callable[[Tensor], tuple[Tensor, Tensor]],
         weight: Tensor | None,
-        bias: Tensor | None,
-        eps: float,
         epsilon: float,
     ) -> Tensor:
-        z, _, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)  # 1 / σ with the output, fused
-        ctx.dims, ctx.weighted, ctx.z, ctx.epsilon = tuple(range(-len(shape), 0)), weight is not None, z, epsilon
+        z, rstd = normalized(x)
+        ctx.weighted, ctx.z, ctx.epsilon = weight is not None, z, epsilon
         ctx.save_for_backward(x, rstd, *([weight] if weight is not None else []))
         return _own(z)
 
@@ -130,31 +130,9 @@ class _LayerNorm(torch.autograd.Function):
         x, rstd, *weight = ctx.saved_tensors
         r = ratio(relevance, ctx.z, ctx.epsilon)
         r = r * weight[0] if ctx.weighted else r
-        return x * (r - r.mean(dim=ctx.dims, keepdim=True)) * rstd, None, None, None, None, None
-
-
-class _GroupNorm(torch.autograd.Function):
-    r"""ε through a group norm with each group's spread held constant, from its saved output: a layer norm's rule
-    over each group of channels (and positions), the weight and bias per channel."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, groups: int, weight: Tensor | None, bias: Tensor | None, eps: float, epsilon: float
-    ) -> Tensor:
-        n, c = x.shape[:2]
-        z, _, rstd = torch.native_group_norm(x, weight, bias, n, c, x[0, 0].numel(), groups, eps)
-        ctx.groups, ctx.weighted, ctx.z, ctx.epsilon = groups, weight is not None, z, epsilon
-        ctx.save_for_backward(x, rstd, *([weight] if weight is not None else []))
-        return _own(z)
-
-    @staticmethod
-    def backward(ctx: Any, relevance: Tensor) -> tuple[Tensor | None, ...]:
-        x, rstd, *weight = ctx.saved_tensors
-        r = ratio(relevance, ctx.z, ctx.epsilon)
-        r = r * weight[0].view(-1, *(1,) * (x.dim() - 2)) if ctx.weighted else r
-        grouped = r.reshape(len(x), ctx.groups, -1)
-        centred = (grouped - grouped.mean(dim=2, keepdim=True)) * rstd[:, :, None]
-        return x * centred.view_as(x), None, None, None, None, None
+        blocks = r.reshape(rstd.numel(), -1)  # each normalized block a row, in x's logical order
+        centred = (blocks - blocks.mean(dim=1, keepdim=True)) * rstd.reshape(-1, 1)
+        return x * centred.view_as(x), None, None, None
 
 
 class _Identity(torch.autograd.Function):
@@ -500,15 +478,28 @@ def _attention(mode: OperationRules, func: Callable[..., Any], args: tuple, kwar
 def _layer_norm(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     o = _named(("input", "normalized_shape", "weight", "bias", "eps"), args, kwargs)
     weight, bias = (None if o.get(n) is None else o[n].detach() for n in ("weight", "bias"))
-    shape = tuple(o["normalized_shape"])
-    return _LayerNorm.apply(o["input"], shape, weight, bias, o.get("eps", 1e-5), mode.epsilon)
+    shape, eps = tuple(o["normalized_shape"]), o.get("eps", 1e-5)
+
+    def normalized(x: Tensor) -> tuple[Tensor, Tensor]:
+        z, _, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
+        return z, rstd
+
+    return _Normalized.apply(o["input"], normalized, weight, mode.epsilon)
 
 
 def _group_norm(mode: OperationRules, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     o = _named(("input", "num_groups", "weight", "bias", "eps"), args, kwargs)
     weight, bias = (None if o.get(n) is None else o[n].detach() for n in ("weight", "bias"))
-    x = o["input"].contiguous()
-    return _GroupNorm.apply(x, o["num_groups"], weight, bias, o.get("eps", 1e-5), mode.epsilon)
+    x, groups, eps = o["input"], o["num_groups"], o.get("eps", 1e-5)
+
+    def normalized(t: Tensor) -> tuple[Tensor, Tensor]:
+        z, _, rstd = torch.native_group_norm(
+            t.contiguous(), weight, bias, len(t), t.shape[1], t[0, 0].numel(), groups, eps
+        )
+        return z, rstd
+
+    channels = None if weight is None else weight.view(-1, *(1,) * (x.dim() - 2))  # per channel, over positions
+    return _Normalized.apply(x, normalized, channels, mode.epsilon)
 
 
 BATCH_NORM_ARGUMENTS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
