@@ -68,7 +68,7 @@ def runs(model: torch.nn.Module, x: torch.Tensor) -> dict[str, Callable[[], obje
 LXT_TIMING = """
 import importlib.util, json, sys, types, torch
 sys.path.insert(0, sys.argv[2])
-from timing import interleaved_medians
+from timing import interleaved_medians, peak_mib
 from torchvision.models import vision_transformer
 root = importlib.util.find_spec("lxt").submodule_search_locations[0]
 for name, folder in (("lxt", ""), ("lxt.efficient", "/efficient"), ("lxt.efficient.models", "/efficient/models")):
@@ -85,10 +85,12 @@ def run():
     scores = model(leaf)[torch.arange(4), torch.tensor([1, 2, 3, 4])].sum()
     return leaf * torch.autograd.grad(scores, leaf)[0]
 plain = interleaved_medians({"forward + backward": run}, int(sys.argv[1]))
+plain_memory = peak_mib(run)
 for module, patch in cp_LRP.items():
     patch(module)
 patched = interleaved_medians({"LXT cp-lrp": run}, int(sys.argv[1]))
-print(json.dumps({**plain, **patched}))
+memory = {"forward + backward MiB": plain_memory, "LXT cp-lrp MiB": peak_mib(run)}
+print(json.dumps({**plain, **patched, **memory}))
 """
 
 
@@ -109,18 +111,20 @@ def against_lxt(rounds: int) -> list[str]:
     model = torchvision.models.VisionTransformer(224, 16, 12, 6, 384, 1536, num_classes=10).eval()
     model.requires_grad_(False)  # as LXT's process holds it
     x = torch.randn(len(CLASSES), 3, 224, 224, generator=torch.Generator().manual_seed(1))
-    ours = interleaved_medians(
-        {k: v for k, v in runs(model, x).items() if k in ("forward + backward", "cplrp")}, rounds
-    )
+    contest = {k: v for k, v in runs(model, x).items() if k in ("forward + backward", "cplrp")}
+    ours = interleaved_medians(contest, rounds)
+    memory = {name: peak_mib(run) for name, run in contest.items()}
     lines = [
         "Against LXT: torchvision ViT of ViT-Small's shape, 4 images of 224x224, each against its own process's "
         f"forward + backward; medians of {rounds} rounds",
         "",
-        "| call | seconds | / forward + backward |",
-        "|---|---:|---:|",
-        f"| explain cplrp | {ours['cplrp']:.3f} | {ours['cplrp'] / ours['forward + backward']:.2f}x |",
+        "| call | seconds | / forward + backward | peak memory (MiB) | its forward + backward's (MiB) |",
+        "|---|---:|---:|---:|---:|",
+        f"| explain cplrp | {ours['cplrp']:.3f} | {ours['cplrp'] / ours['forward + backward']:.2f}x | "
+        f"{memory['cplrp']:.0f} | {memory['forward + backward']:.0f} |",
         f"| LXT cp-lrp (its own process) | {lxt['LXT cp-lrp']:.3f} | "
-        f"{lxt['LXT cp-lrp'] / lxt['forward + backward']:.2f}x |",
+        f"{lxt['LXT cp-lrp'] / lxt['forward + backward']:.2f}x | {lxt['LXT cp-lrp MiB']:.0f} | "
+        f"{lxt['forward + backward MiB']:.0f} |",
     ]
     return lines
 
