@@ -1,7 +1,9 @@
 """Every word of a vision-language model's answer: explain's maps against the model's own forward and backward.
 
-A small random LLaVA-style model on the CPU (a CLIP vision tower of 4 layers at 224x224, patches of 14: 256 vision
-tokens; a Llama language model of 4 layers), a prompt and a 16-token answer, rounds interleaved, the model warm:
+A small random model on the CPU, a prompt and a 16-token answer, rounds interleaved, the model warm. Two families
+(``--family``): ``llava``, a CLIP vision tower of 4 layers at 224x224, patches of 14 (256 vision tokens in one run)
+and a Llama language model of 4 layers; ``mistral3``, Pixtral's tower of 4 layers on a 224x336 image, patches of 14
+merged 2x2 (8 rows of 12 tokens, each row closed by a separator token) and a Mistral language model of 4 layers:
 
 - **forward + backward**: the model's forward over the prompt and the answer, then the backward of one token's
   log-probability to the image (parameters frozen): what any gradient method of one word costs at least;
@@ -13,7 +15,7 @@ Targets (issue "Explain what vision-language models say"): one word at most 1.15
 sixteen words of one call at most 0.75x sixteen one-word calls. Peak memory: the tensor memory alive at the busiest
 moment of one call (the profiler's allocation records), against the forward and backward's.
 
-    python benchmarks/bench_vision_language.py [--rounds 5] [--out benchmarks/results_vision_language_cpu.md]
+    python benchmarks/bench_vision_language.py [--family mistral3] [--rounds 5] [--out ...]
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from timing import emit, interleaved_medians, rounds_and_out
 
 import explain
 from explain.models import VisionLanguage
+from explain.models.vision_language import image_reading
 from explain.targets import TokenTarget
 
 IMAGE_TOKEN, ANSWER = 31999, 16
@@ -44,15 +47,44 @@ def small_llava() -> torch.nn.Module:
     return transformers.LlavaForConditionalGeneration(config).eval()
 
 
-def main() -> None:
-    args = rounds_and_out(__doc__)
-    model = small_llava()
+def small_mistral3() -> torch.nn.Module:
+    vision = transformers.PixtralVisionConfig(
+        hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, image_size=336,
+        patch_size=14, head_dim=64,
+    )  # fmt: skip
+    text = transformers.MistralConfig(
+        vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=64, max_position_embeddings=512,
+    )  # fmt: skip
+    config = transformers.Mistral3Config(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN)
+    torch.manual_seed(0)
+    return transformers.Mistral3ForConditionalGeneration(config).eval()
+
+
+def family_inputs(family: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The family's model, and its processor's output for one image and one prompt (as the processor lays it)."""
     torch.manual_seed(1)
-    x = torch.randn(1, 3, 224, 224)
-    prompt = [1, 306, 4966, 29901, *[IMAGE_TOKEN] * 256, 1724, 338, 373, 278, 1591, 29973]
+    if family == "llava":
+        image = [*[IMAGE_TOKEN] * 256]
+        pixels = {"pixel_values": torch.randn(1, 3, 224, 224)}
+        model = small_llava()
+    else:  # 8 rows of 12 tokens, each closed by [IMG_BREAK] (12), the last by [IMG_END] (13)
+        image = [token for row in range(8) for token in [*[IMAGE_TOKEN] * 12, 12 if row < 7 else 13]]
+        pixels = {"pixel_values": torch.randn(1, 3, 224, 336), "image_sizes": torch.tensor([[224, 336]])}
+        model = small_mistral3()
+    prompt = [1, 306, 4966, 29901, *image, 1724, 338, 373, 278, 1591, 29973]
+    return model, {**pixels, "input_ids": torch.tensor([prompt])}
+
+
+def main() -> None:
+    args = rounds_and_out(__doc__, family=("llava", "mistral3"))
+    model, inputs = family_inputs(args.family)
+    prompt = inputs["input_ids"][0].tolist()
     sequence = torch.tensor(prompt + torch.randint(100, 31000, (ANSWER,)).tolist())
     positions = list(range(len(prompt), len(sequence)))
-    reader = VisionLanguage(model, {"input_ids": sequence[None]})
+    reading = image_reading(model, inputs)
+    x = reading.picture(inputs)
+    reader = VisionLanguage(model, {"input_ids": sequence[None]}, reading)
     method = explain.GradCAM(reader)
     for parameter in model.parameters():
         parameter.requires_grad_(False)
@@ -81,7 +113,7 @@ def main() -> None:
         lines.append(f"| {name} | {1000 * median:.0f} | {median / base:.2f} | {median / single:.2f} | {peak} |")
     lines += [
         "",
-        f"Medians of {args.rounds} interleaved rounds, the model warm, batch 1, {len(sequence)} tokens "
+        f"{args.family}: medians of {args.rounds} interleaved rounds, the model warm, batch 1, {len(sequence)} tokens "
         f"({ANSWER} of the answer), {torch.get_num_threads()} threads.",
     ]
     emit(lines, args.out)

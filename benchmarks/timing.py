@@ -9,16 +9,19 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 
-def rounds_and_out(doc: str) -> argparse.Namespace:
-    """The command line of a benchmark that times rounds and writes its table: ``--rounds`` (5) and ``--out``."""
+def rounds_and_out(doc: str, family: Sequence[str] = ()) -> argparse.Namespace:
+    """The command line of a benchmark that times rounds and writes its table: ``--rounds`` (5) and ``--out``; and
+    ``--family``, one of ``family`` (the first by default), where the benchmark has several."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if family:
+        parser.add_argument("--family", choices=list(family), default=family[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", help="also write the table to this markdown file")
     parser.add_argument("--only", help="run only the rows whose names hold one of these, comma-separated")

@@ -10,7 +10,12 @@ made of it, and the map of the vision tokens as the language model reads them.
   out as a map (:class:`VisionTokens`): each in the cell the language model's own position ids (its rotary index
   of height and width) give it. Qwen2.5-VL's windows reorder the patches inside the tower; the tower undoes
   that before the language model reads them, and the map is taken after it.
-- Tiles of the image beside a base image (LLaVA-NeXt, Idefics3): :mod:`explain.models.tiles`.
+- :class:`Rows`: image tokens in rows, a separator token closing each (Mistral 3, Pixtral): the grid is the runs
+  of the image token in the text, and the map is taken at the language model's input embeddings.
+  :class:`PatchRows`: the same rows where the patches themselves are the image's input (Fuyu).
+- :class:`Queried`: a Q-Former's queries stand for the image (BLIP-2, InstructBLIP); the map is of the vision
+  tower's patch tokens that they read.
+- Tiles of the image beside a base image (LLaVA-NeXt, LLaVA-OneVision, Idefics3): :mod:`explain.models.tiles`.
 """
 
 from __future__ import annotations
@@ -67,19 +72,28 @@ def count_error(made: int, expected: int, token: int) -> ExplainError:
 
 
 class WholeImage(nn.Module):
-    """The processor's ``pixel_values`` (1, 3, H, W) are the picture: LLaVA 1.5, PaliGemma and their kind.
+    """The processor's ``pixel_values`` (1, 3, H, W) are the picture: LLaVA 1.5, PaliGemma, Gemma 3 and their kind.
+
+    The processor's other image inputs (Mistral 3's ``image_sizes``, InstructBLIP's text for its Q-Former) are
+    held as given, one copy per picture.
 
     Args:
-        model: The model; its ``multi_modal_projector`` makes the vision tokens the language model reads.
+        model: The model; its projector (``multi_modal_projector``), where it has one, makes the vision tokens the
+            language model reads. The layer is searched as in any model.
+        inputs: The processor's output for one image and one prompt.
         image_tokens: The image tokens of the text, one per vision token.
+        projector: The name of the projector's module.
     """
 
-    inputs = ("pixel_values",)
+    inputs = ("pixel_values", "image_sizes", "qformer_input_ids", "qformer_attention_mask")
 
-    def __init__(self, model: nn.Module, image_tokens: int) -> None:
+    def __init__(
+        self, model: nn.Module, inputs: Mapping[str, Tensor], image_tokens: int, projector: str = PROJECTOR
+    ) -> None:
         super().__init__()
-        self.projector = submodule(model, PROJECTOR, "the vision tokens' count (LLaVA 1.5 and models built as it is)")
+        self.projector = next((m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == projector), None)
         self.image_tokens, self.token = image_tokens, image_token_id(model)
+        self.held = {name: inputs[name] for name in self.inputs[1:] if name in inputs}
 
     @staticmethod
     def picture(inputs: Mapping[str, Tensor]) -> Tensor:
@@ -98,18 +112,46 @@ class WholeImage(nn.Module):
         return pixel_values
 
     def model_inputs(self, picture: Tensor) -> dict[str, Tensor]:
-        """The model's image inputs for pictures (N, 3, H, W)."""
-        return {"pixel_values": picture}
+        """The model's image inputs for pictures (N, 3, H, W): them, and the other image inputs as given."""
+        n = len(picture)
+        held = {name: value.to(picture.device).expand(n, *value.shape[1:]) for name, value in self.held.items()}
+        return {"pixel_values": picture, **held}
 
     def watch(self, hooks: Hooks, images: int) -> None:
-        """Check, in the forward of ``images`` pictures, the count of tokens the projector makes."""
+        """Check, in the forward of ``images`` pictures, the count of tokens the projector makes (a model without
+        one checks it itself, where it puts them at the image tokens)."""
 
         def check(module: nn.Module, inputs: Any, projected: Tensor) -> None:
             made = projected.shape[:-1].numel() // images
             if made != self.image_tokens:
                 raise count_error(made, self.image_tokens, self.token)
 
-        hooks.forward(self.projector, check)
+        if self.projector is not None:
+            hooks.forward(self.projector, check)
+
+
+QUERIES_PROJECTOR = "language_projection"  # BLIP-2's: the Q-Former's queries as the language model reads them
+VISION_MODEL = "vision_model"  # BLIP-2's vision tower, whose patch tokens the queries read
+
+
+class Queried(WholeImage):
+    """A Q-Former's queries stand for the image in the text (BLIP-2, InstructBLIP): the queries are no grid, so the
+    map is of the vision tower's patch tokens that they read, its last block's output.
+
+    Args:
+        model: The model: its ``language_projection`` (the queries' count is checked there) and ``vision_model``.
+        inputs: The processor's output for one image and one prompt.
+        image_tokens: The image tokens of the text, one per query.
+    """
+
+    def __init__(self, model: nn.Module, inputs: Mapping[str, Tensor], image_tokens: int) -> None:
+        super().__init__(model, inputs, image_tokens, QUERIES_PROJECTOR)
+        tower = submodule(model, VISION_MODEL, "the patch tokens the queries read (BLIP-2 and its kind)")
+        names = {module: name for name, module in model.named_modules()}
+        blocks = max((m for m in tower.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
+        if not blocks:
+            raise ExplainError(f"{type(model).__name__}'s {VISION_MODEL} has no blocks: explain maps its last one")
+        self.levels = (f"model.{names[blocks[-1]]}",)  # its last block, as the wrapper (VisionLanguage) names it
 
 
 class VisionTokens(nn.Module):
@@ -259,3 +301,111 @@ def token_cells(model: nn.Module, text: Mapping[str, Tensor], grid_thw: Tensor, 
             f"{grid[0]}x{grid[1]} grid of merged patches: build the text with the model's own processor"
         )
     return cells
+
+
+LANGUAGE_MODEL = "language_model"  # the module that reads the text's embeddings, the image's tokens among them
+
+
+def image_runs(input_ids: Tensor, token: int) -> list[tuple[int, int]]:
+    """Where each run of consecutive image tokens starts in the text, and its length, in order."""
+    image = (input_ids.reshape(-1) == token).to(torch.int8)
+    edges = torch.diff(torch.nn.functional.pad(image, (1, 1)))
+    starts, ends = (edges == 1).nonzero().flatten(), (edges == -1).nonzero().flatten()
+    return list(zip(starts.tolist(), (ends - starts).tolist()))
+
+
+class Rows(WholeImage):
+    """Image tokens in rows, a separator token closing each (Mistral 3's and Pixtral's ``[IMG_BREAK]``).
+
+    The rows are the runs of the image token in the text, so the grid is the text's own. The map is taken where
+    the image enters the language model: its input embeddings at the image tokens, laid out row by row
+    (:attr:`tokens`). The picture is the processor's ``pixel_values``; its other image inputs (Mistral 3's
+    ``image_sizes``) are held as given.
+
+    Args:
+        model: The model: its config's image token and its ``language_model``.
+        inputs: The processor's output for one image and one prompt.
+        runs: Each row's start and length in the text (see :func:`image_runs`).
+
+    Raises:
+        ExplainError: Rows of different lengths, or a grid whose cells are not square on the picture.
+    """
+
+    def __init__(self, model: nn.Module, inputs: Mapping[str, Tensor], runs: list[tuple[int, int]]) -> None:
+        nn.Module.__init__(self)
+        lengths = sorted({length for _, length in runs})
+        if len(lengths) != 1:
+            raise ExplainError(
+                f"the text's image tokens come in {len(runs)} rows of {lengths} tokens, which is not a grid: build "
+                "the text with the model's own processor, for this image"
+            )
+        rows, columns = len(runs), lengths[0]
+        height, width = WholeImage.picture(inputs).shape[-2:]
+        if height * columns != width * rows or height % rows:
+            raise ExplainError(
+                f"the text's {rows}x{columns} image tokens do not lie on the {height}x{width} image in square cells: "
+                "build the text with the model's own processor, for this image"
+            )
+        self.language = submodule(model, LANGUAGE_MODEL, "the image's tokens as the text reads them")
+        self.register_buffer("positions", torch.tensor([s + k for s, n in runs for k in range(n)]), persistent=False)
+        self.tokens = VisionTokens((rows, columns), torch.arange(rows * columns))
+        self.held = {name: inputs[name] for name in self.inputs[1:] if name in inputs}
+        self.levels = ("reading.tokens",)
+
+    def watch(self, hooks: Hooks, images: int) -> None:
+        """In the forward of ``images`` pictures, pass the image tokens the language model reads through
+        :attr:`tokens` (the map)."""
+
+        def as_map(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+            embeds = kwargs.get("inputs_embeds")
+            if embeds is None or len(embeds) != images:
+                raise ExplainError(
+                    f"{type(module).__name__} is not given the text's embeddings (inputs_embeds) of {images} "
+                    "pictures: explain reads the image's tokens there"
+                )
+            found = embeds.index_select(1, self.positions)
+            mapped = self.tokens.tokens(self.tokens(found.reshape(-1, found.shape[-1]))).reshape(found.shape)
+            return args, {**kwargs, "inputs_embeds": embeds.index_copy(1, self.positions, mapped)}
+
+        hooks.forward_pre(self.language, as_map, with_kwargs=True)
+
+
+class PatchRows(Rows):
+    """Image patches given as tokens, in rows closed by a separator token (Fuyu's newline): no vision tower, each
+    patch's pixels (p, p, C) flattened into ``pixel_values`` (1, patches, p * p * C), row by row.
+
+    The picture is put back together from the patches on the text's grid, and cut again inside the forward.
+
+    Args:
+        model: The model: its config's ``patch_size`` and ``num_channels``, its image token, its
+            ``language_model``.
+        inputs: The processor's output for one image and one prompt.
+        runs: Each row's start and length in the text (see :func:`image_runs`).
+
+    Raises:
+        ExplainError: Patches that are not the text's grid of the config's patch size.
+    """
+
+    def __init__(self, model: nn.Module, inputs: Mapping[str, Tensor], runs: list[tuple[int, int]]) -> None:
+        patches, config = inputs["pixel_values"], model.config
+        self.patch, self.channels = int(config.patch_size), int(config.num_channels)
+        rows, columns = len(runs), runs[0][1]
+        if patches.shape != (1, rows * columns, self.patch * self.patch * self.channels):
+            raise ExplainError(
+                f"pixel_values {tuple(patches.shape)} are not the text's {rows}x{columns} patches of "
+                f"{self.patch}x{self.patch}x{self.channels} pixels: pass the processor's output for this image"
+            )
+        super().__init__(model, {**inputs, "pixel_values": self.picture(inputs, (rows, columns))}, runs)
+
+    def picture(self, inputs: Mapping[str, Tensor], grid: tuple[int, int] | None = None) -> Tensor:
+        """The picture (1, C, rows * p, columns * p) whose patches the processor gives."""
+        rows, columns = grid or self.tokens.grid
+        p, c = self.patch, self.channels
+        cut = inputs["pixel_values"].reshape(1, rows, columns, p, p, c)
+        return cut.permute(0, 5, 1, 3, 2, 4).reshape(1, c, rows * p, columns * p)
+
+    def model_inputs(self, picture: Tensor) -> dict[str, Tensor]:
+        """The model's patches (N, patches, p * p * C) of pictures (N, C, H, W), row by row."""
+        (rows, columns), p, n = self.tokens.grid, self.patch, len(picture)
+        cut = picture.reshape(n, self.channels, rows, p, columns, p).permute(0, 2, 4, 3, 5, 1)
+        return {"pixel_values": cut.reshape(n, rows * columns, -1)}

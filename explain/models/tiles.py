@@ -19,6 +19,7 @@ base's stretched back over it, and the two are fused.
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 from collections.abc import Mapping
@@ -189,7 +190,7 @@ class AnyResolution(Tiles):
             puts it, or the text's image tokens are not as many as the features the model reads.
     """
 
-    inputs = ("pixel_values", "image_sizes")
+    inputs = ("pixel_values", "image_sizes", "batch_num_images")  # the last: one image per picture, as by default
 
     def __init__(self, model: nn.Module, inputs: Mapping[str, Tensor], image_tokens: int) -> None:
         projector = submodule(model, PROJECTOR, "the tiles' tokens (LLaVA-NeXt and models built as it is)")
@@ -259,11 +260,13 @@ def _check_count(model: nn.Module, tiles: Tensor, sizes: Tensor, side: int, imag
     owner = next((m for m in (getattr(model, "model", None), model) if hasattr(m, "pack_image_features")), None)
     if owner is None:
         raise ExplainError(f"{type(model).__name__} has no pack_image_features: explain reads its tiles' count there")
-    features = [tiles.new_zeros(len(tiles), side * side, 1)]
     holders = (owner, getattr(model, "model", None))
     newline = next((m.image_newline for m in holders if hasattr(m, "image_newline")), None)
+    given = {"image_features": [tiles.new_zeros(len(tiles), side * side, 1)], "image_sizes": sizes,
+             "vision_feature_select_strategy": "default", "image_newline": None if newline is None else newline[:1]}
+    accepted = inspect.signature(owner.pack_image_features).parameters  # LLaVA-OneVision's differ from NeXt's
     with torch.no_grad():
-        packed = owner.pack_image_features(features, sizes, "default", None if newline is None else newline[:1])
+        packed = owner.pack_image_features(**{name: value for name, value in given.items() if name in accepted})
     made = int(packed[1][0]) if isinstance(packed, tuple) else len(packed[0])
     if made != image_tokens:
         raise count_error(made, image_tokens, image_token_id(model))

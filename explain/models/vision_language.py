@@ -16,43 +16,79 @@ a guess.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
 
 from ..core.hooks import Hooks
 from ..errors import ExplainError
-from .image_readings import MergedPatches, WholeImage, image_token_id
+from .image_readings import MergedPatches, PatchRows, Queried, Rows, WholeImage, image_runs, image_token_id
 from .tiles import ROWS_AND_COLUMNS, AnyResolution, SplitImage
 
-Reading = WholeImage | MergedPatches | AnyResolution | SplitImage
-IMAGE_INPUTS = {*WholeImage.inputs, *MergedPatches.inputs, *AnyResolution.inputs, *SplitImage.inputs}
+Reading = WholeImage | MergedPatches | AnyResolution | SplitImage | Rows | PatchRows | Queried
+IMAGE_INPUTS = {*WholeImage.inputs, *MergedPatches.inputs, *AnyResolution.inputs, *SplitImage.inputs, *Rows.inputs}
 
 
 def image_reading(model: nn.Module, inputs: Mapping[str, Tensor]) -> Reading:
-    """How the model reads the image of a processor's output (see :mod:`explain.models.image_readings`): cut into
-    merged patches where the output has an ``image_grid_thw``, into LLaVA-NeXt's tiles where it has
-    ``image_sizes`` beside tiles (N, tiles, 3, s, s), into Idefics3's where it has a ``pixel_attention_mask``, else
-    whole.
+    """How the model reads the image of a processor's output (see :mod:`explain.models.image_readings`).
+
+    Read from the output and the text, in order: merged patches where the output has an ``image_grid_thw``;
+    LLaVA-NeXt's tiles where it has ``image_sizes`` beside tiles (N, tiles, 3, s, s); Idefics3's where it has a
+    ``pixel_attention_mask``; rows where the text's image tokens come in several runs (patches given as tokens
+    where ``pixel_values`` are (1, patches, features)); a Q-Former's queries where the model has one; else the
+    whole image.
 
     Raises:
-        ExplainError: The model is of no supported kind, or the text holds no image token.
+        ExplainError: The model reads the image in a way explain does not, or the text holds no image token.
     """
+    refuse_unread(model)
     token = image_token_id(model)
-    tokens = int((inputs["input_ids"] == token).sum())
-    if not tokens:
+    runs = image_runs(inputs["input_ids"], token)
+    if not runs:
         raise ExplainError(
             f"the text holds no image token (id {token}): build it with the model's processor, which puts one per "
             "vision token where the prompt says <image>"
         )
+    tokens = sum(length for _, length in runs)
     if "image_grid_thw" in inputs:
         return MergedPatches(model, text_inputs(inputs), inputs["image_grid_thw"])
     if "image_sizes" in inputs and inputs["pixel_values"].dim() == 5:
         return AnyResolution(model, inputs, tokens)
     if "pixel_attention_mask" in inputs:
         return SplitImage(model, inputs, tokens)
-    return WholeImage(model, tokens)
+    if len(runs) > 1:
+        return PatchRows(model, inputs, runs) if inputs["pixel_values"].dim() == 3 else Rows(model, inputs, runs)
+    if any(name == "qformer" for name, _ in model.named_modules()):
+        return Queried(model, inputs, tokens)
+    return WholeImage(model, inputs, tokens)
+
+
+def refuse_unread(model: nn.Module) -> None:
+    """Refuse, saying why, a model whose image reaches the text in a way no map of the image can follow.
+
+    Raises:
+        ExplainError: The image reaches the text only as discrete codes, or only through a cross-attention; or the
+            answer is read by a decoder apart from the prompt.
+    """
+    config, name = getattr(model, "config", None), type(model).__name__
+    if getattr(config, "vq_config", None) is not None and getattr(config, "vision_config", None) is None:
+        raise ExplainError(
+            f"{name} reads the image as discrete codes of a codebook (its vq_config): no gradient passes a codebook "
+            "lookup, so no method of explain can map its answer on the image"
+        )
+    text = getattr(config, "text_config", config)
+    if getattr(config, "is_encoder_decoder", False) or getattr(text, "is_encoder_decoder", False):
+        raise ExplainError(
+            f"{name} is an encoder-decoder: its answer is read by a decoder apart from the prompt, and explain maps "
+            "answers that continue the prompt's own sequence (decoder-only models)"
+        )
+    if getattr(text, "cross_attention_layers", None):
+        raise ExplainError(
+            f"{name} reads the image by cross-attention (its cross_attention_layers), not as tokens of the text: "
+            "explain maps the answers of models that put the image's tokens into the text"
+        )
 
 
 def text_inputs(inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -99,32 +135,77 @@ class VisionLanguage(nn.Module):
         text = {name: value.to(device).expand(n, -1) for name, value in self.text.items()}
         with Hooks() as hooks:
             self.reading.watch(hooks, n)
-            return self.model(**text, **self.reading.model_inputs(picture), use_cache=False).logits
+            with model_refusals(self.model):
+                return self.model(**text, **self.reading.model_inputs(picture), use_cache=False).logits
 
 
-# a per-token input, and its value at the answer's tokens
-EXTENDED = {"attention_mask": 1, "token_type_ids": 1, "mm_token_type_ids": 0}
+@contextmanager
+def model_refusals(model: nn.Module) -> Iterator[None]:
+    """In the block, the model's own refusal of the inputs explain gives it is one line: explain's error.
+
+    Raises:
+        ExplainError: The model raised; the message names its error.
+    """
+    try:
+        yield
+    except ExplainError:
+        raise
+    except Exception as error:
+        first = str(error).splitlines()[0] if str(error) else ""
+        raise ExplainError(
+            f"{type(model).__name__} refuses the inputs explain gives it from its processor's output "
+            f"({type(error).__name__}: {first}): pass the processor's whole output for one image and one prompt"
+        ) from error
 
 
-def with_answer(text: Mapping[str, Tensor], answer: Tensor) -> dict[str, Tensor]:
-    """The prompt's text inputs followed by the answer: its ids after the prompt's, the attention mask and the
-    token types (PaliGemma's: 1 after the prefix) continued for it.
+# per-token inputs that do not feed the logits (a loss's labels, Fuyu's patch indices), or that the forward derives
+NOT_CONTINUED = ("labels", "position_ids", "cache_position", "image_patches_indices")
+TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")  # a model's marks of its tokens' kinds
+
+
+def with_answer(text: Mapping[str, Tensor], answer: Tensor, image_token: int) -> dict[str, Tensor]:
+    """The prompt's text inputs followed by the answer, each per-token input continued by the model's convention.
+
+    The attention mask is 1 over the answer. Token types are read from the prompt. Where they mark the image's
+    tokens (Gemma 3's ``token_type_ids``, Qwen2-VL's ``mm_token_type_ids``), the answer is text: 0. Where they are
+    0 over the whole prompt, image included, they mark a prefix read both ways (PaliGemma's), and the answer is
+    the causal suffix: 1. Labels, position ids and cache positions are left out: the forward makes its own.
 
     Raises:
         ExplainError: A per-token input explain cannot continue for the answer.
     """
     prompt = text["input_ids"].reshape(-1)
+    image = prompt == image_token
     found = {"input_ids": torch.cat([prompt, answer.to(prompt)])}
     for name, value in text.items():
-        if name == "input_ids":
+        if name == "input_ids" or name in NOT_CONTINUED:
             continue
-        if name not in EXTENDED:
-            raise ExplainError(
-                f"the text input {name!r} has a value per token, which explain cannot continue for the answer "
-                f"(it continues {', '.join(EXTENDED)})"
-            )
-        found[name] = torch.cat([value.reshape(-1), torch.full_like(answer, EXTENDED[name]).to(value)])
+        value = value.reshape(-1)
+        found[name] = torch.cat([value, torch.full_like(answer, _continued(name, value, image)).to(value)])
     return found
+
+
+def _continued(name: str, value: Tensor, image: Tensor) -> int:
+    """The value of the per-token input ``name`` at the answer's tokens, read from its prompt's ``value``.
+
+    Raises:
+        ExplainError: An input explain does not know, or token types of neither convention.
+    """
+    if name == "attention_mask":
+        return 1
+    if name not in TOKEN_TYPES:
+        raise ExplainError(
+            f"the text input {name!r} has a value per token, which explain cannot continue for the answer (it "
+            f"continues attention_mask and {', '.join(TOKEN_TYPES)}, and leaves out {', '.join(NOT_CONTINUED)})"
+        )
+    if bool(value[image].ne(0).all()) and bool(value[~image].eq(0).all()):
+        return 0  # they mark the image's tokens: the answer is text
+    if bool(value.eq(0).all()) and name == "token_type_ids":
+        return 1  # a prefix read both ways: the answer is its causal suffix
+    raise ExplainError(
+        f"the prompt's {name} mark neither the image's tokens nor a prefix, so explain cannot tell their value for "
+        "the answer: pass the processor's output for the prompt alone"
+    )
 
 
 class TextPrompts(nn.Module):
@@ -160,17 +241,17 @@ class TextPrompts(nn.Module):
 
 def generate_answer(model: nn.Module, inputs: Mapping[str, Tensor], max_new_tokens: int = 16) -> tuple[Tensor, Tensor]:
     """The model's greedy answer to a prompt about one image (``inputs``: its processor's output): the new tokens'
-    ids (A,), an end of sequence left out, and each one's log-probability as generation scored it (A,). The model
-    is left as it was."""
+    ids (A,), an end of sequence left out, and each one's log-probability under the model's own logits in
+    generation (A,), before any of its generation config's processors. The model is left as it was."""
     from ..core.model_state import untouched
 
-    given = {name: value for name, value in inputs.items() if name not in ROWS_AND_COLUMNS}
-    with untouched(model), torch.inference_mode():
+    given = {name: value for name, value in inputs.items() if name not in (*ROWS_AND_COLUMNS, *NOT_CONTINUED)}
+    with untouched(model), torch.inference_mode(), model_refusals(model):
         out = model.generate(
-            **given, max_new_tokens=max_new_tokens, do_sample=False, output_scores=True, return_dict_in_generate=True
+            **given, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True
         )
     answer = out.sequences[0, inputs["input_ids"].shape[-1] :]
-    scored = torch.stack([step[0].float().log_softmax(-1)[token] for step, token in zip(out.scores, answer)])
+    scored = torch.stack([step[0].float().log_softmax(-1)[token] for step, token in zip(out.logits, answer)])
     end = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ends = {end} if isinstance(end, int) else set(end or ())
     while len(answer) and int(answer[-1]) in ends:

@@ -65,7 +65,7 @@ class AnswerMaps:
         return html_grid(self.result.pictures(), self.captions())
 
 
-SCORE_TOLERANCE = 1e-3  # the largest difference of a generated token's log-probability, teacher-forced or generated
+SCORE_TOLERANCE = 1e-4  # the largest difference of a word's probability, teacher-forced or generated
 
 
 def explain_answer(
@@ -112,7 +112,7 @@ def explain_answer(
     prompt, text, reading = _one_image(model, inputs)
     picture = reading.picture(inputs)
     answer, generated = _answer_of(model, inputs, answer, max_new_tokens)
-    read = with_answer(text, answer)
+    read = with_answer(text, answer, image_token_id(model))
     sequence, positions = read["input_ids"], range(prompt.shape[-1], prompt.shape[-1] + len(answer))
     words, runs = words_of(answer, decode)
     explainer = create_method(method, VisionLanguage(model, read, reading), layer, **options)
@@ -181,17 +181,17 @@ def _one_image(model: nn.Module, inputs: Mapping[str, Tensor]) -> tuple[Tensor, 
 
 
 def _check_generated(scored: Tensor, generated: Tensor, runs: list[int]) -> None:
-    """The answer's words' log-probabilities in the explained forward must be generation's (its tokens' summed
-    over each word's run).
+    """The answer's words' probabilities in the explained forward must be generation's (its tokens' log-
+    probabilities summed over each word's run), within :data:`SCORE_TOLERANCE`.
 
     Raises:
         ExplainError: They differ: the forward does not read the text as generation did.
     """
     generated = torch.stack([part.sum() for part in generated.to(scored).split(runs)])
-    worst = float((scored - generated).abs().max())
-    if worst > SCORE_TOLERANCE * (1 + float(generated.abs().max())):
+    worst = float((scored.exp() - generated.exp()).abs().max())
+    if worst > SCORE_TOLERANCE:
         raise ExplainError(
-            f"the explained forward scores the generated answer otherwise than generation did (log-probabilities "
+            f"the explained forward scores the generated answer otherwise than generation did (probabilities "
             f"{worst:.3g} apart): the model reads an input of the prompt that was not given; pass the processor's "
             "whole output (its attention_mask and token_type_ids too)"
         )
