@@ -278,7 +278,7 @@ def test_tcav_is_captum_s_with_the_same_concept_vector(tmp_path) -> None:
     images = images * 3 * scale - 1.5 * shift  # colours far apart: the images' gradients point apart
     concept[:, 0] += 1.0  # redder
     ours = TCAV(model, "3")
-    vector = cav(ours.activations(concept), ours.activations(random)).float()
+    vector = cav(ours.activations(concept), ours.activations(random), "standardized").float()
 
     class Given(Classifier):
         def __init__(self) -> None:
@@ -349,23 +349,30 @@ def test_copies_of_one_image_share_their_prefix_where_it_scores_the_same(make, m
     assert shared_batches == {Batched: [1, 4, 3], small_cnn: [1, 2], small_vit: [1, 2]}[make]
 
 
-def test_the_linear_cav_is_scikit_learn_s_regularized_logistic_regression() -> None:
+@pytest.mark.parametrize("fit", ["linear", "standardized"])
+def test_the_linear_cav_is_scikit_learn_s_regularized_logistic_regression(fit: str) -> None:
     """Our Newton steps on the representer reach scikit-learn's optimum of the same objective: mean log-loss plus
-    λ‖w‖² on standardized features is its C Σ log-loss + ½‖w‖² with C = 1 / (2 λ n)."""
+    λ‖w‖² is its C Σ log-loss + ½‖w‖² with C = 1 / (2 λ n); on the activations as they are (the paper's CAV, and
+    Captum's), or on standardized features with the weights brought back. Features of very different spreads make
+    the two directions differ."""
     from sklearn.linear_model import LogisticRegression
 
     from explain.concepts import cav
 
     generator = torch.Generator().manual_seed(10)
-    concept = torch.randn(30, 200, generator=generator, dtype=torch.float64) + 0.3
-    counter = torch.randn(40, 200, generator=generator, dtype=torch.float64)
-    ours = cav(concept, counter, "linear", l2=0.01)
+    spread = torch.logspace(-1, 1, 200, dtype=torch.float64)
+    concept = (torch.randn(30, 200, generator=generator, dtype=torch.float64) + 0.3) * spread
+    counter = torch.randn(40, 200, generator=generator, dtype=torch.float64) * spread
+    ours = cav(concept, counter, fit, l2=0.01)
     data = torch.cat([concept, counter])
-    standard = (data - data.mean(dim=0)) / data.std(dim=0)
+    scale = data.std(dim=0) if fit == "standardized" else torch.ones(200, dtype=torch.float64)
     labels = [1] * 30 + [0] * 40
-    theirs = LogisticRegression(C=1 / (2 * 0.01 * 70), tol=1e-10, max_iter=10_000).fit(standard.numpy(), labels)
-    expected = torch.from_numpy(theirs.coef_[0]) / data.std(dim=0)
+    theirs = LogisticRegression(C=1 / (2 * 0.01 * 70), tol=1e-10, max_iter=10_000)
+    theirs.fit(((data - data.mean(dim=0)) / scale).numpy(), labels)
+    expected = torch.from_numpy(theirs.coef_[0]) / scale
     assert float(ours @ expected / expected.norm()) > 0.9999
+    other = cav(concept, counter, "standardized" if fit == "linear" else "linear", l2=0.01)
+    assert float(ours @ other) < 0.99
 
 
 @pytest.mark.parametrize("kind", ["pt", "npy", "safetensors", "object"])

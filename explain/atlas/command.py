@@ -49,7 +49,9 @@ def add_tcav_arguments(parser: argparse.ArgumentParser, bundled: str) -> None:
     _common(parser, bundled)
     parser.add_argument("--concept", nargs="+", required=True, help="images of the concept: a folder or files")
     parser.add_argument("--random", nargs="+", required=True, help="random counterexamples: a folder or files")
-    parser.add_argument("--fit", choices=("linear", "mean"), default="linear", help="how the CAV is fitted")
+    parser.add_argument(
+        "--fit", choices=("linear", "standardized", "mean"), default="linear", help="how the CAV is fitted"
+    )
     parser.add_argument("--runs", type=int, default=10, help="random halves of the significance test (default 10)")
     parser.add_argument("-o", "--out", type=Path, default=Path("tcav.json"), help="the JSON file written")
 

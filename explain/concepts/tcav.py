@@ -27,7 +27,7 @@ from ..errors import ExplainError, TargetError
 from ..targets import TargetLike
 from .reading import UNSCORED, LayerReader
 
-Fit = Literal["linear", "mean"]
+Fit = Literal["linear", "standardized", "mean"]
 SIGNIFICANCE = 0.05
 
 
@@ -65,9 +65,11 @@ def cav(concept: Tensor, counter: Tensor, fit: Fit = "linear", iterations: int =
     Args:
         concept: The concept's activations.
         counter: The counterexamples'.
-        fit: ``"linear"``: a logistic regression's weights (Newton's method, an L2 penalty ``l2`` on the weights,
-            the features standardized, the weights brought back to the activations' scale); ``"mean"``: FastCAV's
-            difference of the means.
+        fit: ``"linear"``: a logistic regression's weights on the activations as they are (Newton's method, an L2
+            penalty ``l2`` on the weights), the CAV of Kim et al. 2018 and of Captum's default classifier;
+            ``"standardized"``: the same fit on each feature divided by its spread, the weights brought back to the
+            activations' scale (a direction that weighs faint features more); ``"mean"``: FastCAV's difference of
+            the means.
         iterations: Most Newton steps.
         l2: The penalty's weight.
     """
@@ -75,11 +77,12 @@ def cav(concept: Tensor, counter: Tensor, fit: Fit = "linear", iterations: int =
     if fit == "mean":
         direction = concept.mean(dim=0) - counter.mean(dim=0)
         return direction / direction.norm().clamp_min(torch.finfo(direction.dtype).tiny)
-    if fit != "linear":
-        raise ExplainError(f"a CAV is fitted 'linear' or 'mean', not {fit!r}")
+    if fit not in ("linear", "standardized"):
+        raise ExplainError(f"a CAV is fitted 'linear', 'standardized' or 'mean', not {fit!r}")
     data = torch.cat([concept, counter])
     labels = torch.cat([torch.ones(len(concept)), torch.zeros(len(counter))]).to(data)
-    center, scale = data.mean(dim=0), data.std(dim=0).clamp_min(1e-8)
+    center = data.mean(dim=0)
+    scale = data.std(dim=0).clamp_min(1e-8) if fit == "standardized" else torch.ones_like(center)
     direction = _logistic_weights((data - center) / scale, labels, l2, iterations) / scale
     return direction / direction.norm().clamp_min(torch.finfo(direction.dtype).tiny)
 

@@ -23,6 +23,7 @@ from ..catalog import FUSIONS
 from ..errors import ExplainError, LayerError, TargetError
 from ..targets import BoundTarget, Target, TargetLike, as_target
 from .detectors import thresholds_lowered
+from .held import held_model, in_model_dtype, warn_training
 from .layers import LayerSpec
 from .layouts import Reshape
 from .maps import has_nonzero, normalize_maps, postprocess, principal_projection, upsample
@@ -158,7 +159,7 @@ class CAM:
                 f"{self.name} attributes the input and reads no layer; drop layer= (--layer), or use a method that "
                 "reads one (lrp, attnlrp and cplrp read the relevance arriving at a layer)"
             )
-        self.model = model
+        self.model = held_model(model)
         self.labels = list(labels) if labels is not None else None
         self.fused = isinstance(layer, (list, tuple))
         if self.fused and not layer:
@@ -260,6 +261,8 @@ class CAM:
         """The call's work, under the model's lock: the layers found, the plain pass, the averaged maps."""
         check_images(x)
         check_rank(self.model, x)
+        warn_training(self.model)
+        given, x = x, in_model_dtype(self.model, x)
         model_kwargs = dict(model_kwargs or {})
         goal = self.target_for(target, topk)
         if self.aug_smooth and isinstance(goal, Target) and goal.geometric:
@@ -285,6 +288,8 @@ class CAM:
         fused = self.fused or len(runner.layers) > 1  # the automatic layers of a detector are fused
         raw = self.fused_maps(maps, size) if fused or self.aug_smooth else maps[0]
         cams = self.finish(raw, len(size), size if resize else None, normalize)
+        if given.dtype != x.dtype:  # computed in the model's dtype, returned in the input's
+            cams, raw = cams.to(given.dtype), raw.to(given.dtype)
         result = make_result(cams, raw, plain.output, plain.scores, plain.bound, self.layer, self.name, x, self.labels)
         return self.completed(result, x, model_kwargs)
 

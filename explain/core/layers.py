@@ -42,6 +42,9 @@ def resolve_layer(
     Raises:
         LayerError: The name is unknown (the message names layers with spatial
             outputs, the closest names first) or the module is not part of ``model``.
+
+    A layer of a wrapped model (``torch.compile``, ``DataParallel``) is found by its name in the model the user
+    wrapped, or in the wrapper; the name returned is the one given.
     """
     names = module_names(model)
     if isinstance(layer, nn.Module):
@@ -52,6 +55,9 @@ def resolve_layer(
     module_name = layer_entry(layer)[0]
     if module_name in names:
         return layer, names[module_name]
+    for name in wrapped_names(model, module_name):  # the user's own name for a layer of the model they wrapped
+        if name in names:
+            return layer, names[name]
     candidates = [info.name for info in candidate_layers(model, x, model_kwargs)]
     close = difflib.get_close_matches(layer, candidates, n=6, cutoff=0.5)
     listed = f"the closest are {', '.join(close)}" if close else f"the last are {', '.join(candidates[-6:])}"
@@ -59,6 +65,20 @@ def resolve_layer(
         f"unknown layer {layer!r}; of the {len(candidates)} layers with spatial outputs, {listed} "
         "(all of them: explain --layers, or explain.candidate_layers(model, x))"
     )
+
+
+COMPILED, PARALLEL = "_orig_mod.", "module."  # torch.compile's prefix, and (Distributed)DataParallel's
+
+
+def wrapped_names(model: nn.Module, name: str) -> list[str]:
+    """The names a layer the user names ``name`` may have in the model explain hooks: a compiled model's name
+    (explain hooks the model it compiles, see :func:`explain.core.held.held_model`) without ``_orig_mod.``; a
+    layer of the model a ``DataParallel`` or ``DistributedDataParallel`` wraps with the wrapper's ``module.``."""
+    found = name.removeprefix(COMPILED) if name.startswith(COMPILED) else name
+    prefix = ""
+    while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        prefix, model = prefix + PARALLEL, model.module
+    return [found, prefix + found]
 
 
 def classifier(model: nn.Module) -> tuple[str, nn.Linear]:

@@ -1,0 +1,67 @@
+"""Models as users hold them: compiled, wrapped, scripted, quantized, of another dtype than their input, or left in
+training mode. Each is explained as the eager model it is, or refused in one line that says why."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import ExplainError
+
+
+def held_model(model: nn.Module) -> nn.Module:
+    """The eager model explain hooks for the one the user holds: a ``torch.compile``'d model's own module (the same
+    parameters; compiling changes the speed, not the function), else the model itself.
+
+    Raises:
+        ExplainError: A TorchScript module, which runs no Python hooks, or a quantized model, whose quantized layers
+            carry no gradient.
+    """
+    if isinstance(model, torch.jit.ScriptModule):
+        raise ExplainError(
+            f"the model is a TorchScript module ({type(model).__name__}), which runs no Python hooks, so explain "
+            "cannot read its layers: pass the eager model it was scripted or traced from"
+        )
+    while isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod
+    quantized = next((name for name, m in model.named_modules() if _is_quantized(m)), None)
+    if quantized is not None:
+        raise ExplainError(
+            f"the model is quantized (its layer {quantized or 'itself'!r} is a quantized "
+            f"{type(model.get_submodule(quantized)).__name__}): quantized layers carry no gradient, so explain cannot "
+            "read them; pass the float model it was quantized from"
+        )
+    return model
+
+
+def _is_quantized(module: nn.Module) -> bool:
+    """Whether the module is one of torch's quantized layers (dynamic or static)."""
+    return type(module).__module__.startswith(("torch.ao.nn.quantized", "torch.nn.quantized"))
+
+
+def in_model_dtype(model: nn.Module, x: Tensor) -> Tensor:
+    """The input cast to the floating dtype of the model's parameters, where it is of another (a bfloat16 model
+    given a float32 batch), as the model's own preprocessing would."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), x.dtype)
+    return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
+
+
+def _varies(module: nn.Module) -> bool:
+    """Whether the layer acts otherwise in training: a batch norm, or a dropout that drops."""
+    return isinstance(module, nn.modules.batchnorm._BatchNorm) or (
+        isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0
+    )
+
+
+def warn_training(model: nn.Module) -> None:
+    """Warn, in one line, that a model left in training mode gives maps that vary from call to call."""
+    varying = sorted({type(m).__name__ for m in model.modules() if m.training and _varies(m)})
+    if varying:
+        warnings.warn(
+            f"the model is in training mode: its {', '.join(varying)} layers use each batch's statistics or draw "
+            "anew, so its maps vary from call to call; call model.eval() first for the eval model's map",
+            UserWarning,
+            stacklevel=4,
+        )
