@@ -44,7 +44,7 @@ def test_a_wrapped_model_takes_the_users_layer_names_and_gives_the_eager_map(fam
     build, layer, _ = FAMILIES[family]
     model, x = build(), batch(family)
     eager = explain.GradCAM(model, layer)(x).cams
-    wrapped = torch.compile(model) if held == "compiled" else torch.nn.DataParallel(model)
+    wrapped = torch.compile(model, backend="eager") if held == "compiled" else torch.nn.DataParallel(model)
     prefix = "_orig_mod." if held == "compiled" else "module."
     for name in (layer, prefix + layer):
         found = explain.GradCAM(wrapped, name)(x)

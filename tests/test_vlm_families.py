@@ -93,26 +93,66 @@ def aya_vision():
     return model, {"pixel_values": picture(32, 32), "input_ids": ids, "attention_mask": torch.ones_like(ids)}, {}
 
 
+def mllama():
+    settings = {"text_config.cross_attention_layers": [1], "vision_config.num_global_layers": 1,
+                "vision_config.intermediate_layers_indices": [0], "vision_config.vision_output_dim": 64}  # fmt: skip
+    model = tiny("mllama", **settings)
+    with torch.no_grad():  # a new model's cross-attention gates are closed (tanh 0): opened, as trained ones are
+        for name, parameter in model.named_parameters():
+            if "cross_attn" in name and "gate" in name:
+                parameter.fill_(1.0)
+    processor = transformers.MllamaImageProcessor(size={"height": 32, "width": 32}, max_image_tiles=4)
+    photo = np.random.default_rng(0).integers(0, 256, (30, 60, 3), dtype=np.uint8)  # 1 x 2 tiles of 32
+    given = {k: v for k, v in processor(images=[[photo]], return_tensors="pt").items() if k != "num_tiles"}
+    ids = torch.tensor([[1, image_token(model), 5, 6, 7]])
+    sees = torch.zeros(1, ids.shape[1], 1, 4, dtype=torch.long)
+    sees[:, 1:, :, :2] = 1  # the tokens from the image on attend to its two tiles, as the processor marks them
+    inputs = {**given, "input_ids": ids, "attention_mask": torch.ones_like(ids), "cross_attention_mask": sees}
+    return model, inputs, {}
+
+
+def florence2():
+    vision = {"depths": [1, 1, 1, 1], "embed_dim": [8, 16, 32, 32], "num_heads": [1, 1, 2, 2],
+              "num_groups": [1, 1, 2, 2], "window_size": 2, "projection_dim": 32}  # fmt: skip
+    text = {"d_model": 32, "encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 2,
+            "decoder_attention_heads": 2, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "vocab_size": 300}  # fmt: skip
+    model = tiny("florence2", **{f"vision_config.{k}": v for k, v in vision.items()},
+                 **{f"text_config.{k}": v for k, v in text.items()})  # fmt: skip
+    model.generation_config.suppress_tokens = [model.config.text_config.eos_token_id]  # a random model's end at once
+    model.generation_config.forced_eos_token_id = None
+    ids = torch.tensor([[0] + [image_token(model)] * 17 + [5, 6, 2]])  # a 128 x 128 image: 16 tokens and a pooled one
+    return model, {"pixel_values": picture(128, 128), "input_ids": ids, "attention_mask": torch.ones_like(ids)}, {}
+
+
 FAMILIES = {
     "gemma3": gemma3, "mistral3": mistral3, "fuyu": fuyu, "llava_onevision": llava_onevision, "aya_vision": aya_vision,
-    "blip-2": lambda: blip("blip-2"), "instructblip": lambda: blip("instructblip"),
+    "blip-2": lambda: blip("blip-2"), "instructblip": lambda: blip("instructblip"), "mllama": mllama,
+    "florence2": florence2,
 }  # fmt: skip
 
 
 def teacher_forced(model, inputs: dict, answer: list[int], convention: dict[str, int]) -> torch.Tensor:
-    """Each answer token's probability in the model's own forward over prompt and answer, the per-token inputs
-    continued as the family's convention says (``convention``: the answer's value of each)."""
-    prompt, given = inputs["input_ids"], dict(inputs)
-    tail = torch.tensor([answer])
-    given["input_ids"] = torch.cat([prompt, tail], 1)
-    given["attention_mask"] = torch.ones_like(given["input_ids"])
-    for name, value in convention.items():
-        given[name] = torch.cat([inputs[name], torch.full_like(tail, value)], 1)
+    """Each answer token's probability in the model's own forward over prompt and answer: after the prompt, the
+    per-token inputs continued as the family's convention says (``convention``: the answer's value of each; an
+    input of more axes repeats its last token's, as Mllama's generation does); or, for an encoder-decoder, in its
+    decoder after the start token, the prompt read by its encoder."""
+    given, tail = dict(inputs), torch.tensor([answer])
     given.pop("image_patches_indices", None)
+    if model.config.is_encoder_decoder:
+        start = model.config.text_config.decoder_start_token_id
+        sequence = torch.cat([torch.tensor([[start]]), tail], 1)
+        given["decoder_input_ids"], offset = sequence, 1
+    else:
+        sequence = given["input_ids"] = torch.cat([inputs["input_ids"], tail], 1)
+        given["attention_mask"], offset = torch.ones_like(sequence), inputs["input_ids"].shape[1]
+        for name, value in inputs.items():
+            if value.dim() > 2 and value.shape[1] == inputs["input_ids"].shape[1]:
+                given[name] = torch.cat([value, value[:, -1:].expand(-1, len(answer), *value.shape[2:])], 1)
+        for name, value in convention.items():
+            given[name] = torch.cat([inputs[name], torch.full_like(tail, value)], 1)
     with torch.no_grad():
         logits = model(**given, use_cache=False).logits[0]
-    start = prompt.shape[1]
-    return torch.stack([logits[p - 1].softmax(-1)[given["input_ids"][0, p]] for p in range(start, start + len(answer))])
+    return torch.stack([logits[p - 1].softmax(-1)[sequence[0, p]] for p in range(offset, offset + len(answer))])
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -162,40 +202,70 @@ def test_paligemma_takes_its_processors_whole_output_labels_and_all() -> None:
 
 def _plant(handles: list, blocks, at: torch.nn.Module, keep: torch.Tensor) -> None:
     """Blocks that pass their input on, and one token alone left where ``at`` makes them."""
-    handles += [block.register_forward_hook(lambda m, args, out: args[0] if isinstance(out, torch.Tensor) else
-                                            (args[0], *out[1:])) for block in blocks]  # fmt: skip
-    handles.append(at.register_forward_hook(lambda m, i, out: out * keep.reshape((*out.shape[:-1], 1))))
+    def passed_on(module, args, kwargs, out):
+        given = args[0] if args else kwargs["hidden_states"]
+        return given if isinstance(out, torch.Tensor) else (given, *out[1:])
+
+    handles += [block.register_forward_hook(passed_on, with_kwargs=True) for block in blocks]
+    handles.append(at.register_forward_hook(lambda m, i, out: out * keep.reshape(*out.shape[:-1], 1).to(out)))
 
 
-@pytest.mark.parametrize("family", ["mistral3", "fuyu"])
-def test_a_vision_token_planted_alone_lands_on_its_own_cell_and_pixels(family: str) -> None:
+PLANTED = {  # the grid of the reading's map, the planted token's cell, the pixels on a cell's side
+    "mistral3": ((3, 2), 3, 16), "fuyu": ((2, 3), 4, 8), "mllama": ((4, 8), 13, 8),
+}  # fmt: skip
+
+
+PLANTED_METHODS = [  # Fuyu's squared ReLU is refused by the relevance methods (the test after this one)
+    (family, method) for family in sorted(PLANTED) for method in ("saliency", "attnlrp", "cplrp")
+    if family != "fuyu" or method == "saliency"
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "method"), PLANTED_METHODS)
+def test_a_vision_token_planted_alone_lands_on_its_own_cell_and_pixels(family: str, method: str) -> None:
     """One token of the image alone left non-zero: Grad-CAM's weighted sum at the reading's map is non-zero at its
     cell alone, and the gradient of a word reaches that cell's pixels alone (Mistral 3: 16 x 16, its 2 x 2 merged
-    patches of 8; Fuyu: its own patch of 8)."""
+    patches of 8; Fuyu: its own patch of 8; Mllama: the patch of 8 of its second tile, row 1, column 5 of the 4 x 8
+    canvas). The pixels' relevance of AttnLRP and CP-LRP likewise."""
     model, inputs, _ = FAMILIES[family]()
-    (rows, columns), cell, side = ((3, 2), 3, 16) if family == "mistral3" else ((2, 3), 4, 8)
-    keep = torch.zeros(rows * columns)
-    keep[cell] = 1
+    (rows, columns), cell, side = PLANTED[family]
     handles: list = []
     if family == "mistral3":
+        keep = torch.zeros(rows * columns)
+        keep[cell] = 1
         _plant(handles, model.model.vision_tower.transformer.layers, model.model.multi_modal_projector, keep)
-    else:
+    elif family == "fuyu":
+        keep = torch.zeros(rows * columns)
+        keep[cell] = 1
         _plant(handles, [], model.model.vision_embed_tokens, keep)
+    else:  # tile 1, its patch (1, 1): 1 + 4 + 1 after its class token; the class tokens and unused tiles zero
+        keep = torch.zeros(1, 1, 4, 17)
+        keep[0, 0, 1, 1 + 4 + 1] = 1
+        vision = model.model.vision_model
+        _plant(handles, [*vision.transformer.layers, *vision.global_transformer.layers],
+               model.model.multi_modal_projector, keep)  # fmt: skip
     reading = image_reading(model, inputs)
     text = {"input_ids": torch.cat([inputs["input_ids"][0], torch.tensor([20])])[None]}
+    if "cross_attention_mask" in inputs:
+        seen = inputs["cross_attention_mask"]
+        text["cross_attention_mask"] = torch.cat([seen, seen[:, -1:]], 1)  # the word sees what the prompt's last does
     wrapped = VisionLanguage(model, text, reading)
     try:
-        method = explain.GradCAM(wrapped, "reading.tokens")
-        method.relu = False
+        gradcam = explain.GradCAM(wrapped, reading.levels[0])
+        gradcam.relu = False
         target = TokenTarget(text["input_ids"][0], [text["input_ids"].shape[1] - 1])
         x = reading.picture(inputs)
-        cam = method(x, target, resize=False, normalize=False).cams[0, 0]
-        saliency = explain.create_method("saliency", wrapped)(x, target).raw[0, 0].abs().sum(0)
+        cam = gradcam(x, target, resize=False, normalize=False).cams[0, 0]
+        saliency = explain.create_method(method, wrapped)(x, target).raw[0, 0].abs().sum(0)
     finally:
         for handle in handles:
             handle.remove()
     row, column = divmod(cell, columns)
-    assert cam.shape == (rows, columns) and cam[row, column] != 0 and torch.count_nonzero(cam) == 1
+    if cam.shape == (rows, columns):  # the map itself
+        assert cam[row, column] != 0 and torch.count_nonzero(cam) == 1
+    else:  # tiles' maps come back on their canvas, bilinearly: the planted cell's pixels hold its peak
+        peak = divmod(int(cam.abs().argmax()), cam.shape[1])
+        assert cam.shape == (rows * side, columns * side) and (peak[0] // side, peak[1] // side) == (row, column)
     where = torch.zeros(saliency.shape, dtype=torch.bool)
     where[row * side : (row + 1) * side, column * side : (column + 1) * side] = True
     assert bool((saliency[~where] == 0).all()) and bool((saliency[where] > 0).any())
@@ -211,8 +281,7 @@ def test_rows_of_different_lengths_are_refused() -> None:
 
 @pytest.mark.parametrize(
     ("kind", "reason"),
-    [("mllama", "reads the image by cross-attention"), ("florence2", "is an encoder-decoder"),
-     ("chameleon", "discrete codes of a codebook")],
+    [("mllama", "reads the image by cross-attention.*aspect_ratio_ids"), ("chameleon", "discrete codes of a codebook")],
 )  # fmt: skip
 def test_a_model_whose_image_no_map_can_follow_is_refused_saying_why(kind: str, reason: str) -> None:
     codebook = {"embed_dim": 8, "num_embeddings": 16, "base_channels": 8, "channel_multiplier": [1, 2],
@@ -251,6 +320,7 @@ def test_every_architecture_a_tiny_config_builds_is_explained_or_refused_in_one_
         for outcome, kinds in outcomes.items():
             print(f"\n{outcome} ({len(kinds)}): {', '.join(kinds)}")
     assert {"llava", "paligemma", "aya_vision", "internvl"} <= set(outcomes["explained"])
+    assert len(outcomes["explained"]) + len(outcomes["refused"]) >= 60
 
 
 def _sweep_inputs(model) -> dict[str, torch.Tensor]:
@@ -269,3 +339,62 @@ def _sweep_inputs(model) -> dict[str, torch.Tensor]:
     token = getattr(model.config, "image_token_id", None) or getattr(model.config, "image_token_index", None) or 2
     ids = torch.tensor([[1] + [token] * count + [5, 6]])
     return {"pixel_values": x, "input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+@pytest.fixture(scope="module")
+def mistral3_folder(tmp_path_factory):
+    """A tiny Mistral 3 saved with its Pixtral processor, built offline: rows of [IMG] closed by [IMG_BREAK]."""
+    from test_vision_language import _tokenizer
+
+    folder = tmp_path_factory.mktemp("mistral3")
+    model = tiny("mistral3")
+    words = ["<unk>", "<s>", "</s>", "<pad>", "what", "is", "it"] + [f"w{i}" for i in range(7, 300)]
+    specials = {image_token(model): "[IMG]", 11: "[IMG_BREAK]", 12: "[IMG_END]"}
+    for index, word in specials.items():
+        words[index] = word
+    processor = transformers.PixtralProcessor(
+        image_processor=transformers.PixtralImageProcessor(size={"longest_edge": 48}, patch_size=8),
+        tokenizer=_tokenizer(words, list(specials.values())), patch_size=8, spatial_merge_size=2,
+        image_token="[IMG]", image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]",
+    )  # fmt: skip
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+def test_the_command_line_explains_each_word_of_mistral3s_answer_on_its_rows(mistral3_folder, tmp_path) -> None:
+    """The command line on a family read in rows: the photo (not square) through the processor, each word's overlay
+    the map explain_answer gives for the same processor's output."""
+    import json
+
+    from conftest import CAT
+    from PIL import Image
+
+    from explain.cli import main
+    from explain.io.images import load_image
+    from explain.io.render import overlay
+
+    out = tmp_path / "out"
+    assert main([str(CAT), "--model", str(mistral3_folder), "--prompt", "[IMG]what is it", "--max-new-tokens", "3",
+                 "-o", str(out), "--quiet", "--format", "png"]) == 0  # fmt: skip
+    _, record = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert record["layer"] == "reading.tokens"
+    model = transformers.AutoModelForImageTextToText.from_pretrained(mistral3_folder).eval()
+    processor = transformers.AutoProcessor.from_pretrained(mistral3_folder)
+    image = load_image(CAT)
+    inputs = processor(images=image, text="[IMG]what is it", return_tensors="pt")
+    assert inputs["pixel_values"].shape[-2] != inputs["pixel_values"].shape[-1]
+    found = explain.explain_answer(model, inputs, max_new_tokens=3)
+    assert record["answer"] == processor.tokenizer.decode(found.answer.tolist())
+    for target, cam in zip(record["targets"], found.maps, strict=True):
+        written = np.asarray(Image.open(out / target["output"]), dtype=np.int16)
+        assert np.abs(written - np.asarray(overlay(image, cam), dtype=np.int16)).max() <= 1
+
+
+def test_fuyu_s_squared_relu_is_refused_by_the_relevance_methods_in_one_line() -> None:
+    """Persimmon's MLP squares its ReLU: a square the relevance engine holds only as a norm's spread, so AttnLRP
+    refuses, naming the way out, rather than propagating a wrong rule."""
+    model, inputs, _ = fuyu()
+    with pytest.raises(explain.LayerError, match=r"as a feature.*use lrp or a gradient method") as refused:
+        explain.explain_answer(model, inputs, answer=ANSWER, method="attnlrp")
+    assert "\n" not in str(refused.value)

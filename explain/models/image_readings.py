@@ -347,7 +347,7 @@ class Rows(WholeImage):
                 "build the text with the model's own processor, for this image"
             )
         self.language = submodule(model, LANGUAGE_MODEL, "the image's tokens as the text reads them")
-        self.register_buffer("positions", torch.tensor([s + k for s, n in runs for k in range(n)]), persistent=False)
+        self.runs = runs
         self.tokens = VisionTokens((rows, columns), torch.arange(rows * columns))
         self.held = {name: inputs[name] for name in self.inputs[1:] if name in inputs}
         self.levels = ("reading.tokens",)
@@ -363,9 +363,13 @@ class Rows(WholeImage):
                     f"{type(module).__name__} is not given the text's embeddings (inputs_embeds) of {images} "
                     "pictures: explain reads the image's tokens there"
                 )
-            found = embeds.index_select(1, self.positions)
+            found = torch.cat([embeds[:, start : start + length] for start, length in self.runs], dim=1)
             mapped = self.tokens.tokens(self.tokens(found.reshape(-1, found.shape[-1]))).reshape(found.shape)
-            return args, {**kwargs, "inputs_embeds": embeds.index_copy(1, self.positions, mapped)}
+            rows = mapped.split([length for _, length in self.runs], dim=1)
+            ends = [0] + [start + length for start, length in self.runs]  # the text between rows, and after them
+            parts = [p for (start, _), end, row in zip(self.runs, ends, rows) for p in (embeds[:, end:start], row)]
+            parts.append(embeds[:, ends[-1] :])
+            return args, {**kwargs, "inputs_embeds": torch.cat(parts, dim=1)}  # slices and joins: every method's
 
         hooks.forward_pre(self.language, as_map, with_kwargs=True)
 

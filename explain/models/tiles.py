@@ -333,3 +333,84 @@ def _split_grid(inputs: Mapping[str, Any], parts: int) -> tuple[int, int]:
     if rows * columns != parts - 1:
         raise ExplainError(f"rows {rows} and cols {columns} are not the image's {parts - 1} tiles")
     return rows, columns
+
+
+class CrossTiles(nn.Module):
+    """Mllama's tiles, which the language model reads by cross-attention, not as tokens of the text.
+
+    The processor resizes the image, pads it onto a canvas of square tiles of side s (``aspect_ratio_ids`` names
+    the canvas's rows and columns among the model's ``supported_aspect_ratios``), and fills the tiles it does not
+    use with zeros (``pixel_values`` (1, 1, max tiles, 3, s, s)). The picture is the canvas as the processor
+    padded it. The map is of the vision states the cross-attention layers read (the projector's output): each
+    used tile's patch tokens where the tile lies, its class token left out (layer ``reading.tiles``).
+
+    Args:
+        model: The model: its vision config (patch size, ``supported_aspect_ratios``) and its projector.
+        inputs: The processor's output for one image: ``pixel_values``, ``aspect_ratio_ids``, ``aspect_ratio_mask``.
+
+    Raises:
+        ExplainError: Not one image, or tiles the aspect ratio and its mask do not agree on.
+    """
+
+    inputs = ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask", "num_tiles")  # the last: its processor's note
+
+    def __init__(self, model: nn.Module, inputs: Mapping[str, Tensor]) -> None:
+        super().__init__()
+        pixel_values, vision = inputs["pixel_values"], model.config.vision_config
+        if pixel_values.dim() != 6 or tuple(pixel_values.shape[:2]) != (1, 1) or "aspect_ratio_ids" not in inputs:
+            raise ExplainError(
+                f"pixel_values {tuple(pixel_values.shape)} are not one image's tiles (1, 1, tiles, 3, s, s) with "
+                "their aspect_ratio_ids: pass the processor's whole output for one image"
+            )
+        rows, columns = vision.supported_aspect_ratios[int(inputs["aspect_ratio_ids"].reshape(-1)[0]) - 1]
+        used = torch.arange(pixel_values.shape[2]) < rows * columns
+        mask = inputs.get("aspect_ratio_mask")
+        if mask is not None and not torch.equal(mask.reshape(-1).cpu().bool(), used):
+            raise ExplainError(
+                f"aspect_ratio_mask {mask.reshape(-1).tolist()} does not mark the {rows}x{columns} tiles its "
+                "aspect_ratio_ids name: pass the processor's output for this image"
+            )
+        self.projector = submodule(model, PROJECTOR, "the vision states its cross-attention reads (Mllama)")
+        self.side, self.max_tiles = pixel_values.shape[-1], pixel_values.shape[2]
+        self.register_buffer("image", _canvas(pixel_values[0, 0, : rows * columns], (rows, columns)), persistent=False)
+        canvas = (rows * self.side, columns * self.side)
+        self.tiles = TileTokens((rows, columns), self.side // vision.patch_size, Canvas(canvas, canvas))
+        self.held = {name: inputs[name] for name in self.inputs[1:] if name in inputs}
+        self.levels = ("reading.tiles",)
+
+    def picture(self, inputs: Mapping[str, Tensor]) -> Tensor:
+        """The picture (1, 3, rows * s, columns * s): the tiles' canvas."""
+        return self.image
+
+    def model_inputs(self, picture: Tensor) -> dict[str, Tensor]:
+        """The model's image inputs for pictures (N, 3, rows * s, columns * s): their tiles, the unused ones zero.
+
+        Raises:
+            ExplainError: Pictures of another size than the canvas.
+        """
+        (rows, columns), s, n = self.tiles.tiles, self.side, len(picture)
+        if tuple(picture.shape[2:]) != (rows * s, columns * s):
+            raise ExplainError(f"pictures {tuple(picture.shape)} are not of the tiles' {rows * s}x{columns * s}")
+        tiles = picture.reshape(n, -1, rows, s, columns, s).permute(0, 2, 4, 1, 3, 5)
+        tiles = tiles.reshape(n, rows * columns, -1, s, s)
+        unused = tiles.new_zeros(n, self.max_tiles - rows * columns, *tiles.shape[2:])
+        held = {name: value.to(picture.device).expand(n, *value.shape[1:]) for name, value in self.held.items()}
+        return {"pixel_values": torch.cat([tiles, unused], dim=1)[:, None], **held}
+
+    def watch(self, hooks: Hooks, images: int) -> None:
+        """In the forward of ``images`` pictures, pass the used tiles' patch tokens of the projector's output
+        (N, 1, max tiles, 1 + g * g, C) through :attr:`tiles` (the map)."""
+
+        def as_map(module: nn.Module, inputs: Any, projected: Tensor) -> Tensor:
+            g, count = self.tiles.side, math.prod(self.tiles.tiles)
+            if projected.dim() != 5 or projected.shape[-2] != 1 + g * g:
+                raise ExplainError(
+                    f"the projector makes {tuple(projected.shape)}, not each tile's class token and {g}x{g} patch "
+                    "tokens: explain reads Mllama's vision states"
+                )
+            states = projected[:, 0]
+            mapped = self.tiles.tokens(self.tiles(states[:, :count, 1:]))
+            tiles = torch.cat([states[:, :count, :1], mapped], dim=2)
+            return torch.cat([tiles, states[:, count:]], dim=1)[:, None]
+
+        hooks.forward(self.projector, as_map)

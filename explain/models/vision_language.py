@@ -25,10 +25,13 @@ from torch import Tensor, nn
 from ..core.hooks import Hooks
 from ..errors import ExplainError
 from .image_readings import MergedPatches, PatchRows, Queried, Rows, WholeImage, image_runs, image_token_id
-from .tiles import ROWS_AND_COLUMNS, AnyResolution, SplitImage
+from .tiles import ROWS_AND_COLUMNS, AnyResolution, CrossTiles, SplitImage
 
-Reading = WholeImage | MergedPatches | AnyResolution | SplitImage | Rows | PatchRows | Queried
-IMAGE_INPUTS = {*WholeImage.inputs, *MergedPatches.inputs, *AnyResolution.inputs, *SplitImage.inputs, *Rows.inputs}
+Reading = WholeImage | MergedPatches | AnyResolution | SplitImage | Rows | PatchRows | Queried | CrossTiles
+IMAGE_INPUTS = {
+    *WholeImage.inputs, *MergedPatches.inputs, *AnyResolution.inputs, *SplitImage.inputs, *Rows.inputs,
+    *CrossTiles.inputs,
+}  # fmt: skip
 
 
 def image_reading(model: nn.Module, inputs: Mapping[str, Tensor]) -> Reading:
@@ -43,7 +46,7 @@ def image_reading(model: nn.Module, inputs: Mapping[str, Tensor]) -> Reading:
     Raises:
         ExplainError: The model reads the image in a way explain does not, or the text holds no image token.
     """
-    refuse_unread(model)
+    refuse_unread(model, inputs)
     token = image_token_id(model)
     runs = image_runs(inputs["input_ids"], token)
     if not runs:
@@ -52,6 +55,8 @@ def image_reading(model: nn.Module, inputs: Mapping[str, Tensor]) -> Reading:
             "vision token where the prompt says <image>"
         )
     tokens = sum(length for _, length in runs)
+    if "aspect_ratio_ids" in inputs:
+        return CrossTiles(model, inputs)
     if "image_grid_thw" in inputs:
         return MergedPatches(model, text_inputs(inputs), inputs["image_grid_thw"])
     if "image_sizes" in inputs and inputs["pixel_values"].dim() == 5:
@@ -65,12 +70,12 @@ def image_reading(model: nn.Module, inputs: Mapping[str, Tensor]) -> Reading:
     return WholeImage(model, inputs, tokens)
 
 
-def refuse_unread(model: nn.Module) -> None:
+def refuse_unread(model: nn.Module, inputs: Mapping[str, Tensor]) -> None:
     """Refuse, saying why, a model whose image reaches the text in a way no map of the image can follow.
 
     Raises:
-        ExplainError: The image reaches the text only as discrete codes, or only through a cross-attention; or the
-            answer is read by a decoder apart from the prompt.
+        ExplainError: The image reaches the text only as discrete codes, or through a cross-attention without the
+            tiles' inputs explain reads it from.
     """
     config, name = getattr(model, "config", None), type(model).__name__
     if getattr(config, "vq_config", None) is not None and getattr(config, "vision_config", None) is None:
@@ -79,15 +84,10 @@ def refuse_unread(model: nn.Module) -> None:
             "lookup, so no method of explain can map its answer on the image"
         )
     text = getattr(config, "text_config", config)
-    if getattr(config, "is_encoder_decoder", False) or getattr(text, "is_encoder_decoder", False):
+    if getattr(text, "cross_attention_layers", None) and "aspect_ratio_ids" not in inputs:
         raise ExplainError(
-            f"{name} is an encoder-decoder: its answer is read by a decoder apart from the prompt, and explain maps "
-            "answers that continue the prompt's own sequence (decoder-only models)"
-        )
-    if getattr(text, "cross_attention_layers", None):
-        raise ExplainError(
-            f"{name} reads the image by cross-attention (its cross_attention_layers), not as tokens of the text: "
-            "explain maps the answers of models that put the image's tokens into the text"
+            f"{name} reads the image by cross-attention (its cross_attention_layers), and explain reads it from "
+            "Mllama's tiles: pass the processor's whole output (its aspect_ratio_ids and aspect_ratio_mask too)"
         )
 
 
@@ -116,7 +116,7 @@ class VisionLanguage(nn.Module):
     def __init__(self, model: nn.Module, text: Mapping[str, Tensor], reading: Reading | None = None) -> None:
         super().__init__()
         self.model = model
-        self.text = {name: value.reshape(1, -1) for name, value in text.items()}
+        self.text = {name: value.reshape(1, -1) if value.dim() < 3 else value for name, value in text.items()}
         self.reading = reading if reading is not None else image_reading(model, self.text)
 
     @property
@@ -132,7 +132,7 @@ class VisionLanguage(nn.Module):
             ExplainError: The vision tower made another number of tokens than the text has image tokens.
         """
         n, device = len(picture), picture.device
-        text = {name: value.to(device).expand(n, -1) for name, value in self.text.items()}
+        text = {name: value.to(device).expand(n, *value.shape[1:]) for name, value in self.text.items()}
         with Hooks() as hooks:
             self.reading.watch(hooks, n)
             with model_refusals(self.model):
@@ -163,13 +163,48 @@ NOT_CONTINUED = ("labels", "position_ids", "cache_position", "image_patches_indi
 TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")  # a model's marks of its tokens' kinds
 
 
+def encoder_decoder(model: nn.Module) -> bool:
+    """Whether the model reads its answer in a decoder apart from the prompt (Florence-2)."""
+    config = getattr(model, "config", None)
+    return any(getattr(part, "is_encoder_decoder", False) for part in (config, getattr(config, "text_config", None)))
+
+
+def decoder_start(model: nn.Module) -> int:
+    """The token an encoder-decoder's decoder starts from (its config's, or its generation config's).
+
+    Raises:
+        ExplainError: Neither names one.
+    """
+    for config in (getattr(model, "generation_config", None), model.config, getattr(model.config, "text_config", None)):
+        found = getattr(config, "decoder_start_token_id", None)
+        if isinstance(found, int):
+            return found
+    raise ExplainError(f"{type(model).__name__} names no decoder_start_token_id: explain cannot start its answer")
+
+
+def answered(model: nn.Module, text: Mapping[str, Tensor], answer: Tensor) -> tuple[dict[str, Tensor], Tensor, range]:
+    """The text's inputs with the answer, the sequence whose logits score it, and the answer's places in it.
+
+    A decoder-only model reads the answer after the prompt (:func:`with_answer`). An encoder-decoder reads the
+    prompt in its encoder and the answer in its decoder, after the decoder's start token (``decoder_input_ids``).
+    """
+    if encoder_decoder(model):
+        sequence = torch.cat([answer.new_tensor([decoder_start(model)]), answer])
+        return {**text, "decoder_input_ids": sequence[None]}, sequence, range(1, 1 + len(answer))
+    read = with_answer(text, answer, image_token_id(model))
+    prompt = text["input_ids"].shape[-1]
+    return read, read["input_ids"], range(prompt, prompt + len(answer))
+
+
 def with_answer(text: Mapping[str, Tensor], answer: Tensor, image_token: int) -> dict[str, Tensor]:
     """The prompt's text inputs followed by the answer, each per-token input continued by the model's convention.
 
-    The attention mask is 1 over the answer. Token types are read from the prompt. Where they mark the image's
-    tokens (Gemma 3's ``token_type_ids``, Qwen2-VL's ``mm_token_type_ids``), the answer is text: 0. Where they are
-    0 over the whole prompt, image included, they mark a prefix read both ways (PaliGemma's), and the answer is
-    the causal suffix: 1. Labels, position ids and cache positions are left out: the forward makes its own.
+    The attention mask is 1 over the answer. A per-token input of more axes (Mllama's ``cross_attention_mask``)
+    repeats its last token's value, as the model's generation does. Token types are read from the prompt. Where
+    they mark the image's tokens (Gemma 3's ``token_type_ids``, Qwen2-VL's ``mm_token_type_ids``), the answer is
+    text: 0. Where they are 0 over the whole prompt, image included, they mark a prefix read both ways
+    (PaliGemma's), and the answer is the causal suffix: 1. Labels, position ids and cache positions are left out:
+    the forward makes its own.
 
     Raises:
         ExplainError: A per-token input explain cannot continue for the answer.
@@ -179,6 +214,9 @@ def with_answer(text: Mapping[str, Tensor], answer: Tensor, image_token: int) ->
     found = {"input_ids": torch.cat([prompt, answer.to(prompt)])}
     for name, value in text.items():
         if name == "input_ids" or name in NOT_CONTINUED:
+            continue
+        if value.dim() > 2:  # a value per token and more (Mllama's cross_attention_mask): the last one repeated
+            found[name] = torch.cat([value, value[:, -1:].expand(-1, len(answer), *value.shape[2:])], dim=1)
             continue
         value = value.reshape(-1)
         found[name] = torch.cat([value, torch.full_like(answer, _continued(name, value, image)).to(value)])
@@ -250,7 +288,7 @@ def generate_answer(model: nn.Module, inputs: Mapping[str, Tensor], max_new_toke
         out = model.generate(
             **given, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True
         )
-    answer = out.sequences[0, inputs["input_ids"].shape[-1] :]
+    answer = out.sequences[0, 1 if encoder_decoder(model) else inputs["input_ids"].shape[-1] :]
     scored = torch.stack([step[0].float().log_softmax(-1)[token] for step, token in zip(out.logits, answer)])
     end = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ends = {end} if isinstance(end, int) else set(end or ())

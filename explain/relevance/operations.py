@@ -25,7 +25,8 @@ The rules (R: the relevance at an operation's output, z its output, :math:`z' = 
 - **Softmax** (Deep Taylor at its input): :math:`R_x = x \odot (R - s \odot \sum R)`; with the attention held
   constant (CP-LRP, and LRP), its output is a constant in its product with the values, which get all the relevance.
 - Fused attention (``scaled_dot_product_attention``) runs as its parts, :math:`\mathrm{softmax}(q k^\top s) v`.
-- Layout (views, permutations, concatenation, indexing, writing values in), dropout in eval, selections (``where``,
+- Layout (views, permutations, concatenation, indexing, writing values in, cutting into patches with
+  ``unfold``), dropout in eval, selections (``where``,
   ``max``) and max pooling pass relevance as the gradient does: they move values, or pick one.
 - **Statistics** of a relevant tensor (``pow``, ``norm``, ``var``, ``std``, and what is computed from them alone) are
   held constant, as a layer norm's spread: a tensor they scale or divide keeps its relevance (an RMS norm or an L2
@@ -632,7 +633,8 @@ PASSED = {
     T.expand, T.expand_as, T.clone, T.detach, T.to, T.type, T.type_as, T.float, T.double, T.half, T.bfloat16, T.unbind,
     torch.unbind, T.split, torch.split, T.chunk, torch.chunk, torch.cat, torch.concat, torch.stack, T.movedim,
     torch.movedim, T.narrow, T.select, T.flip, T.roll, T.repeat, T.repeat_interleave, T.view_as, T.reshape_as,
-    F.pad, F.max_pool1d_with_indices, F.max_pool2d_with_indices, F.max_pool3d_with_indices, T.T.__get__, T.mT.__get__,
+    F.pad, F.unfold, F.max_pool1d_with_indices, F.max_pool2d_with_indices, F.max_pool3d_with_indices, T.T.__get__,
+    T.mT.__get__,
     F.dropout, F.alpha_dropout, T.masked_scatter, T.masked_fill, T.t, torch.t, T.swapaxes,
     torch.swapaxes, T.swapdims, torch.swapdims, torch.broadcast_to, T.broadcast_to, torch.where, T.where,
     torch.max, T.max, torch.amax, T.amax, torch.min, T.min, torch.amin, T.amin,

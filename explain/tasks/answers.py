@@ -20,10 +20,10 @@ from ..models.vision_language import (
     Reading,
     TextPrompts,
     VisionLanguage,
+    answered,
     generate_answer,
     image_reading,
     text_inputs,
-    with_answer,
 )
 from ..targets.classification import ClassesTarget
 from ..targets.detection import DetectionTarget
@@ -112,8 +112,7 @@ def explain_answer(
     prompt, text, reading = _one_image(model, inputs)
     picture = reading.picture(inputs)
     answer, generated = _answer_of(model, inputs, answer, max_new_tokens)
-    read = with_answer(text, answer, image_token_id(model))
-    sequence, positions = read["input_ids"], range(prompt.shape[-1], prompt.shape[-1] + len(answer))
+    read, sequence, positions = answered(model, text, answer)
     words, runs = words_of(answer, decode)
     explainer = create_method(method, VisionLanguage(model, read, reading), layer, **options)
     result = explainer(picture, TokenTarget(sequence, positions, runs))
