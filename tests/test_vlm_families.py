@@ -281,7 +281,8 @@ def test_rows_of_different_lengths_are_refused() -> None:
 
 @pytest.mark.parametrize(
     ("kind", "reason"),
-    [("mllama", "reads the image by cross-attention.*aspect_ratio_ids"), ("chameleon", "discrete codes of a codebook")],
+    [("mllama", "reads the image by cross-attention.*aspect_ratio_ids"), ("chameleon", "discrete codes of a codebook"),
+     ("emu3", "discrete codes of a codebook")],
 )  # fmt: skip
 def test_a_model_whose_image_no_map_can_follow_is_refused_saying_why(kind: str, reason: str) -> None:
     codebook = {"embed_dim": 8, "num_embeddings": 16, "base_channels": 8, "channel_multiplier": [1, 2],
