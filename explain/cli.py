@@ -466,6 +466,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.gallery and not args.inputs and args.from_list is None and args.layers is None:
         return _write_gallery(args.out, args.quiet)  # rebuilt from the manifest alone: no model
     spec = _loaded(args) if is_user_model(args.model) else None  # the user's code says what its model reads
+    if getattr(spec, "note", ""):
+        print(f"explain: note: {args.model}: {spec.note}", file=sys.stderr)
     kind = spec.preprocessing.kind if spec else "video" if args.model in VIDEO_MODELS else "image"
     inputs = None if args.layers is not None else _check_inputs(args, kind)
     prepared = None

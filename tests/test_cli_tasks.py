@@ -168,4 +168,4 @@ def test_a_torchvision_detector_from_the_users_file_is_taken_as_it_is(detector_f
     assert [[t[k] for k in keys] for t in ours[0]["targets"]] == [[t[k] for k in keys] for t in theirs[0]["targets"]]
     capsys.readouterr()
     assert main([str(CAT), "--model", f"{code}:bare", "-o", str(tmp_path / "no")]) == 2
-    assert "det.py gives a Conv2d, not an explain.ModelSpec" in capsys.readouterr().err
+    assert "det.py:bare: a plain Conv2d that says nothing of its classes" in capsys.readouterr().err

@@ -100,3 +100,74 @@ def test_a_model_in_training_mode_is_explained_as_it_is_with_one_warning(family:
         assert len(varying) == 1 and "model.eval()" in str(varying[0].message)
         assert "\n" not in str(varying[0].message)
     assert model.training
+
+
+USER_FILE = '''
+import timm, torch, torchvision, transformers
+
+def vit():
+    torch.manual_seed(0)
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=5, img_size=32, patch_size=8,
+                             depth=2)
+
+def resnet():
+    torch.manual_seed(0)
+    return torchvision.models.resnet18(num_classes=4)
+
+def hf():
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                    image_size=32, patch_size=8, num_labels=3, id2label={0: "cat", 1: "dog", 2: "cup"},
+                                    label2id={"cat": 0, "dog": 1, "cup": 2})
+    torch.manual_seed(0)
+    return transformers.ViTForImageClassification(config)
+
+def grey():
+    return torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(2))
+'''
+
+
+@pytest.mark.parametrize(
+    ("name", "size", "mean", "labels", "said"),
+    [("vit", 32, (0.5, 0.5, 0.5), ["class 0"], "timm pretrained_cfg"),
+     ("resnet", 224, (0.485, 0.456, 0.406), ["class 0"], "ImageNet's 224 x 224"),
+     ("hf", 32, (0.485, 0.456, 0.406), ["cat", "dog", "cup"], "HuggingFace config")],
+)  # fmt: skip
+def test_a_users_file_that_returns_a_plain_module_runs_as_the_model_says(name, size, mean, labels, said, tmp_path,
+                                                                         capsys) -> None:  # fmt: skip
+    """The command line reads a plain module's preprocessing and class names from what it says of itself (or says
+    in one note that it took ImageNet's), and writes the map the API gives for that preprocessing."""
+    import numpy as np
+    from conftest import CAT
+    from PIL import Image
+
+    from explain.cli import main
+    from explain.io.images import load_image
+    from explain.io.render import overlay
+    from explain.models import load_model
+
+    pytest.importorskip("transformers")
+    source = tmp_path / "mine.py"
+    source.write_text(USER_FILE)
+    out = tmp_path / "out"
+    assert main([str(CAT), "--model", f"{source}:{name}", "-o", str(out), "--quiet", "--format", "png"]) == 0
+    note = capsys.readouterr().err.strip()
+    assert note.count("\n") == 0 and "note" in note and said in note
+    spec = load_model(f"{source}:{name}")
+    assert spec.preprocessing.input_size == size and spec.preprocessing.mean == mean
+    assert spec.labels[: len(labels)] == labels
+    image = load_image(CAT)
+    cam = explain.GradCAM(spec.model)(spec.preprocess(image)).cams[0]
+    written = np.asarray(Image.open(out / "chelsea.gradcam.png"), dtype=np.int16)
+    assert np.abs(written - np.asarray(overlay(image, cam), dtype=np.int16)).max() <= 1
+
+
+def test_a_users_module_that_reads_other_than_three_channels_is_refused_in_one_line(tmp_path, capsys) -> None:
+    from conftest import CAT
+
+    from explain.cli import main
+
+    source = tmp_path / "mine.py"
+    source.write_text(USER_FILE)
+    assert main([str(CAT), "--model", f"{source}:grey", "-o", str(tmp_path / "out"), "--quiet"]) != 0
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and "a Conv2d of 1 channels, not an image's 3 channels" in error

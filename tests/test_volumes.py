@@ -829,7 +829,7 @@ def test_the_command_line_takes_a_model_of_the_users_own_code(tmp_path, capsys) 
     for name, message in (
         ("broken", "net.py:broken: ValueError: no GPU here"),
         ("missing", "net.py gives nothing of that name, not an explain.ModelSpec"),
-        ("bare", "net.py gives a Sequential, not an explain.ModelSpec, which says how the model reads its inputs"),
+        ("bare", "net.py:bare: a plain Sequential whose first layer is a Conv3d of 1 channels, not an image's 3"),
     ):
         assert main([str(tmp_path), "--model", f"{tmp_path / 'net.py'}:{name}", "-o", str(tmp_path / name)]) == 2
         assert message in capsys.readouterr().err

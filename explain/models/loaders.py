@@ -110,12 +110,14 @@ def load_model(
 
 def load_user_model(name: str) -> ModelSpec:
     """A model of the user's own code, named ``FILE.py:NAME``: ``NAME`` in the Python file ``FILE.py`` is a
-    :class:`ModelSpec`, or a function called without arguments that returns one. The spec says how the model
-    reads its inputs (its preprocessing: images, :class:`VolumePreprocessing`, :class:`SignalPreprocessing` or
-    :class:`ClipPreprocessing`), its class names and its task. The file runs as Python: name only files you trust.
+    :class:`ModelSpec`, or a module, or a function called without arguments that returns either. The spec says how
+    the model reads its inputs (its preprocessing: images, :class:`VolumePreprocessing`,
+    :class:`SignalPreprocessing` or :class:`ClipPreprocessing`), its class names and its task; a module's are read
+    from what it says of itself (:func:`explain.models.plain.plain_spec`; a detector's or YOLO's as they carry
+    them). The file runs as Python: name only files you trust.
 
     Raises:
-        ModelLoadError: No such file, the file or the function raises, or ``NAME`` gives no :class:`ModelSpec`.
+        ModelLoadError: No such file, the file or the function raises, or ``NAME`` gives neither.
     """
     import importlib.util
 
@@ -136,9 +138,10 @@ def load_user_model(name: str) -> ModelSpec:
         raise ModelLoadError(f"{name}: {type(err).__name__}: {first_line(err)}") from None
     if isinstance(value, ModelSpec):
         return value
-    carried = _carried_spec(value, attribute) if isinstance(value, nn.Module) else None
-    if carried is not None:
-        return carried
+    if isinstance(value, nn.Module):
+        from .plain import plain_spec
+
+        return _carried_spec(value, attribute) or plain_spec(value, attribute, f"{path.name}:{attribute}")
     given = "nothing of that name" if value is None else f"a {type(value).__name__}"
     raise ModelLoadError(
         f"{name}: {path.name} gives {given}, not an explain.ModelSpec, which says how the model reads its inputs "

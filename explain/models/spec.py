@@ -268,6 +268,8 @@ class ModelSpec:
             ((N, classes) scores), ``"segmentation"`` (a dict whose ``"out"`` is (N, classes,
             H, W)), ``"detection"`` (a list of dicts of boxes, labels and scores), ``"depth"`` (a depth map (N, H,
             W) at the input's size) or ``"prompted"`` (a promptable segmenter: SAM, given its prompt).
+        note: What explain assumed of the model where it did not say (a plain module's preprocessing), said once
+            to the user; empty where nothing was assumed.
     """
 
     model: nn.Module
@@ -275,6 +277,7 @@ class ModelSpec:
     labels: list[str]
     preprocessing: InputPreprocessing
     task: Task = "classification"
+    note: str = ""
 
     @property
     def device(self) -> torch.device:
