@@ -633,3 +633,59 @@ def test_crp_s_concepts_that_partition_a_resnet_layer_sum_to_its_lrp_map() -> No
     torch.testing.assert_close(found.maps.sum(dim=1), whole, rtol=1e-4, atol=1e-4 * float(whole.abs().max()))
     at_layer = LRP(model, "layer3")(x, [1, 7], normalize=False).raw
     torch.testing.assert_close(found.relevance.sum(dim=1), at_layer.flatten(1).sum(1), rtol=1e-3, atol=1e-5)
+
+
+class Curved(nn.Module):
+    """Eight channels read as they are at ``mix`` (a 1x1 identity); class 0's score Σ w m + ½ Σ u m² of their means m:
+    its gradient at ``mix`` is w + u m, so it varies with each image where u is not 0."""
+
+    def __init__(self, w: torch.Tensor, u: torch.Tensor) -> None:
+        super().__init__()
+        self.mix = nn.Conv2d(8, 8, 1, bias=False)
+        self.mix.weight.data = torch.eye(8)[..., None, None]
+        self.w, self.u = w, u
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.mix(x).mean(dim=(2, 3))
+        score = m @ self.w + 0.5 * (m**2) @ self.u
+        return torch.stack([score, -score], dim=1)
+
+
+def test_tcav_s_default_cav_gives_captum_s_default_score_where_a_standardized_fit_would_not(tmp_path) -> None:
+    """The concept lies in two features of spread 1; six more of spread 0.01 are shifted a little (3 of their
+    spreads), and the class falls along them. The paper's CAV (and Captum's default SGD classifier), on the
+    activations as they are, points along the concept's two features: the class rises along it for the 25 of 40
+    images whose two features are up. A standardized fit weighs the six faint features as much, and its CAV,
+    brought back, points along them: the class falls for every image."""
+    import numpy as np
+    from captum.concept import TCAV as CaptumTCAV
+    from captum.concept import Concept
+    from captum.concept._utils.data_iterator import dataset_to_dataloader
+
+    from explain.concepts import TCAV
+
+    generator = torch.Generator().manual_seed(3)
+    spread = torch.tensor([1.0, 1.0] + [0.01] * 6)[None, :, None, None]
+
+    def drawn(count: int, shift: torch.Tensor) -> torch.Tensor:
+        return torch.randn(count, 8, 2, 2, generator=generator) * spread + shift[None, :, None, None]
+
+    concept = drawn(30, torch.tensor([3.0, 3.0] + [0.03] * 6))
+    random = drawn(30, torch.zeros(8))
+    images = drawn(40, torch.zeros(8)) * 0.1
+    images[:, :2] += torch.tensor([1.0] * 25 + [-1.0] * 15)[:, None, None, None]
+    model = Curved(torch.tensor([0.0, 0.0] + [-5.0] * 6), torch.tensor([1.0, 1.0] + [0.0] * 6)).eval()
+    ours = TCAV(model, "mix", runs=4)(images, concept, random, target=0)
+    standardized = TCAV(model, "mix", fit="standardized", runs=4)(images, concept, random, target=0)
+    np.random.seed(0)  # Captum's classifier: scikit-learn's SGD, and its own train-test split
+    torch.manual_seed(0)
+
+    def concept_of(index: int, name: str, data: torch.Tensor) -> Concept:
+        return Concept(index, name, dataset_to_dataloader(torch.utils.data.TensorDataset(data)))
+
+    peer = CaptumTCAV(model, ["mix"], save_path=str(tmp_path))
+    sets = [[concept_of(0, "concept", concept), concept_of(1, "random", random)]]
+    theirs = float(peer.interpret(images, sets, target=0)["0-1"]["mix"]["sign_count"][0])
+    assert theirs == pytest.approx(25 / 40, abs=0.05)
+    assert ours.score == pytest.approx(theirs, abs=0.05)
+    assert standardized.score < theirs - 0.5
