@@ -171,3 +171,22 @@ def test_a_users_module_that_reads_other_than_three_channels_is_refused_in_one_l
     assert main([str(CAT), "--model", f"{source}:grey", "-o", str(tmp_path / "out"), "--quiet"]) != 0
     error = capsys.readouterr().err.strip()
     assert error.count("\n") == 0 and "a Conv2d of 1 channels, not an image's 3 channels" in error
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_torch_export_s_module_is_refused_and_its_unflattened_module_gives_the_eager_map(family: str) -> None:
+    """An exported program's module() runs the graph's operations, calling none of its layers: refused in one
+    line naming the way out; torch.export.unflatten's module runs its layers, and gives the eager map (a CNN's), or
+    is refused where its tokens' grid is flattened by operations explain does not read (a ViT's: pass reshape=)."""
+    build, layer, _ = FAMILIES[family]
+    model, x = build(), batch(family)
+    program = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim.DYNAMIC},))  # any batch
+    with pytest.raises(explain.ExplainError, match=r"calls none of its layers.*torch.export.unflatten") as refused:
+        explain.GradCAM(program.module(), layer)(x)
+    assert "\n" not in str(refused.value)
+    if family == "vit":  # its tokens' grid is flattened by aten operations explain does not read: refused
+        with pytest.raises(explain.LayerError, match=r"did not flatten from a grid.*reshape="):
+            explain.GradCAM(torch.export.unflatten(program), layer)(x)
+        return
+    unflattened = explain.GradCAM(torch.export.unflatten(program), layer)(x)
+    assert r(unflattened.cams, explain.GradCAM(model, layer)(x).cams) >= 0.999

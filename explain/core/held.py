@@ -16,8 +16,8 @@ def held_model(model: nn.Module) -> nn.Module:
     parameters; compiling changes the speed, not the function), else the model itself.
 
     Raises:
-        ExplainError: A TorchScript module, which runs no Python hooks, or a quantized model, whose quantized layers
-            carry no gradient.
+        ExplainError: A TorchScript module, which runs no Python hooks; a graph module that calls none of its layers
+            (``torch.export``'s); or a quantized model, whose quantized layers carry no gradient.
     """
     if isinstance(model, torch.jit.ScriptModule):
         raise ExplainError(
@@ -26,6 +26,12 @@ def held_model(model: nn.Module) -> nn.Module:
         )
     while isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         model = model._orig_mod
+    if isinstance(model, torch.fx.GraphModule) and not _calls_layers(model):
+        raise ExplainError(
+            f"the model is a graph of operations ({type(model).__name__}, as torch.export's module() gives) that "
+            "calls none of its layers, so no hook on a layer runs: pass the eager model, or "
+            "torch.export.unflatten(program), whose layers run"
+        )
     quantized = next((name for name, m in model.named_modules() if _is_quantized(m)), None)
     if quantized is not None:
         raise ExplainError(
@@ -34,6 +40,12 @@ def held_model(model: nn.Module) -> nn.Module:
             "read them; pass the float model it was quantized from"
         )
     return model
+
+
+def _calls_layers(graph: torch.fx.GraphModule) -> bool:
+    """Whether a graph module calls any module that holds parameters (a layer), not only their operations."""
+    called = {node.target for node in graph.graph.nodes if node.op == "call_module"}
+    return any(next(graph.get_submodule(name).parameters(), None) is not None for name in called)
 
 
 def _is_quantized(module: nn.Module) -> bool:
