@@ -190,3 +190,52 @@ def test_torch_export_s_module_is_refused_and_its_unflattened_module_gives_the_e
         return
     unflattened = explain.GradCAM(torch.export.unflatten(program), layer)(x)
     assert r(unflattened.cams, explain.GradCAM(model, layer)(x).cams) >= 0.999
+
+
+HELD_FILE = '''
+import torch, torchvision
+
+def eager():
+    torch.manual_seed(0)
+    return torchvision.models.resnet18(num_classes=4).eval()
+
+def compiled():
+    return torch.compile(eager(), backend="eager")
+
+def data_parallel():
+    return torch.nn.DataParallel(eager())
+
+def bfloat16():
+    return eager().to(torch.bfloat16)
+
+def scripted():
+    return torch.jit.script(eager())
+'''
+
+
+@pytest.mark.parametrize("held", ["compiled", "data_parallel", "bfloat16", "scripted"])
+def test_the_command_line_explains_a_held_model_from_a_users_file_as_the_eager_one(held: str, tmp_path,
+                                                                                   capsys) -> None:  # fmt: skip
+    """The command line on a user's file returning the model held otherwise: the eager model's overlay, layer
+    names as the user names them, or (TorchScript) one line that says why."""
+    import numpy as np
+    from conftest import CAT
+    from PIL import Image
+
+    from explain.cli import main
+
+    source = tmp_path / "held.py"
+    source.write_text(HELD_FILE)
+    eager, out = tmp_path / "eager", tmp_path / "out"
+    assert main([str(CAT), "--model", f"{source}:eager", "--layer", "layer4", "-o", str(eager), "--quiet",
+                 "--format", "png"]) == 0  # fmt: skip
+    code = main([str(CAT), "--model", f"{source}:{held}", "--layer", "layer4", "-o", str(out), "--quiet",
+                 "--format", "png"])  # fmt: skip
+    if held == "scripted":
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert code != 0 and "TorchScript module" in error and "eager model" in error
+        return
+    assert code == 0
+    ours, theirs = (np.asarray(Image.open(folder / "chelsea.gradcam.png"), dtype=np.int16) for folder in (out, eager))
+    difference = np.abs(ours - theirs)  # bfloat16's map, computed in bfloat16, moves a few colour levels
+    assert difference.max() <= (8 if held == "bfloat16" else 1) and difference.mean() <= 1

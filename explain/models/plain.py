@@ -16,7 +16,8 @@ from typing import Any
 from PIL import Image
 from torch import nn
 
-from ..errors import ModelLoadError
+from ..core.held import held_model
+from ..errors import ExplainError, ModelLoadError
 from .spec import IMAGENET_PREPROCESSING, ModelSpec, Preprocessing
 
 ASK_OTHERS = "return an explain.ModelSpec from your file to give others"
@@ -27,8 +28,13 @@ def plain_spec(model: nn.Module, name: str, source: str) -> ModelSpec:
     ``source`` names where it came from in errors (the user's ``FILE.py:NAME``).
 
     Raises:
-        ModelLoadError: Its first layer reads other than an image's 3 channels, or it says nothing of its classes.
+        ModelLoadError: A model explain cannot hook (see :func:`explain.core.held.held_model`), one whose first
+            layer reads other than an image's 3 channels, or one that says nothing of its classes.
     """
+    try:
+        held_model(model)  # a TorchScript, exported or quantized model: refused saying why
+    except ExplainError as err:
+        raise ModelLoadError(f"{source}: {err}") from None
     first = next((m for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)), None)
     if not isinstance(first, nn.Conv2d) or first.in_channels != 3:
         reads = "no convolution" if first is None else f"a {type(first).__name__} of {first.in_channels} channels"
