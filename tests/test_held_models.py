@@ -74,6 +74,9 @@ def test_an_input_of_another_dtype_is_cast_to_the_models(family: str, dtype: tor
     same = explain.GradCAM(low, layer)(x.to(dtype)).cams.float()  # the input already of the model's dtype
     found = explain.GradCAM(low, layer)(x)
     assert found.cams.dtype == torch.float32 and r(found.cams, same) >= 0.999
+    up = explain.GradCAM(model, layer)(x.to(dtype))  # a low-precision input to a float32 model: cast up
+    cast = explain.GradCAM(model, layer)(x.to(dtype).float()).cams
+    assert up.cams.dtype == torch.float32 and r(up.cams, cast) > 0.999
     assert r(found.cams, explain.GradCAM(model, layer)(x).cams) >= 0.99  # and near the float32 model's
 
 

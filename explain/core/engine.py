@@ -288,8 +288,8 @@ class CAM:
         fused = self.fused or len(runner.layers) > 1  # the automatic layers of a detector are fused
         raw = self.fused_maps(maps, size) if fused or self.aug_smooth else maps[0]
         cams = self.finish(raw, len(size), size if resize else None, normalize)
-        if given.dtype != x.dtype:  # computed in the model's dtype, returned in the input's
-            cams, raw = cams.to(given.dtype), raw.to(given.dtype)
+        if given.dtype != x.dtype:  # computed in the model's dtype, returned in float32
+            cams, raw = cams.float(), raw.float()
         result = make_result(cams, raw, plain.output, plain.scores, plain.bound, self.layer, self.name, x, self.labels)
         return self.completed(result, x, model_kwargs)
 
