@@ -28,21 +28,21 @@ def main() -> None:
     model, x, target = resnet18_batch()
     pairs: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {
         "Saliency": (
-            lambda: explain.Saliency(model)(x, target),
+            lambda: explain.methods.Saliency(model)(x, target),
             lambda: attr.Saliency(model).attribute(x.clone().requires_grad_(True), target=target),
         ),
         "Input x Gradient": (
-            lambda: explain.InputXGradient(model)(x, target),
+            lambda: explain.methods.InputXGradient(model)(x, target),
             lambda: attr.InputXGradient(model).attribute(x.clone().requires_grad_(True), target=target),
         ),
         "Occlusion, 32x32 windows every 16": (
-            lambda: explain.Occlusion(model, window=32, stride=16, batch_size=16)(x[:1], target[:1]),
+            lambda: explain.methods.Occlusion(model, window=32, stride=16, batch_size=16)(x[:1], target[:1]),
             lambda: attr.Occlusion(model).attribute(
                 x[:1], sliding_window_shapes=(3, 32, 32), strides=(3, 16, 16), target=target[:1]
             ),
         ),
         "Integrated Gradients, 50 steps": (
-            lambda: explain.IntegratedGradients(model, steps=50, batch_size=16)(x, target),
+            lambda: explain.methods.IntegratedGradients(model, steps=50, batch_size=16)(x, target),
             lambda: attr.IntegratedGradients(model).attribute(x, target=target, n_steps=50, internal_batch_size=16),
         ),
     }

@@ -37,7 +37,9 @@ from timing import emit, interleaved_medians, peak_mib, rounds_and_out, stolen_s
 from torch import nn
 
 import explain
-from explain.concepts import TCAV, ConceptRelevance, Craft, cut, factorize
+from explain.concepts import TCAV, ConceptRelevance, Craft
+from explain.concepts.craft import cut
+from explain.concepts.factorization import factorize
 
 ROOT = Path(__file__).resolve().parents[1]
 PHOTOS = sorted((ROOT / "assets").glob("*.[pj][np]g")) + sorted((ROOT / "explain" / "data" / "photos").glob("*.jpg"))

@@ -64,7 +64,7 @@ def torchcam_pairs() -> tuple[dict[str, tuple], torch.Tensor]:
     vit = torchvision.models.VisionTransformer(224, 16, 12, 6, 384, 1536, num_classes=1000).eval()
     torch.nn.init.normal_(vit.heads.head.weight, std=0.02)  # torchvision starts from a zero head
     x = torch.randn(2, 3, 224, 224)
-    legrad = explain.LeGrad(vit)
+    legrad = explain.methods.LeGrad(vit)
 
     def theirs() -> object:
         with TorchcamLeGrad(vit, list(vit.encoder.layers)) as extractor:
@@ -86,7 +86,7 @@ def zennit_pairs() -> tuple[dict[str, tuple], torch.Tensor]:
     from zennit.composites import EpsilonPlus
 
     vgg, x = vgg_and_input()
-    lrp = explain.LRP(vgg)
+    lrp = explain.methods.LRP(vgg)
 
     def theirs() -> object:
         with Gradient(model=vgg, composite=EpsilonPlus(canonizers=[SequentialMergeBatchNorm()])) as attributor:
@@ -104,11 +104,11 @@ def captum_pairs(model: torch.nn.Module, x: torch.Tensor, target: list[int]) -> 
     baselines = torch.zeros(4, *x.shape[1:])
     vgg, pair = vgg_and_input()
     ours = {
-        "deeplift": explain.DeepLift(vgg),
-        "gradient_shap": explain.GradientSHAP(model, baselines=baselines, samples=20, batch_size=16, seed=0),
-        "feature_ablation": explain.FeatureAblation(model, segments=segments),
-        "lime": explain.LIME(model, segments=segments, samples=200, seed=0),
-        "kernel_shap": explain.KernelSHAP(model, segments=segments, samples=200, seed=0),
+        "deeplift": explain.methods.DeepLift(vgg),
+        "gradient_shap": explain.methods.GradientSHAP(model, baselines=baselines, samples=20, batch_size=16, seed=0),
+        "feature_ablation": explain.methods.FeatureAblation(model, segments=segments),
+        "lime": explain.methods.LIME(model, segments=segments, samples=200, seed=0),
+        "kernel_shap": explain.methods.KernelSHAP(model, segments=segments, samples=200, seed=0),
     }
     mask = segments[None, None]
     return {

@@ -26,7 +26,7 @@ import explain
 
 def contenders(model: nn.Module, batch_size: int) -> dict[str, Callable[[torch.Tensor], object]]:
     runs: dict[str, Callable[[torch.Tensor], object]] = {
-        f"explain ScoreCAM (batch_size={batch_size})": explain.ScoreCAM(model, "layer4", batch_size=batch_size),
+        f"explain ScoreCAM (batch_size={batch_size})": explain.methods.ScoreCAM(model, "layer4", batch_size=batch_size),
     }
     if importlib.util.find_spec("pytorch_grad_cam"):
         from pytorch_grad_cam import ScoreCAM as PGCScoreCAM

@@ -40,7 +40,7 @@ def measure(model: torch.nn.Module, batch: int, rounds: int) -> list[str]:
         with torch.inference_mode():
             return model(x)
 
-    gradcam, rollout = explain.GradCAM(model), explain.GradientRollout(model)
+    gradcam, rollout = explain.GradCAM(model), explain.methods.GradientRollout(model)
     runs: dict[str, Callable[[], object]] = {
         "inference forward": inference,
         "explain GradCAM": lambda: gradcam(x).cams,

@@ -6,7 +6,9 @@
 >>> explain.overlay(image, cams[0]).save("cam.png")
 
 Importing the package is cheap: each name below is imported from its module on first use,
-so ``explain --help`` and ``explain --version`` start without loading torch.
+so ``explain --help`` and ``explain --version`` start without loading torch. The methods are reached by name
+(``explain.METHODS``, ``explain.cam(model, x, method=...)``) or as classes in :mod:`explain.methods`;
+Grad-CAM's class stays here too.
 """
 
 from __future__ import annotations
@@ -46,15 +48,20 @@ _EXPORTS = {
     "load_model": "models.loaders",
     "figure": "io.render",
     "overlay": "io.render",
-    **dict.fromkeys([entry.cls for entry in METHOD_CATALOG], "methods"),  # the method classes
-    **dict.fromkeys(["FAST_METHODS", "METHODS", "cam", "create_method", "gradcam"], "methods"),
+    **dict.fromkeys(["FAST_METHODS", "METHODS", "GradCAM", "cam", "create_method", "gradcam"], "methods"),
 }
 
-__all__ = ["__version__", "metrics", *sorted(_EXPORTS)]
+__all__ = ["__version__", *sorted(_EXPORTS)]
 
 
 # Reached as explain.metrics (and so on) after a plain ``import explain``.
-_SUBPACKAGES = {"metrics", "methods", "targets", "models"}
+_SUBPACKAGES = {"concepts", "metrics", "methods", "targets", "models"}
 
+# The other method classes left the top for explain.methods (and METHODS, cam(method=...)): kept one release.
+_DEPRECATED = {
+    entry.cls: ("methods", entry.cls, f"explain.methods.{entry.cls}, or explain.cam(model, x, method={entry.name!r})")
+    for entry in METHOD_CATALOG
+    if entry.cls not in _EXPORTS
+}
 
-__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, _SUBPACKAGES)
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, _SUBPACKAGES, _DEPRECATED)

@@ -47,9 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``explain`` command."""
     parser = _Parser(
         prog="explain",
-        description="Grad-CAM heatmaps of a model's decision, overlaid on each image: a classifier's class, "
-        "a segmenter's classes, a detector's boxes (the task follows from --model).",
+        description="Grad-CAM heatmaps of a model's decision, overlaid on each image: a classifier's class,\n"
+        "a segmenter's classes, a detector's boxes (the task follows from --model).\n\n" + commands_help(),
         epilog="Exit status: 0 all inputs written, 1 some inputs failed (each named on stderr), 2 usage error.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _what_to_read(parser.add_argument)
     _how_to_explain(parser.add_argument)
@@ -772,19 +773,31 @@ def _tcav(argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
+# The commands besides the heatmaps of images: each one's entry point, what it does and an example (explain --help).
+COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str, str]] = {
+    APP: (_app, "the interactive explorer, a local web page", "explain app --model resnet50"),
+    EVALUATE: (_evaluate, "which method to trust here, measured on your images", "explain evaluate photos/"),
+    CONCEPTS: (_concepts, "what the model sees: a folder's concept atlas (CRAFT)", "explain concepts photos/"),
+    TCAV: (_tcav, "does a class's score rise along your concept (TCAV)",
+           "explain tcav cats/ --target 'tabby cat' --concept stripes/ --random random/"),
+}  # fmt: skip
+
+
+def commands_help() -> str:
+    """The commands, each with one line and an example, as ``explain --help`` lists them."""
+    lines = ["commands (each has its own --help):", f"  {'explain IMAGES...':<20} heatmaps of each image (below)"]
+    lines += [f"  {'explain ' + name:<20} {said}\n  {'':<20}   e.g. {example}" for name, (_, said, example) in
+              COMMANDS.items()]  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status (0 all written, 1 some inputs failed, 2 usage error)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = None
     try:
-        if argv[:1] == [APP]:
-            return _app(argv[1:])
-        if argv[:1] == [EVALUATE]:
-            return _evaluate(argv[1:])
-        if argv[:1] == [CONCEPTS]:
-            return _concepts(argv[1:])
-        if argv[:1] == [TCAV]:
-            return _tcav(argv[1:])
+        if argv[:1] and argv[0] in COMMANDS:
+            return COMMANDS[argv[0]][0](argv[1:])
         args = build_parser().parse_args(argv)
         if args.method == "list":
             print(method_table())

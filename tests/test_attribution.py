@@ -31,7 +31,7 @@ def x() -> torch.Tensor:
 
 
 def test_saliency_is_captum_s_and_its_map_the_largest_channel_magnitude(model, x) -> None:
-    result = explain.Saliency(model)(x, TARGETS, normalize=False)
+    result = explain.methods.Saliency(model)(x, TARGETS, normalize=False)
     theirs = captum.Saliency(model).attribute(x, target=TARGETS, abs=False)
     assert result.raw.shape == x.shape and theirs.abs().max() > 0
     torch.testing.assert_close(result.raw, theirs, rtol=1e-4, atol=1e-7)
@@ -40,7 +40,7 @@ def test_saliency_is_captum_s_and_its_map_the_largest_channel_magnitude(model, x
 
 
 def test_input_x_gradient_is_captum_s(model, x) -> None:
-    result = explain.InputXGradient(model)(x, TARGETS, normalize=False)
+    result = explain.methods.InputXGradient(model)(x, TARGETS, normalize=False)
     theirs = captum.InputXGradient(model).attribute(x, target=TARGETS)
     torch.testing.assert_close(result.raw, theirs, rtol=1e-4, atol=1e-7)
     torch.testing.assert_close(result.cams, theirs.sum(dim=1).abs(), rtol=1e-4, atol=1e-7)
@@ -49,7 +49,7 @@ def test_input_x_gradient_is_captum_s(model, x) -> None:
 @pytest.mark.parametrize("rule", ["gausslegendre", "riemann_trapezoid", "riemann_left", "riemann_middle"])
 def test_integrated_gradients_and_its_completeness_are_captum_s(model, x, rule) -> None:
     baseline = torch.full_like(x, -0.5)
-    method = explain.IntegratedGradients(model, steps=12, rule=rule, baseline=-0.5, batch_size=5)
+    method = explain.methods.IntegratedGradients(model, steps=12, rule=rule, baseline=-0.5, batch_size=5)
     result = method(x, TARGETS, normalize=False)
     theirs, delta = captum.IntegratedGradients(model).attribute(
         x, baselines=baseline, target=TARGETS, n_steps=12, method=rule, return_convergence_delta=True
@@ -69,7 +69,7 @@ def test_integrated_gradients_is_complete_on_the_bundled_model(lite0) -> None:
     image = explain.load_image(ASSETS / "chelsea.png")
     x = lite0.preprocess(image)
     black = lite0.preprocess(image.point(lambda _: 0))[0, :, 0, 0].view(1, 3, 1, 1)  # normalized black
-    method = explain.IntegratedGradients(lite0.model, steps=48, baseline=black, batch_size=16)
+    method = explain.methods.IntegratedGradients(lite0.model, steps=48, baseline=black, batch_size=16)
     result = method(x, 285)  # Egyptian cat
     with torch.no_grad():
         change = lite0.model(x)[0, 285] - lite0.model(black.expand_as(x))[0, 285]
@@ -84,7 +84,7 @@ def test_smoothgrad_and_vargrad_are_the_statistics_of_noisy_copies_gradients(mod
     """Saliency with smooth_samples: the gradients of the noisy copies (noise of 0.2 of each image's value range,
     drawn as the engine draws it), their mean (SmoothGrad), mean square or variance (VarGrad), before the largest
     channel magnitude."""
-    method = explain.Saliency(model, smooth_samples=4, smooth_sigma=0.2, smooth_type=smooth_type, seed=11)
+    method = explain.methods.Saliency(model, smooth_samples=4, smooth_sigma=0.2, smooth_type=smooth_type, seed=11)
     result = method(x, TARGETS, normalize=False)
     generator = torch.Generator().manual_seed(11)
     spread = x.amax(dim=(1, 2, 3), keepdim=True) - x.amin(dim=(1, 2, 3), keepdim=True)
@@ -130,7 +130,7 @@ def test_gradient_shap_is_its_formula_and_converges_to_captum_s(model, x) -> Non
     many draws (both estimate one expectation: they agree as their noise allows)."""
     torch.manual_seed(5)
     baselines = torch.randn(3, *x.shape[1:]) * 0.5
-    method = explain.GradientSHAP(model, baselines=baselines, samples=6, stdev=0.1, seed=4, batch_size=5)
+    method = explain.methods.GradientSHAP(model, baselines=baselines, samples=6, stdev=0.1, seed=4, batch_size=5)
     result = method(x, TARGETS, normalize=False)
     expected = reference_gradient_shap(model, x, baselines, 6, 0.1, 4)
     assert expected.abs().max() > 0
@@ -139,7 +139,9 @@ def test_gradient_shap_is_its_formula_and_converges_to_captum_s(model, x) -> Non
     tiny = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
                          nn.Linear(16, 3)).eval()  # fmt: skip
     small = x[:, :, :12, :12]
-    ours = explain.GradientSHAP(tiny, baselines=baselines[:, :, :12, :12], samples=3000, batch_size=1000, seed=0)
+    ours = explain.methods.GradientSHAP(
+        tiny, baselines=baselines[:, :, :12, :12], samples=3000, batch_size=1000, seed=0
+    )
     mine = ours(small, [0, 2], normalize=False).raw
     torch.manual_seed(0)
     theirs = captum.GradientShap(tiny).attribute(
@@ -163,13 +165,13 @@ def test_sobel_cam_is_pytorch_grad_cam_s_on_a_picture() -> None:
     assert 0 < expected.max() < 255
     grey = torch.from_numpy(cv2.cvtColor(photo, cv2.COLOR_RGB2GRAY))[None, None].float()
     reads_grey = nn.Sequential(nn.Conv2d(1, 2, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())  # the model is not used
-    got = explain.SobelCAM(reads_grey)(grey, 0, normalize=False).cams[0].double()
+    got = explain.methods.SobelCAM(reads_grey)(grey, 0, normalize=False).cams[0].double()
     assert torch.corrcoef(torch.stack([got.flatten(), expected.flatten()]))[0, 1] >= 0.999
     assert (got - expected).abs().max() <= 1.0  # OpenCV rounds each magnitude and their mean to 8 bits
-    sobel = explain.SobelCAM(seeded("resnet18", num_classes=10))
+    sobel = explain.methods.SobelCAM(seeded("resnet18", num_classes=10))
     colours = sobel(torch.from_numpy(photo).permute(2, 0, 1)[None].float(), normalize=False).cams[0].double()
     assert torch.corrcoef(torch.stack([colours.flatten(), expected.flatten()]))[0, 1] >= 0.99
-    signal = explain.SobelCAM(nn.Sequential(nn.Conv1d(1, 2, 3), nn.AdaptiveAvgPool1d(1), nn.Flatten()))
+    signal = explain.methods.SobelCAM(nn.Sequential(nn.Conv1d(1, 2, 3), nn.AdaptiveAvgPool1d(1), nn.Flatten()))
     ramp = torch.cat([torch.zeros(10), torch.ones(10)])[None, None]
     edges = signal(ramp, 0, normalize=False).cams[0]
     assert edges.argmax() in (9, 10) and edges[:8].abs().max() == 0
@@ -191,7 +193,7 @@ def test_attributions_of_a_volume_and_a_signal_are_maps_of_their_input() -> None
 def test_occlusion_is_captum_s_with_a_window_over_every_channel(model, x, window, stride) -> None:
     """Occlusion against Captum's with the window over all three channels (12 with stride 9: the last placement
     cut at the edge). A stride larger than the window, which would leave positions no window covers, is refused."""
-    result = explain.Occlusion(model, window=window, stride=stride, baseline=0.1, batch_size=7)(x, TARGETS)
+    result = explain.methods.Occlusion(model, window=window, stride=stride, baseline=0.1, batch_size=7)(x, TARGETS)
     theirs = captum.Occlusion(model).attribute(
         x, sliding_window_shapes=(3, window, window), strides=(3, stride, stride), baselines=0.1, target=TARGETS
     )
@@ -200,7 +202,7 @@ def test_occlusion_is_captum_s_with_a_window_over_every_channel(model, x, window
     assert result.cams.shape == (2, 48, 48) and float(result.cams.amax()) == 1.0
     assert hook_count(model) == 0
     with pytest.raises(explain.ExplainError, match="stride 13 is larger than the window 12"):
-        explain.Occlusion(model, window=12, stride=13)(x, TARGETS)
+        explain.methods.Occlusion(model, window=12, stride=13)(x, TARGETS)
 
 
 def test_rise_is_the_papers_score_weighted_sum_of_its_masks(model, x) -> None:
@@ -211,7 +213,7 @@ def test_rise_is_the_papers_score_weighted_sum_of_its_masks(model, x) -> None:
 
     import torch.nn.functional as F
 
-    result = explain.RISE(model, masks=24, cells=4, p=0.5, baseline=0.0, batch_size=7, seed=3)(x, TARGETS)
+    result = explain.methods.RISE(model, masks=24, cells=4, p=0.5, baseline=0.0, batch_size=7, seed=3)(x, TARGETS)
     generator = torch.Generator().manual_seed(3)
     grids = (torch.rand(24, 1, 4, 4, generator=generator) < 0.5).float()
     cell = math.ceil(48 / 4)
@@ -226,7 +228,7 @@ def test_rise_is_the_papers_score_weighted_sum_of_its_masks(model, x) -> None:
     expected /= 24 * 0.5
     assert expected.abs().max() > 0
     torch.testing.assert_close(result.raw, expected, rtol=1e-4, atol=1e-5)
-    again = explain.RISE(model, masks=24, cells=4, batch_size=5, seed=3)(x, TARGETS)
+    again = explain.methods.RISE(model, masks=24, cells=4, batch_size=5, seed=3)(x, TARGETS)
     torch.testing.assert_close(again.raw, result.raw, rtol=1e-5, atol=1e-6)  # seeded, whatever the batch
     assert hook_count(model) == 0
 
@@ -236,9 +238,9 @@ def test_deconvolution_is_captum_s(x) -> None:
     once): every ReLU passes back the positive part of the gradient it receives; the model's in-place ReLUs are
     restored after."""
     model = seeded("resnet18", num_classes=10)
-    result = explain.Deconvolution(model)(x, TARGETS, normalize=False)
+    result = explain.methods.Deconvolution(model)(x, TARGETS, normalize=False)
     theirs = captum.Deconvolution(model).attribute(x.clone().requires_grad_(True), target=TARGETS)
-    guided = explain.GuidedBackprop(model)(x, TARGETS, normalize=False)
+    guided = explain.methods.GuidedBackprop(model)(x, TARGETS, normalize=False)
     assert theirs.abs().max() > 0 and not torch.allclose(result.raw, guided.raw)
     torch.testing.assert_close(result.raw, theirs, rtol=1e-4, atol=1e-6)
     assert all(m.inplace for m in model.modules() if isinstance(m, nn.ReLU)) and hook_count(model) == 0
@@ -273,14 +275,16 @@ def test_deeplift_is_captum_s_and_sums_to_the_score_s_change() -> None:
     ).eval()  # fmt: skip
     x = torch.randn(2, 3, 12, 12)
     baseline = 0.1 * torch.randn(2, 3, 12, 12)
-    result = explain.DeepLift(net, baseline=baseline)(x, TARGETS, normalize=False)
+    result = explain.methods.DeepLift(net, baseline=baseline)(x, TARGETS, normalize=False)
     theirs = captum.DeepLift(net).attribute(x, baselines=baseline, target=TARGETS)
     assert theirs.abs().max() > 0
     torch.testing.assert_close(result.raw, theirs, rtol=1e-4, atol=1e-6)
-    assert not torch.allclose(result.raw, explain.InputXGradient(net)(x - baseline, TARGETS, normalize=False).raw)
+    assert not torch.allclose(
+        result.raw, explain.methods.InputXGradient(net)(x - baseline, TARGETS, normalize=False).raw
+    )
 
     model = Reused().eval()
-    result = explain.DeepLift(model, baseline=-0.2)(x, TARGETS, normalize=False)
+    result = explain.methods.DeepLift(model, baseline=-0.2)(x, TARGETS, normalize=False)
     with torch.no_grad():
         change = model(x)[[0, 1], TARGETS] - model(torch.full_like(x, -0.2))[[0, 1], TARGETS]
     torch.testing.assert_close(result.raw.sum(dim=(1, 2, 3)), change, rtol=1e-4, atol=1e-5)

@@ -110,10 +110,12 @@ def test_chefer_is_the_authors_algorithm_on_timm_s_vit() -> None:
     model = timm_vit()
     x = torch.randn(2, 3, 64, 64)
     expected = chefer_reference(model, x).reshape(2, 4, 4)
-    got = explain.CheferRelevance(model)(x, TARGETS, resize=False, normalize=False)
+    got = explain.methods.CheferRelevance(model)(x, TARGETS, resize=False, normalize=False)
     assert expected.abs().max() > 0
     assert (got.raw.double() - expected).abs().max() <= 1e-4 * expected.abs().max()
-    assert not torch.allclose(got.raw, explain.GradientRollout(model)(x, TARGETS, resize=False, normalize=False).raw)
+    assert not torch.allclose(
+        got.raw, explain.methods.GradientRollout(model)(x, TARGETS, resize=False, normalize=False).raw
+    )
     assert hook_count(model) == 0
 
 
@@ -194,7 +196,7 @@ def test_chefer_on_torchvision_s_and_huggingface_s_vit_is_the_timm_twin_s(family
         logits = logits if isinstance(logits, torch.Tensor) else logits.logits
         assert torch.allclose(logits, twin(x), atol=1e-5)
     expected = chefer_reference(twin, x).reshape(2, 4, 4)
-    got = explain.CheferRelevance(model)(x, TARGETS, resize=False, normalize=False).raw.double()
+    got = explain.methods.CheferRelevance(model)(x, TARGETS, resize=False, normalize=False).raw.double()
     assert expected.abs().max() > 0
     assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
     assert hook_count(model) == 0
@@ -214,7 +216,7 @@ def test_chefer_refuses_a_block_its_rules_do_not_describe() -> None:
     model = torchvision_vit()
     model.encoder.layers[1].__class__ = PostNorm
     with pytest.raises(explain.LayerError, match="PostNorm does not compute what its rules read"):
-        explain.CheferRelevance(model)(torch.randn(1, 3, 64, 64))
+        explain.methods.CheferRelevance(model)(torch.randn(1, 3, 64, 64))
     assert hook_count(model) == 0
 
 
@@ -222,12 +224,12 @@ def test_chefer_refuses_the_transformers_its_rules_are_not_written_for() -> None
     from transformers import Dinov2Config, Dinov2ForImageClassification
 
     with pytest.raises(explain.LayerError, match="gradient_rollout weighs the attention by its gradient alone"):
-        explain.CheferRelevance(timm_twin(2, 2, 32, 64, global_pool="avg"))(torch.randn(1, 3, 64, 64))
+        explain.methods.CheferRelevance(timm_twin(2, 2, 32, 64, global_pool="avg"))(torch.randn(1, 3, 64, 64))
     config = Dinov2Config(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=2, num_labels=10)  # fmt: skip
     dinov2 = Dinov2ForImageClassification(config).eval()  # layer-scaled blocks, the head reads the patches too
     with pytest.raises(explain.LayerError, match="gradient_rollout weighs the attention by its gradient alone"):
-        explain.CheferRelevance(dinov2)(torch.randn(1, 3, 32, 32))
+        explain.methods.CheferRelevance(dinov2)(torch.randn(1, 3, 32, 32))
     assert hook_count(dinov2) == 0
 
 
@@ -244,5 +246,5 @@ def test_chefer_refuses_a_head_that_reads_more_than_the_class_token() -> None:
     model.__class__ = MeanToo
     model.classifier = nn.Linear(64, 10)
     with pytest.raises(explain.LayerError, match=r"architecture .* gradient_rollout weighs the attention"):
-        explain.CheferRelevance(model)(torch.randn(1, 3, 64, 64))
+        explain.methods.CheferRelevance(model)(torch.randn(1, 3, 64, 64))
     assert hook_count(model) == 0

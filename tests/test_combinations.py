@@ -173,10 +173,10 @@ def test_constant_channels_cost_no_forward_and_change_nothing() -> None:
     rows = []
     counter = model.conv.register_forward_pre_hook(lambda m, inputs: rows.append(inputs[0].shape[0]))
     try:
-        scores = explain.ScoreCAM(model, "relu", batch_size=4)(x, [1, 2], normalize=False)
+        scores = explain.methods.ScoreCAM(model, "relu", batch_size=4)(x, [1, 2], normalize=False)
         score_rows = sum(rows) - 2
         rows.clear()
-        ablation = explain.AblationCAM(model, "relu", batch_size=4)(x, [1, 2], normalize=False)
+        ablation = explain.methods.AblationCAM(model, "relu", batch_size=4)(x, [1, 2], normalize=False)
         ablation_rows = sum(rows) - 2
     finally:
         counter.remove()

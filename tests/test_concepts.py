@@ -13,8 +13,10 @@ from sklearn.decomposition import NMF
 from test_speedups import hf_swin, small_cnn, small_vit
 from torch import nn
 
-from explain.concepts import Craft, coefficients, factorize, jansen_total, sobol_design
+from explain.concepts import Craft
+from explain.concepts.factorization import coefficients, factorize
 from explain.concepts.reading import LayerReader
+from explain.concepts.sobol import jansen_total, sobol_design
 from explain.errors import ExplainError, LayerError, TargetError
 
 
@@ -235,7 +237,7 @@ class Gated(nn.Module):
 
 def test_t_test_is_scipy_s() -> None:
     stats = pytest.importorskip("scipy.stats")
-    from explain.concepts import t_test
+    from explain.concepts.tcav import t_test
 
     generator = torch.Generator().manual_seed(0)
     for shift, sizes in [(0.0, (10, 10)), (0.4, (12, 7)), (2.0, (5, 9)), (0.05, (40, 40))]:

@@ -203,8 +203,8 @@ def test_an_unmatched_box_is_reported(detector) -> None:
 def test_perturbation_and_gradient_free_methods_serve_detection(detector) -> None:
     x = images()[:1]
     target = DetectionTarget(score_threshold=0.5)
-    score_cam = explain.ScoreCAM(detector, LAYER, batch_size=64)(x, target)
-    eigen = explain.EigenCAM(detector, LAYER)(x, target, normalize=False)
+    score_cam = explain.methods.ScoreCAM(detector, LAYER, batch_size=64)(x, target)
+    eigen = explain.methods.EigenCAM(detector, LAYER)(x, target, normalize=False)
     expected = on_image(detector, x, first_component(level_zero(detector, x)).clamp(min=0))
     for k in range(eigen.raw.shape[1]):  # Eigen-CAM is the same for every box: the first principal component
         assert_maps(eigen.raw[:, k].double(), expected)

@@ -171,7 +171,7 @@ def test_a_result_shows_itself_in_jupyter_with_one_image_per_map() -> None:
     assert "gradcam · layer4" in result.captions()[0]
     figure = result.show(columns=3)
     assert len(figure.axes) == 6
-    guided = explain.GuidedBackprop(model)(x)
+    guided = explain.methods.GuidedBackprop(model)(x)
     assert guided._repr_html_().count("<img") == 2
     assert explain.GradCAM(model)(torch.randn(1, 3, 64, 64))._repr_html_().count("<img") == 1
 

@@ -100,7 +100,7 @@ def test_metrics_and_score_cam_score_with_the_folded_copy_as_with_the_model(monk
 
     monkeypatch.setattr(folding, "folded", counted)
     fast = metrics.deletion(model, x, maps, steps=8)
-    cams = explain.ScoreCAM(model, "layer4")(x).cams
+    cams = explain.methods.ScoreCAM(model, "layer4")(x).cams
     assert len(made) == 1 and batch_norms(made[0]) == 0
 
     def unfolded(model: nn.Module, device: torch.device, fold: bool = True) -> folding.ScoringForwards:
@@ -111,7 +111,7 @@ def test_metrics_and_score_cam_score_with_the_folded_copy_as_with_the_model(monk
     plain = metrics.deletion(model, x, maps, steps=8)
     assert len(made) == 1
     assert (fast.curve - plain.curve).abs().max() < 1e-5
-    assert (explain.ScoreCAM(model, "layer4")(x).cams - cams).abs().max() < 1e-4
+    assert (explain.methods.ScoreCAM(model, "layer4")(x).cams - cams).abs().max() < 1e-4
 
 
 def test_a_model_with_forward_hooks_is_scored_as_it_is() -> None:

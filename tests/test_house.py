@@ -427,3 +427,58 @@ def test_a_method_holds_its_formula_and_the_runner_its_passes() -> None:
         defined = [step for step in PASS_STEPS if any(step in vars(k) for k in cls.__mro__ if k is not object)]
         assert not defined, (cls.__name__, defined)
         assert isinstance(cls.needs.records, Recording), cls.__name__
+
+
+def import_circles() -> list[list[str]]:
+    """The package's import circles: each set of modules that import one another, directly or through others (any
+    import, a function's and a type checker's included), as strongly connected components of the import graph."""
+    graph = {name: set() for name in MODULES}
+    for name, path in MODULES.items():
+        for found in imported_modules(path):
+            known = found if found in MODULES else found.rpartition(".")[0]  # a module, or a name of one
+            if known in MODULES and known != name:
+                graph[name].add(known)
+    order, low, stack, circles = {}, {}, [], []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for other in graph[module]:
+            if other not in order:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], order[other])
+        if low[module] == order[module]:
+            found = stack[stack.index(module) :]
+            del stack[stack.index(module) :]
+            if len(found) > 1:
+                circles.append(sorted(found))
+
+    for module in graph:
+        if module not in order:
+            visit(module)
+    return circles
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    assert import_circles() == []
+
+
+def test_the_public_surface_is_read_in_one_screen() -> None:
+    """At most 40 names at the top and 10 in explain.concepts; the names that left keep working one release, each
+    with a warning that says where they went."""
+    import explain.concepts
+
+    assert len(explain.__all__) <= 40 and len(explain.concepts.__all__) <= 10
+    assert set(explain.__all__) <= set(dir(explain)) and set(explain.concepts.__all__) <= set(dir(explain.concepts))
+    assert "GradCAM" in explain.__all__ and "ScoreCAM" not in explain.__all__
+    with pytest.warns(DeprecationWarning, match=r"explain\.ScoreCAM is deprecated.*explain\.methods\.ScoreCAM"):
+        assert explain.ScoreCAM is explain.methods.ScoreCAM
+    with pytest.warns(DeprecationWarning, match=r"explain\.concepts\.t_test.*explain\.concepts\.tcav\.t_test"):
+        from explain.concepts import t_test
+    from explain.concepts.tcav import t_test as moved
+
+    assert t_test is moved
+    with pytest.warns(DeprecationWarning, match="explain.CAM"):
+        assert explain.methods.Method is explain.CAM

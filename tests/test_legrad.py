@@ -31,7 +31,7 @@ def test_legrad_is_torchcam_s_on_torchvision_s_vit() -> None:
 
     model = torchvision_vit()
     x = torch.randn(2, 3, 64, 64)
-    got = explain.LeGrad(model)(x, TARGETS, resize=False, normalize=False)
+    got = explain.methods.LeGrad(model)(x, TARGETS, resize=False, normalize=False)
     with TorchcamLeGrad(model, list(model.encoder.layers)) as extractor:
         expected = extractor(TARGETS, model(x), normalized=False)[0]
     assert expected.abs().max() > 0
@@ -52,10 +52,10 @@ def test_legrad_of_timm_s_vit_is_its_equations_on_explicit_attention() -> None:
         )
     explicit(x)
     expected = legrad_reference(attentions, read_outs).reshape(2, 4, 4)
-    got = explain.LeGrad(model)(x, TARGETS, resize=False, normalize=False)
+    got = explain.methods.LeGrad(model)(x, TARGETS, resize=False, normalize=False)
     assert expected.abs().max() > 0
     assert (got.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
-    last = explain.LeGrad(model, ["blocks.2.attn"])(x, TARGETS, resize=False, normalize=False)
+    last = explain.methods.LeGrad(model, ["blocks.2.attn"])(x, TARGETS, resize=False, normalize=False)
     only_last = legrad_reference(attentions[2:], read_outs[2:]).reshape(2, 4, 4)
     assert (last.raw.double() - only_last).abs().max() <= 1e-5 * only_last.abs().max()
 
@@ -68,7 +68,7 @@ def test_legrad_of_huggingface_s_vit_is_its_equations_on_eager_attention() -> No
     output = explicit(x, output_attentions=True, output_hidden_states=True)
     read_outs = [explicit.classifier(explicit.vit.layernorm(h.mean(dim=1))) for h in output.hidden_states[1:]]
     expected = legrad_reference(output.attentions, read_outs).reshape(2, 4, 4)
-    got = explain.LeGrad(model)(x, target, resize=False, normalize=False)
+    got = explain.methods.LeGrad(model)(x, target, resize=False, normalize=False)
     assert expected.abs().max() > 0
     assert (got.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
 
@@ -76,8 +76,8 @@ def test_legrad_of_huggingface_s_vit_is_its_equations_on_eager_attention() -> No
 def test_legrad_asks_for_a_read_out_where_it_knows_none() -> None:
     model, target, _, _ = huggingface_model("clip")
     with pytest.raises(explain.LayerError, match="give read_out="):
-        explain.LeGrad(model)(torch.randn(1, 3, 32, 32), target)
-    projected = explain.LeGrad(
+        explain.methods.LeGrad(model)(torch.randn(1, 3, 32, 32), target)
+    projected = explain.methods.LeGrad(
         model,
         read_out=lambda tokens: {
             "image_embeds": model.visual_projection(model.vision_model.post_layernorm(tokens.mean(1)))

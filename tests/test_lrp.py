@@ -51,7 +51,7 @@ def test_composites_are_zennit_s_with_batch_norms_merged(vgg, x, name) -> None:
     }
     expected = zennit_relevance(vgg, x, peer[name](canonizers=[SequentialMergeBatchNorm()], **box))
     before = {k: v.clone() for k, v in vgg.state_dict().items()}
-    result = explain.LRP(vgg, composite=name, **box)(x, TARGETS, normalize=False)
+    result = explain.methods.LRP(vgg, composite=name, **box)(x, TARGETS, normalize=False)
     assert expected.abs().max() > 0
     torch.testing.assert_close(result.raw, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
     torch.testing.assert_close(result.cams, expected.sum(dim=1).clamp(min=0), rtol=1e-4, atol=1e-6)
@@ -72,7 +72,9 @@ def test_a_rule_for_the_first_layer_and_a_type_are_zennit_s(vgg, x) -> None:
     )  # fmt: skip
     expected = zennit_relevance(vgg, x, peer)
     rules = {"first": Flat(), nn.Conv2d: Gamma(0.5)}
-    got = explain.LRP(vgg, composite="epsilon_gamma_box", rules=rules, low=-3.0, high=3.0)(x, TARGETS, normalize=False)
+    got = explain.methods.LRP(vgg, composite="epsilon_gamma_box", rules=rules, low=-3.0, high=3.0)(
+        x, TARGETS, normalize=False
+    )
     torch.testing.assert_close(got.raw, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
 
 
@@ -85,7 +87,7 @@ def test_lrp_zero_conserves_the_score_through_a_bias_free_relu_network() -> None
         nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 5, bias=False),
     ).eval()  # fmt: skip
     x = torch.randn(2, 3, 16, 16)
-    result = explain.LRP(net, composite="epsilon")(x, [0, 3], normalize=False)
+    result = explain.methods.LRP(net, composite="epsilon")(x, [0, 3], normalize=False)
     assert not torch.allclose(net(x)[[0, 1], [0, 3]], torch.ones(2))
     torch.testing.assert_close(result.raw.sum(dim=(1, 2, 3)), torch.ones(2), rtol=1e-4, atol=1e-5)
 
@@ -96,17 +98,17 @@ def test_lrp_leaves_the_model_as_it_was_when_a_rule_raises_or_a_norm_trains(vgg,
 
     before = {k: v.clone() for k, v in vgg.state_dict().items()}
     with pytest.raises(RuntimeError, match="a rule that fails"):
-        explain.LRP(vgg, rules={nn.Linear: broken})(x, TARGETS)
+        explain.methods.LRP(vgg, rules={nn.Linear: broken})(x, TARGETS)
     assert hook_count(vgg) == 0 and all(m.inplace for m in vgg.modules() if isinstance(m, nn.ReLU))
     vgg.features[1].train()
     try:
         with pytest.raises(explain.LayerError, match=r"call model\.eval"):
-            explain.LRP(vgg)(x, TARGETS)
+            explain.methods.LRP(vgg)(x, TARGETS)
     finally:
         vgg.features[1].eval()
     assert all(torch.equal(v, vgg.state_dict()[k]) for k, v in before.items()) and hook_count(vgg) == 0
     with pytest.raises(explain.ExplainError, match="unknown LRP composite"):
-        explain.LRP(vgg, composite="epsilon_minus")
+        explain.methods.LRP(vgg, composite="epsilon_minus")
 
 
 def test_relevance_at_a_named_layer_is_zennit_s_arriving_there(vgg, x) -> None:
@@ -126,7 +128,7 @@ def test_relevance_at_a_named_layer_is_zennit_s_arriving_there(vgg, x) -> None:
     finally:
         hooked.remove()
     expected = kept[0]
-    result = explain.LRP(vgg, "features.10")(x, TARGETS, normalize=False)
+    result = explain.methods.LRP(vgg, "features.10")(x, TARGETS, normalize=False)
     assert result.layer == "features.10" and result.raw.shape == expected.shape
     torch.testing.assert_close(result.raw, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
     summed = expected.sum(dim=1, keepdim=True).clamp(min=0)
@@ -138,7 +140,7 @@ def test_relevance_at_a_named_layer_is_zennit_s_arriving_there(vgg, x) -> None:
 
 def test_relevance_is_read_at_one_layer() -> None:
     with pytest.raises(explain.LayerError, match="one layer; 2 were given"):
-        explain.LRP(nn.Sequential(nn.Conv2d(3, 4, 3)), ["0", "0"])
+        explain.methods.LRP(nn.Sequential(nn.Conv2d(3, 4, 3)), ["0", "0"])
 
 
 def calibrated(model: nn.Module, size: int, zero_biases: bool = False) -> nn.Module:
@@ -181,7 +183,7 @@ def test_resnets_are_zennit_s_with_its_resnet_canonizer(name: str, composite: st
     x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(2))
     peer = {"epsilon_plus": EpsilonPlus, "epsilon_alpha2_beta1": EpsilonAlpha2Beta1}[composite]
     expected = zennit_relevance(model, x, peer(canonizers=[ResNetCanonizer()]))
-    found = explain.LRP(model, composite=composite)(x, TARGETS, normalize=False).raw
+    found = explain.methods.LRP(model, composite=composite)(x, TARGETS, normalize=False).raw
     assert torch.corrcoef(torch.stack([found.flatten(), expected.flatten()]))[0, 1] >= 0.999
     torch.testing.assert_close(found.flatten(1).sum(1), expected.flatten(1).sum(1), rtol=0.01, atol=1e-3)
     assert hook_count(model) == 0
@@ -276,12 +278,12 @@ def test_a_gate_is_held_constant_or_shares_uniformly_as_asked() -> None:
     x = torch.tensor([[[1.0, 0.5, 2.0, 1.0, 3.0, 0.5]]], dtype=torch.float64)
     g = model.gate(x).detach()
     direct = model.w.weight.detach()[0] * g[0, 0] * x[0, 0] / model(x).detach()[0, 0]
-    signal = explain.AttnLRP(model)(x, 0, normalize=False).raw.double()[0, 0]
+    signal = explain.methods.AttnLRP(model)(x, 0, normalize=False).raw.double()[0, 0]
     torch.testing.assert_close(signal, direct, rtol=1e-4, atol=1e-6)
-    uniform = explain.AttnLRP(model, gate="uniform")(x, 0, normalize=False).raw.double()[0, 0]
+    uniform = explain.methods.AttnLRP(model, gate="uniform")(x, 0, normalize=False).raw.double()[0, 0]
     torch.testing.assert_close(uniform, direct / 2 + x[0, 0] / (2 * x.sum()), rtol=1e-4, atol=1e-6)
     with pytest.raises(explain.LayerError, match="gate must be one of signal, uniform"):
-        explain.LRP(model, gate="half")
+        explain.methods.LRP(model, gate="half")
 
 
 def test_epsilon_is_the_epsilon_rule_s_and_every_front_end_honours_it(tmp_path) -> None:
@@ -293,7 +295,7 @@ def test_epsilon_is_the_epsilon_rule_s_and_every_front_end_honours_it(tmp_path) 
     x = torch.rand(1, 1, 6, dtype=torch.float64) + 0.1
     z = layer(x).detach()[0, 1]
     for epsilon in (1e-9, 0.5):
-        found = explain.LRP(layer, composite="epsilon", epsilon=epsilon)(x, 1, normalize=False).raw.double()
+        found = explain.methods.LRP(layer, composite="epsilon", epsilon=epsilon)(x, 1, normalize=False).raw.double()
         torch.testing.assert_close(found[0, 0], x[0, 0] * layer[1].weight.detach()[1] / (z + epsilon))
     out = tmp_path / "out"
     photo = str(ASSETS / "chelsea.png")
@@ -301,8 +303,8 @@ def test_epsilon_is_the_epsilon_rule_s_and_every_front_end_honours_it(tmp_path) 
     assert main([photo, *lite0, "--method", "lrp", "--epsilon", "0.5", "--save-raw", "--quiet", "-o", str(out)]) == 0
     spec = explain.load_model("efficientnet_lite0")
     x = spec.preprocess(explain.load_image(photo))
-    wide = explain.LRP(spec.model, epsilon=0.5)(x, 285, normalize=False).raw[0]
-    plain = explain.LRP(spec.model)(x, 285, normalize=False).raw[0]
+    wide = explain.methods.LRP(spec.model, epsilon=0.5)(x, 285, normalize=False).raw[0]
+    plain = explain.methods.LRP(spec.model)(x, 285, normalize=False).raw[0]
     saved = torch.from_numpy(np.load(out / "chelsea.lrp.npy"))  # the photo's class: Egyptian cat, 285
     torch.testing.assert_close(saved, wide, rtol=1e-4, atol=1e-6 * float(wide.abs().max()))
     assert (plain - wide).abs().max() > 0.1 * wide.abs().max()

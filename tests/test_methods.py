@@ -386,7 +386,7 @@ def test_guided_gradcam_topk_runs_grad_cam_once(name: str = "resnet18", layer: s
     forwards = []
     handle = model.register_forward_hook(lambda *args: forwards.append(1))
     try:
-        result = explain.GuidedGradCAM(model, layer)(x, topk=3, normalize=False)
+        result = explain.methods.GuidedGradCAM(model, layer)(x, topk=3, normalize=False)
     finally:
         handle.remove()
     assert len(forwards) == 2 and result.cams.shape == (2, 3, 3, 64, 64)
@@ -444,7 +444,7 @@ def test_catalogue_names_every_method_class_once() -> None:
         assert (cls.name, cls.__name__, cls.title, cls.fast, cls.cost) == (
             entry.name, entry.cls, entry.title, entry.fast, entry.cost
         )  # fmt: skip
-        assert cls.title and getattr(explain, entry.cls) is cls and entry.cls in explain.methods.__all__
+        assert cls.title and getattr(explain.methods, entry.cls) is cls and entry.cls in explain.methods.__all__
     from explain.catalog import METHOD_MODULES
 
     assert sorted(METHOD_MODULES) == sorted(module.__name__.removeprefix("explain.") for module in files)

@@ -18,7 +18,7 @@ def test_integrated_gradients_is_complete_to_its_reported_error() -> None:
     model = tiny_model(3)
     torch.manual_seed(5)
     x, target = torch.randn(2, 3, 10, 10), torch.tensor([2, 4])
-    result = explain.IntegratedGradients(model, steps=64)(x, target, normalize=False, resize=False)
+    result = explain.methods.IntegratedGradients(model, steps=64)(x, target, normalize=False, resize=False)
     gap = metrics.completeness(model, x, result.raw[:, 0] if result.raw.dim() == 5 else result.raw, target)
     torch.testing.assert_close(gap, result.completeness, rtol=1e-3, atol=1e-5)
     assert bool((metrics.completeness(model, x, result.raw, target, relative=True).abs() < 0.05).all())

@@ -140,14 +140,14 @@ def test_occlusion_through_the_shared_prefix_is_captum_s(model, monkeypatch) -> 
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(SharedPrefix, "__call__", counted)
-    result = explain.Occlusion(model, window=32, stride=32, batch_size=16)(x, 3)
+    result = explain.methods.Occlusion(model, window=32, stride=32, batch_size=16)(x, 3)
     assert len(calls) == 2  # 25 placements, 16 per forward
     torch.testing.assert_close(result.raw, theirs[:, 0], rtol=1e-4, atol=1e-5)
     assert hook_count(model) == 0
 
     calls.clear()
     monkeypatch.setattr(SharedPrefix, "__call__", lambda self, *a, **k: counted(self, *a, **k) + 1.0)  # wrong scores
-    result = explain.Occlusion(model, window=32, stride=32, batch_size=16)(x, 3)
+    result = explain.methods.Occlusion(model, window=32, stride=32, batch_size=16)(x, 3)
     assert len(calls) == 1
     torch.testing.assert_close(result.raw, theirs[:, 0], rtol=1e-4, atol=1e-5)
 
@@ -172,13 +172,13 @@ def test_superpixel_copies_share_the_prefix_of_their_image_or_of_the_baseline(mo
         return real(self, crops, images, starts)
 
     monkeypatch.setattr(SharedPrefix, "__call__", spied)
-    ablation = explain.FeatureAblation(model, segments=segments, batch_size=8)(x, 3, normalize=False)
+    ablation = explain.methods.FeatureAblation(model, segments=segments, batch_size=8)(x, 3, normalize=False)
     theirs = captum.FeatureAblation(model).attribute(x, target=3, feature_mask=segments[None, None])
     assert sum(len(b) for b in bases) == 36  # every segment's copy
     torch.testing.assert_close(ablation.raw, theirs[:, 0], rtol=1e-4, atol=1e-5)
 
     bases.clear()
-    shap = explain.KernelSHAP(model, segments=segments, samples=200, seed=0, batch_size=16)
+    shap = explain.methods.KernelSHAP(model, segments=segments, samples=200, seed=0, batch_size=16)
     shared = shap(x, 3, normalize=False)
     served = torch.cat(bases)
     assert (served == 0).any() and (served == 1).any()  # the image's prefix, and the all-baseline input's

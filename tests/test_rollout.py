@@ -96,8 +96,8 @@ def test_rollouts_match_explicit_attention(build) -> None:
     output, attentions = explicit(model, x)
     grads = torch.autograd.grad(output[range(2), classes].sum(), attentions)
 
-    plain = explain.AttentionRollout(model)(x, classes, resize=False, normalize=False)
-    weighted = explain.GradientRollout(model)(x, classes, resize=False, normalize=False)
+    plain = explain.methods.AttentionRollout(model)(x, classes, resize=False, normalize=False)
+    weighted = explain.methods.GradientRollout(model)(x, classes, resize=False, normalize=False)
 
     expected = rollout_reference(attentions).reshape(2, 4, 4)
     assert plain.raw.shape == (2, 4, 4)
@@ -105,7 +105,7 @@ def test_rollouts_match_explicit_attention(build) -> None:
     expected = gradient_rollout_reference(attentions, grads).reshape(2, 4, 4)
     assert expected.abs().max() > 0 and weighted.class_indices.tolist() == classes
     assert (weighted.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
-    assert explain.GradientRollout(model)(x, classes).cams.shape == (2, 64, 64)  # upsampled, as every method's
+    assert explain.methods.GradientRollout(model)(x, classes).cams.shape == (2, 64, 64)  # upsampled, as every method's
     assert hook_count(model) == 0 and not any(p.grad is not None for p in model.parameters())
     assert [getattr(m, "fused_attn", None) for m in model.modules()] == fused
 
@@ -148,8 +148,8 @@ def test_rollouts_of_huggingface_attention_match_its_eager_probabilities(kind) -
     grads = torch.autograd.grad(score(output), attentions)
     assert model.config._attn_implementation != "eager"
 
-    plain = explain.AttentionRollout(model)(x, target, resize=False, normalize=False)
-    weighted = explain.GradientRollout(model)(x, target, resize=False, normalize=False)
+    plain = explain.methods.AttentionRollout(model)(x, target, resize=False, normalize=False)
+    weighted = explain.methods.GradientRollout(model)(x, target, resize=False, normalize=False)
 
     expected = rollout_reference(attentions, prefix).reshape(2, 4, 4)
     assert (plain.raw.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
@@ -162,14 +162,14 @@ def test_rollouts_of_huggingface_attention_match_its_eager_probabilities(kind) -
 def test_rollouts_refuse_what_they_cannot_read() -> None:
     x = torch.randn(1, 3, 64, 64)
     with pytest.raises(explain.LayerError, match="this model has none"):
-        explain.GradientRollout(seeded("resnet18", num_classes=10))(x)
+        explain.methods.GradientRollout(seeded("resnet18", num_classes=10))(x)
     torch.manual_seed(0)
     pooled = VisionTransformer(
         img_size=64, patch_size=16, embed_dim=48, depth=2, num_heads=3, class_token=False, global_pool="avg"
     ).eval()
     with pytest.raises(explain.LayerError, match="reads the class token's row"):
-        explain.AttentionRollout(pooled)(x)
+        explain.methods.AttentionRollout(pooled)(x)
     with pytest.raises(explain.LayerError, match=r"'blocks\.0\.norm1' is not an attention module"):
-        explain.AttentionRollout(timm_vit(), ["blocks.0.norm1"])(x)
-    last_two = explain.AttentionRollout(timm_vit(), ["blocks.1.attn", "blocks.2.attn"])(x)
+        explain.methods.AttentionRollout(timm_vit(), ["blocks.0.norm1"])(x)
+    last_two = explain.methods.AttentionRollout(timm_vit(), ["blocks.1.attn", "blocks.2.attn"])(x)
     assert last_two.layer == "blocks.1.attn..blocks.2.attn (2 attention layers)"

@@ -46,7 +46,7 @@ def score(net: nn.Module, x: torch.Tensor, i: int, kept: torch.Tensor, segments:
 
 def test_feature_ablation_is_captum_s_with_the_same_feature_mask(x) -> None:
     net, segments = tiny_net(), blocks(16, 4)
-    result = explain.FeatureAblation(net, segments=segments, batch_size=7)(x, TARGETS, normalize=False)
+    result = explain.methods.FeatureAblation(net, segments=segments, batch_size=7)(x, TARGETS, normalize=False)
     theirs = captum.FeatureAblation(net).attribute(x, target=TARGETS, feature_mask=segments[None, None], baselines=0.0)
     assert theirs.abs().max() > 0
     torch.testing.assert_close(result.raw, theirs[:, 0], rtol=1e-4, atol=1e-6)
@@ -75,7 +75,7 @@ def shapley_values(net: nn.Module, x: torch.Tensor, i: int, segments: torch.Tens
 def test_kernel_shap_with_every_coalition_is_the_exact_shapley_values(x) -> None:
     net = tiny_net()
     segments = torch.div(blocks(16, 4), 3, rounding_mode="floor")  # 6 segments: 62 coalitions
-    result = explain.KernelSHAP(net, segments=segments, samples=100)(x, TARGETS, normalize=False)
+    result = explain.methods.KernelSHAP(net, segments=segments, samples=100)(x, TARGETS, normalize=False)
     for i in range(2):
         exact = shapley_values(net, x, i, segments)
         assert exact.abs().max() > 0
@@ -86,7 +86,7 @@ def test_kernel_shap_with_sampled_coalitions_estimates_them(x) -> None:
     """With far fewer coalitions than there are (2^12), the estimate is close to the exact values, and it sums to
     the score's change from the all-baseline copy exactly."""
     net, segments = tiny_net(), blocks(16, 4)[:, :] % 12  # 12 segments
-    result = explain.KernelSHAP(net, segments=segments, samples=1500, seed=0, batch_size=64)(
+    result = explain.methods.KernelSHAP(net, segments=segments, samples=1500, seed=0, batch_size=64)(
         x, TARGETS, normalize=False
     )
     exact = shapley_values(net, x, 0, segments)
@@ -101,7 +101,7 @@ def test_a_coalition_drawn_twice_is_scored_once(x, monkeypatch) -> None:
     is scored once (the copies asked for are counted), and the values are those of scoring every draw: their sum
     is still the score's change from the all-baseline copy."""
     net, segments = tiny_net(), torch.div(blocks(16, 4), 3, rounding_mode="floor")
-    method = explain.KernelSHAP(net, segments=segments, samples=40, seed=5, batch_size=16)
+    method = explain.methods.KernelSHAP(net, segments=segments, samples=40, seed=5, batch_size=16)
     drawn = method.coalitions(6, torch.Generator().manual_seed(5), torch.device("cpu"))
     distinct = len(torch.unique(drawn, dim=0))
     assert distinct < len(drawn)  # the draw repeats itself: the case under test
@@ -122,7 +122,7 @@ def test_lime_is_the_weighted_ridge_of_its_coalitions(x) -> None:
     from sklearn.linear_model import Ridge
 
     net, segments = tiny_net(), blocks(16, 4)
-    result = explain.LIME(net, segments=segments, samples=60, seed=2)(x, TARGETS, normalize=False)
+    result = explain.methods.LIME(net, segments=segments, samples=60, seed=2)(x, TARGETS, normalize=False)
     generator = torch.Generator().manual_seed(2)
     for i in range(2):
         z = torch.cat([torch.ones(1, 16, dtype=torch.long), (torch.rand(59, 16, generator=generator) < 0.5).long()])
@@ -141,7 +141,7 @@ def test_slic_segments_a_photo_as_scikit_image_does_and_needs_it() -> None:
     photo = np.asarray(Image.open(ASSETS / "chelsea.png").convert("RGB").resize((64, 48))) / 255.0
     x = torch.from_numpy(photo).permute(2, 0, 1)[None].float()
     model = seeded("resnet18", num_classes=10)
-    method = explain.FeatureAblation(model, segments=20, batch_size=32)
+    method = explain.methods.FeatureAblation(model, segments=20, batch_size=32)
     labels = method.segmented(x)
     scaled = (photo - photo.min(axis=(0, 1))) / (photo.max(axis=(0, 1)) - photo.min(axis=(0, 1)))
     expected = slic(scaled.astype(np.float32), n_segments=20, compactness=10.0, start_label=0, channel_axis=-1)
@@ -163,7 +163,7 @@ def test_superpixel_methods_need_scikit_image_named(monkeypatch, x) -> None:
 
     monkeypatch.setattr(builtins, "__import__", without_skimage)
     with pytest.raises(explain.ExplainError, match=r'pip install "explain\[superpixels\]"'):
-        explain.LIME(tiny_net(), segments=10)(x, TARGETS)
+        explain.methods.LIME(tiny_net(), segments=10)(x, TARGETS)
     signal = nn.Sequential(nn.Conv1d(2, 3, 3), nn.AdaptiveAvgPool1d(1), nn.Flatten()).eval()
-    runs = explain.FeatureAblation(signal, segments=4)(torch.randn(1, 2, 20), 1, normalize=False)  # no SLIC
+    runs = explain.methods.FeatureAblation(signal, segments=4)(torch.randn(1, 2, 20), 1, normalize=False)  # no SLIC
     assert len(torch.unique(runs.raw)) <= 4

@@ -245,10 +245,10 @@ def test_model_kwargs_reach_every_forward() -> None:
     expected = reference_gradcam(model, x, "visual.layer4", lambda logits: logits[:, 2], text=text)
     got = explain.cam(model, x, "gradcam", None, 2, resize=False, normalize=False, model_kwargs={"text": text})
     assert_maps(got, expected)  # the automatic layer search ran with the text too
-    score_cam = explain.ScoreCAM(model, "visual.layer3")(x, 2, model_kwargs={"text": text}, normalize=False)
+    score_cam = explain.methods.ScoreCAM(model, "visual.layer3")(x, 2, model_kwargs={"text": text}, normalize=False)
     baked = TextBound(model, text)  # the same network with the text inside: Score-CAM's reference tests cover it
     torch.testing.assert_close(
-        score_cam.cams, explain.ScoreCAM(baked, "model.visual.layer3")(x, 2, normalize=False).cams
+        score_cam.cams, explain.methods.ScoreCAM(baked, "model.visual.layer3")(x, 2, normalize=False).cams
     )
     guided = explain.cam(model, x, "guided_gradcam", "visual.layer4", 2, model_kwargs={"text": text})
     assert guided.shape == (2, 3, 64, 64)

@@ -903,7 +903,10 @@ def test_the_rollouts_of_a_video_transformer_lie_on_its_tubelet_grid() -> None:
     weighted, by_gradient = (g * a).clamp(min=0).mean(dim=2), eye.expand(2, -1, -1)
     for layer in range(3):
         by_gradient = by_gradient + weighted[:, layer] @ by_gradient
-    for method, expected in ((explain.AttentionRollout, rolled), (explain.GradientRollout, by_gradient)):
+    for method, expected in (
+        (explain.methods.AttentionRollout, rolled),
+        (explain.methods.GradientRollout, by_gradient),
+    ):
         result = method(model)(x, 1, resize=False, normalize=False)
         reference = expected[:, 0, 1:].reshape(2, 2, 4, 4)
         assert result.raw.shape == (2, 2, 4, 4) and reference.abs().max() > 0
@@ -911,4 +914,4 @@ def test_the_rollouts_of_a_video_transformer_lie_on_its_tubelet_grid() -> None:
         assert method(model)(x, 1).cams.shape == (2, 4, 32, 32)  # upsampled trilinearly to the clip
     assert hook_count(model) == 0
     with pytest.raises(explain.LayerError, match=r"reads the attention of nn\.MultiheadAttention"):
-        explain.AttentionRollout(small_mvit())(torch.randn(1, 3, 4, 32, 32))
+        explain.methods.AttentionRollout(small_mvit())(torch.randn(1, 3, 4, 32, 32))

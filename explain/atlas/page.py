@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from ..concepts import cut
+from ..concepts.craft import cut
 from ..io.atomic import write_atomically
 from ..io.render import data_uri, input_picture, overlay
 from ..models.spec import ModelSpec

@@ -5,18 +5,17 @@ another photo, alpha or colormap draws the kept maps again without the model.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from PIL import Image
 
-if TYPE_CHECKING:
-    from .web import App
+from .ui import Page, gradio, user_errors
 
 MOST = 20  # the most concepts the panel finds
 
 
 def found(
-    app: App, photo: str, layers: list[str] | None, count: float, alpha: float, colormap: str
+    app: Page, photo: str, layers: list[str] | None, count: float, alpha: float, colormap: str
 ) -> tuple[Any, ...]:
     """Concepts found in the app's photos at the view's first layer (none: the automatic one): the open photo's
     concepts to click, the first one's map (in the page's alpha and colormap) and best crops, and what was found."""
@@ -29,22 +28,21 @@ def found(
     return (*opened(app, photo, alpha, colormap), said)
 
 
-def opened(app: App, photo: str, alpha: float, colormap: str) -> tuple[Any, ...]:
+def opened(app: Page, photo: str, alpha: float, colormap: str) -> tuple[Any, ...]:
     """The photo's concepts to click, the first one picked, its map and its best crops."""
-    from .web import gradio
 
     menu = listed(app, photo)
     first = menu[0][1] if menu else None
     return (gradio().Radio(choices=menu, value=first), *drawn(app, photo, first, alpha, colormap))
 
 
-def listed(app: App, photo: str) -> list[tuple[str, int]]:
+def listed(app: Page, photo: str) -> list[tuple[str, int]]:
     """The open photo's concepts as the panel lists them, the most present first; none before any are found."""
     concepts = app.explorer.concepts
     return [] if concepts.bank is None or not photo else [(e.label, e.index) for e in concepts.entries(photo)]
 
 
-def drawn(app: App, photo: str, concept: int | None, alpha: float, colormap: str) -> tuple[Any, list[Image.Image]]:
+def drawn(app: Page, photo: str, concept: int | None, alpha: float, colormap: str) -> tuple[Any, list[Image.Image]]:
     """The concept's map on the photo and its best crops; nothing before concepts are found or one is picked."""
     concepts = app.explorer.concepts
     if concepts.bank is None or concept is None or not photo:
@@ -53,9 +51,8 @@ def drawn(app: App, photo: str, concept: int | None, alpha: float, colormap: str
     return picture, concepts.best_crops(int(concept))
 
 
-def build_concepts(app: App, c: dict[str, Any]) -> None:
+def build_concepts(app: Page, c: dict[str, Any]) -> None:
     """The panel, under the page's overlays, wired to the page's photo, layers, alpha and colormap."""
-    from .web import gradio, user_errors
 
     gr = gradio()
     with gr.Accordion("Concepts: what the model sees (CRAFT)", open=False, elem_id="concepts_panel"):

@@ -8,9 +8,10 @@ another concept, alpha or colormap runs no model.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -18,14 +19,21 @@ from PIL import Image
 from torch import Tensor
 
 from ..atlas.page import shown
-from ..concepts import ConceptBank, Craft, cut
+from ..concepts import ConceptBank, Craft
+from ..concepts.craft import cut
 from ..core.layers import LayerSpec
 from ..errors import ExplainError
 from ..io.images import rgb_array
 from ..io.render import blend, heat_layer
+from ..models.spec import ModelSpec
 
-if TYPE_CHECKING:
-    from .session import Explorer
+
+class Photos(Protocol):
+    """What the view reads of its explorer (:class:`explain.explorer.session.Explorer`): the model, and the photos
+    by name, each with its ``image`` and its input ``x``."""
+
+    spec: ModelSpec
+    photos: Mapping[str, Any]
 
 BEST = 6  # a concept's best crops shown
 THUMB = 96  # their side in pixels
@@ -57,7 +65,7 @@ class ExplorerConcepts:
         lock: The explorer's lock, held while the model runs.
     """
 
-    def __init__(self, explorer: Explorer, lock: AbstractContextManager[Any]) -> None:
+    def __init__(self, explorer: Photos, lock: AbstractContextManager[Any]) -> None:
         self.explorer, self._lock = explorer, lock
         self.bank: ConceptBank | None = None
         self._craft: Craft | None = None

@@ -8,15 +8,11 @@ page stacks the map's layers and changes the heat layer's opacity). The endpoint
 
 from __future__ import annotations
 
-import contextvars
-import functools
 import html
-import os
 import sys
 import tempfile
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,58 +27,12 @@ from ..targets import class_index
 from .concept_panel import build_concepts
 from .controls import ALPHA_STEP, CONTROLS, VIEW, Control
 from .session import Explorer, Shown, View, bundled_photos, prompt_of
+from .ui import gradio, on_model_thread, user_errors
 from .words import build_words, word_menu
 
 LOCAL = "127.0.0.1"
 MAX_FILE_SIZE = "100mb"  # an upload larger than this is refused before it is read
 SHOWN_FORMAT = "JPEG"  # how the page gets an overlay's layers: a tenth of PNG's encoding time; downloads are PNG
-
-
-def gradio() -> Any:
-    """The ``gradio`` module, imported on first use, its analytics off (the app works offline)."""
-    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    try:
-        import gradio as gr
-    except ImportError:
-        raise ExplainError('the app needs Gradio: pip install "explain[app]"') from None
-    return gr
-
-
-# Every torch call of the app runs on this one thread. PyTorch's OpenMP keeps a team of threads per thread that
-# runs it; once the teams of the loading thread and of the server's worker threads outnumber the cores, they stop
-# spinning between parallel regions, and a small model's forward runs at half its speed (measured on 2 cores).
-_ON_MODEL_THREAD = threading.local()
-_MODEL_THREAD = ThreadPoolExecutor(
-    max_workers=1, thread_name_prefix="explain-model", initializer=lambda: setattr(_ON_MODEL_THREAD, "active", True)
-)
-
-
-def on_model_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run on the app's model thread, in the caller's context (where Gradio finds its page's warnings);
-    called there already (one handler calling another), it runs in place."""
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_ON_MODEL_THREAD, "active", False):
-            return fn(*args, **kwargs)
-        return _MODEL_THREAD.submit(contextvars.copy_context().run, fn, *args, **kwargs).result()
-
-    return run
-
-
-def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A page's handler: run on the model thread, an :class:`ExplainError` shown in the page as its one line,
-    never a traceback."""
-    on_thread = on_model_thread(fn)
-
-    @functools.wraps(fn)
-    def shown(*args: Any) -> Any:
-        try:
-            return on_thread(*args)
-        except ExplainError as err:
-            raise gradio().Error(str(err), print_exception=False) from None
-
-    return shown
 
 
 def stacked(shown: Shown, alpha: float, colormap: str, index: int | None = None) -> str:

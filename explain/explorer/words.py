@@ -6,12 +6,10 @@ draws its map again without running the model.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..tasks.language import Word
-
-if TYPE_CHECKING:
-    from .web import App
+from .ui import Page, gradio, user_errors
 
 
 def word_menu(words: list[Word]) -> list[tuple[str, int]]:
@@ -19,12 +17,11 @@ def word_menu(words: list[Word]) -> list[tuple[str, int]]:
     return [(f"{i} {word.text} ({word.score:.2f})", i) for i, word in enumerate(words)]
 
 
-def build_words(app: App) -> Any:
+def build_words(app: Page) -> Any:
     """The page of a vision-language model: its photos, its question or text prompts, its method and style; the
     answer, its words to click and the clicked word's map."""
     from .controls import COLORMAPS
     from .session import method_choices
-    from .web import gradio, user_errors
 
     gr, explorer = gradio(), app.explorer
     answers = getattr(explorer.task, "question", False)

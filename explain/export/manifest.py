@@ -105,7 +105,6 @@ _FIELDS: dict[str, tuple[type, ...]] = {
     "note": (str, type(None)),
     "error": (str, type(None)),
 }
-_TARGET_PATHS = ("output", "figure")
 
 
 def _record_problem(record: Any, out_dir: Path) -> str | None:

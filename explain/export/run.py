@@ -26,12 +26,12 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..core.engine import CAMResult
+from ..core.engine import CAM, CAMResult
 from ..core.maps import normalize_maps
 from ..errors import ImageRefused, LayerError, NothingToExplain, TargetError, first_line
 from ..io.atomic import remove_temporary_files
 from ..io.video import windowed_maps
-from ..methods import Method, create_method
+from ..methods import create_method
 from ..models import ModelSpec
 from ..models.text_image import TextImageSpec
 from ..targets import ClassTarget, RegionTarget, Target, class_index
@@ -171,7 +171,7 @@ class _Explainer:
         self.options = options
         self.device = device
         selection = options.methods
-        self.methods: dict[str, Method] = {
+        self.methods: dict[str, CAM] = {
             name: create_method(
                 name,
                 spec.model,

@@ -24,10 +24,9 @@ from ..catalog import FAST_METHOD_NAMES, METHOD_CATALOG, check_method
 from ..core.engine import CAM
 from ..core.layers import LayerSpec
 from ..errors import ExplainError
+from ..lazy_names import lazy_names
 from ..targets import TargetLike
-from .factorization import Concepts
-
-Method = CAM  # every method, the guided ones included, is a CAM subclass called the same way
+from .factorization import FactorizedConcepts
 
 # Each method's name to its class: the catalog's, read from the classes themselves (see explain.catalog).
 METHODS: dict[str, type[CAM]] = {
@@ -60,7 +59,7 @@ def create_method(
     *,
     labels: Sequence[str] | None = None,
     **options: Any,
-) -> Method:
+) -> CAM:
     """Build a method by name (see ``METHODS``), with its options.
 
     Raises:
@@ -141,10 +140,19 @@ __all__ = [  # the method classes, from the catalog, then the rest
     *(entry.cls for entry in METHOD_CATALOG),
     "FAST_METHODS",
     "METHODS",
-    "Concepts",
-    "Method",
+    "FactorizedConcepts",
     "cam",
     "create_method",
     "gradcam",
     "method_options",
 ]
+
+# Names that left this module, kept one release: every method is a CAM, and DFF's result is FactorizedConcepts.
+__getattr__, _ = lazy_names(
+    __name__,
+    {},
+    deprecated={
+        "Method": (".core.engine", "CAM", "explain.CAM"),
+        "Concepts": ("factorization", "FactorizedConcepts", "explain.methods.FactorizedConcepts"),
+    },
+)

@@ -21,7 +21,7 @@ from .activation import classifier_over
 
 
 @dataclass(frozen=True)
-class Concepts:
+class FactorizedConcepts:
     """A batch's activations factorized into K concepts.
 
     Attributes:
@@ -37,10 +37,6 @@ class Concepts:
     vectors: Tensor
     scores: Tensor
     layer: str
-
-    def top_classes(self, k: int = 2) -> Tensor:
-        """Each concept's k highest-scoring classes, (K, k)."""
-        return self.scores.topk(k, dim=1).indices
 
 
 class DeepFeatureFactorization(CAM):
@@ -86,7 +82,7 @@ class DeepFeatureFactorization(CAM):
             raise ExplainError(f"concepts and iterations must be at least 1, got {concepts} and {iterations}")
         self.k, self.iterations = concepts, iterations
 
-    def factorized(self, activations: Tensor, name: str, generator: torch.Generator | None) -> Concepts:
+    def factorized(self, activations: Tensor, name: str, generator: torch.Generator | None) -> FactorizedConcepts:
         """The concepts of one layer's activations (N, C, *spatial), maps at the layer's resolution."""
         n, channels, *spatial = activations.shape
         v = activations.detach().double().nan_to_num(0.0).transpose(0, 1).reshape(channels, -1)
@@ -101,7 +97,7 @@ class DeepFeatureFactorization(CAM):
         with torch.no_grad():
             scores = head(vectors.to(head.weight.dtype)).float()
         maps = h.reshape(self.k, n, *spatial).transpose(0, 1).float()
-        return Concepts(normalize_maps(maps, len(spatial)), vectors, scores, name)
+        return FactorizedConcepts(normalize_maps(maps, len(spatial)), vectors, scores, name)
 
     def compute(self, capture: Capture) -> Tensor:
         if capture.classes is None:
@@ -112,7 +108,7 @@ class DeepFeatureFactorization(CAM):
         best = found.scores[:, capture.classes].argmax(dim=0)  # per image: the concept that ranks its class highest
         return found.maps[torch.arange(len(best)), best]
 
-    def concepts(self, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> Concepts:
+    def concepts(self, x: Tensor, model_kwargs: Mapping[str, Any] | None = None) -> FactorizedConcepts:
         """All K concepts of a batch, their maps upsampled to the input's size and normalized per map.
 
         Raises:
@@ -130,4 +126,6 @@ class DeepFeatureFactorization(CAM):
         name = self._layers[0][0]
         found = self.factorized(recorded.activations[name], name, generator)
         size = x.shape[2:]
-        return Concepts(normalize_maps(upsample(found.maps, size), len(size)), found.vectors, found.scores, name)
+        return FactorizedConcepts(
+            normalize_maps(upsample(found.maps, size), len(size)), found.vectors, found.scores, name
+        )

@@ -16,7 +16,6 @@ from torch import Tensor
 from ..errors import ExplainError
 
 # ROAD's neighbour weights (Rong et al. 2022): edges 1/6, diagonals 1/12.
-NEIGHBOURS = ((1 / 12, 1 / 6, 1 / 12), (1 / 6, 0.0, 1 / 6), (1 / 12, 1 / 6, 1 / 12))
 
 
 def gaussian_line(size: int, sigma: float, like: Tensor) -> Tensor:
