@@ -125,11 +125,12 @@ def test_every_method_leaves_model_unchanged_on_success_and_failure(method: str,
         assert_unchanged(model, before)
         model.eval()
         before = snapshot(model)
+    side = 64 if method == "dff" else 32  # DFF's five concepts need more positions than layer4's 1 x 1 of 32
     with torch.no_grad():
-        cams = explain.cam(model, torch.randn(2, 3, 32, 32), method, layer, [1, 2])
-    assert cams.shape[0] == 2 and cams.shape[-2:] == (32, 32) and not cams.isnan().any()
+        cams = explain.cam(model, torch.randn(2, 3, side, side), method, layer, [1, 2])
+    assert cams.shape[0] == 2 and cams.shape[-2:] == (side, side) and not cams.isnan().any()
     with pytest.raises(explain.TargetError):
-        explain.cam(model, torch.randn(2, 3, 32, 32), method, layer, 99)
+        explain.cam(model, torch.randn(2, 3, side, side), method, layer, 99)
     assert_unchanged(model, before)
 
 

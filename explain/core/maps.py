@@ -195,16 +195,3 @@ def _top_eigenpair(matrix: Tensor) -> Tensor:
     return vectors[:, -1] * values[-1:].clamp_min(0).sqrt()
 
 
-def nmf(v: Tensor, w: Tensor, h: Tensor, iterations: int) -> tuple[Tensor, Tensor]:
-    """Non-negative factors of ``v`` (M, P) ≈ W H from W (M, K) and H (K, P): Lee & Seung's multiplicative updates
-    for the Frobenius norm, W then H at each iteration, a denominator that is exactly 0 replaced by float32's
-    epsilon (scikit-learn's ``NMF(solver="mu")``)."""
-    tiny = torch.finfo(torch.float32).eps
-
-    def safe(denominator: Tensor) -> Tensor:
-        return torch.where(denominator == 0, tiny, denominator)
-
-    for _ in range(iterations):
-        w = w * (v @ h.T) / safe(w @ (h @ h.T))
-        h = h * (w.T @ v) / safe((w.T @ w) @ h)
-    return w, h

@@ -10,9 +10,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..concepts.factorization import factorize
 from ..core.engine import CAM, Capture, Needs, check_images
 from ..core.layers import LayerSpec
-from ..core.maps import nmf, normalize_maps, upsample
+from ..core.maps import normalize_maps, upsample
 from ..core.model_state import exclusive, untouched
 from ..core.runner import PassRunner
 from ..errors import ExplainError, LayerError
@@ -45,8 +46,9 @@ class DeepFeatureFactorization(CAM):
 
     The activations of the whole batch, positions as columns, :math:`V \in \mathbb{R}^{C \times N h w}`, each
     channel shifted by its minimum to be non-negative, are factorized as :math:`V \approx W H` by non-negative
-    matrix factorization into K concepts (:func:`explain.core.maps.nmf`, from a seeded random start of
-    scikit-learn's ``init="random"`` scale; pytorch-grad-cam runs scikit-learn's coordinate descent). A row of H
+    matrix factorization into K concepts (:func:`explain.concepts.factorization.factorize`, the one NMF of the
+    package, CRAFT's too: multiplicative updates from the NNDSVDa start, every iteration run; pytorch-grad-cam runs
+    scikit-learn's coordinate descent). A row of H
     is a concept's map over the images; a column of W plus the minima is its vector, which the model's last
     linear layer scores. :meth:`concepts` returns them all, and :func:`explain.io.render.concept_figure` draws
     them. As a method of ``explain.METHODS``, each image's map is that of the concept whose score ranks the
@@ -82,16 +84,18 @@ class DeepFeatureFactorization(CAM):
             raise ExplainError(f"concepts and iterations must be at least 1, got {concepts} and {iterations}")
         self.k, self.iterations = concepts, iterations
 
-    def factorized(self, activations: Tensor, name: str, generator: torch.Generator | None) -> FactorizedConcepts:
+    def factorized(self, activations: Tensor, name: str) -> FactorizedConcepts:
         """The concepts of one layer's activations (N, C, *spatial), maps at the layer's resolution."""
         n, channels, *spatial = activations.shape
+        if self.k > activations[:, 0].numel():
+            raise LayerError(
+                f"Deep Feature Factorization asked for {self.k} concepts of the {activations[:, 0].numel()} positions "
+                f"of layer {name}: ask for fewer concepts (concepts=), or give more or larger images"
+            )
         v = activations.detach().double().nan_to_num(0.0).transpose(0, 1).reshape(channels, -1)
         offset = v.amin(dim=1, keepdim=True)
-        v = v - offset
-        scale = (v.mean() / self.k).sqrt()
-        w = scale * torch.randn(channels, self.k, generator=generator, device=v.device, dtype=v.dtype).abs()
-        h = scale * torch.randn(self.k, v.shape[1], generator=generator, device=v.device, dtype=v.dtype).abs()
-        w, h = nmf(v, w, h, self.iterations)
+        found = factorize(lambda: [(v - offset).T], self.k, self.iterations, tol=0.0)  # positions x channels
+        w, h = found.bank.T, found.coefficients.T
         vectors = (w + offset).T.float()  # (K, C)
         head = classifier_over(self.model, channels, "Deep Feature Factorization")
         with torch.no_grad():
@@ -103,7 +107,7 @@ class DeepFeatureFactorization(CAM):
         if capture.classes is None:
             raise LayerError("Deep Feature Factorization picks the concept of a classifier's class; give one")
         found = capture.once(
-            f"dff:{capture.name}", lambda: self.factorized(capture.activations, capture.name, capture.generator)
+            f"dff:{capture.name}", lambda: self.factorized(capture.activations, capture.name)
         )
         best = found.scores[:, capture.classes].argmax(dim=0)  # per image: the concept that ranks its class highest
         return found.maps[torch.arange(len(best)), best]
@@ -124,7 +128,7 @@ class DeepFeatureFactorization(CAM):
                 raise LayerError(f"Deep Feature Factorization factorizes one layer, not {self.layer}")
             recorded = runner.record(x.detach(), as_target(None))
         name = self._layers[0][0]
-        found = self.factorized(recorded.activations[name], name, generator)
+        found = self.factorized(recorded.activations[name], name)
         size = x.shape[2:]
         return FactorizedConcepts(
             normalize_maps(upsample(found.maps, size), len(size)), found.vectors, found.scores, name
