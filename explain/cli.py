@@ -20,6 +20,7 @@ from .errors import ExplainError
 from .export.inputs import Input, collect_inputs, listed_inputs
 from .export.preflight import Prepared, prepare
 from .export.settings import ExportOptions, Prompt, RenderOptions
+from .io.kinds import IMAGE, VIDEO, InputKind
 from .models.names import BUNDLED_MODEL, DEFAULT_MODEL, VIDEO_MODELS, is_user_model
 from .tasks.asked import Reading, texts_of
 
@@ -359,7 +360,7 @@ def _reading(args: argparse.Namespace) -> Reading:
     return Reading(args.prompt, args.answer, texts, args.max_new_tokens)
 
 
-def _check_inputs(args: argparse.Namespace, kind: str) -> list[Input]:
+def _check_inputs(args: argparse.Namespace, kind: InputKind) -> list[Input]:
     """Every input of the ``kind`` the model reads, found before any model work but a model of the user's code;
     none at all is a usage error."""
     listed = listed_inputs(args.from_list, kind) if args.from_list is not None else []
@@ -413,7 +414,7 @@ def _probe(spec: ModelSpec, size: str) -> torch.Tensor:
     if isinstance(spec.preprocessing, ClipPreprocessing):
         clip = spec.preprocessing
         return torch.zeros(1, 3, clip.frames, *clip.crop, device=spec.device)
-    if spec.preprocessing.kind != "image":  # a scan or a signal: its size and channels are the input's own
+    if spec.preprocessing.kind.own_size:  # a scan or a signal: its size and channels are the input's own
         raise UsageError(
             f"{spec.name} reads {spec.preprocessing.kind}s of any size, so --layers and --layer have no size to "
             "look at; list the layers in Python: explain.candidate_layers(model, x) with one of your inputs"
@@ -469,7 +470,7 @@ def _run(args: argparse.Namespace) -> int:
     spec = _loaded(args) if is_user_model(args.model) else None  # the user's code says what its model reads
     if getattr(spec, "note", ""):
         print(f"explain: note: {args.model}: {spec.note}", file=sys.stderr)
-    kind = spec.preprocessing.kind if spec else "video" if args.model in VIDEO_MODELS else "image"
+    kind = spec.preprocessing.kind if spec else VIDEO if args.model in VIDEO_MODELS else IMAGE
     inputs = None if args.layers is not None else _check_inputs(args, kind)
     prepared = None
     if inputs is not None and not args.sanity_check:  # the run's preflight, once, before the model loads
@@ -489,7 +490,7 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_OK
     task = _check_model(spec, options)
     kind = spec.preprocessing.kind
-    if args.fmt is not None and kind != "image":
+    if args.fmt is not None and not kind.picture:
         raise UsageError(f"--format sets the format of an image's overlays; {spec.name} writes each {kind}'s own files")
     if args.sanity_check:
         if not task.classifies:
@@ -531,7 +532,9 @@ def _with_clip_stride(spec: ModelSpec, stride: int) -> ModelSpec:
     """
     from dataclasses import replace
 
-    if spec.preprocessing.kind != "video":
+    from .models import ClipPreprocessing
+
+    if not isinstance(spec.preprocessing, ClipPreprocessing):
         raise UsageError(f"--clip-stride is for a video model; {spec.name} reads {spec.preprocessing.kind}s")
     return replace(spec, preprocessing=replace(spec.preprocessing, stride=stride))
 
@@ -698,7 +701,7 @@ def _image_paths(sources: Sequence[str], exclude: Path | None, what: str) -> lis
     Raises:
         UsageError: One is missing, or none is an image.
     """
-    inputs = collect_inputs(sources, exclude=exclude, kind="image")
+    inputs = collect_inputs(sources, exclude=exclude, kind=IMAGE)
     missing = [item for item in inputs if item.path is None]
     if missing:
         raise UsageError(missing[0].error or f"{missing[0].name}: not found")

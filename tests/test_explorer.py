@@ -456,7 +456,7 @@ def test_a_scan_is_browsed_slice_by_slice_without_the_model(tmp_path) -> None:
     calls = counted(spec.model)
     explorer = Explorer(spec)
     photo = explorer.add(tmp_path / "scan.npy")
-    assert (photo.kind, photo.depth, tuple(photo.x.shape)) == ("volume", 10, (1, 1, 10, 16, 12))
+    assert (str(photo.kind), photo.depth, tuple(photo.x.shape)) == ("volume", 10, (1, 1, 10, 16, 12))
     shown = explorer.show(photo.name, View(layers=("1",)))
     assert shown.cam.shape == data.shape and shown.peak == 6
     first = len(calls)

@@ -482,3 +482,34 @@ def test_the_public_surface_is_read_in_one_screen() -> None:
     assert t_test is moved
     with pytest.warns(DeprecationWarning, match="explain.CAM"):
         assert explain.methods.Method is explain.CAM
+
+
+INPUT_KINDS = {"image", "video", "volume", "signal"}
+
+
+def input_kind_tests(path: Path) -> list[str]:
+    """Where a file compares a kind of input (anything named ``kind``) with a kind's name."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        names = {
+            element.value
+            for operand in operands
+            for element in (operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand])
+            if isinstance(element, ast.Constant) and element.value in INPUT_KINDS
+        }
+        asks_kind = any("kind" in ast.unparse(operand) for operand in operands)
+        if names and asks_kind:
+            found.append(f"{path.name}:{node.lineno} compares a kind with {sorted(names)}")
+    return found
+
+
+def test_no_kind_of_input_is_told_by_its_name_outside_its_object(tmp_path) -> None:
+    """An image, a clip, a scan or a signal is asked what it is (explain.io.kinds), never tested by name."""
+    found = [place for path in MODULES.values() for place in input_kind_tests(path)]
+    assert not found, "\n".join(found)
+    told = tmp_path / "told.py"  # the check finds the comparisons it forbids (as they were before the kinds)
+    told.write_text('if photo.kind in ("video", "volume") or spec.preprocessing.kind != "image":\n    pass\n')
+    assert len(input_kind_tests(told)) == 2

@@ -85,7 +85,7 @@ class ExplorerConcepts:
         """
         explorer = self.explorer
         photos = list(explorer.photos.values())
-        if not photos or explorer.spec.preprocessing.kind != "image":
+        if not photos or not explorer.spec.preprocessing.kind.picture:
             raise ExplainError("concepts are found in photos: add photos first (clips, scans and signals have none)")
         size = photos[0].x.shape[-2:]
         images = torch.cat([_sized(photo.x, size) for photo in photos])

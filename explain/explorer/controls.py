@@ -18,7 +18,6 @@ from ..catalog import FUSIONS
 from .session import Explorer, method_choices
 
 COLORMAPS = ("jet", "turbo", "viridis", "inferno", "magma", "gray")
-CLIPS = ("video", "volume")  # the inputs whose maps are drawn a frame or a slice at a time
 
 Kind = Literal["menu", "menus", "buttons", "search", "check", "slider", "steps"]
 """How a control is picked: one of a menu, several of a menu, one of a row of buttons, a typed option, a check
@@ -88,12 +87,12 @@ def _classes(explorer: Explorer) -> list[tuple[str, int]]:
 
 
 def _clips(explorer: Explorer) -> bool:
-    return explorer.spec.preprocessing.kind in CLIPS
+    return explorer.spec.preprocessing.kind.unit is not None
 
 
 def step_label(explorer: Explorer) -> str:
     """What the steps slider moves through: a clip's frames or a scan's slices."""
-    return "frame" if explorer.spec.preprocessing.kind == "video" else "slice"
+    return explorer.spec.preprocessing.kind.unit or "frame"
 
 
 CONTROLS = (

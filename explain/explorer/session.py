@@ -31,6 +31,7 @@ from ..export.manifest import record
 from ..export.reports import image_metrics
 from ..io.atomic import write_atomically
 from ..io.images import load_image, rgb_array
+from ..io.kinds import IMAGE, InputKind
 from ..io.render import Skeleton, annotate, blend, gradient_image, heat_layer, overlay
 from ..io.signals import plot_signal
 from ..io.volumes import grey, intensity_window
@@ -75,20 +76,20 @@ class Photo:
         image: What maps are drawn on: a photo (RGB, at its own resolution); a clip's sampled frames (T, H, W, 3)
             uint8; a scan's voxels (D, H, W); a signal (C, L).
         x: The model's input, (1, C, *spatial) on the model's device.
-        kind: ``"image"``, ``"video"``, ``"volume"`` or ``"signal"``.
+        kind: What it is (see :mod:`explain.io.kinds`): a picture, a clip, a scan or a signal.
         window: A scan's grey window (see :func:`explain.io.volumes.intensity_window`), found once; else None.
     """
 
     name: str
     image: Image.Image | Tensor
     x: Tensor
-    kind: str = "image"
+    kind: InputKind = IMAGE
     window: tuple[float, float] | None = None
 
     @property
     def depth(self) -> int | None:
         """A clip's frames or a scan's slices, what a slider browses; None for a photo or a signal."""
-        return len(self.image) if self.kind in ("video", "volume") else None
+        return len(self.image) if self.kind.unit else None
 
 
 @dataclass(frozen=True)
@@ -199,15 +200,14 @@ class Shown:
             ExplainError: ``index`` is no frame or slice of the photo.
         """
         photo, canvas = self.photo, self.canvas
-        if photo.kind == "signal":
+        if photo.kind.plotted:
             return np.asarray(plot_signal(photo.image, canvas, colormap)), None
-        if photo.kind in ("video", "volume"):
+        if photo.kind.unit:
             depth, index = len(photo.image), self.peak if index is None else index
             if not 0 <= index < depth:
-                unit = "frames" if photo.kind == "video" else "slices"
-                raise ExplainError(f"{photo.name} has {depth} {unit}; no {index}")
+                raise ExplainError(f"{photo.name} has {depth} {photo.kind.unit}s; no {index}")
             frame = photo.image[index].numpy()
-            base = frame if photo.kind == "video" else grey(frame, photo.window)
+            base = grey(frame, photo.window) if photo.kind.windowed else frame
             canvas = canvas[index]
         else:
             base = rgb_array(photo.image)
@@ -326,7 +326,7 @@ class Explorer:
             ExplainError: A picture given to a model of clips, scans or signals, which reads files.
         """
         kind = self.spec.preprocessing.kind
-        if kind != "image":
+        if not kind.picture:
             if not isinstance(source, (str, Path)):
                 raise ExplainError(f"{self.spec.name} reads {kind} files; give a file's path")
             image, x = self.spec.preprocessing.read(Path(source))
@@ -344,7 +344,7 @@ class Explorer:
             if digest in self._digests:
                 return self.photos[self._digests[digest]]
             unique = unique_name(name, self.photos)
-            window = intensity_window(image.numpy()) if kind == "volume" else None
+            window = intensity_window(image.numpy()) if kind.windowed else None
             photo = Photo(unique, image, x.to(self.spec.device), kind, window)
             self.photos[unique] = photo
             self._digests[digest] = unique
@@ -545,12 +545,12 @@ class Explorer:
 
     def _canvas(self, photo: Photo, cam: Tensor) -> Tensor:
         """A map as it is drawn on the photo (see :attr:`Shown.canvas`)."""
-        if photo.kind == "image":
+        if photo.kind.picture:
             return cam
         if cam.dim() == photo.x.dim() - 1:  # a guided map (C, *spatial): each point's largest absolute channel
             cam = cam.abs().amax(dim=0)
             cam = cam / cam.max().clamp_min(1e-12)
-        if photo.kind == "video":
+        if photo.kind.unit and not photo.kind.windowed:  # a clip's frames, at the clip's own size
             height, width = photo.image.shape[1:3]
             return self.spec.preprocessing.on_frames(cam, height, width)
         return cam

@@ -69,7 +69,7 @@ class App:
         self.load = load
         self.downloads = Path(tempfile.mkdtemp(prefix="explain-app-"))
         self._switch = threading.Lock()
-        if spec.preprocessing.kind == "image":
+        if spec.preprocessing.kind.picture:
             for path in bundled_photos():
                 self.explorer.add(path)
 
@@ -81,8 +81,8 @@ class App:
                 photos = list(self.explorer.photos.values())
                 self.explorer = None  # type: ignore[assignment]  # the old model goes before the new one loads
                 self.explorer = Explorer(self.load(model))
-                if self.explorer.spec.preprocessing.kind == "image":
-                    for photo in photos if photos and photos[0].kind == "image" else []:
+                if self.explorer.spec.preprocessing.kind.picture:
+                    for photo in photos if photos and photos[0].kind.picture else []:
                         self.explorer.add(photo.image, photo.name)
             return self.explorer
 
@@ -155,7 +155,7 @@ class App:
         """The photo to click (see :meth:`Explorer.clickable`), with the prompt drawn; hidden where nothing on it
         can be picked (a classifier, a clip, a scan, a signal)."""
         gr = gradio()
-        if not photo or not self.explorer.task.click or self.explorer.photos[photo].kind != "image":
+        if not photo or not self.explorer.task.click or not self.explorer.photos[photo].kind.picture:
             return gr.Image(value=None, visible=False)
         view = View(prompt=tuple(prompt or ()))
         return gr.Image(
@@ -225,7 +225,7 @@ class App:
             value=drawn or 0,
             step=1,
             visible=depth is not None,
-            label="frame" if shown.photo.kind == "video" else "slice",
+            label=shown.photo.kind.unit or "frame",
         )
         return stacked(shown, alpha, colormap or "jet", drawn), self.caption(shown, drawn), slider
 
@@ -234,8 +234,8 @@ class App:
         text = f"{shown.entry.label} · {shown.view.method} · layer {shown.layer}"
         if shown.photo.depth is None or index is None:
             return text
-        unit = "frame" if shown.photo.kind == "video" else "slice"
-        return f"{text} · {unit} {index} of {shown.photo.depth}" + (" (the peak)" if index == shown.peak else "")
+        peak = " (the peak)" if index == shown.peak else ""
+        return f"{text} · {shown.photo.kind.unit} {index} of {shown.photo.depth}{peak}"
 
     def metrics(self, photo: str, *view: Any) -> tuple[Any, str]:
         """The faithfulness of the shown map: the deletion and insertion curves as a figure, and the values."""
@@ -356,7 +356,7 @@ def build(app: App) -> Any:
             download = gr.Button("Download overlay, map and record")
         curves, scores = gr.Plot(label="Deletion and insertion"), gr.Markdown()
         saved = gr.File(label="Files", file_count="multiple", interactive=False)
-        if explorer.spec.preprocessing.kind == "image":
+        if explorer.spec.preprocessing.kind.picture:
             build_concepts(app, c)
         problems = gr.Markdown(elem_id="problems")
         c["target"], c["drawn"] = gr.State(), gr.State()  # the entry explained; the frame or slice drawn

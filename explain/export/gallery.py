@@ -23,7 +23,7 @@ from PIL import Image
 
 from ..errors import ExplainError
 from ..io.atomic import write_atomically
-from ..io.files import INPUT_SUFFIXES
+from ..io.kinds import IMAGE
 from .manifest import chosen_records, previous_run
 
 PAGE = "index.html"
@@ -39,7 +39,7 @@ def _url(path: Path, out_dir: Path) -> str:
 
 def _picture(path: Path) -> bool:
     """Whether an input file is there and a page shows it as a picture (an image; a video is no ``<img>``)."""
-    return path.suffix.lower() in INPUT_SUFFIXES["image"] and path.is_file()
+    return path.suffix.lower() in IMAGE.suffixes and path.is_file()
 
 
 def thumbnail(overlay: Path, thumb: Path) -> None:

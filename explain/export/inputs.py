@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ExplainError
-from ..io.files import input_suffix, is_dicom
+from ..io.files import is_dicom
+from ..io.kinds import IMAGE, InputKind
 from .manifest import named_outputs
 
 OUTPUT_MARKER = ".explain-output"
@@ -65,9 +66,9 @@ def _unreadable(err: OSError) -> str:
     return f"cannot read ({err.strerror or err})"
 
 
-def _stem(relative: Path, kind: str) -> Path:
+def _stem(relative: Path, kind: InputKind) -> Path:
     """Where a file's outputs go: its path without its input suffix (both parts of ``.nii.gz``)."""
-    suffix = input_suffix(relative.name, kind) or relative.suffix
+    suffix = kind.input_suffix(relative.name) or relative.suffix
     return relative.with_name(relative.name[: len(relative.name) - len(suffix)] if suffix else relative.name)
 
 
@@ -78,7 +79,7 @@ def _is_pattern(source: str) -> bool:
 class _Scanner:
     """Collects inputs in order, once each, skipping output folders."""
 
-    def __init__(self, exclude: Path | None, kind: str) -> None:
+    def __init__(self, exclude: Path | None, kind: InputKind) -> None:
         self.exclude = exclude.resolve() if exclude is not None else None
         self.kind = kind
         self.found: list[Input] = []
@@ -124,10 +125,10 @@ class _Scanner:
 
         for root, dirs, names in os.walk(folder, onerror=unreadable):
             dirs[:] = [d for d in dirs if not self.is_output_folder(Path(root, d))]
-            if self.kind == "volume" and any(is_dicom(Path(root, name)) for name in names):
+            if self.kind.folders and any(is_dicom(Path(root, name)) for name in names):
                 files.append(Path(root))  # a folder of DICOM slices is one scan, its series
                 continue
-            files += [Path(root, name) for name in names if input_suffix(name, self.kind)]
+            files += [Path(root, name) for name in names if self.kind.input_suffix(name)]
         return (path for path in sorted(files) if not written or _resolved(path) not in written)
 
     def inside(self, path: Path, base: Path) -> bool:
@@ -158,7 +159,7 @@ class _Scanner:
 
 
 def collect_inputs(
-    sources: Sequence[str | Path | Input], exclude: Path | None = None, kind: str = "image"
+    sources: Sequence[str | Path | Input], exclude: Path | None = None, kind: InputKind = IMAGE
 ) -> list[Input]:
     """Expand files, folders (recursively, files of the ``kind`` of input only) and glob patterns, in order.
 
@@ -172,9 +173,9 @@ def collect_inputs(
     Args:
         sources: Paths and patterns as the user gave them; an :class:`Input` passes as it is.
         exclude: A folder treated as an output folder (the current run's).
-        kind: What a folder scan takes: ``"image"``, ``"video"``, ``"volume"`` or ``"signal"`` files (see
-            :data:`explain.io.files.INPUT_SUFFIXES`), as the model reads; for volumes, a folder of DICOM slices
-            is one input, its series (see :func:`explain.io.volumes.read_dicom_series`).
+        kind: What a folder scan takes: files of the kind of input the model reads (see
+            :mod:`explain.io.kinds`); for scans, a folder of DICOM slices is one input, its series (see
+            :func:`explain.io.volumes.read_dicom_series`).
 
     Returns:
         One :class:`Input` per file found, without duplicates, and one carrying an
@@ -199,7 +200,7 @@ def collect_inputs(
     return scanner.found
 
 
-def listed_inputs(list_file: Path, kind: str = "image") -> list[Input]:
+def listed_inputs(list_file: Path, kind: InputKind = IMAGE) -> list[Input]:
     """The files a list names, one path per line (blank lines and lines starting with ``#`` passed over).
 
     A relative path is taken from the list's folder; a file's outputs keep its path below that folder (or its

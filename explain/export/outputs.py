@@ -15,6 +15,7 @@ from PIL import Image
 from ..catalog import ALL_METHODS
 from ..errors import InputLoadError, first_line
 from ..io.images import save_array, save_image
+from ..io.kinds import IMAGE, InputKind
 from ..io.render import Skeleton, annotate, figure, grid, picture, strip
 from ..io.signals import plot_signal
 from ..io.video import count_frames, nearest_sampled, overlay_frames, write_gif, write_overlay_video
@@ -131,10 +132,10 @@ class OutputWriter:
     ) -> tuple[list[Path], list[Path], list[Path], Path | None]:
         """The overlays, figures, clips' pictures and raw maps of one method written for an output base path and its
         targets' tags."""
-        fmt = {"video": "mp4", "volume": "nii.gz", "signal": "png"}.get(self.kind, self.render.fmt)
+        fmt = self.kind.written or self.render.fmt
         overlays = [base.with_name(base.name + tag + f".{fmt}") for tag in tags]
         figures = [base.with_name(base.name + tag + f".figure.{fmt}") for tag in tags] if self.render.figure else []
-        shown = {"video": "gif", "volume": "png"}.get(self.kind)
+        shown = self.kind.shown
         pictures = [base.with_name(base.name + tag + f".{shown}") for tag in tags] if shown else []
         raw = base.with_name(f"{base.name}.{method}.npy") if self.render.save_raw else None
         return overlays, figures, pictures, raw
@@ -172,11 +173,11 @@ class OutputWriter:
                 figures = self.write_strips(image, base, explained, method, layer)
             for j, (e, output) in enumerate(zip(explained, outputs)):
                 mark = partial(self.annotated, e)
-                if self.kind == "video":
-                    self.write_clip(item.path, image, e.cams[method], output, pictures[j])
-                elif self.kind == "volume":
+                if self.kind.windowed:  # a scan
                     self.write_volume(item.path, e.cams[method], output, pictures[j])
-                elif self.kind == "signal":
+                elif self.kind.unit:  # a clip's frames
+                    self.write_clip(item.path, image, e.cams[method], output, pictures[j])
+                elif self.kind.plotted:  # a signal
                     save_image(plot_signal(image, e.cams[method], style.colormap), output)
                 elif method == ALL_METHODS:
                     title = f"{e.class_name} ({e.score:.1%}), every fast method"
@@ -236,9 +237,9 @@ class OutputWriter:
         return figures
 
     @property
-    def kind(self) -> str:
-        """What the inputs are: ``"image"``, ``"video"``, ``"volume"`` or ``"signal"``."""
-        return "image" if self.preprocessing is None else self.preprocessing.kind
+    def kind(self) -> InputKind:
+        """What the inputs are (see :mod:`explain.io.kinds`)."""
+        return IMAGE if self.preprocessing is None else self.preprocessing.kind
 
     def write_volume(self, source: Path, cam: torch.Tensor, output: Path, picture: Path) -> None:
         """A scan's heatmap, at the scan's size, as a NIfTI with the scan's affine (read again from its file), and

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..io.kinds import IMAGE, InputKind
 from .inputs import Input, collect_inputs
 from .manifest import check_fresh
 from .ownership import check_free
@@ -31,7 +32,7 @@ def prepare(
     out_dir: str | Path,
     resume: bool,
     overwrite: bool,
-    kind: str = "image",
+    kind: InputKind = IMAGE,
     fresh: Callable[[Path, bool, bool], None] = check_fresh,
 ) -> Prepared:
     """Find a run's inputs (see :func:`explain.export.inputs.collect_inputs`) and check its output folder: one

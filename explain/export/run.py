@@ -516,7 +516,7 @@ def _run(
     background = explainer.device.type == "cpu"
     start = time.perf_counter()
     with (
-        tqdm(total=len(files), unit=writer.kind, disable=None if progress else True, file=sys.stderr) as bar,
+        tqdm(total=len(files), unit=str(writer.kind), disable=None if progress else True, file=sys.stderr) as bar,
         helper_threads(background) as pool,
     ):
         recorder = _Recorder(log, summary, bar, writer.out_dir, report, lock)

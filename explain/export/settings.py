@@ -228,7 +228,7 @@ class ExportOptions:
             raise ExplainError(f"{name} is a {task.called or task.name} model: give one --method at a time")
         if getattr(reads, "stride", None) is not None and (self.metrics or self.topk is not None):
             raise ExplainError("--clip-stride explains each video's class over its windows; drop --metrics and --topk")
-        if reads.kind != "image" and (self.methods.grid or self.render.figure or self.keep_aspect):
+        if not reads.kind.picture and (self.methods.grid or self.render.figure or self.keep_aspect):
             raise ExplainError(
                 f"{name} explains {reads.kind}s: --method all's grid, --figure and --keep-aspect draw or resize "
                 f"images; write each method's own {reads.kind} outputs instead"

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from ..errors import ExplainError
 from ..io.images import input_size, load_image, rgb_array, to_tensor
+from ..io.kinds import IMAGE, SIGNAL, VIDEO, VOLUME
 from ..io.video import read_frames
 
 ImageLike = Image.Image | np.ndarray | str | Path
@@ -46,7 +47,7 @@ class Preprocessing:
         size = image.size if self.input_size is None else input_size(image, self.input_size, self.keep_aspect)
         return to_tensor(image, size, self.mean, self.std, self.resample)
 
-    kind = "image"  # what an export of the model reads (see explain.io.files.INPUT_SUFFIXES)
+    kind = IMAGE  # what an export of the model reads (see explain.io.kinds)
 
     def with_aspect(self, keep_aspect: bool | None) -> Preprocessing:
         """The same preprocessing, resizing the short side (True) or the whole image (False); None: as it is."""
@@ -101,7 +102,7 @@ class ClipPreprocessing:
     std: tuple[float, float, float]
     stride: int | None = None
 
-    kind = "video"  # what an export of the model reads (see explain.io.files.INPUT_SUFFIXES)
+    kind = VIDEO  # what an export of the model reads (see explain.io.kinds)
 
     def __post_init__(self) -> None:
         if self.stride is not None and not 1 <= self.stride <= self.frames:
@@ -218,7 +219,7 @@ class VolumePreprocessing(Standardizing):
     voxels (see :class:`Standardizing`). Read from a NIfTI file or a 3-D ``.npy`` (see
     :func:`explain.io.volumes.read_volume`)."""
 
-    kind = "volume"  # what an export of the model reads (see explain.io.files.INPUT_SUFFIXES)
+    kind = VOLUME  # what an export of the model reads (see explain.io.kinds)
 
     def read(self, path: Path) -> tuple[Tensor, Tensor]:
         """A scan's voxels (D, H, W) float32, what the maps are drawn on, and the model's input (1, D, H, W).
@@ -238,7 +239,7 @@ class SignalPreprocessing(Standardizing):
     (see :class:`Standardizing`). Read from a ``.npy`` (C, L) or a ``.csv`` of one sample per row (see
     :func:`explain.io.signals.read_signal`)."""
 
-    kind = "signal"  # what an export of the model reads (see explain.io.files.INPUT_SUFFIXES)
+    kind = SIGNAL  # what an export of the model reads (see explain.io.kinds)
 
     def read(self, path: Path) -> tuple[Tensor, Tensor]:
         """A signal (C, L) float32, what the maps are drawn on, and the model's input (C, L).
@@ -304,7 +305,7 @@ class ModelSpec:
             ExplainError: With ``keep_aspect``, images whose resized shapes differ.
             ImageLoadError: A path that is not a readable image.
         """
-        if self.preprocessing.kind != "image":
+        if not self.preprocessing.kind.picture:
             raise ExplainError(
                 f"{self.name} takes {self.preprocessing.kind}s, not images: preprocessing.read(path) gives what its "
                 "maps are drawn on and its input"
