@@ -513,3 +513,14 @@ def test_no_kind_of_input_is_told_by_its_name_outside_its_object(tmp_path) -> No
     told = tmp_path / "told.py"  # the check finds the comparisons it forbids (as they were before the kinds)
     told.write_text('if photo.kind in ("video", "volume") or spec.preprocessing.kind != "image":\n    pass\n')
     assert len(input_kind_tests(told)) == 2
+
+
+def test_the_runner_decides_records_and_maps_and_holds_no_speedup() -> None:
+    """Every speedup lives in explain/core/speedups behind its switch: the runner asks in_pass whether its pass
+    settles the automatic layer, and never reads a switch, a pending search or the traced pass itself."""
+    runner = PACKAGE / "core" / "runner.py"
+    speedups = {name for name in imported_modules(runner) if name.startswith("explain.core.speedups")}
+    assert speedups <= {"explain.core.speedups.in_pass", *(f"explain.core.speedups.in_pass.{n}" for n in
+                                                         ("Pending", "Traced", "in_pass"))}  # fmt: skip
+    source = runner.read_text(encoding="utf-8")
+    assert not any(word in source for word in ("enabled(", "pending_search", "traced_pass", "settled_pass"))

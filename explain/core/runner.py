@@ -28,15 +28,14 @@ from ..errors import LayerError
 from ..targets import BoundTarget, Target, bound_on
 from ..targets.base import spatial_axes
 from .families import PassScope, partial_backward, picture_recorded
-from .hooks import ActivationGradientRecorder, layer_entry
-from .layers import auto_layers, declares_layers, knows_layers
+from .hooks import ActivationGradientRecorder
+from .layers import auto_layers
 from .layouts import Geometry, Layout, Reshape
 from .maps import INTERPOLATION, Canvas, covered, normalize_maps, upsample
-from .model_state import model_context, running
+from .model_state import running
 from .passes import PassRecord, check_reached, summed_score, target_scores
 from .recording import INPUT, LAYER_OUTPUTS, Recording
-from .speedups import enabled
-from .speedups.settling import PendingSearch, pending_search, settled_pass, traced_pass
+from .speedups.in_pass import Pending, Traced, in_pass
 from .watch import PassLayouts
 
 AUG_SCALES = (0.9, 1.0, 1.1)
@@ -210,93 +209,40 @@ class PassRunner:
         self.method, self.model, self.needs = method, method.model, method.needs
         self.model_kwargs, self.generator, self.goal = model_kwargs, generator, goal
         self.automatic = method.automatic
-        self.search: PendingSearch | None = None
-        self.traced = False
+        self.in_pass: Traced | Pending | None = None
         self.layers: list[tuple[str, nn.Module | None]] = []
-        self._decide(x)
+        self.decide(x)
 
-    def _decide(self, x: Tensor, fresh: bool = False, trace: bool = True) -> None:
+    def decide(self, x: Tensor, fresh: bool = False, trace: bool = True) -> None:
         """The one place where a call's layers are decided: those the method names; else the automatic ones,
         remembered from an earlier call of the input's signature and kind of target, or searched (``fresh``:
-        searched again, whatever was remembered). Two speedups (``layer_in_pass``, see
-        :mod:`explain.core.speedups`) settle the automatic layer without a search of its own: the call's plain
-        pass records the last candidates (:mod:`explain.core.speedups.settling`), and a call of one image on a
-        model explain knows nothing of runs the trace's own forward as that pass (``traced``, unless ``trace`` is
-        off: the traced pass did not settle it)."""
-        self.search, self.traced = None, False
-        settles = self.automatic and not fresh and self._settles_in_pass() and enabled("layer_in_pass")
-        if settles and trace and self._unseen(x):
-            self.traced = True  # the traced pass decides: see _traced_pass
-            return
-        if settles:
-            self.search = pending_search(self.model, x, self.model_kwargs, self.goal)
-        if self.search is not None:  # the call's own pass records the last candidates and settles it
-            self.layers = [
-                (info.name, self.model.get_submodule(layer_entry(info.name)[0])) for info in self.search.tried
-            ]
+        searched again, whatever was remembered). A speedup may leave the automatic layer to the call's own pass
+        (:func:`explain.core.speedups.in_pass.in_pass`; ``trace`` off: not the trace's own forward)."""
+        self.in_pass = in_pass(self, x, trace) if self.automatic and not fresh else None
+        if self.in_pass is not None:
+            self.layers = list(self.in_pass.layers)
         elif fresh:
             self.layers = auto_layers(self.model, x, self.model_kwargs, self.goal, self.method.labels, fresh=True)
         else:
             self.layers = self.needs.records.layers(self.method, x, self.model_kwargs, self.goal)
 
-    def _unseen(self, x: Tensor) -> bool:
-        """Whether the call is of one image on a model whose layers explain knows nothing of at x's signature, and
-        which declares none (the trace's own forward can then be the call's pass)."""
-        if len(x) != 1 or self.method.reshape is not None or declares_layers(self.model):
-            return False
-        return not knows_layers(self.model, x, self.model_kwargs, self.goal)
-
-    def _settles_in_pass(self) -> bool:
-        """Whether the plain pass can settle the automatic layer: a method whose pass takes the plain gradient at
-        its layers' outputs, on a model in eval mode (as the search's own probe runs it)."""
-        needs = self.needs
-        plain = needs.spared and not (needs.input_gradient or self.model.training)
-        return needs.gradients and plain
-
     def plain_pass(self, x: Tensor) -> PassRecord:
-        """The pass over the input as given (see :meth:`record`). Automatic layers kept from an earlier call that
-        the score no longer reaches (the model's forward changed in a way its structure does not show, or this
-        target reaches other layers than that call's) are searched again for this call, once; the error stands if
-        the search finds them again. A call of one image on a model whose layers it knows nothing of runs the trace's
-        own forward as its plain pass (see :meth:`_traced_pass`)."""
-        if self.traced:
-            traced = self._traced_pass(x)
-            if traced is not None:
-                return traced
-            self._decide(x, trace=False)
+        """The pass over the input as given (see :meth:`record`); where a speedup settles the automatic layer, the
+        pass it runs. Automatic layers kept from an earlier call that the score no longer reaches (the model's
+        forward changed in a way its structure does not show, or this target reaches other layers than that
+        call's) are searched again for this call, once; the error stands if the search finds them again."""
+        if self.in_pass is not None:
+            return self.in_pass.plain_pass(self, x)
         try:
-            recorded = self.record(x, self.goal, plain=True)
+            return self.record(x, self.goal, plain=True)
         except LayerError:
-            if not self.automatic or self.search is not None:
+            if not self.automatic:
                 raise
             remembered = [name for name, _ in self.layers]
-            self._decide(x, fresh=True)
+            self.decide(x, fresh=True)
             if [name for name, _ in self.layers] == remembered:
                 raise
             return self.record(x, self.goal, plain=True)
-        return recorded if self.search is None else self._settled(recorded, x)
-
-    def _traced_pass(self, x: Tensor) -> PassRecord | None:
-        """The plain pass of one image as the trace's own forward, which settles the automatic layer (see
-        :func:`explain.core.speedups.settling.traced_pass`); None where it does not: the call's pass then runs as
-        for a known model."""
-        found = traced_pass(self.model, x, self.model_kwargs, self.goal, self.method.labels)
-        if found is None:
-            return None
-        self.layers, recorded = found
-        return recorded
-
-    def _settled(self, recorded: PassRecord, x: Tensor) -> PassRecord:
-        """The plain pass at the automatic layer its last candidates' gradients settle (see
-        :func:`explain.core.speedups.settling.settled_pass`). Where they do not settle it, the layer is searched in
-        full and the pass run again."""
-        search, self.search = self.search, None
-        kept = settled_pass(self.model, search, recorded)
-        if kept is None:
-            self._decide(x, fresh=True)
-            return self.record(x, self.goal, plain=True)
-        self.layers = [(name, module) for name, module in self.layers if name in kept.layouts]
-        return kept
 
     def record(self, x: Tensor, goal: Target | BoundTarget, plain: bool = False) -> PassRecord:
         """One forward (and backward) pass over ``x``: the layers' activations and, for each of the K targets, their
@@ -305,11 +251,8 @@ class PassRunner:
         method, needs, model_kwargs = self.method, self.needs, self.model_kwargs
         hooked = {name: module for name, module in self.layers if module is not None}
         known = PassLayouts(self.model, x, model_kwargs, hooked if method.reshape is None else ())
-        if self.search is not None:  # the candidates, one computed from another, by tensor hooks
-            learned = model_context(self.model)
-            recording = ActivationGradientRecorder(hooked, tensor_hook=True, gradients=needs.gradients, learned=learned)
-        else:
-            recording = needs.records.recorder(method, hooked)
+        pending = self.in_pass  # a pending search's candidates (see explain.core.speedups.in_pass)
+        recording = pending.recorder(self, hooked) if pending is not None else needs.records.recorder(method, hooked)
         if needs.input_gradient:  # the whole network is recorded, for the gradient at the input
             x = x.detach().requires_grad_(True)
         scope = PassScope(recording.modules.values(), known.sequences)
@@ -335,7 +278,7 @@ class PassRunner:
         # Laid out after the pass: a layout its forward could not tell is traced now, without the pass's hooks.
         layouts = {name: needs.records.layout(method, name, a, geometry, known) for name, a in recorded.items()}
         gradients, curvatures = ([_laid_out(found[i], layouts) for found in derivatives] for i in (0, 1))
-        if plain and needs.gradients and self.search is None:  # a pending search checks its choice
+        if plain and needs.gradients and pending is None:  # a pending search checks its choice
             check_reached(gradients, bound, automatic=method.requested is None)
         activations = {name: layouts[name](a).float() for name, a in recorded.items()}
         if needs.map_of_input:

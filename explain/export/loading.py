@@ -8,6 +8,7 @@ batch's ``failed``, with the one-line error that names the file.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import threading
@@ -21,6 +22,11 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from ..errors import InputLoadError
+
+# How worker processes start: forked from a clean server process, never from this one, whose threads (torch's,
+# a compiled model's, the loading threads) may hold a lock at the fork that the child would wait on for ever.
+# Where there is no forkserver (Windows, and macOS's default), spawned.
+WORKER_START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
 def lowest_priority() -> None:
@@ -157,6 +163,7 @@ def load_batches(
         pin_memory=pin,
         prefetch_factor=2,
         worker_init_fn=_background_worker if background else None,
+        multiprocessing_context=WORKER_START,
     )
 
 

@@ -1,7 +1,8 @@
 """The ``layer_in_pass`` speedup: the automatic layer settled by the call's own pass among the last candidates
 (:func:`settled_pass`), or on a model not seen before by the trace's own forward as that pass (:func:`traced_pass`).
 See :func:`explain.core.layers.find_auto_layers` for what the full search chooses, and
-:meth:`explain.core.runner.PassRunner._decide` for where the call decides its layers. Every candidate after the
+:meth:`explain.core.runner.PassRunner.decide` for where the call decides its layers (and
+:mod:`explain.core.speedups.in_pass` for how the runner asks). Every candidate after the
 settled one was tried, so the search over all of them would choose it too: the same layer, without a search of its
 own (``tests/test_speedups.py`` holds both ways the same).
 """
