@@ -154,7 +154,7 @@ class NotebookExplorer:
         try:
             c["layers"].options = self.explorer.layer_menu(photo)
             view = View(prompt=self.prompt_value) if self.prompt_value else None
-            if self.explorer.task.click == "prompt" and view is None:
+            if self.explorer.task.prompts and view is None:
                 raise ExplainError(f"{self.explorer.spec.name} draws the mask of a prompt: type it, x,y or x1,y1,x2,y2")
             menu = [(entry.label, entry.index) for entry in self.explorer.entries(photo, view)]
             for name in ("entries", "target_b"):
@@ -336,7 +336,7 @@ def explore(
     single = isinstance(image, (str, Path)) or not isinstance(image, Sequence)
     for item in [image] if single else image:
         explorer.add(item)
-    if explorer.task.click == "word":  # the page follows the task, as the web app's does
+    if explorer.task.words:  # the page follows the task, as the web app's does
         return WordsNotebook(explorer)
     return NotebookExplorer(explorer, Path(folder))
 

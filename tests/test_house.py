@@ -524,3 +524,15 @@ def test_the_runner_decides_records_and_maps_and_holds_no_speedup() -> None:
                                                          ("Pending", "Traced", "in_pass"))}  # fmt: skip
     source = runner.read_text(encoding="utf-8")
     assert not any(word in source for word in ("enabled(", "pending_search", "traced_pass", "settled_pass"))
+
+
+def test_the_explorers_pages_ask_the_task_what_a_click_does() -> None:
+    """What a click does is the task's to say (its picks, prompts, regions, words); no page tests its name."""
+    found = []
+    for name, path in MODULES.items():
+        if layer_of(name) == "tasks":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare) and "click" in ast.unparse(node):
+                found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    assert not found, "\n".join(found)

@@ -126,7 +126,7 @@ class App:
         gr = gradio()
         layers = self.explorer.layer_menu(photo) if photo else []
         try:  # a promptable segmenter's entry is its prompt's mask: none until a click
-            menu = self.explorer.entry_menu(photo) if photo and self.explorer.task.click != "prompt" else []
+            menu = self.explorer.entry_menu(photo) if photo and not self.explorer.task.prompts else []
         except ExplainError as err:  # no automatic layer, say: the layers are listed to pick one
             gr.Warning(str(err))
             menu = []
@@ -145,7 +145,7 @@ class App:
     def listed(self, photo: str, target: int | None, prompt: list[float] | None) -> Any:
         """The entries to click after a click on the photo: the same photo's (the clicked one chosen), or those of
         the new prompt."""
-        if self.explorer.task.click == "prompt" and not prompt:  # a box's first corner: no mask yet
+        if self.explorer.task.prompts and not prompt:  # a box's first corner: no mask yet
             return gradio().skip()
         view = View(prompt=tuple(prompt or ())) if prompt else None
         menu = [(entry.label, entry.index) for entry in self.explorer.entries(photo, view)]
@@ -171,12 +171,12 @@ class App:
         else the entry there (a keypoint, a detection, a segment). Returns the target, the prompt, the pending
         corner and the photo to click, with what was clicked drawn on it."""
         x, y = (float(v) for v in event.index)
-        click, prompt = self.explorer.task.click, list(prompt or [])
-        if click == "region" or (click == "prompt" and mode == "box"):
+        task, prompt = self.explorer.task, list(prompt or [])
+        if task.regions or (task.prompts and mode == "box"):
             if corner is None:  # the box's first corner, drawn as a point until the second
                 return target, prompt, [x, y], self.clickable(photo, [x, y])
             prompt, corner = [min(corner[0], x), min(corner[1], y), max(corner[0], x), max(corner[1], y)], None
-        elif click == "prompt":
+        elif task.prompts:
             prompt = [x, y]
         else:
             target = self.explorer.entry_at(photo, x, y)
@@ -214,7 +214,7 @@ class App:
         clip's frames or a scan's slices (hidden for a photo), set to the one drawn (``index``; None: the map's
         peak). The model runs only for a view not seen before."""
         gr = gradio()
-        if not photo or (self.explorer.task.click == "prompt" and not prompt):  # nothing to explain until a click
+        if not photo or (self.explorer.task.prompts and not prompt):  # nothing to explain until a click
             return "", self.explorer.task.click_label if photo else "", gr.Slider(visible=False)
         shown = self.explorer.show(photo, self.view(method, layers, target, fuse, aug, eigen, prompt))
         drawn = shown.peak if index is None else int(index)
@@ -332,7 +332,7 @@ def build(app: App) -> Any:
     click picks a word, the words' page (:func:`explain.explorer.words.build_words`)."""
     gr = gradio()
     explorer = app.explorer
-    if explorer.task.click == "word":
+    if explorer.task.words:
         return build_words(app)
     with gr.Blocks(title=f"explain: {explorer.spec.name}") as page:
         gr.Markdown(f"### explain · {explorer.spec.name} ({explorer.task.name})")
@@ -342,7 +342,7 @@ def build(app: App) -> Any:
                 c = components(explorer, ("view", "style"))
                 c["click"] = gr.Radio(
                     ["point", "box"], value="point", label="A click gives", elem_id="click",
-                    visible=explorer.task.click == "prompt",
+                    visible=explorer.task.prompts,
                 )  # fmt: skip
                 c["picker"] = gr.Image(elem_id="picker", type="pil", interactive=False, visible=False)
             with gr.Column(scale=2):

@@ -76,7 +76,22 @@ class Task:
     @property
     def prompted(self) -> bool:
         """Whether a click on the photo prompts the model or draws its region: a view's prompt is for it."""
-        return self.click in ("prompt", "region")
+        return self.prompts or self.regions
+
+    @property
+    def prompts(self) -> bool:
+        """Whether a click prompts the model (a point, or two corners of a box): nothing is explained before."""
+        return self.click == "prompt"
+
+    @property
+    def regions(self) -> bool:
+        """Whether two clicks draw the region whose output is explained (a depth model's)."""
+        return self.click == "region"
+
+    @property
+    def words(self) -> bool:
+        """Whether its maps are of words (a vision-language model's): the explorer shows its words' page."""
+        return self.click == "word"
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
