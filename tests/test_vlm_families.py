@@ -37,6 +37,8 @@ def rows_text(token: int, rows: int, columns: int, separator: int, end: int) -> 
 
 def gemma3():
     model = tiny("gemma3", mm_tokens_per_image=4)
+    with torch.no_grad():  # a new model's projection is zeros (the image reads as nothing): drawn, as trained ones are
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.2)
     token = image_token(model)
     ids = torch.tensor([[1, 5] + [token] * 4 + [6, 7]])
     inputs = {"pixel_values": picture(32, 32), "input_ids": ids, "attention_mask": torch.ones_like(ids),
@@ -206,12 +208,18 @@ def _plant(handles: list, blocks, at: torch.nn.Module, keep: torch.Tensor) -> No
         given = args[0] if args else kwargs["hidden_states"]
         return given if isinstance(out, torch.Tensor) else (given, *out[1:])
 
+    def kept(module, args, out):
+        first = out if isinstance(out, torch.Tensor) else out[0]
+        alone = first * keep.reshape(*first.shape[:-1], 1).to(first)
+        return alone if isinstance(out, torch.Tensor) else (alone, *out[1:])
+
     handles += [block.register_forward_hook(passed_on, with_kwargs=True) for block in blocks]
-    handles.append(at.register_forward_hook(lambda m, i, out: out * keep.reshape(*out.shape[:-1], 1).to(out)))
+    handles.append(at.register_forward_hook(kept))
 
 
 PLANTED = {  # the grid of the reading's map, the planted token's cell, the pixels on a cell's side
-    "mistral3": ((3, 2), 3, 16), "fuyu": ((2, 3), 4, 8), "mllama": ((4, 8), 13, 8),
+    "mistral3": ((3, 2), 3, 16), "fuyu": ((2, 3), 4, 8), "mllama": ((4, 8), 13, 8), "gemma3": ((2, 2), 1, 16),
+    "blip-2": ((4, 4), 6, 8),
 }  # fmt: skip
 
 
@@ -226,7 +234,8 @@ def test_a_vision_token_planted_alone_lands_on_its_own_cell_and_pixels(family: s
     """One token of the image alone left non-zero: Grad-CAM's weighted sum at the reading's map is non-zero at its
     cell alone, and the gradient of a word reaches that cell's pixels alone (Mistral 3: 16 x 16, its 2 x 2 merged
     patches of 8; Fuyu: its own patch of 8; Mllama: the patch of 8 of its second tile, row 1, column 5 of the 4 x 8
-    canvas). The pixels' relevance of AttnLRP and CP-LRP likewise."""
+    canvas; Gemma 3: the 2 x 2 patches its projector pools; BLIP-2: the patch its Q-Former reads at the tower's
+    last block). The pixels' relevance of AttnLRP and CP-LRP likewise."""
     model, inputs, _ = FAMILIES[family]()
     (rows, columns), cell, side = PLANTED[family]
     handles: list = []
@@ -238,6 +247,15 @@ def test_a_vision_token_planted_alone_lands_on_its_own_cell_and_pixels(family: s
         keep = torch.zeros(rows * columns)
         keep[cell] = 1
         _plant(handles, [], model.model.vision_embed_tokens, keep)
+    elif family == "gemma3":  # its projector pools 2 x 2 patches of 8 into each of its 2 x 2 tokens
+        keep = torch.zeros(rows * columns)
+        keep[cell] = 1
+        _plant(handles, model.model.vision_tower.encoder.layers, model.model.multi_modal_projector, keep)
+    elif family == "blip-2":  # the tower's last block's patch tokens, after its class token, are the map
+        keep = torch.zeros(1 + rows * columns)
+        keep[1 + cell] = 1
+        blocks = model.vision_model.encoder.layers
+        _plant(handles, blocks, blocks[-1], keep)
     else:  # tile 1, its patch (1, 1): 1 + 4 + 1 after its class token; the class tokens and unused tiles zero
         keep = torch.zeros(1, 1, 4, 17)
         keep[0, 0, 1, 1 + 4 + 1] = 1
@@ -251,7 +269,7 @@ def test_a_vision_token_planted_alone_lands_on_its_own_cell_and_pixels(family: s
         text["cross_attention_mask"] = torch.cat([seen, seen[:, -1:]], 1)  # the word sees what the prompt's last does
     wrapped = VisionLanguage(model, text, reading)
     try:
-        gradcam = explain.GradCAM(wrapped, reading.levels[0])
+        gradcam = explain.GradCAM(wrapped, getattr(reading, "levels", [None])[0])  # the whole image's: searched
         gradcam.relu = False
         target = TokenTarget(text["input_ids"][0], [text["input_ids"].shape[1] - 1])
         x = reading.picture(inputs)
