@@ -219,7 +219,7 @@ def _plant(handles: list, blocks, at: torch.nn.Module, keep: torch.Tensor) -> No
 
 PLANTED = {  # the grid of the reading's map, the planted token's cell, the pixels on a cell's side
     "mistral3": ((3, 2), 3, 16), "fuyu": ((2, 3), 4, 8), "mllama": ((4, 8), 13, 8), "gemma3": ((2, 2), 1, 16),
-    "blip-2": ((4, 4), 6, 8),
+    "blip-2": ((4, 4), 6, 8), "instructblip": ((4, 4), 9, 8), "aya_vision": ((2, 2), 2, 16),
 }  # fmt: skip
 
 
@@ -234,8 +234,9 @@ def test_a_vision_token_planted_alone_lands_on_its_own_cell_and_pixels(family: s
     """One token of the image alone left non-zero: Grad-CAM's weighted sum at the reading's map is non-zero at its
     cell alone, and the gradient of a word reaches that cell's pixels alone (Mistral 3: 16 x 16, its 2 x 2 merged
     patches of 8; Fuyu: its own patch of 8; Mllama: the patch of 8 of its second tile, row 1, column 5 of the 4 x 8
-    canvas; Gemma 3: the 2 x 2 patches its projector pools; BLIP-2: the patch its Q-Former reads at the tower's
-    last block). The pixels' relevance of AttnLRP and CP-LRP likewise."""
+    canvas; Gemma 3 and Aya Vision: the 2 x 2 patches their projector pools or shuffles into the token; BLIP-2 and
+    InstructBLIP: the patch their Q-Former reads at the tower's last block). The pixels' relevance of AttnLRP and
+    CP-LRP likewise."""
     model, inputs, _ = FAMILIES[family]()
     (rows, columns), cell, side = PLANTED[family]
     handles: list = []
@@ -247,11 +248,11 @@ def test_a_vision_token_planted_alone_lands_on_its_own_cell_and_pixels(family: s
         keep = torch.zeros(rows * columns)
         keep[cell] = 1
         _plant(handles, [], model.model.vision_embed_tokens, keep)
-    elif family == "gemma3":  # its projector pools 2 x 2 patches of 8 into each of its 2 x 2 tokens
+    elif family in ("gemma3", "aya_vision"):  # the projector pools, or shuffles, 2 x 2 patches of 8 into a token
         keep = torch.zeros(rows * columns)
         keep[cell] = 1
         _plant(handles, model.model.vision_tower.encoder.layers, model.model.multi_modal_projector, keep)
-    elif family == "blip-2":  # the tower's last block's patch tokens, after its class token, are the map
+    elif family in ("blip-2", "instructblip"):  # the tower's last block's patch tokens, after its class token
         keep = torch.zeros(1 + rows * columns)
         keep[1 + cell] = 1
         blocks = model.vision_model.encoder.layers
