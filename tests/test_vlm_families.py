@@ -418,3 +418,26 @@ def test_fuyu_s_squared_relu_is_refused_by_the_relevance_methods_in_one_line() -
     with pytest.raises(explain.LayerError, match=r"as a feature.*use lrp or a gradient method") as refused:
         explain.explain_answer(model, inputs, answer=ANSWER, method="attnlrp")
     assert "\n" not in str(refused.value)
+
+
+def test_the_command_line_explains_a_given_answer_on_mistral3s_rows(mistral3_folder, tmp_path) -> None:
+    """``--answer``: the given words' probabilities in the record are the model's own teacher-forced ones."""
+    import json
+
+    from conftest import CAT
+
+    from explain.cli import main
+    from explain.io.images import load_image
+
+    out = tmp_path / "out"
+    assert main([str(CAT), "--model", str(mistral3_folder), "--prompt", "[IMG]what is it", "--answer", "what is",
+                 "-o", str(out), "--quiet"]) == 0  # fmt: skip
+    _, record = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert record["answer"] == "what is" and [t["class_name"] for t in record["targets"]] == ["what", "is"]
+    model = transformers.AutoModelForImageTextToText.from_pretrained(mistral3_folder).eval()
+    processor = transformers.AutoProcessor.from_pretrained(mistral3_folder)
+    inputs = dict(processor(images=load_image(CAT), text="[IMG]what is it", return_tensors="pt"))
+    answer = processor.tokenizer("what is", add_special_tokens=False).input_ids
+    expected = teacher_forced(model, inputs, answer, {})
+    scores = [target["score"] for target in record["targets"]]
+    assert np.allclose(scores, expected.numpy(), rtol=0, atol=1e-4)
