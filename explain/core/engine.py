@@ -23,11 +23,11 @@ from ..catalog import FUSIONS
 from ..errors import ExplainError, LayerError, TargetError
 from ..targets import BoundTarget, Target, TargetLike, as_target
 from .detectors import thresholds_lowered
-from .held import held_model, in_model_dtype, warn_training
+from .held import held_model, in_model_dtype, refuse_quantized, warn_training
 from .layers import LayerSpec
 from .layouts import Reshape
 from .maps import has_nonzero, normalize_maps, postprocess, principal_projection, upsample
-from .model_state import exclusive, untouched
+from .model_state import exclusive, modules_of, untouched
 from .result import CAMResult, make_result
 from .runner import INPUT, Capture, Needs, PassRunner
 
@@ -261,7 +261,6 @@ class CAM:
         """The call's work, under the model's lock: the layers found, the plain pass, the averaged maps."""
         check_images(x)
         check_rank(self.model, x)
-        warn_training(self.model)
         given, x = x, in_model_dtype(self.model, x)
         model_kwargs = dict(model_kwargs or {})
         goal = self.target_for(target, topk)
@@ -279,9 +278,14 @@ class CAM:
             torch.inference_mode(False),
             torch.enable_grad(),
         ):
+            warn_training(modules_of(self.model))
             runner = PassRunner(self, x, goal, model_kwargs, generator)  # a model changed since is looked up again
             images = x.clone() if x.is_inference() else x.detach()
-            plain = runner.plain_pass(images)
+            try:
+                plain = runner.plain_pass(images)
+            except LayerError:  # no gradient at the layers: a quantized model's, said as such
+                refuse_quantized(self.model, modules_of(self.model))
+                raise
             self._layers = runner.layers
             maps = runner.averaged(images, plain)
         size = x.shape[2:]

@@ -16,8 +16,9 @@ def held_model(model: nn.Module) -> nn.Module:
     parameters; compiling changes the speed, not the function), else the model itself.
 
     Raises:
-        ExplainError: A TorchScript module, which runs no Python hooks; a graph module that calls none of its layers
-            (``torch.export``'s); or a quantized model, whose quantized layers carry no gradient.
+        ExplainError: A TorchScript module, which runs no Python hooks; or a graph module that calls none of its
+            layers (``torch.export``'s). A quantized model is refused where its missing gradient shows (see
+            :func:`refuse_quantized`), as a method without gradients reads it.
     """
     if isinstance(model, torch.jit.ScriptModule):
         raise ExplainError(
@@ -32,14 +33,23 @@ def held_model(model: nn.Module) -> nn.Module:
             "calls none of its layers, so no hook on a layer runs: pass the eager model, or "
             "torch.export.unflatten(program), whose layers run"
         )
-    quantized = next((name for name, m in model.named_modules() if _is_quantized(m)), None)
-    if quantized is not None:
-        raise ExplainError(
-            f"the model is quantized (its layer {quantized or 'itself'!r} is a quantized "
-            f"{type(model.get_submodule(quantized)).__name__}): quantized layers carry no gradient, so explain cannot "
-            "read them; pass the float model it was quantized from"
-        )
     return model
+
+
+def refuse_quantized(model: nn.Module, modules: list[nn.Module]) -> None:
+    """Where a call found no gradient at its layers, say why if the model is quantized (``modules``: its walk).
+
+    Raises:
+        ExplainError: One of its layers is one of torch's quantized layers, which carry no gradient.
+    """
+    quantized = next((m for m in modules if _is_quantized(m)), None)
+    if quantized is not None:
+        name = next(name for name, m in model.named_modules() if m is quantized)
+        raise ExplainError(
+            f"the model is quantized (its layer {name or 'itself'!r} is a quantized {type(quantized).__name__}): "
+            "quantized layers carry no gradient, so explain cannot read them; pass the float model it was "
+            "quantized from"
+        )
 
 
 def _calls_layers(graph: torch.fx.GraphModule) -> bool:
@@ -67,9 +77,10 @@ def _varies(module: nn.Module) -> bool:
     )
 
 
-def warn_training(model: nn.Module) -> None:
-    """Warn, in one line, that a model left in training mode gives maps that vary from call to call."""
-    varying = sorted({type(m).__name__ for m in model.modules() if m.training and _varies(m)})
+def warn_training(modules: list[nn.Module]) -> None:
+    """Warn, in one line, that a model left in training mode (``modules``: its walk) gives maps that vary from call
+    to call."""
+    varying = sorted({type(m).__name__ for m in modules if m.training and _varies(m)})
     if varying:
         warnings.warn(
             f"the model is in training mode: its {', '.join(varying)} layers use each batch's statistics or draw "

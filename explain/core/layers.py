@@ -438,8 +438,7 @@ def auto_layers(
     key = automatic_key(x, model_kwargs, target)
     if fresh or key not in known:
         known[key] = find_auto_layers(model, x, model_kwargs, target, labels)
-    modules = dict(model.named_modules())
-    return [(name, modules[layer_entry(name)[0]]) for name in known[key]]
+    return [(name, model.get_submodule(layer_entry(name)[0])) for name in known[key]]  # no walk of the whole model
 
 
 def find_auto_layers(

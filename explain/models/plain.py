@@ -16,7 +16,7 @@ from typing import Any
 from PIL import Image
 from torch import nn
 
-from ..core.held import held_model
+from ..core.held import held_model, refuse_quantized
 from ..errors import ExplainError, ModelLoadError
 from .spec import IMAGENET_PREPROCESSING, ModelSpec, Preprocessing
 
@@ -32,7 +32,8 @@ def plain_spec(model: nn.Module, name: str, source: str) -> ModelSpec:
             layer reads other than an image's 3 channels, or one that says nothing of its classes.
     """
     try:
-        held_model(model)  # a TorchScript, exported or quantized model: refused saying why
+        held_model(model)  # a TorchScript or exported model: refused saying why
+        refuse_quantized(model, list(model.modules()))
     except ExplainError as err:
         raise ModelLoadError(f"{source}: {err}") from None
     first = next((m for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)), None)
