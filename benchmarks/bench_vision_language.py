@@ -33,31 +33,23 @@ from explain.models.vision_language import answered, image_reading, text_inputs
 from explain.targets import TokenTarget
 
 IMAGE_TOKEN, ANSWER = 31999, 16
+TOWER = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4}  # every family's vision tower
+TEXT = {**TOWER, "vocab_size": 32000, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "max_position_embeddings": 512}  # fmt: skip  # and its language model
 
 
 def small_llava() -> torch.nn.Module:
-    vision = transformers.CLIPVisionConfig(
-        hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, image_size=224,
-        patch_size=14,
-    )  # fmt: skip
-    text = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=512,
-    )  # fmt: skip
+    vision = transformers.CLIPVisionConfig(**TOWER, num_attention_heads=4, image_size=224, patch_size=14)
+    text = transformers.LlamaConfig(**TEXT)
     config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN)
     torch.manual_seed(0)
     return transformers.LlavaForConditionalGeneration(config).eval()
 
 
 def small_mistral3() -> torch.nn.Module:
-    vision = transformers.PixtralVisionConfig(
-        hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, image_size=336,
-        patch_size=14, head_dim=64,
-    )  # fmt: skip
-    text = transformers.MistralConfig(
-        vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, head_dim=64, max_position_embeddings=512,
-    )  # fmt: skip
+    vision = transformers.PixtralVisionConfig(**TOWER, num_attention_heads=4, image_size=336, patch_size=14,
+                                              head_dim=64)  # fmt: skip
+    text = transformers.MistralConfig(**TEXT, head_dim=64)
     config = transformers.Mistral3Config(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN)
     torch.manual_seed(0)
     return transformers.Mistral3ForConditionalGeneration(config).eval()
@@ -65,13 +57,11 @@ def small_mistral3() -> torch.nn.Module:
 
 def small_mllama() -> torch.nn.Module:
     vision = transformers.MllamaVisionConfig(
-        hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_global_layers=1, attention_heads=4,
-        image_size=224, patch_size=14, max_num_tiles=4, intermediate_layers_indices=[1], vision_output_dim=512,
+        **TOWER, num_global_layers=1, attention_heads=4, image_size=224, patch_size=14, max_num_tiles=4,
+        intermediate_layers_indices=[1], vision_output_dim=512,
     )  # fmt: skip
     text = transformers.MllamaTextConfig(
-        vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, cross_attention_layers=[1, 3], max_position_embeddings=512, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2,
+        **TEXT, cross_attention_layers=[1, 3], pad_token_id=0, bos_token_id=1, eos_token_id=2
     )  # fmt: skip
     config = transformers.MllamaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN)
     torch.manual_seed(0)
