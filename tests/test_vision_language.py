@@ -224,6 +224,35 @@ def test_a_text_whose_image_tokens_do_not_match_the_vision_tower_is_refused() ->
         TokenTarget(PROMPT[0], [0])
 
 
+class Raising(torch.nn.Module):
+    """A model whose forward raises ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise self.error
+
+
+def test_only_the_models_own_refusal_becomes_one_line() -> None:
+    from explain.core.maps import upsample
+    from explain.models.vision_language import model_refusals
+
+    refusing = Raising(ValueError("3 is not 4\nmore"))
+    with pytest.raises(explain.ExplainError, match=r"Raising refuses .* \(ValueError: 3 is not 4\)"), model_refusals(
+        refusing
+    ):
+        refusing(torch.zeros(1))
+    out_of_memory = Raising(torch.OutOfMemoryError("CUDA out of memory"))
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"), model_refusals(out_of_memory):
+        out_of_memory(torch.zeros(1))
+    hooked = torch.nn.Linear(2, 2)  # a hook of explain's own code that fails inside the model's forward
+    hooked.register_forward_hook(lambda module, args, output: upsample(module, (2, 2)))
+    with pytest.raises(AttributeError, match="shape"), model_refusals(hooked):
+        hooked(torch.zeros(1, 2))
+
+
 @pytest.mark.parametrize("fails", [False, True])
 def test_the_model_is_left_as_it_was(fails: bool) -> None:
     model, x = tiny_llava(), image()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -141,7 +142,9 @@ class VisionLanguage(nn.Module):
 
 @contextmanager
 def model_refusals(model: nn.Module) -> Iterator[None]:
-    """In the block, the model's own refusal of the inputs explain gives it is one line: explain's error.
+    """In the block, the model's own refusal of the inputs explain gives it is one line: explain's error. Running out
+    of memory is not a refusal, and an error raised in explain's own code inside the model's forward (a reading's
+    hook) is explain's: both pass as they are.
 
     Raises:
         ExplainError: The model raised; the message names its error.
@@ -151,11 +154,30 @@ def model_refusals(model: nn.Module) -> Iterator[None]:
     except ExplainError:
         raise
     except Exception as error:
+        if isinstance(error, (torch.OutOfMemoryError, MemoryError)) or _raised_in_a_hook(error):
+            raise
         first = str(error).splitlines()[0] if str(error) else ""
         raise ExplainError(
             f"{type(model).__name__} refuses the inputs explain gives it from its processor's output "
             f"({type(error).__name__}: {first}): pass the processor's whole output for one image and one prompt"
         ) from error
+
+
+_PACKAGE = Path(__file__).resolve().parents[1]  # explain's own folder
+
+
+def _raised_in_a_hook(error: BaseException) -> bool:
+    """Whether the error's traceback enters code outside explain (the model's) and then explain's own again: a
+    hook explain set on the model raised it."""
+    left = False
+    frame = error.__traceback__
+    while frame is not None:
+        own = Path(frame.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE)
+        if left and own:
+            return True
+        left = left or not own
+        frame = frame.tb_next
+    return False
 
 
 # per-token inputs that do not feed the logits (a loss's labels, Fuyu's patch indices), or that the forward derives
