@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,14 @@ TINY_HF = {
     "num_attention_heads": 2,
 }
 CAT, COFFEE = ASSETS / "chelsea.png", ASSETS / "coffee.png"
+
+# Under pytest-xdist each worker is a process of its own: the cores are shared out among the workers, rather than
+# each running as many threads as there are cores; the processes a test starts run with its worker's threads, so
+# that what they compute rounds as the worker's own computation does.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    THREADS = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(THREADS)
+    os.environ["OMP_NUM_THREADS"] = str(THREADS)
 
 
 def seeded(name: str, **kwargs) -> nn.Module:
