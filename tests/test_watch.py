@@ -1,7 +1,7 @@
 """Layouts read during a call's own forward (explain/core/watch.py) against the full trace's: for every layer of
 several families, the watch either agrees with the trace or tells nothing (and the trace is run). On a batch of
 several images it never lays out tokens: Hiera's unrolled tokens, moved across the batch axis, would keep the
-mark of a grid they no longer follow."""
+mark of a grid they no longer follow. The trace's map shape of each layer is its layout's of the layer's output."""
 
 from __future__ import annotations
 
@@ -59,6 +59,8 @@ def test_the_watch_agrees_with_the_trace_or_tells_nothing(family: str, images: i
         output = outputs.get(info.name)
         if not isinstance(output, torch.Tensor):
             continue
+        if info.layout is not None:  # the trace's map shape, told from the output's shape: the layout's own
+            assert tuple(info.layout(output).shape[1:]) == info.map_shape, info.name
         found = watch.layout(info.name, output, geometry)
         if found is not None:
             told += 1

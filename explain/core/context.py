@@ -112,7 +112,7 @@ def structure(modules: Sequence[nn.Module]) -> tuple[Any, ...]:
 def _entry(module: nn.Module) -> tuple[Any, ...]:
     """One module's part of :func:`structure`."""
     found = module.__dict__
-    keys = [key for key, value in found.items() if _switch(key, value)]
+    keys = [key for key, value in found.items() if key[:1] != "_" and _switch(key, value)]  # "_": no switch
     values = [found[key] for key in keys]
     children = [*map(id, found["_modules"].values())]
     return weakref.ref(module), len(found), children, keys, [*map(type, values)], values, _tensors(found)

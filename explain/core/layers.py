@@ -166,7 +166,7 @@ def is_probabilities(value: Tensor) -> bool:
     first row is checked first: most outputs fail there, at the cost of one row)."""
     if value.dim() < 3 or not value.is_floating_point() or value.numel() == 0:
         return False
-    if abs(float(value.reshape(-1, value.shape[-1])[0].sum()) - 1.0) > 1e-3 or bool(value.amin() < 0):
+    if abs(float(value[(0,) * (value.dim() - 1)].sum()) - 1.0) > 1e-3 or bool(value.amin() < 0):
         return False
     return bool(torch.allclose(value.sum(-1), torch.ones((), dtype=value.dtype, device=value.device), atol=1e-3))
 
@@ -369,8 +369,7 @@ def _as_map(
         layout = find_layout(model, info.name, info.shape, geometry, observed, probabilities)
     except LayerError as err:
         return replace(info, refusal=str(err))
-    probe = layout(torch.empty(1, *info.shape, device="meta"))
-    return replace(info, map_shape=tuple(probe.shape[1:]), layout=layout)
+    return replace(info, map_shape=layout.map_shape(info.shape), layout=layout)
 
 
 def traced_layers(

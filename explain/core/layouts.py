@@ -94,6 +94,22 @@ class Layout:
             return mapped
         return output
 
+    def map_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape (C, *grid) of one image's map from its output's ``shape`` (batch axis left out), as
+        :meth:`__call__` lays it out (channels first, channels last or tokens).
+
+        Raises:
+            LayerError: The layout is the caller's ``reshape`` or attention, whose shape only a call tells.
+        """
+        shape = tuple(shape)
+        if self.kind == "channels_first":
+            return shape
+        if self.kind == "channels_last":
+            return shape[-1], *shape[:-1]
+        if self.kind == "tokens":
+            return shape[-1], *self.grid
+        raise LayerError(f"a layer laid out by {self.describe()} tells its map's shape only when called")
+
     def placed(self, output: Tensor, maps: Tensor) -> Tensor:
         """The layout undone: ``maps`` (N, C, *grid) laid out as the layer's ``output`` is, which gives what the
         maps leave out (a transformer's prefix tokens, kept as they are).
@@ -207,11 +223,14 @@ def find_layout(
 
 
 def _module(model: nn.Module, name: str) -> nn.Module | None:
-    """The model's module of that name, or None."""
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        return None
+    """The model's module of that dotted name, or None: looked up in each module's children, as
+    ``get_submodule`` does without its checks (called for every layer of a trace)."""
+    found: Any = model
+    for atom in name.split(".") if name else ():
+        found = found._modules.get(atom) if isinstance(found, nn.Module) else None
+        if found is None:
+            return None
+    return found
 
 
 def _token_layout(name: str, shape: tuple[int, int], geometry: Geometry, mark: TokenMark | None) -> Layout:
