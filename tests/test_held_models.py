@@ -1,6 +1,7 @@
 """Models as users hold them: compiled, wrapped, scripted, traced, quantized, of another dtype than their input,
 left in training mode. Each gives the plain eager model's map (r >= 0.999), the user's own layer names accepted,
-or is refused in one line that says why; on a small CNN and a small ViT."""
+or is refused in one line that says why; on a small CNN and a small ViT. The concepts and the metrics take the held
+models as the methods do."""
 
 from __future__ import annotations
 
@@ -242,3 +243,52 @@ def test_the_command_line_explains_a_held_model_from_a_users_file_as_the_eager_o
     ours, theirs = (np.asarray(Image.open(folder / "chelsea.gradcam.png"), dtype=np.int16) for folder in (out, eager))
     difference = np.abs(ours - theirs)  # bfloat16's map, computed in bfloat16, moves a few colour levels
     assert difference.max() <= (8 if held == "bfloat16" else 1) and difference.mean() <= 1
+
+
+def held(model: torch.nn.Module, way: str) -> tuple[torch.nn.Module, str]:
+    """The model as a user may hold it, and the prefix its own layer names then carry."""
+    if way == "compiled":
+        return torch.compile(model, backend="eager"), "_orig_mod."
+    if way == "data_parallel":
+        return torch.nn.DataParallel(model), "module."
+    return model.to(torch.bfloat16), ""
+
+
+def tcav_scores(model: torch.nn.Module, layer: str, x: torch.Tensor) -> list[tuple[float, float]]:
+    """TCAV's score and magnitude of a darkened-image concept for classes 0 to 3 (the random network's derivatives
+    point up for some, down for others)."""
+    from explain.concepts import TCAV
+
+    concept, examples, random = x[:4] * 0.5, x[:4], torch.cat([x, x])[:6]
+    found = [TCAV(model, layer, runs=2)(examples, concept, random, c) for c in range(4)]
+    return [(t.score, t.magnitude) for t in found]
+
+
+@pytest.mark.parametrize("way", ["compiled", "data_parallel", "bfloat16"])
+def test_concepts_and_metrics_take_a_held_model_as_the_eager_one(way: str) -> None:
+    """CRAFT's maps of one concept bank, CRP's concept maps, TCAV's directional derivatives and a metric's scores:
+    on the held model as on the eager one (its own layer names accepted), a bfloat16 one given float32 images."""
+    from explain.concepts import ConceptRelevance, Craft
+
+    x = torch.rand(6, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    eager = cnn()
+    bank = Craft(eager, "layer4", concepts=3, crop=None, iterations=20).fit(x)
+    concepts, maps = torch.eye(512)[:3], explain.gradcam(eager, x[:2])
+    expected = {
+        "craft": Craft(eager, "layer4", concepts=3, crop=None).maps(bank, x[:2]),
+        "crp": ConceptRelevance(eager, "layer4", concepts=concepts)(x[:2], 0).maps,
+        "tcav": tcav_scores(eager, "layer4", x),
+        "deletion": explain.metrics.deletion(eager, x[:2], maps, 0, steps=8, score="logit").curve,
+    }
+    model, prefix = held(cnn(), way)
+    for layer in {"layer4", prefix + "layer4"}:
+        found = {
+            "craft": Craft(model, layer, concepts=3, crop=None).maps(bank, x[:2]),
+            "crp": ConceptRelevance(model, layer, concepts=concepts)(x[:2], 0).maps,
+            "tcav": tcav_scores(model, layer, x),
+            "deletion": explain.metrics.deletion(model, x[:2], maps, 0, steps=8, score="logit").curve,
+        }
+        assert found.pop("tcav") == expected["tcav"], layer
+        for name, values in found.items():
+            close = 0.999 if way == "bfloat16" else 0.99999
+            assert values.shape == expected[name].shape and r(values, expected[name]) >= close, (name, layer)

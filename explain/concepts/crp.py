@@ -24,8 +24,9 @@ from torch import Tensor, nn
 
 from ..core.context import input_signature
 from ..core.engine import check_images
+from ..core.held import held_model, in_model_dtype
 from ..core.hooks import Hooks
-from ..core.layers import LayerSpec, resolve_layer, traced_layers
+from ..core.layers import LayerSpec, resolve_layer, traced_layers, wrapped_names
 from ..core.model_state import exclusive, model_context, running, untouched
 from ..errors import ExplainError, LayerError, TargetError
 from ..relevance.propagation import LRP
@@ -107,7 +108,7 @@ def layout_kind(
         infos = traced_layers(model, x, model_kwargs)
     else:
         infos = model_context(model).traces.get(input_signature(x, model_kwargs), {})
-    info = infos.get(name)
+    info = next((infos[held] for held in (name, *wrapped_names(model, name)) if held in infos), None)
     return None if info is None or info.layout is None else info.layout.kind
 
 
@@ -191,10 +192,10 @@ class ConceptRelevance:
         if layer is None:
             raise LayerError("CRP conditions relevance at a layer: name it (explain --layers lists them)")
         self.weights = channel_weights(concepts)
-        self.model, self.labels, self.layer = model, labels, layer
+        self.model, self.labels, self.layer = held_model(model), labels, layer
         self.count = self.weights.concepts if isinstance(self.weights, ConceptBank) else len(self.weights)
         self.options = {"composite": composite, "labels": labels, **options}
-        self.lrp = _LayerLRP(model, layer, partial(_condition, self.weights), **self.options)
+        self.lrp = _LayerLRP(self.model, layer, partial(_condition, self.weights), **self.options)
 
     def __call__(self, x: Tensor, target: TargetLike = None) -> ConceptMaps:
         """Each concept's map of one target per image (the top class by default).
@@ -203,6 +204,7 @@ class ConceptRelevance:
             TargetError: More than one target per image.
         """
         check_images(x)
+        x = in_model_dtype(self.model, x)
         with exclusive(self.model), untouched(self.model), torch.no_grad():
             name = resolve_layer(self.model, self.layer, x, {})[0]
             channel_axis(self.model, name, x, {})  # traced here, outside the passes, which read it
@@ -249,6 +251,7 @@ class ConceptRelevance:
         reader = _LayerLRP(self.model, self.layer, partial(_kept, kept), **self.options) if by == "relevance" else None
         for x in as_batches(images, batch_size):
             check_images(x)
+            x = in_model_dtype(self.model, x)
             if probe is not None and x.shape[1:] != probe[0].shape[1:]:
                 shapes = f"{tuple(x.shape[1:])} after {tuple(probe[0].shape[1:])}"
                 raise ExplainError(f"references need images of one size: {shapes}")

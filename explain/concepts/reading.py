@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ..core.engine import CAM, Needs, check_images
+from ..core.held import held_model, in_model_dtype
 from ..core.hooks import Hooks, layer_entry
 from ..core.layers import LayerSpec
 from ..core.layouts import Layout
@@ -98,8 +99,8 @@ class LayerReader:
     ) -> None:
         if isinstance(layer, (list, tuple)):
             raise LayerError("concepts are found at one layer; give one layer, not a list")
-        self.model, self.labels, self.model_kwargs = model, labels, dict(model_kwargs or {})
-        self._methods = _readers(model, layer, labels)
+        self.model, self.labels, self.model_kwargs = held_model(model), labels, dict(model_kwargs or {})
+        self._methods = _readers(self.model, layer, labels)
         self._shares: dict[str, bool] = {}  # by layer: whether copies of an image were checked to share its prefix
 
     def read(self, x: Tensor, target: TargetLike = UNSCORED, gradients: bool = False) -> Reading:
@@ -112,6 +113,7 @@ class LayerReader:
                 levels): name one.
         """
         check_images(x)
+        x = in_model_dtype(self.model, x)
         method = self._methods[gradients]
         searched = target is UNSCORED and method.requested is None  # the automatic layer is searched for a score
         goal = as_target(None if searched else target)
@@ -139,7 +141,7 @@ class LayerReader:
         ``images[r]`` of ``x``, its layer output replaced by ``maps[r]``; in batches of ``batch_size``. (B,) Copies
         of one image share their forward up to the layer where they can (the ``tails`` speedup), checked once per
         layer."""
-        score = partial(self._scored, x, reading)
+        score = partial(self._scored, in_model_dtype(self.model, x), reading)
         with exclusive(self.model), untouched(self.model), torch.inference_mode(False), torch.no_grad():
             found = None
             if enabled("tails") and self._shares.get(reading.layer, True):

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from ..core.engine import check_images
+from ..core.held import held_model, in_model_dtype
 from ..core.maps import upsample
 from ..core.model_state import running, untouched
 from ..core.speedups.folding import ScoringForwards
@@ -63,7 +64,8 @@ class Scorer:
     Built once for a batch (:func:`scorer`), one scorer serves every metric of the batch's maps.
 
     Attributes:
-        model: The model, run as it is (its mode kept) without autograd.
+        model: The model, run as it is (its mode kept) without autograd, each input cast to its dtype (see
+            :func:`explain.core.held.in_model_dtype`); a compiled one's own module.
         x: The plain images, (N, C, H, W).
         score: What the scores are: ``"probability"``, ``"logit"`` or ``"target"`` (see :func:`scorer`).
         forwards: Its forwards of the perturbed copies (:class:`explain.core.speedups.folding.ScoringForwards`).
@@ -88,7 +90,7 @@ class Scorer:
         scores = []
         with plain_forwards(self.model):
             for rows in torch.arange(len(images), device=images.device).split(self.batch_size):
-                output = self.forwards(make(rows), **self.model_kwargs)
+                output = self.forwards(in_model_dtype(self.model, make(rows)), **self.model_kwargs)
                 scores.append(self.bound.score(output, images[rows])[:, 0].float())
         return torch.cat(scores) if scores else torch.zeros(0, device=images.device)
 
@@ -118,10 +120,10 @@ def scorer(
         raise ExplainError(f"score must be 'probability', 'logit' or 'target', got {score!r}")
     if batch_size < 1:
         raise ExplainError(f"batch_size must be >= 1, got {batch_size}")
-    model_kwargs = dict(model_kwargs or {})
+    model, model_kwargs = held_model(model), dict(model_kwargs or {})
     forwards = ScoringForwards(model, x.device)
     with plain_forwards(model):
-        output = forwards(x, **model_kwargs)
+        output = forwards(in_model_dtype(model, x), **model_kwargs)
     bound = _bound_metric_target(as_target(target), output, metric, score)
     original = bound.score(output, torch.arange(len(x), device=x.device))
     if original.shape[1] != 1:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from ..core.held import in_model_dtype
 from ..core.hooks import Hooks
 from ..core.layers import resolve_layer
 from ..errors import ExplainError
@@ -43,7 +44,7 @@ def _reads(model: nn.Module, images: Tensor, layer: nn.Module | None, batch_size
         if layer is not None:
             hooks.forward(layer, lambda module, args, output: kept.append(read_output(output).flatten(1)))
         for chunk in images.split(batch_size):
-            scores.append(read_output(model(chunk)).flatten(1).float())
+            scores.append(read_output(model(in_model_dtype(model, chunk))).flatten(1).float())
     scores_all = torch.cat(scores)
     return scores_all, (torch.cat(kept).float() if layer is not None else scores_all)
 
