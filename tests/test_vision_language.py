@@ -248,8 +248,8 @@ def test_only_the_models_own_refusal_becomes_one_line() -> None:
     with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"), model_refusals(out_of_memory):
         out_of_memory(torch.zeros(1))
     hooked = torch.nn.Linear(2, 2)  # a hook of explain's own code that fails inside the model's forward
-    hooked.register_forward_hook(lambda module, args, output: upsample(module, (2, 2)))
-    with pytest.raises(AttributeError, match="shape"), model_refusals(hooked):
+    hooked.register_forward_hook(lambda module, args, output: upsample(None, (2, 2)))
+    with pytest.raises(AttributeError, match="'NoneType' object has no attribute 'shape'"), model_refusals(hooked):
         hooked(torch.zeros(1, 2))
 
 

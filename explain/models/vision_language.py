@@ -143,8 +143,9 @@ class VisionLanguage(nn.Module):
 @contextmanager
 def model_refusals(model: nn.Module) -> Iterator[None]:
     """In the block, the model's own refusal of the inputs explain gives it is one line: explain's error. Running out
-    of memory is not a refusal, and an error raised in explain's own code inside the model's forward (a reading's
-    hook) is explain's: both pass as they are.
+    of memory is not a refusal, and an error raised by a line of explain's own code inside the model's forward (a
+    reading's hook) is explain's: both pass as they are. (An error a torch function raises where explain's hook
+    called it is taken for the model's.)
 
     Raises:
         ExplainError: The model raised; the message names its error.
@@ -154,7 +155,7 @@ def model_refusals(model: nn.Module) -> Iterator[None]:
     except ExplainError:
         raise
     except Exception as error:
-        if isinstance(error, (torch.OutOfMemoryError, MemoryError)) or _raised_in_a_hook(error):
+        if isinstance(error, (torch.OutOfMemoryError, MemoryError)) or _raised_by_explain(error):
             raise
         first = str(error).splitlines()[0] if str(error) else ""
         raise ExplainError(
@@ -166,18 +167,16 @@ def model_refusals(model: nn.Module) -> Iterator[None]:
 _PACKAGE = Path(__file__).resolve().parents[1]  # explain's own folder
 
 
-def _raised_in_a_hook(error: BaseException) -> bool:
-    """Whether the error's traceback enters code outside explain (the model's) and then explain's own again: a
-    hook explain set on the model raised it."""
-    left = False
+def _raised_by_explain(error: BaseException) -> bool:
+    """Whether explain's own code raised the error: its innermost frame is explain's (a reading's hook), and not
+    the operation trace's ``__torch_function__``, which only runs the model's own operation."""
     frame = error.__traceback__
-    while frame is not None:
-        own = Path(frame.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE)
-        if left and own:
-            return True
-        left = left or not own
+    while frame is not None and frame.tb_next is not None:
         frame = frame.tb_next
-    return False
+    if frame is None:
+        return False
+    code = frame.tb_frame.f_code
+    return code.co_name != "__torch_function__" and Path(code.co_filename).resolve().is_relative_to(_PACKAGE)
 
 
 # per-token inputs that do not feed the logits (a loss's labels, Fuyu's patch indices), or that the forward derives
