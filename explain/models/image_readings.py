@@ -1,8 +1,10 @@
 """How a vision-language model reads an image: the picture explain explains (N, 3, H, W), the model's image inputs
 made of it, and the map of the vision tokens as the language model reads them.
 
-- :class:`WholeImage`: the processor's ``pixel_values`` are the picture (LLaVA 1.5, PaliGemma); the layer is
-  searched as in any model, and the count of tokens the projector makes is checked at every forward.
+- :class:`HeldImage`: the processor's ``pixel_values`` are the picture, its other image inputs held as given; the
+  readings below that take the picture whole build on it.
+- :class:`WholeImage`: a vision tower reads the whole picture (LLaVA 1.5, PaliGemma); the layer is searched as in
+  any model, and the count of tokens the projector makes is checked at every forward.
 - :class:`MergedPatches`: the processor cuts the picture into patches, flattened in groups that the vision tower
   merges into one token each (Qwen2-VL, Qwen2.5-VL: ``pixel_values`` (patches, features) and ``image_grid_thw``).
   The picture is put back together from the patches, and cut again inside the forward, so that every method
@@ -71,28 +73,18 @@ def count_error(made: int, expected: int, token: int) -> ExplainError:
     )
 
 
-class WholeImage(nn.Module):
-    """The processor's ``pixel_values`` (1, 3, H, W) are the picture: LLaVA 1.5, PaliGemma, Gemma 3 and their kind.
-
-    The processor's other image inputs (Mistral 3's ``image_sizes``, InstructBLIP's text for its Q-Former) are
-    held as given, one copy per picture.
+class HeldImage(nn.Module):
+    """The processor's ``pixel_values`` (1, 3, H, W) are the picture; its other image inputs (Mistral 3's
+    ``image_sizes``, InstructBLIP's text for its Q-Former) are held as given, one copy per picture.
 
     Args:
-        model: The model; its projector (``multi_modal_projector``), where it has one, makes the vision tokens the
-            language model reads. The layer is searched as in any model.
         inputs: The processor's output for one image and one prompt.
-        image_tokens: The image tokens of the text, one per vision token.
-        projector: The name of the projector's module.
     """
 
     inputs = ("pixel_values", "image_sizes", "qformer_input_ids", "qformer_attention_mask")
 
-    def __init__(
-        self, model: nn.Module, inputs: Mapping[str, Tensor], image_tokens: int, projector: str = PROJECTOR
-    ) -> None:
+    def __init__(self, inputs: Mapping[str, Tensor]) -> None:
         super().__init__()
-        self.projector = next((m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == projector), None)
-        self.image_tokens, self.token = image_tokens, image_token_id(model)
         self.held = {name: inputs[name] for name in self.inputs[1:] if name in inputs}
 
     @staticmethod
@@ -116,6 +108,26 @@ class WholeImage(nn.Module):
         n = len(picture)
         held = {name: value.to(picture.device).expand(n, *value.shape[1:]) for name, value in self.held.items()}
         return {"pixel_values": picture, **held}
+
+
+class WholeImage(HeldImage):
+    """The whole picture is read by a vision tower whose tokens a projector hands to the text: LLaVA 1.5,
+    PaliGemma, Gemma 3 and their kind (see :class:`HeldImage` for the picture and the inputs held).
+
+    Args:
+        model: The model; its projector (``multi_modal_projector``), where it has one, makes the vision tokens the
+            language model reads. The layer is searched as in any model.
+        inputs: The processor's output for one image and one prompt.
+        image_tokens: The image tokens of the text, one per vision token.
+        projector: The name of the projector's module.
+    """
+
+    def __init__(
+        self, model: nn.Module, inputs: Mapping[str, Tensor], image_tokens: int, projector: str = PROJECTOR
+    ) -> None:
+        super().__init__(inputs)
+        self.projector = next((m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == projector), None)
+        self.image_tokens, self.token = image_tokens, image_token_id(model)
 
     def watch(self, hooks: Hooks, images: int) -> None:
         """Check, in the forward of ``images`` pictures, the count of tokens the projector makes (a model without
@@ -314,7 +326,7 @@ def image_runs(input_ids: Tensor, token: int) -> list[tuple[int, int]]:
     return list(zip(starts.tolist(), (ends - starts).tolist()))
 
 
-class Rows(WholeImage):
+class Rows(HeldImage):
     """Image tokens in rows, a separator token closing each (Mistral 3's and Pixtral's ``[IMG_BREAK]``).
 
     The rows are the runs of the image token in the text, so the grid is the text's own. The map is taken where
@@ -332,7 +344,7 @@ class Rows(WholeImage):
     """
 
     def __init__(self, model: nn.Module, inputs: Mapping[str, Tensor], runs: list[tuple[int, int]]) -> None:
-        nn.Module.__init__(self)
+        super().__init__(inputs)
         lengths = sorted({length for _, length in runs})
         if len(lengths) != 1:
             raise ExplainError(
@@ -340,7 +352,7 @@ class Rows(WholeImage):
                 "the text with the model's own processor, for this image"
             )
         rows, columns = len(runs), lengths[0]
-        height, width = WholeImage.picture(inputs).shape[-2:]
+        height, width = HeldImage.picture(inputs).shape[-2:]
         if height * columns != width * rows or height % rows:
             raise ExplainError(
                 f"the text's {rows}x{columns} image tokens do not lie on the {height}x{width} image in square cells: "
@@ -349,7 +361,6 @@ class Rows(WholeImage):
         self.language = submodule(model, LANGUAGE_MODEL, "the image's tokens as the text reads them")
         self.runs = runs
         self.tokens = VisionTokens((rows, columns), torch.arange(rows * columns))
-        self.held = {name: inputs[name] for name in self.inputs[1:] if name in inputs}
         self.levels = ("reading.tokens",)
 
     def watch(self, hooks: Hooks, images: int) -> None:
@@ -392,24 +403,29 @@ class PatchRows(Rows):
 
     def __init__(self, model: nn.Module, inputs: Mapping[str, Tensor], runs: list[tuple[int, int]]) -> None:
         patches, config = inputs["pixel_values"], model.config
-        self.patch, self.channels = int(config.patch_size), int(config.num_channels)
+        patch, channels = int(config.patch_size), int(config.num_channels)
         rows, columns = len(runs), runs[0][1]
-        if patches.shape != (1, rows * columns, self.patch * self.patch * self.channels):
+        if patches.shape != (1, rows * columns, patch * patch * channels):
             raise ExplainError(
                 f"pixel_values {tuple(patches.shape)} are not the text's {rows}x{columns} patches of "
-                f"{self.patch}x{self.patch}x{self.channels} pixels: pass the processor's output for this image"
+                f"{patch}x{patch}x{channels} pixels: pass the processor's output for this image"
             )
-        super().__init__(model, {**inputs, "pixel_values": self.picture(inputs, (rows, columns))}, runs)
+        super().__init__(model, {**inputs, "pixel_values": _joined(patches, (rows, columns), patch, channels)}, runs)
+        self.patch, self.channels = patch, channels
 
-    def picture(self, inputs: Mapping[str, Tensor], grid: tuple[int, int] | None = None) -> Tensor:
+    def picture(self, inputs: Mapping[str, Tensor]) -> Tensor:
         """The picture (1, C, rows * p, columns * p) whose patches the processor gives."""
-        rows, columns = grid or self.tokens.grid
-        p, c = self.patch, self.channels
-        cut = inputs["pixel_values"].reshape(1, rows, columns, p, p, c)
-        return cut.permute(0, 5, 1, 3, 2, 4).reshape(1, c, rows * p, columns * p)
+        return _joined(inputs["pixel_values"], self.tokens.grid, self.patch, self.channels)
 
     def model_inputs(self, picture: Tensor) -> dict[str, Tensor]:
         """The model's patches (N, patches, p * p * C) of pictures (N, C, H, W), row by row."""
         (rows, columns), p, n = self.tokens.grid, self.patch, len(picture)
         cut = picture.reshape(n, self.channels, rows, p, columns, p).permute(0, 2, 4, 3, 5, 1)
         return {"pixel_values": cut.reshape(n, rows * columns, -1)}
+
+
+def _joined(patches: Tensor, grid: tuple[int, int], patch: int, channels: int) -> Tensor:
+    """The picture (1, C, rows * p, columns * p) of patches (1, rows * columns, p * p * C) given row by row."""
+    rows, columns = grid
+    cut = patches.reshape(1, rows, columns, patch, patch, channels)
+    return cut.permute(0, 5, 1, 3, 2, 4).reshape(1, channels, rows * patch, columns * patch)
