@@ -40,6 +40,16 @@ def test_gradients_are_invariant_and_input_x_gradient_is_not() -> None:
     assert metrics.input_invariance(model, x, "gradcam", layer="2").all()  # the layers after the first see alike
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_model_of_another_dtype_is_shifted_in_its_own(dtype: torch.dtype) -> None:
+    """Float32 images are cast to the model's dtype, as every method casts them, and the copy's outputs are
+    compared within that dtype's rounding (bfloat16's: a few of its steps, not float32's 1e-4)."""
+    model, x = _model(1).to(dtype), torch.randn(3, 3, 10, 10)
+    if dtype == torch.float64:
+        assert metrics.input_invariance(model, x, "saliency").all()
+    assert not metrics.input_invariance(model, x, "input_x_gradient").any()
+
+
 @pytest.mark.parametrize(("method", "invariant"), [("saliency", True), ("input_x_gradient", False)])
 def test_input_invariance_equals_quantus_where_its_copy_is_exact(method: str, invariant: bool) -> None:
     """Quantus' copy is exact for a first convolution without padding; its shift is replaced by one that moves

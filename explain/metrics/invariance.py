@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..core.held import held_model, in_model_dtype
 from ..core.hooks import Hooks
 from ..errors import ExplainError
 from ..targets import TargetLike
@@ -128,14 +129,18 @@ def input_invariance(
     """
     from ..methods import create_method
 
+    model = held_model(model)  # a compiled model's own module: the one copied and shifted
+    x = in_model_dtype(model, x)
     layer = _layer_names(model, layer)
     shifted = shifted_model(model, x, shift, model_kwargs)
     plain = create_method(method, model, layer, **options)(x, target, model_kwargs=model_kwargs)
     moved = create_method(method, shifted, layer, **options)(x + shift, plain.target, model_kwargs=model_kwargs)
+    # the outputs' own rounding: 1e-4 in float32, a few steps of bfloat16's or float16's coarser one
+    tolerance = None if plain.logits is None else max(1e-4, 8 * torch.finfo(plain.logits.dtype).eps)
     if (
         plain.logits is not None
         and moved.logits is not None
-        and not torch.allclose(plain.logits, moved.logits, rtol=1e-4, atol=1e-4)
+        and not torch.allclose(plain.logits, moved.logits, rtol=tolerance, atol=tolerance)
     ):
         raise ExplainError(
             "input invariance: the shifted copy's outputs differ from the model's; its forward reads the input "
