@@ -441,3 +441,31 @@ def test_the_command_line_explains_a_given_answer_on_mistral3s_rows(mistral3_fol
     expected = teacher_forced(model, inputs, answer, {})
     scores = [target["score"] for target in record["targets"]]
     assert np.allclose(scores, expected.numpy(), rtol=0, atol=1e-4)
+
+
+def test_the_explorer_draws_each_word_of_mistral3s_answer_on_its_rows(mistral3_folder) -> None:
+    """The explorer on a family read in rows: each clicked word's picture is the overlay of the map explain_answer
+    gives for the processor's output of the same prompt and answer."""
+    pytest.importorskip("gradio")
+    from conftest import CAT
+
+    from explain.explorer import Explorer
+    from explain.io.images import load_image
+    from explain.io.render import overlay
+    from explain.models.text_image import load_text_image_model
+
+    spec = load_text_image_model(str(mistral3_folder))
+    explorer = Explorer(spec)
+    name = explorer.add(CAT).name
+    request = explorer.reading("[IMG]what is it", "w20 w21", "", "gradcam")
+    words, record = explorer.words(name, request)
+    assert [word.text for word in words] == ["w20", "w21"] and record["layer"] == "reading.tokens"
+    photo = load_image(CAT)
+    inputs = spec.processor(images=photo, text="[IMG]what is it", return_tensors="pt")
+    answer = spec.processor.tokenizer("w20 w21", add_special_tokens=False).input_ids
+    found = explain.explain_answer(spec.model, dict(inputs), answer=answer)
+    for k in (1, 0):
+        assert float(found.maps[k].std()) > 0  # a map that shows something, drawn alike
+        expected = np.asarray(overlay(photo, found.maps[k]), dtype=np.int16)
+        drawn = np.asarray(explorer.word_picture(name, request, k), dtype=np.int16)
+        assert np.abs(drawn - expected).max() <= 1
