@@ -445,7 +445,8 @@ def test_the_command_line_explains_a_given_answer_on_mistral3s_rows(mistral3_fol
 
 def test_the_explorer_draws_each_word_of_mistral3s_answer_on_its_rows(mistral3_folder) -> None:
     """The explorer on a family read in rows: each clicked word's picture is the overlay of the map explain_answer
-    gives for the processor's output of the same prompt and answer."""
+    gives for the processor's output of the same prompt and answer (Saliency: a random model's Grad-CAM may be
+    all zero)."""
     pytest.importorskip("gradio")
     from conftest import CAT
 
@@ -457,15 +458,15 @@ def test_the_explorer_draws_each_word_of_mistral3s_answer_on_its_rows(mistral3_f
     spec = load_text_image_model(str(mistral3_folder))
     explorer = Explorer(spec)
     name = explorer.add(CAT).name
-    request = explorer.reading("[IMG]what is it", "w20 w21", "", "gradcam")
+    request = explorer.reading("[IMG]what is it", "w20 w21", "", "saliency")
     words, record = explorer.words(name, request)
-    assert [word.text for word in words] == ["w20", "w21"] and record["layer"] == "reading.tokens"
+    assert [word.text for word in words] == ["w20", "w21"] and record["answer"] == "w20 w21"
     photo = load_image(CAT)
     inputs = spec.processor(images=photo, text="[IMG]what is it", return_tensors="pt")
     answer = spec.processor.tokenizer("w20 w21", add_special_tokens=False).input_ids
-    found = explain.explain_answer(spec.model, dict(inputs), answer=answer)
+    found = explain.explain_answer(spec.model, dict(inputs), answer=answer, method="saliency")
+    expected = [np.asarray(overlay(photo, cam), dtype=np.int16) for cam in found.maps]
+    assert np.abs(expected[0] - expected[1]).max() > 1  # two maps a swapped click would tell apart
     for k in (1, 0):
-        assert float(found.maps[k].std()) > 0  # a map that shows something, drawn alike
-        expected = np.asarray(overlay(photo, found.maps[k]), dtype=np.int16)
         drawn = np.asarray(explorer.word_picture(name, request, k), dtype=np.int16)
-        assert np.abs(drawn - expected).max() <= 1
+        assert np.abs(drawn - expected[k]).max() <= 1
