@@ -26,6 +26,7 @@ from .layers import LayerInfo, is_probabilities, traced_layers
 from .layouts import Geometry, Layout, find_layout, grid_fits
 from .model_state import model_context
 from .op_trace import OpTrace
+from .speedups.narrow_watch import watched_modules
 
 
 class PassWatch(OpTrace):
@@ -35,15 +36,18 @@ class PassWatch(OpTrace):
     whose cells are followed on one image only) is left untold, for the full trace.
 
     Args:
-        model: The model; every named module gets a forward pre-hook and a forward hook for the block, registered
-            after the recorder's, so that they see the outputs the model goes on with.
+        model: The model; every named module (or each of ``hooked``) gets a forward pre-hook and a forward hook for
+            the block, registered after the recorder's, so that they see the outputs the model goes on with.
         x: The pass's input.
         names: The recorded layers.
+        hooked: The modules hooked, where not every one is (see :mod:`explain.core.speedups.narrow_watch`).
     """
 
-    def __init__(self, model: nn.Module, x: Tensor, names: Collection[str]) -> None:
+    def __init__(
+        self, model: nn.Module, x: Tensor, names: Collection[str], hooked: Collection[str] | None = None
+    ) -> None:
         super().__init__(partial(grid_fits, size=tuple(x.shape[2:])), rank=x.dim() - 2)
-        self.model, self.names = model, set(names)
+        self.model, self.names, self.hooked = model, set(names), hooked
         self.sequences: set[str] = set()
 
     @contextmanager
@@ -51,7 +55,7 @@ class PassWatch(OpTrace):
         """For the block, the model's forwards are watched."""
         with Hooks() as hooks:
             for name, module in self.model.named_modules():
-                if name:
+                if name and (self.hooked is None or name in self.hooked):
                     hooks.forward_pre(module, lambda module, args, name=name: self.stack.append(name))
                     hooks.forward(module, partial(self._finished, name), with_kwargs=True)
             with self:
@@ -97,7 +101,7 @@ class PassLayouts:
         self._traced: Mapping[str, LayerInfo] | None = self._context.traces.get(self._key)
         self._known = self._context.layouts.setdefault(self._key, {})
         unknown = self._traced is None and not set(names) <= set(self._known)
-        self.watch = PassWatch(model, x, names) if unknown else None
+        self.watch = PassWatch(model, x, names, watched_modules(model, names)) if unknown else None
 
     @property
     def sequences(self) -> set[str] | None:

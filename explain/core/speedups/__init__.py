@@ -25,6 +25,8 @@ SPEEDUPS = {
     "channels_last": "scoring forwards on the CPU in channels-last memory (explain.core.speedups.folding)",
     "tails": "copies of one image that differ only in a layer's output run the image once up to the layer "
     "(explain.core.speedups.tails)",
+    "narrow_watch": "the watch of a call's own forward on a convolutional network hooks the recorded layers, the "
+    "modules around them and their children, not every module (explain.core.speedups.narrow_watch)",
     "layer_in_pass": "the automatic layer settled by the call's own pass among the last candidates, and on a model "
     "not seen before, by the trace's own forward as that pass, rather than by a search of its own "
     "(explain.core.speedups.settling)",
