@@ -25,8 +25,9 @@ from torch import nn
 
 from ..attention_capture import attention_kind
 from ..hooks import layer_entry
+from ..layers import wrapped_names
 from ..layouts import patch_embedding
-from ..model_state import modules_of
+from ..model_state import module_names, modules_of
 from . import enabled
 
 SEQUENCE_LAYERS = (nn.LayerNorm, nn.MultiheadAttention)  # layers that work on sequences (T, C)
@@ -41,8 +42,12 @@ def watched_modules(model: nn.Module, names: Collection[str]) -> set[str] | None
     if not _convolutional(model, modules_of(model)):
         return None
     hooked: set[str] = set()
+    known = module_names(model)
     for name in names:
-        layer = layer_entry(name)[0]
+        given = layer_entry(name)[0]  # as the user names it: the model they wrapped may call it otherwise
+        layer = next((own for own in (given, *wrapped_names(model, given)) if own in known), None)
+        if layer is None:
+            return None
         parts = layer.split(".")
         around = [".".join(parts[:depth]) for depth in range(1, len(parts))]
         hooked.update([layer, *around])
