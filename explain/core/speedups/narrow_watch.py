@@ -52,7 +52,7 @@ def watched_modules(model: nn.Module, names: Collection[str]) -> set[str] | None
         around = [".".join(parts[:depth]) for depth in range(1, len(parts))]
         hooked.update([layer, *around])
         for outer in around:
-            children = model.get_submodule(outer)._modules
+            children = known[outer]._modules  # the modules by name, found once per structure
             hooked.update(f"{outer}.{child}" for child in children)
     return hooked
 
